@@ -1,0 +1,73 @@
+"""Candidate layouts as a struct of numpy arrays (one entry per candidate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from planner.specs import RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
+
+RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
+SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Candidates:
+    tp: np.ndarray
+    pp: np.ndarray
+    dp: np.ndarray
+    shard: np.ndarray
+    zero: np.ndarray
+    recompute: np.ndarray  # codes into RECOMPUTE_CHOICES
+    mbs: np.ndarray
+    nmb: np.ndarray
+    vpp: np.ndarray
+    schedule: np.ndarray  # codes into SCHEDULE_CHOICES
+    sp: np.ndarray  # 0/1
+
+    def __len__(self) -> int:
+        return int(self.tp.shape[0])
+
+    @classmethod
+    def from_layouts(cls, layouts: list[Layout]) -> Candidates:
+        def col(values: list[int]) -> np.ndarray:
+            return np.asarray(values, dtype=np.int64)
+
+        return cls(
+            tp=col([x.tp for x in layouts]),
+            pp=col([x.pp for x in layouts]),
+            dp=col([x.dp for x in layouts]),
+            shard=col([x.shard for x in layouts]),
+            zero=col([x.zero_stage for x in layouts]),
+            recompute=col([RECOMPUTE_CHOICES.index(x.recompute) for x in layouts]),
+            mbs=col([x.micro_batch_size for x in layouts]),
+            nmb=col([x.num_microbatches for x in layouts]),
+            vpp=col([x.virtual_stages for x in layouts]),
+            schedule=col([SCHEDULE_CHOICES.index(x.schedule) for x in layouts]),
+            sp=col([int(x.sequence_parallel) for x in layouts]),
+        )
+
+    def layout(self, i: int) -> Layout:
+        return Layout(
+            tp=int(self.tp[i]),
+            pp=int(self.pp[i]),
+            dp=int(self.dp[i]),
+            shard=int(self.shard[i]),
+            zero_stage=int(self.zero[i]),
+            recompute=RECOMPUTE_CHOICES[int(self.recompute[i])],
+            micro_batch_size=int(self.mbs[i]),
+            num_microbatches=int(self.nmb[i]),
+            virtual_stages=int(self.vpp[i]),
+            schedule=SCHEDULE_CHOICES[int(self.schedule[i])],
+            sequence_parallel=bool(self.sp[i]),
+        )
+
+    def take(self, index: np.ndarray) -> Candidates:
+        return Candidates(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    @classmethod
+    def concat(cls, parts: list[Candidates]) -> Candidates:
+        return cls(
+            **{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)}
+        )

@@ -1,0 +1,145 @@
+"""Per-GPU memory of a pipeline stage, as a breakdown.
+
+Model states follow Rajbhandari et al. 2020 (ZeRO), Sec. 3.1 and 5: (2 + 2 + K) bytes per
+parameter in mixed precision, with stage 1 sharding the K optimizer bytes, stage 2 also the
+gradients, stage 3 also the parameters, over the `shard` group.
+
+Activations follow Korthikanti et al. 2022, Sec. 4: per layer and micro-batch
+sbh(34 + 5as/h) bytes with 16-bit activations, split as sbh(10 + 24/t + 5as/(ht)) under tensor
+parallelism and sbh(34 + 5as/h)/t with sequence parallelism; selective recompute drops the
+5as^2b score terms; full recompute keeps only the 2sbh layer input. Generalized here:
+K and V are g = kv/heads the size of Q (GQA); the MLP keeps 2 (GELU) or 3 (SwiGLU: gate, up,
+product) b x s x ffn tensors; dropout masks exist only when the model uses dropout;
+FlashAttention replaces the score terms by its fp32 log-sum-exp (Dao 2022).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE
+from cost_models.pipeline import layers_in_flight, microbatches_in_flight
+from hardware_profiles.schema import DeviceProfile
+from planner.specs import ModelSpec, TrainingSpec
+
+FP32_BYTES = 4
+MASK_BYTES = 1  # dropout masks are stored as bytes
+LOGITS_EXTRA_BYTES = 8  # fp32 upcast of the logits + their fp32 gradient during the loss backward
+FSDP_PARAM_BUFFERS = 2  # the gathered layer and the prefetched next one (FSDP, Zhao 2023 Sec. 3.3)
+FSDP_GRAD_BUFFERS = 1  # the unsharded gradient of the layer being reduce-scattered
+
+
+def stage_params(model: ModelSpec, pp, tp, first: bool):
+    """Parameters on one rank of the first (or last) pipeline stage after the tp split.
+
+    The first stage holds the input embedding, the last the LM head and final norm; with
+    pp = 1 one stage holds both (a single matrix if the embeddings are tied). Megatron keeps a
+    copy of a tied embedding on the last stage when pp > 1.
+    """
+    pp = np.asarray(pp, dtype=float)
+    layers = model.num_layers / pp * model.params_per_layer / tp
+    emb = model.embedding_params / tp
+    head = np.where((pp == 1) & model.tied_embeddings, 0.0, emb) + model.hidden_size
+    if first:
+        return layers + emb + np.where(pp == 1, head, 0.0)
+    return layers + head + np.where(pp == 1, emb, 0.0)
+
+
+def model_state_bytes(training: TrainingSpec, params, zero, shard):
+    """(parameters, gradients, optimizer state) bytes for ZeRO stage `zero` over `shard` ranks."""
+    e = training.bytes_per_element
+    shard = np.asarray(shard, dtype=float)
+    p = params * e / np.where(zero >= 3, shard, 1.0)
+    g = params * e / np.where(zero >= 2, shard, 1.0)
+    o = params * training.optimizer_bytes_per_param / np.where(zero >= 1, shard, 1.0)
+    return p, g, o
+
+
+def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, recompute):
+    """Activation bytes one layer keeps per micro-batch on one tp rank (Korthikanti 2022 Sec. 4)."""
+    e, s, h, f = training.bytes_per_element, training.seq_len, model.hidden_size, model.ffn_hidden_size
+    a, g = model.num_attention_heads, model.kv_ratio
+    sbh = b * s * h
+    hidden_split = np.where(sp > 0, tp, 1)
+    masks = 2 * MASK_BYTES if model.dropout else 0
+    # norm inputs (2), QKV input, MLP input, dropout masks: replicated across tp unless sp.
+    unsplit = (4 * e + masks) * sbh
+    # Q, K, V, attention output, and the MLP intermediates: split by tp.
+    mlp_tensors = 3 if model.mlp == "swiglu" else 2
+    split = e * (2 + 2 * g) * sbh + mlp_tensors * e * b * s * f
+    if training.flash_attention:
+        scores = FP32_BYTES * b * a * s  # log-sum-exp per row
+    else:
+        scores = (e + (MASK_BYTES + e if model.dropout else 0)) * b * a * s * s
+    full_layer = unsplit / hidden_split + split / tp + scores / tp
+    selective = full_layer - np.where(training.flash_attention, 0.0, scores / tp)
+    checkpoint = e * sbh / hidden_split
+    return np.where(
+        recompute == RECOMPUTE_FULL,
+        checkpoint,
+        np.where(recompute == RECOMPUTE_NONE, full_layer, selective),
+    ), full_layer
+
+
+def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool):
+    """Activations at the stage's peak: stored layers x in-flight micro-batches, plus (full
+    recompute) one layer re-materialized during its backward, plus the embedding output on the
+    first stage or the final norm input on the last."""
+    e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
+    per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
+    held = layers_in_flight(model.num_layers, c.pp, c.vpp, c.nmb, c.schedule, stage) * per_layer
+    working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
+    boundary = e * c.mbs * s * h / np.where(c.sp > 0, c.tp, 1)
+    inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
+    edge = boundary * (inflight if first else 1.0)
+    return held + working + edge
+
+
+def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp):
+    """Logits of one micro-batch on the last stage: the compute-precision output plus the fp32
+    copies the cross-entropy and its gradient hold (vocabulary split over tp)."""
+    return (training.bytes_per_element + LOGITS_EXTRA_BYTES) * b * training.seq_len * model.vocab_size / tp
+
+
+def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero):
+    """Unsharded buffers of FSDP / ZeRO-3 (gathered layers) and ZeRO-2/3 (gradient reduce-scatter)."""
+    layer = model.params_per_layer / tp * training.bytes_per_element
+    params = np.where(zero >= 3, FSDP_PARAM_BUFFERS * layer, 0.0)
+    grads = np.where(zero >= 2, FSDP_GRAD_BUFFERS * layer, 0.0)
+    return params + grads
+
+
+def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c, first: bool):
+    """Breakdown (dict of arrays, bytes) of the first or the last pipeline stage."""
+    stage = 0.0 if first else np.asarray(c.pp, dtype=float) - 1.0
+    params = stage_params(model, c.pp, c.tp, first)
+    p, g, o = model_state_bytes(training, params, c.zero, c.shard)
+    acts = activation_bytes(model, training, c, stage, first)
+    logits = logits_bytes(model, training, c.mbs, c.tp) if not first else np.zeros_like(p)
+    logits = np.where(np.asarray(c.pp) == 1, logits_bytes(model, training, c.mbs, c.tp), logits)
+    buffers = sharding_buffer_bytes(model, training, c.tp, c.zero)
+    dynamic = acts + logits + buffers
+    return {
+        "parameters": p,
+        "gradients": g,
+        "optimizer_state": o,
+        "activations": acts,
+        "logits": logits,
+        "sharding_buffers": buffers,
+        "fragmentation": device.allocator_fragmentation_fraction * dynamic,
+        "framework": np.full_like(p, device.framework_overhead_bytes),
+    }
+
+
+def peak_memory(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c):
+    """Peak bytes per GPU (the worse of the first and last stage) and that stage's breakdown.
+
+    Middle stages hold fewer in-flight micro-batches than the first and no embedding or head,
+    so they are never the peak."""
+    first = stage_memory_breakdown(model, training, device, c, first=True)
+    last = stage_memory_breakdown(model, training, device, c, first=False)
+    total_first = sum(first.values())
+    total_last = sum(last.values())
+    use_first = total_first >= total_last
+    breakdown = {k: np.where(use_first, first[k], last[k]) for k in first}
+    return np.maximum(total_first, total_last), breakdown

@@ -1,0 +1,60 @@
+"""Why a candidate layout cannot run: a reason code per candidate, vectorized.
+
+An infeasible candidate is a mask plus a reason, never an exception (DESIGN convention 4).
+Code 0 means valid; otherwise the first failing rule in REASONS order is reported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, Candidates
+from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+
+VALID = 0
+REASONS: tuple[tuple[str, str], ...] = (
+    ("", ""),
+    ("world_size_mismatch", "tp x pp x dp must equal the number of GPUs"),
+    ("tp_not_divide_heads", "tp must divide the attention heads"),
+    ("tp_not_divide_kv_heads", "tp must divide the key/value heads"),
+    ("pp_not_divide_layers", "pp x virtual_stages must divide the layers"),
+    ("batch_not_divisible", "dp x micro_batch_size x num_microbatches must equal the global batch"),
+    ("shard_not_divide_dp", "shard must divide dp"),
+    ("shard_without_zero", "shard > 1 needs zero_stage >= 1"),
+    ("virtual_stages_need_interleaved", "virtual_stages > 1 needs schedule interleaved_1f1b"),
+    ("interleaved_needs_virtual_stages", "interleaved_1f1b needs virtual_stages > 1 and pp > 1"),
+    ("sequence_parallel_needs_tp", "sequence_parallel needs tp > 1"),
+    ("too_few_microbatches", "1F1B schedules need num_microbatches >= pp"),
+    ("microbatches_not_multiple_of_pp", "interleaved_1f1b needs num_microbatches divisible by pp"),
+    ("out_of_memory", "predicted peak memory exceeds the device memory"),
+)
+REASON_CODES = {name: i for i, (name, _) in enumerate(REASONS)}
+OUT_OF_MEMORY = REASON_CODES["out_of_memory"]
+
+
+def structural_reasons(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec):
+    """Reason codes for every rule that does not depend on the cost model."""
+    one_f_one_b = (c.schedule != SCHEDULE_GPIPE) & (c.pp > 1)
+    rules = [
+        c.tp * c.pp * c.dp != cluster.world_size,
+        model.num_attention_heads % c.tp != 0,
+        model.kv_heads % c.tp != 0,
+        model.num_layers % (c.pp * c.vpp) != 0,
+        c.dp * c.mbs * c.nmb != training.global_batch_size,
+        c.dp % c.shard != 0,
+        (c.zero == 0) & (c.shard > 1),
+        (c.vpp > 1) & (c.schedule != SCHEDULE_INTERLEAVED),
+        (c.schedule == SCHEDULE_INTERLEAVED) & ((c.vpp == 1) | (c.pp == 1)),
+        (c.sp > 0) & (c.tp == 1),
+        one_f_one_b & (c.nmb < c.pp),
+        (c.schedule == SCHEDULE_INTERLEAVED) & (c.nmb % c.pp != 0),
+    ]
+    reason = np.zeros(len(c), dtype=np.int64)
+    for code in range(len(rules), 0, -1):  # the first failing rule wins
+        reason = np.where(rules[code - 1], code, reason)
+    return reason
+
+
+def describe(code: int) -> str:
+    name, text = REASONS[code]
+    return f"{name}: {text}" if name else ""

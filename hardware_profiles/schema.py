@@ -1,0 +1,84 @@
+"""Typed schema of the hardware data files (devices and servers).
+
+Profiles are data, not code: every number lives in a JSON file beside this module with its
+unit in the key and a source (or a named assumption) for it. These models only validate them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GemmCurve(_Frozen):
+    """Achieved fraction of peak for a compute-bound GEMM as a function of its smallest dimension.
+
+    Points are (min(m, n, k), fraction of peak); between points the fraction is interpolated
+    linearly in log2(dim); beyond the ends it is held constant.
+    """
+
+    min_dim: list[float] = Field(min_length=1)
+    peak_fraction: list[float] = Field(min_length=1)
+
+    @field_validator("peak_fraction")
+    @classmethod
+    def _fractions(cls, v: list[float]) -> list[float]:
+        if any(not 0.0 < f <= 1.0 for f in v):
+            raise ValueError("every peak_fraction must be in (0, 1]")
+        return v
+
+
+class DeviceProfile(_Frozen):
+    """One accelerator (or a CPU worker) as the cost model sees it."""
+
+    name: str
+    display_name: str
+    kind: Literal["gpu", "cpu"] = "gpu"
+    peak_flops_per_s: dict[Precision, float]
+    memory_bytes: float = Field(gt=0)
+    memory_bandwidth_bytes_per_s: float = Field(gt=0)
+    memory_bandwidth_fraction: float = Field(gt=0, le=1)
+    gemm: GemmCurve
+    attention_peak_fraction: float = Field(gt=0, le=1)
+    kernel_overhead_s: float = Field(ge=0)
+    kernels_per_layer_fwd: float = Field(ge=0)
+    framework_overhead_bytes: float = Field(ge=0)
+    allocator_fragmentation_fraction: float = Field(ge=0, lt=1)
+    tdp_watts: float | None = None
+    sources: dict[str, str] = Field(default_factory=dict)
+    assumptions: dict[str, str] = Field(default_factory=dict)
+
+    def peak_flops(self, precision: Precision) -> float:
+        return self.peak_flops_per_s.get(precision) or self.peak_flops_per_s["fp32"]
+
+
+class LinkProfile(_Frozen):
+    """A class of link (NVSwitch port, NIC rail…) with what collectives achieve over it."""
+
+    kind: Literal["nvlink", "nvswitch", "pcie", "infiniband", "ethernet", "loopback"]
+    bandwidth_bytes_per_s: float = Field(gt=0, description="per direction, per GPU")
+    collective_efficiency: float = Field(
+        gt=0, le=1, description="achieved ring bus bandwidth / wire bandwidth"
+    )
+    hop_latency_s: float = Field(ge=0)
+
+
+class ServerProfile(_Frozen):
+    """A server (node) preset: which device, how many, and how they are wired."""
+
+    name: str
+    display_name: str
+    device: str
+    gpus_per_node: int = Field(gt=0)
+    intra_node: LinkProfile
+    inter_node: LinkProfile
+    collective_base_latency_s: float = Field(ge=0)
+    sources: dict[str, str] = Field(default_factory=dict)
+    assumptions: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,35 @@
+"""The one domain exception for user input. The API turns it into 422, the CLI into exit 2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+
+class BerthError(ValueError):
+    """Bad user input: names the field, the offending value and what is wrong."""
+
+    def __init__(self, field: str, value: Any, problem: str):
+        self.field, self.value, self.problem = field, value, problem
+        super().__init__(f"{field}={_short(value)}: {problem}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"field": self.field, "value": _jsonable(self.value), "problem": self.problem}
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _jsonable(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else _short(value)
+
+
+def from_validation_error(err: ValidationError, prefix: str = "") -> BerthError:
+    """The first pydantic error as a BerthError naming the dotted field and its value."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or "input")
+    return BerthError(field, first.get("input"), first.get("msg", "invalid"))

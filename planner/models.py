@@ -1,0 +1,99 @@
+"""Model presets and loaders: a preset name, a YAML/JSON ModelSpec file, or a Hugging Face
+config.json (a file or an already-parsed dict)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from planner.errors import BerthError, from_validation_error
+from planner.specs import ModelSpec
+
+PRESETS_FILE = Path(__file__).parent / "model_presets.json"
+
+
+def presets() -> dict[str, ModelSpec]:
+    raw = json.loads(PRESETS_FILE.read_text())
+    return {name: ModelSpec(name=name, **fields) for name, fields in raw.items()}
+
+
+def load_model(ref: str | dict[str, Any]) -> ModelSpec:
+    """A ModelSpec from a preset name, a path to a YAML/JSON file, or a dict (a ModelSpec or an
+    HF config)."""
+    if isinstance(ref, dict):
+        return model_from_dict(ref, source="model")
+    known = presets()
+    if ref in known:
+        return known[ref]
+    path = Path(ref)
+    if not path.is_file():
+        raise BerthError("model", ref, f"not a preset nor a file; presets: {', '.join(sorted(known))}")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise BerthError("model", ref, f"cannot parse file: {err}") from None
+    if not isinstance(data, dict):
+        raise BerthError("model", ref, "file must hold one object")
+    data.setdefault("name", path.stem if "model_type" not in data else data.get("_name_or_path", path.stem))
+    return model_from_dict(data, source="model")
+
+
+def model_from_dict(data: dict[str, Any], source: str = "model") -> ModelSpec:
+    if "model_type" in data:
+        return from_hf_config(data, source)
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as err:
+        raise from_validation_error(err, source) from None
+
+
+# Hugging Face config keys by model family: (layers, hidden, heads, kv heads, ffn, vocab).
+_LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "vocab_size")
+_HF_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
+    "mistral": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
+    "qwen2": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
+    "gpt2": {"keys": ("n_layer", "n_embd", "n_head", None, "n_inner", "vocab_size"),
+             "mlp": "gelu", "norm": "layernorm", "tied": True},
+    "gpt_neox": {"keys": ("num_hidden_layers", "hidden_size", "num_attention_heads", None,
+                          "intermediate_size", "vocab_size"),
+                 "mlp": "gelu", "norm": "layernorm", "tied": False},
+}
+_OPTIONAL = {"num_key_value_heads", "n_inner"}
+
+
+def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
+    """Map a Hugging Face config.json to a ModelSpec. Unknown model types are read with the
+    Llama key names when those are all present; otherwise the error names the missing keys."""
+    model_type = cfg.get("model_type")
+    family = _HF_FAMILIES.get(model_type) or {"keys": _LLAMA_KEYS, "mlp": "swiglu",
+                                               "norm": "rmsnorm", "tied": False}
+    keys = family["keys"]
+    missing = [k for k in keys if k and k not in cfg and k not in _OPTIONAL]
+    if missing:
+        supported = ", ".join(sorted(_HF_FAMILIES))
+        raise BerthError(f"{source}.model_type", model_type,
+                         f"config lacks {', '.join(missing)} (supported model types: {supported})")
+    layers, hidden, heads, kv, ffn, vocab = (cfg.get(k) if k else None for k in keys)
+    if ffn is None:
+        ffn = 4 * hidden if isinstance(hidden, int) else None
+    act = str(cfg.get("hidden_act", cfg.get("activation_function", ""))).lower()
+    mlp = family["mlp"] if not act else ("swiglu" if act in ("silu", "swish", "swiglu") else "gelu")
+    fields = {
+        "name": str(cfg.get("_name_or_path") or cfg.get("name") or model_type or "hf-model"),
+        "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+        "num_kv_heads": kv, "ffn_hidden_size": ffn, "vocab_size": vocab, "mlp": mlp,
+        "norm": family["norm"],
+        "tied_embeddings": bool(cfg.get("tie_word_embeddings", family["tied"])),
+        "dropout": float(cfg.get("attention_dropout", cfg.get("attn_pdrop", 0.0)) or 0.0) > 0.0,
+    }
+    try:
+        return ModelSpec.model_validate(fields)
+    except ValidationError as err:
+        raise from_validation_error(err, source) from None

@@ -1,0 +1,66 @@
+"""The functions the CLI and the API share: resolve inputs into specs, plan, compare, and the
+JSON contract they both print."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from planner.errors import BerthError, from_validation_error
+from planner.layouts import complete_layout, parse_spec
+from planner.search import SearchResult, predict_layouts, search
+from planner.specs import ClusterSpec, ModelSpec, Plan, SearchSpec, TrainingSpec
+
+
+def make_training(**fields: Any) -> TrainingSpec:
+    try:
+        return TrainingSpec(**fields)
+    except ValidationError as err:
+        raise from_validation_error(err, "training") from None
+
+
+def make_search(top: int = 5, fix: str | dict | None = None, **fields: Any) -> SearchSpec:
+    fixed = parse_spec(fix, "fix") if isinstance(fix, str) else dict(fix or {})
+    try:
+        return SearchSpec(top=top, fix=fixed, **fields)
+    except ValidationError as err:
+        raise from_validation_error(err, "search") from None
+
+
+def plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec) -> SearchResult:
+    return search(model, training, cluster, spec)
+
+
+def compare(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+            layouts: list[str | dict[str, Any]]) -> list[Plan]:
+    if not layouts:
+        raise BerthError("layout", None, "give at least one layout")
+    specs = []
+    for i, item in enumerate(layouts):
+        field = f"layout[{i}]"
+        values = parse_spec(item, field) if isinstance(item, str) else dict(item)
+        specs.append(complete_layout(values, training, cluster.world_size, field))
+    return predict_layouts(model, training, cluster, specs)
+
+
+def plans_json(result: SearchResult) -> dict[str, Any]:
+    return {
+        "plans": [p.model_dump(mode="json") for p in result.plans],
+        "searched": result.searched,
+        "feasible": result.feasible,
+        "rejected": result.rejected,
+    }
+
+
+def compare_json(candidates: list[Plan], best: SearchResult | None) -> dict[str, Any]:
+    best_plan = best.plans[0] if best and best.plans else None
+    out: dict[str, Any] = {"candidates": [p.model_dump(mode="json") for p in candidates]}
+    out["best_searched"] = best_plan.model_dump(mode="json") if best_plan else None
+    if best_plan and best_plan.prediction:
+        ref = best_plan.prediction.tokens_per_s
+        out["gap_to_best"] = [
+            (p.prediction.tokens_per_s / ref - 1.0) if p.prediction and not p.infeasible_reason else None
+            for p in candidates
+        ]
+    return out

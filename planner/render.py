@@ -1,0 +1,68 @@
+"""Rich tables for plans and comparisons (display units live only here: GiB, ms, TFLOP/s)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.specs import Plan
+
+GIB = 2**30
+TIME_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
+MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "activations", "logits",
+                "sharding_buffers", "fragmentation", "framework")
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _layout_cells(p: Plan) -> list[str]:
+    x = p.layout
+    zero = f"{x.zero_stage}/{x.shard}" if x.zero_stage else "0"
+    sched = "-" if x.pp == 1 else x.schedule.replace("interleaved_1f1b", f"interl.x{x.virtual_stages}")
+    return [str(x.tp), str(x.pp), str(x.dp), zero, x.recompute, str(x.micro_batch_size),
+            str(x.num_microbatches), sched, "on" if x.sequence_parallel else "off"]
+
+
+def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None = None) -> Table:
+    t = Table(title=title, header_style="bold")
+    for col in ("#", "tp", "pp", "dp", "zero/shard", "recompute", "mbs", "nmb", "schedule", "sp",
+                "step", "tokens/s", "MFU", "GiB", "fits", "bottleneck"):
+        t.add_column(col, justify="right" if col not in ("recompute", "schedule", "bottleneck") else "left",
+                     no_wrap=True)
+    if best_tokens_per_s:
+        t.add_column("vs best", justify="right")
+    for i, p in enumerate(plans, 1):
+        pr = p.prediction
+        if pr is None:
+            row = [str(i), *_layout_cells(p), "-", "-", "-", "-", "no", (p.infeasible_reason or "").split(":")[0]]
+        else:
+            fits = "yes" if pr.fits else "[red]no[/red]"
+            note = pr.bottleneck if not p.infeasible_reason else p.infeasible_reason.split(":")[0]
+            row = [str(i), *_layout_cells(p), _seconds(pr.step_time_s), f"{pr.tokens_per_s:,.0f}",
+                   f"{pr.mfu:.1%}", f"{pr.peak_memory_bytes / GIB:.1f}", fits, note]
+        if best_tokens_per_s:
+            row.append(f"{pr.tokens_per_s / best_tokens_per_s - 1:+.1%}" if pr else "-")
+        t.add_row(*row)
+    return t
+
+
+def breakdown_table(plans: list[Plan], title: str) -> Table:
+    t = Table(title=title, header_style="bold")
+    t.add_column("term")
+    for i, _ in enumerate(plans, 1):
+        t.add_column(f"#{i}", justify="right")
+    for term in TIME_TERMS:
+        t.add_row(f"time: {term}", *[_seconds(p.prediction.time_breakdown_s[term]) if p.prediction else "-"
+                                     for p in plans])
+    for term in MEMORY_TERMS:
+        t.add_row(f"memory: {term}", *[f"{p.prediction.memory_breakdown_bytes[term] / GIB:.2f} GiB"
+                                       if p.prediction else "-" for p in plans])
+    return t
+
+
+def print_reasons(console: Console, plans: list[Plan]) -> None:
+    for i, p in enumerate(plans, 1):
+        if p.infeasible_reason:
+            console.print(f"  #{i} {p.layout.short()}: [yellow]{p.infeasible_reason}[/yellow]")

@@ -1,0 +1,210 @@
+"""Exhaustive layout search: enumerate every layout that divides correctly as numpy arrays, score
+them all with the vectorized cost model, mask the infeasible with a reason, keep the top k."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from itertools import product
+
+import numpy as np
+
+from cost_models.candidates import (
+    SCHEDULE_1F1B,
+    SCHEDULE_GPIPE,
+    SCHEDULE_INTERLEAVED,
+    Candidates,
+)
+from cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
+from cost_models.validity import REASONS, VALID
+from planner import __version__
+from planner.errors import BerthError
+from planner.specs import (
+    RECOMPUTE_CHOICES,
+    SCHEDULE_CHOICES,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    Plan,
+    Prediction,
+    SearchSpec,
+    TrainingSpec,
+)
+
+CHUNK = 1 << 18  # candidates scored per vectorized batch (bounds peak memory)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plans: list[Plan]
+    searched: int
+    feasible: int
+    rejected: dict[str, int]
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_mbs: int | None):
+    """(tp, pp, dp, mbs, nmb, schedule, vpp) rows that divide correctly."""
+    a, kv, L, B = model.num_attention_heads, model.kv_heads, model.num_layers, training.global_batch_size
+    rows = []
+    for tp in divisors(world):
+        if a % tp or kv % tp:
+            continue
+        for pp in divisors(world // tp):
+            if L % pp:
+                continue
+            dp = world // (tp * pp)
+            if B % dp:
+                continue
+            if pp == 1:
+                schedules = [(SCHEDULE_1F1B, 1)]
+            else:
+                schedules = [(SCHEDULE_GPIPE, 1), (SCHEDULE_1F1B, 1)]
+                schedules += [(SCHEDULE_INTERLEAVED, v) for v in divisors(L // pp) if v > 1]
+            for mbs in divisors(B // dp):
+                if max_mbs and mbs > max_mbs:
+                    continue
+                rows += [(tp, pp, dp, mbs, B // (dp * mbs), s, v) for s, v in schedules]
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 7)
+
+
+def _inner_options(dp: int, tp: int) -> np.ndarray:
+    """(zero, shard, recompute, sp) options for a given dp and tp."""
+    shards = [d for d in divisors(dp) if d > 1]
+    zero_shard = [(0, 1)] + [(z, s) for z in (1, 2, 3) for s in shards]
+    sps = (0, 1) if tp > 1 else (0,)
+    opts = [(z, s, r, sp) for (z, s), r, sp in product(zero_shard, range(len(RECOMPUTE_CHOICES)), sps)]
+    return np.asarray(opts, dtype=np.int64)
+
+
+def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+                         search: SearchSpec) -> Candidates:
+    rows = _structural_rows(model, training, cluster.world_size, search.max_micro_batch_size)
+    if rows.shape[0] == 0:
+        raise BerthError(
+            "training.global_batch_size", training.global_batch_size,
+            f"no layout of {cluster.world_size} GPUs splits it (dp must divide the global batch; "
+            f"tp must divide {model.num_attention_heads} heads and {model.kv_heads} kv heads; "
+            f"pp must divide {model.num_layers} layers)",
+        )
+    parts = []
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, (tp, _, dp, *_rest) in enumerate(rows):
+        groups.setdefault((int(dp), int(tp) > 1), []).append(i)
+    for (dp, has_tp), idx in groups.items():
+        struct = rows[np.asarray(idx)]
+        inner = _inner_options(dp, 2 if has_tp else 1)
+        s = np.repeat(struct, len(inner), axis=0)
+        o = np.tile(inner, (len(struct), 1))
+        parts.append(Candidates(tp=s[:, 0], pp=s[:, 1], dp=s[:, 2], mbs=s[:, 3], nmb=s[:, 4],
+                                schedule=s[:, 5], vpp=s[:, 6], zero=o[:, 0], shard=o[:, 1],
+                                recompute=o[:, 2], sp=o[:, 3]))
+    cands = Candidates.concat(parts)
+    return _apply_fix(cands, search.fix)
+
+
+_FIX_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stage": "zero",
+                "micro_batch_size": "mbs", "num_microbatches": "nmb", "virtual_stages": "vpp",
+                "recompute": "recompute", "schedule": "schedule", "sequence_parallel": "sp"}
+
+
+def _apply_fix(c: Candidates, fix: dict) -> Candidates:
+    keep = np.ones(len(c), dtype=bool)
+    for key, value in fix.items():
+        if key == "recompute":
+            if value not in RECOMPUTE_CHOICES:
+                raise BerthError("fix.recompute", value, f"use one of {RECOMPUTE_CHOICES}")
+            value = RECOMPUTE_CHOICES.index(value)
+        elif key == "schedule":
+            if value not in SCHEDULE_CHOICES:
+                raise BerthError("fix.schedule", value, f"use one of {SCHEDULE_CHOICES}")
+            value = SCHEDULE_CHOICES.index(value)
+        keep &= getattr(c, _FIX_COLUMNS[key]) == int(value)
+    return c.take(np.flatnonzero(keep))
+
+
+def rank_order(ev: Evaluation, c: Candidates) -> np.ndarray:
+    """Feasible candidates, best first: throughput, then less memory, then fewer model-parallel
+    ranks and less recomputation (the simpler layout wins a tie)."""
+    idx = np.flatnonzero(ev.feasible)
+    keys = (c.recompute[idx], c.tp[idx] * c.pp[idx], ev.peak_memory_bytes[idx], -ev.tokens_per_s[idx])
+    return idx[np.lexsort(keys)]
+
+
+def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec) -> SearchResult:
+    cands = enumerate_candidates(model, training, cluster, spec)
+    best: list[tuple[Candidates, Evaluation, np.ndarray]] = []
+    reasons: Counter[int] = Counter()
+    feasible = 0
+    for start in range(0, len(cands), CHUNK):
+        part = cands.take(np.arange(start, min(start + CHUNK, len(cands))))
+        ev = evaluate(model, training, cluster, part)
+        codes, counts = np.unique(ev.reason, return_counts=True)
+        reasons.update(dict(zip(codes.tolist(), counts.tolist(), strict=True)))
+        order = rank_order(ev, part)
+        feasible += len(order)
+        best.append((part, ev, order[: spec.top]))
+    merged = [(float(ev.tokens_per_s[i]), k, int(i)) for k, (_, ev, top) in enumerate(best) for i in top]
+    merged.sort(key=lambda t: -t[0])
+    plans = [
+        make_plan(model, training, cluster, best[k][0], best[k][1], i) for _, k, i in merged[: spec.top]
+    ]
+    rejected = {REASONS[code][0]: n for code, n in sorted(reasons.items()) if code != VALID}
+    return SearchResult(plans=plans, searched=len(cands), feasible=feasible, rejected=rejected)
+
+
+def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
+    return Prediction(
+        step_time_s=float(ev.step_time_s[i]),
+        tokens_per_s=float(ev.tokens_per_s[i]),
+        mfu=float(ev.mfu[i]),
+        hfu=float(ev.hfu[i]),
+        peak_memory_bytes=float(ev.peak_memory_bytes[i]),
+        memory_capacity_bytes=float(cluster.device.memory_bytes),
+        fits=bool(ev.peak_memory_bytes[i] <= cluster.device.memory_bytes),
+        bottleneck=BOTTLENECK_NAMES[int(ev.bottleneck[i])],
+        time_breakdown_s={k: float(v[i]) for k, v in ev.time_breakdown_s.items()},
+        memory_breakdown_bytes={k: float(v[i]) for k, v in ev.memory_breakdown_bytes.items()},
+        model_flops_per_step=float(ev.model_flops_per_step),
+        hardware_flops_per_step=float(ev.hardware_flops_per_step[i]),
+    )
+
+
+def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int) -> Plan:
+    code = int(ev.reason[i])
+    structurally_valid = code == VALID or REASONS[code][0] == "out_of_memory"
+    return Plan(
+        berth_version=__version__,
+        model=model,
+        training=training,
+        cluster=cluster,
+        layout=c.layout(i),
+        prediction=prediction_at(ev, cluster, i) if structurally_valid else None,
+        infeasible_reason=_reason_text(code, ev, cluster, i),
+    )
+
+
+def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str | None:
+    if code == VALID:
+        return None
+    name, text = REASONS[code]
+    if name == "out_of_memory":
+        need, have = ev.peak_memory_bytes[i] / 2**30, cluster.device.memory_bytes / 2**30
+        return f"{name}: needs {need:.1f} GiB per GPU, the device has {have:.1f} GiB"
+    return f"{name}: {text}"
+
+
+def predict_layouts(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+                    layouts: list[Layout]) -> list[Plan]:
+    """Score given layouts (invalid ones keep their reason and no prediction)."""
+    c = Candidates.from_layouts(layouts)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ev = evaluate(model, training, cluster, c)
+    return [make_plan(model, training, cluster, c, ev, i) for i in range(len(layouts))]
+
+
+__all__ = ["SearchResult", "divisors", "enumerate_candidates", "predict_layouts", "search"]

@@ -1,0 +1,215 @@
+"""The one typed spec tree: model, training, cluster, search, layout, prediction, plan.
+
+Every spec is a frozen pydantic model with extra="forbid"; it flows unchanged from the CLI and
+the API through the planner into the plan JSON and on to the executor. Names follow DESIGN.md.
+Units are SI base units and carried in field names.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
+
+Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
+SCHEDULE_CHOICES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+
+# Sanity bounds on user input: far beyond any real model or cluster, small enough that a
+# request can never make the planner allocate or loop without bound.
+MAX_LAYERS = 4096
+MAX_HIDDEN = 1 << 20
+MAX_HEADS = 1 << 14
+MAX_VOCAB = 1 << 24
+MAX_SEQ_LEN = 1 << 22
+MAX_GLOBAL_BATCH = 1 << 24
+MAX_NODES = 1 << 16
+MAX_GPUS_PER_NODE = 1024
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(Spec):
+    """A decoder-only transformer's shape (Megatron/Llama family)."""
+
+    name: str = "custom"
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
+    hidden_size: int = Field(gt=0, le=MAX_HIDDEN)
+    num_attention_heads: int = Field(gt=0, le=MAX_HEADS)
+    num_kv_heads: int | None = Field(default=None, gt=0, le=MAX_HEADS)
+    ffn_hidden_size: int = Field(gt=0, le=MAX_HIDDEN * 8)
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB)
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    tied_embeddings: bool = False
+    dropout: bool = False
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelSpec:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_kv_heads {self.kv_heads}"
+            )
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_ratio(self) -> float:
+        """g = kv heads / query heads: the size of K and V relative to Q."""
+        return self.kv_heads / self.num_attention_heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of size h x ffn in the MLP: 2 for GELU, 3 for SwiGLU (gate, up, down)."""
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def params_per_layer(self) -> int:
+        h = self.hidden_size
+        qkv = h * (h + 2 * self.kv_heads * self.head_dim)
+        norms = (2 if self.norm == "layernorm" else 1) * 2 * h
+        return qkv + h * h + self.mlp_matrices * h * self.ffn_hidden_size + norms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        head = 0 if self.tied_embeddings else self.embedding_params
+        return self.num_layers * self.params_per_layer + self.embedding_params + head
+
+
+class TrainingSpec(Spec):
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
+    global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, description="sequences per step")
+    precision: Precision = "bf16"
+    optimizer: Literal["adamw"] = "adamw"
+    flash_attention: bool = True
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes of a parameter, activation or gradient element in the compute precision."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """Optimizer-state bytes per parameter, K in Rajbhandari et al. 2020 (ZeRO), Sec. 3.1.
+
+        Mixed-precision AdamW keeps an fp32 master copy, momentum and variance: K = 12.
+        Pure fp32 AdamW keeps momentum and variance only (the weights are the master): K = 8.
+        """
+        return 8 if self.precision == "fp32" else 12
+
+
+class ClusterSpec(Spec):
+    """The cluster as the cost model sees it: N identical nodes, a fast domain inside each node,
+    one NIC per GPU across nodes. `topology.py` builds the networkx graph behind it."""
+
+    name: str
+    nodes: int = Field(gt=0, le=MAX_NODES)
+    gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE)
+    device: DeviceProfile
+    intra_node: LinkProfile
+    inter_node: LinkProfile
+    collective_base_latency_s: float = Field(ge=0)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class Layout(Spec):
+    """One parallel layout in DESIGN.md's vocabulary."""
+
+    tp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0)
+    dp: int = Field(default=1, gt=0)
+    shard: int = Field(default=1, gt=0)
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    recompute: Recompute = "none"
+    micro_batch_size: int = Field(default=1, gt=0)
+    num_microbatches: int = Field(default=1, gt=0)
+    virtual_stages: int = Field(default=1, gt=0)
+    schedule: Schedule = "1f1b"
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def short(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        if self.zero_stage:
+            parts += [f"zero={self.zero_stage}", f"shard={self.shard}"]
+        parts += [f"mbs={self.micro_batch_size}", f"nmb={self.num_microbatches}"]
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute}")
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule}")
+        if self.virtual_stages > 1:
+            parts.append(f"vpp={self.virtual_stages}")
+        if self.sequence_parallel:
+            parts.append("sp=1")
+        return ",".join(parts)
+
+
+LAYOUT_FIELDS: tuple[str, ...] = tuple(Layout.model_fields)
+
+
+class SearchSpec(Spec):
+    top: int = Field(default=5, gt=0, le=1000)
+    fix: dict[str, int | str | bool] = Field(default_factory=dict)
+    max_micro_batch_size: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _fix_keys(self) -> SearchSpec:
+        for key in self.fix:
+            if key not in LAYOUT_FIELDS:
+                raise ValueError(f"unknown layout field {key!r} in fix; known: {LAYOUT_FIELDS}")
+        return self
+
+
+class Prediction(Spec):
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+    peak_memory_bytes: float
+    memory_capacity_bytes: float
+    fits: bool
+    bottleneck: str
+    time_breakdown_s: dict[str, float]
+    memory_breakdown_bytes: dict[str, float]
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+
+
+class Plan(Spec):
+    """A layout with its prediction, self-contained: it carries the specs it was planned for."""
+
+    berth_version: str
+    model: ModelSpec
+    training: TrainingSpec
+    cluster: ClusterSpec
+    layout: Layout
+    prediction: Prediction | None
+    infeasible_reason: str | None = None

@@ -1,0 +1,33 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.specs import ModelSpec, TrainingSpec
+from planner.topology import cluster_from_preset
+
+REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+
+
+def gpt(layers=24, hidden=2304, heads=24, vocab=51200, **kw) -> ModelSpec:
+    return ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     ffn_hidden_size=4 * hidden, vocab_size=vocab, mlp="gelu", dropout=True,
+                     tied_embeddings=True, **kw)
+
+
+@pytest.fixture
+def a100x8():
+    return cluster_from_preset("dgx-a100-80g", 1)
+
+
+@pytest.fixture
+def megatron_training():
+    return TrainingSpec(seq_len=2048, global_batch_size=64, precision="fp16", flash_attention=False)
+
+
+@pytest.fixture(scope="session")
+def published_runs():
+    path = REFERENCE / "published_runs_a100.json"
+    if not path.is_file():
+        pytest.skip(f"reference data not found at {path}")
+    return json.loads(path.read_text())

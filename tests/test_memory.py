@@ -1,0 +1,81 @@
+"""Memory formulas against Korthikanti 2022 Sec. 4 and Rajbhandari 2020 (ZeRO)."""
+
+import numpy as np
+import pytest
+
+from cost_models import memory, pipeline
+from cost_models.candidates import (
+    RECOMPUTE_FULL,
+    RECOMPUTE_NONE,
+    RECOMPUTE_SELECTIVE,
+    SCHEDULE_1F1B,
+    SCHEDULE_GPIPE,
+    SCHEDULE_INTERLEAVED,
+)
+from planner.specs import TrainingSpec
+from tests.conftest import gpt
+
+S, B, H, A = 2048, 4, 6144, 64
+
+
+def _layer(recompute, tp=1, sp=0):
+    m = gpt(layers=48, hidden=H, heads=A)
+    t = TrainingSpec(seq_len=S, global_batch_size=B, precision="fp16", flash_attention=False)
+    per_layer, _ = memory.layer_activation_bytes(m, t, B, np.array(tp), np.array(sp), np.array(recompute))
+    return float(per_layer)
+
+
+def test_no_parallelism_is_sbh_34_plus_5as_over_h():
+    assert _layer(RECOMPUTE_NONE) == pytest.approx(S * B * H * (34 + 5 * A * S / H))
+
+
+def test_tensor_parallel_without_sp():
+    t = 8
+    expected = S * B * H * (10 + 24 / t + 5 * A * S / (H * t))
+    assert _layer(RECOMPUTE_NONE, tp=t) == pytest.approx(expected)
+
+
+def test_tensor_and_sequence_parallel():
+    t = 8
+    assert _layer(RECOMPUTE_NONE, tp=t, sp=1) == pytest.approx(S * B * H / t * (34 + 5 * A * S / H))
+
+
+def test_selective_recompute_drops_score_terms():
+    t = 8
+    assert _layer(RECOMPUTE_SELECTIVE, tp=t, sp=1) == pytest.approx(S * B * H * 34 / t)
+
+
+def test_full_recompute_keeps_the_layer_input():
+    assert _layer(RECOMPUTE_FULL) == pytest.approx(2 * S * B * H)
+    assert _layer(RECOMPUTE_FULL, tp=8, sp=1) == pytest.approx(2 * S * B * H / 8)
+
+
+def test_flash_attention_removes_the_s_squared_term():
+    m = gpt(layers=48, hidden=H, heads=A)
+    t = TrainingSpec(seq_len=S, global_batch_size=B, precision="fp16", flash_attention=True)
+    per_layer, _ = memory.layer_activation_bytes(m, t, B, np.array(1), np.array(0), np.array(RECOMPUTE_NONE))
+    assert float(per_layer) == pytest.approx(S * B * H * 34 + 4 * B * A * S)
+
+
+def test_layers_in_flight_by_schedule():
+    L, p, m, v = 96, 8, 64, 3
+    args = (np.array(p), np.array(1), np.array(m))
+    assert pipeline.layers_in_flight(L, *args, np.array(SCHEDULE_GPIPE), 0) == m * L / p
+    assert pipeline.layers_in_flight(L, *args, np.array(SCHEDULE_1F1B), 0) == L  # p micro-batches
+    assert pipeline.layers_in_flight(L, *args, np.array(SCHEDULE_1F1B), p - 1) == L / p
+    inter = pipeline.layers_in_flight(L, np.array(p), np.array(v), np.array(m), np.array(SCHEDULE_INTERLEAVED), 0)
+    assert inter == pytest.approx(L * (1 + (p - 1) / (p * v)))  # Korthikanti Sec. 4.2.3
+
+
+@pytest.mark.parametrize("zero,expected", [(0, 16.0), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)])
+def test_zero_stages_divide_model_states(zero, expected):
+    t = TrainingSpec(seq_len=1, global_batch_size=1, precision="bf16")
+    psi = 1e9
+    p, g, o = memory.model_state_bytes(t, psi, np.array(zero), np.array(8))
+    assert float(p + g + o) == pytest.approx(expected * psi)  # Rajbhandari 2020, Fig. 1
+
+
+def test_fp32_training_keeps_two_optimizer_states():
+    t = TrainingSpec(seq_len=1, global_batch_size=1, precision="fp32")
+    p, g, o = memory.model_state_bytes(t, 1.0, np.array(0), np.array(1))
+    assert (float(p), float(g), float(o)) == (4.0, 4.0, 8.0)
