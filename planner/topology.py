@@ -18,22 +18,44 @@ from planner.specs import MAX_NODES, ClusterSpec
 
 
 def cluster_from_preset(preset: str, nodes: int) -> ClusterSpec:
+    """Build the preset's graph for `nodes` servers and summarize it into a ClusterSpec."""
     if not isinstance(nodes, int) or nodes < 1 or nodes > MAX_NODES:
         raise BerthError("cluster.nodes", nodes, f"must be an integer in 1..{MAX_NODES}")
     try:
         server = load_server(preset)
-        device = load_device(server.device)
     except UnknownProfileError as err:
         raise BerthError("cluster.preset", preset, f"unknown preset; known: {', '.join(err.known)}") from None
+    return cluster_from_graph(preset_graph(server, nodes), preset, server)
+
+
+def cluster_from_graph(g: nx.Graph, name: str, server: ServerProfile) -> ClusterSpec:
+    """Summarize a graph: hosts and GPUs per host from the GPU nodes; the intra-node link is the
+    slowest GPU link inside a host's fast domain, the inter-node link the slowest NIC link.
+    Collective efficiencies and latencies per link kind come from the server profile."""
+    summary = graph_summary(g)
+    devices = {d["device"] for _, d in g.nodes(data=True) if d.get("kind") == "gpu"}
+    if len(devices) != 1:
+        raise BerthError("cluster.graph", sorted(devices), "mixed GPU types are not supported yet")
+    try:
+        device = load_device(devices.pop())
+    except UnknownProfileError as err:
+        raise BerthError("cluster.device", err.name, f"unknown device; known: {', '.join(err.known)}") from None
+    intra_bw = _slowest(g, server.intra_node.kind)
+    inter_bw = _slowest(g, server.inter_node.kind)
     return ClusterSpec(
-        name=preset,
-        nodes=nodes,
-        gpus_per_node=server.gpus_per_node,
+        name=name,
+        nodes=summary["nodes"],
+        gpus_per_node=summary["gpus_per_node"],
         device=device,
-        intra_node=server.intra_node,
-        inter_node=server.inter_node,
+        intra_node=server.intra_node.model_copy(update={"bandwidth_bytes_per_s": intra_bw}),
+        inter_node=server.inter_node.model_copy(update={"bandwidth_bytes_per_s": inter_bw}),
         collective_base_latency_s=server.collective_base_latency_s,
     )
+
+
+def _slowest(g: nx.Graph, kind: str) -> float:
+    """Bandwidth (bytes/s per direction) of the slowest link of this kind in the graph."""
+    return min(d["bandwidth_GBps"] for _, _, d in g.edges(data=True) if d["kind"] == kind) * 1e9
 
 
 def preset_graph(server: ServerProfile, nodes: int) -> nx.Graph:

@@ -47,3 +47,14 @@ def test_busbw_matches_nccl_tests_inside_a_dgx():
         t = float(comm.all_reduce_s(c, size, n, 1))
         predicted_busbw = size / t * 2 * (n - 1) / n
         assert predicted_busbw == pytest.approx(busbw, rel=0.03)
+
+
+def test_preset_cluster_is_summarized_from_its_graph():
+    from hardware_profiles import load_server
+    from planner.topology import graph_summary, preset_graph
+
+    g = preset_graph(load_server("dgx-a100-80g"), 3)
+    assert graph_summary(g) == {"nodes": 3, "gpus_per_node": 8}
+    assert g.number_of_nodes() == 3 * 8 + 3 + 8  # GPUs, one NVSwitch per node, 8 rail switches
+    c = cluster_from_preset("dgx-a100-80g", 3)
+    assert (c.world_size, c.intra_node.bandwidth_bytes_per_s, c.inter_node.bandwidth_bytes_per_s) == (24, 300e9, 25e9)
