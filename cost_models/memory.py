@@ -39,7 +39,7 @@ def stage_params(model: ModelSpec, pp, tp, first: bool):
     pp = np.asarray(pp, dtype=float)
     layers = model.num_layers / pp * model.params_per_layer / tp
     emb = model.embedding_params / tp
-    head = np.where((pp == 1) & model.tied_embeddings, 0.0, emb) + model.hidden_size
+    head = np.where((pp == 1) & model.tied_embeddings, 0.0, emb) + model.final_norm_params
     if first:
         return layers + emb + np.where(pp == 1, head, 0.0)
     return layers + head + np.where(pp == 1, emb, 0.0)

@@ -93,9 +93,13 @@ class ModelSpec(Spec):
         return self.vocab_size * self.hidden_size
 
     @property
+    def final_norm_params(self) -> int:
+        return (2 if self.norm == "layernorm" else 1) * self.hidden_size
+
+    @property
     def num_params(self) -> int:
         head = 0 if self.tied_embeddings else self.embedding_params
-        return self.num_layers * self.params_per_layer + self.embedding_params + head
+        return self.num_layers * self.params_per_layer + self.embedding_params + head + self.final_norm_params
 
 
 class TrainingSpec(Spec):

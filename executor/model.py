@@ -1,0 +1,138 @@
+"""A GPT/Llama-style decoder built from a ModelSpec (the one conversion from spec to runtime).
+
+Projections have no bias and are separate matrices (wq, wk, wv, wo; w1, w2 and, for SwiGLU, w3)
+so that DTensor's colwise/rowwise plans split them by heads and by ffn columns. The attention
+reads the local head count from the tensor shapes, so the same code runs unsplit or tp-split.
+Positions use rotary embeddings (no parameters), so the parameter count equals
+ModelSpec.num_params exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.specs import ModelSpec
+
+ROPE_THETA = 10000.0
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    return nn.RMSNorm(spec.hidden_size) if spec.norm == "rmsnorm" else nn.LayerNorm(spec.hidden_size)
+
+
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on (batch, heads, seq, head_dim) (Su et al. 2021)."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (ROPE_THETA ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.head_dim = d
+        self.wq = nn.Linear(h, spec.num_attention_heads * d, bias=False)
+        self.wk = nn.Linear(h, spec.kv_heads * d, bias=False)
+        self.wv = nn.Linear(h, spec.kv_heads * d, bias=False)
+        self.wo = nn.Linear(spec.num_attention_heads * d, h, bias=False)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Scores, softmax and context: the part selective recomputation re-runs."""
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        out = self.core(rotary(q), rotary(k), v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, f = spec.hidden_size, spec.ffn_hidden_size
+        self.swiglu = spec.mlp == "swiglu"
+        self.w1 = nn.Linear(h, f, bias=False)
+        self.w2 = nn.Linear(f, h, bias=False)
+        self.w3 = nn.Linear(h, f, bias=False) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.attention_norm = _norm(spec)
+        self.attention = Attention(spec)
+        self.ffn_norm = _norm(spec)
+        self.feed_forward = MLP(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks, final norm, LM head. Layers live in a ModuleDict keyed by their global
+    index so a pipeline stage can drop the others and keep names stable (torchtitan's pattern);
+    a stage without the embedding or head has them set to None."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
+        self.norm = _norm(spec)
+        self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def build_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> Decoder:
+    """The same weights on every rank for the same seed (the build order the reference notes)."""
+    torch.manual_seed(seed)
+    model = Decoder(spec)
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, mean=0.0, std=0.02 if "wo" not in name and "w2" not in name else 0.02 / (
+                2 * spec.num_layers) ** 0.5)
+    return model.to(dtype)
+
+
+def synthetic_batch(spec: ModelSpec, batch: int, seq_len: int, seed: int, step: int):
+    """Token ids and next-token targets from a fixed seed (the same on every rank).
+
+    Each sequence walks a fixed random successor map over the vocabulary from a random start, so
+    the data are learnable (the loss falls within a few steps) yet cost nothing to make."""
+    successor = torch.randperm(spec.vocab_size, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
+    data = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    data[:, 0] = torch.randint(0, spec.vocab_size, (batch,), generator=g)
+    for i in range(seq_len):
+        data[:, i + 1] = successor[data[:, i]]
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
