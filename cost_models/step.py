@@ -74,17 +74,18 @@ def _dp_times(training, cluster, c, stage_params, compute_mb_s, layers_per_stage
     shard = c.shard.astype(float)
     replicate = c.dp / shard
     stride_shard, stride_rep = c.tp, c.tp * c.shard
-    rs_shard = comm.all_gather_s(cluster, grad_bytes, shard, stride_shard)
+    # one all-gather or reduce-scatter (same cost) of the stage's parameters over the shard group
+    shard_pass = comm.all_gather_s(cluster, grad_bytes, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)
     ar_dp = comm.all_reduce_s(cluster, grad_bytes, c.dp, c.tp)
     # ZeRO 1/2: reduce-scatter grads and all-gather updated params within the shard group.
-    zero12 = 2.0 * rs_shard + ar_replicate
+    zero12 = 2.0 * shard_pass + ar_replicate
     per_step = np.where(c.zero == 0, ar_dp, np.where(c.zero <= 2, zero12, ar_replicate))
     hide_behind = DP_OVERLAP_EFFICIENCY * compute_mb_s * (2.0 / 3.0)  # last micro-batch's backward
     floor = per_step / layers_per_stage
     exposed_step = np.maximum(per_step - hide_behind, floor)
     # ZeRO-3: 2 all-gathers (fwd, bwd) + 1 reduce-scatter per micro-batch.
-    per_mb = np.where(c.zero >= 3, 3.0 * rs_shard, 0.0)
+    per_mb = np.where(c.zero >= 3, 3.0 * shard_pass, 0.0)
     exposed_mb = np.maximum(per_mb - DP_OVERLAP_EFFICIENCY * compute_mb_s, per_mb / layers_per_stage)
     return exposed_step + c.nmb * exposed_mb
 
