@@ -16,6 +16,8 @@ from torch import nn
 from planner.specs import ModelSpec
 
 ROPE_THETA = 10000.0
+INIT_STD = 0.02  # GPT-2 / Megatron initialization
+RESIDUAL_PROJECTIONS = ("wo", "w2")  # scaled by 1/sqrt(2L): they add into the residual stream
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
@@ -62,10 +64,9 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         h, f = spec.hidden_size, spec.ffn_hidden_size
-        self.swiglu = spec.mlp == "swiglu"
         self.w1 = nn.Linear(h, f, bias=False)
         self.w2 = nn.Linear(f, h, bias=False)
-        self.w3 = nn.Linear(h, f, bias=False) if self.swiglu else None
+        self.w3 = nn.Linear(h, f, bias=False) if spec.mlp == "swiglu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
@@ -113,10 +114,11 @@ def build_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float
     """The same weights on every rank for the same seed (the build order the reference notes)."""
     torch.manual_seed(seed)
     model = Decoder(spec)
+    residual_std = INIT_STD / (2 * spec.num_layers) ** 0.5
     for name, p in model.named_parameters():
         if p.dim() > 1:
-            nn.init.normal_(p, mean=0.0, std=0.02 if "wo" not in name and "w2" not in name else 0.02 / (
-                2 * spec.num_layers) ** 0.5)
+            residual = name.rsplit(".", 2)[-2] in RESIDUAL_PROJECTIONS
+            nn.init.normal_(p, mean=0.0, std=residual_std if residual else INIT_STD)
     return model.to(dtype)
 
 

@@ -85,14 +85,13 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
     check_supported(layout)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dp_rank = rank if world > 1 else 0
     model, opt = prepare(spec, layout, seed, world)
     per_rank = layout.micro_batch_size * layout.num_microbatches
     record = StepRecord()
     for step in range(steps):
         tokens, targets = synthetic_batch(spec, training.global_batch_size, training.seq_len, seed, step)
-        tokens = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        targets = targets[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        tokens, targets = tokens[mine], targets[mine]
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
