@@ -1,111 +1,137 @@
-"""Run a layout's training steps with torch.distributed (gloo on CPU, NCCL on CUDA).
+"""Run a layout's training steps on this rank and measure them (time per step, peak memory).
 
-This module covers the data-parallel axis (dp, shard, zero_stage), activation recomputation and
-gradient accumulation. Layouts with tp > 1 or pp > 1 are refused with a clear message until the
-tensor- and pipeline-parallel paths land.
-
-Build order (shared/reference/torch-distributed-cpu.md): identical seeded model on every rank,
-activation checkpointing per block, then the data-parallel wrapper.
+Every rank takes its data-parallel slice of the same seeded global batch; the tp ranks of a dp
+rank see the same rows; the first pipeline stage reads the tokens and the last the targets.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from executor.model import Attention, build_model, loss_fn, synthetic_batch
+from executor.model import synthetic_batch
+from executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
-LEARNING_RATE = 1e-3
-
-
-class UnsupportedLayout(ValueError):
-    pass
+TRAIN_MARK = "berth.train_start"
+MEMORY_STEPS = 2  # the peak is reached once optimizer state exists: by the end of the second step
 
 
 @dataclass
 class StepRecord:
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
+    peak_memory_bytes: float | None = None
+    memory_method: str = ""
+    executed_as: list[str] = field(default_factory=list)
 
 
-def check_supported(layout: Layout) -> None:
-    if layout.tp > 1 or layout.pp > 1:
-        raise UnsupportedLayout(f"layout {layout.short()}: the executor runs dp/zero/recompute layouts "
-                                "only so far (tp = pp = 1)")
+class PeakMemory:
+    """Peak bytes held by tensors on this rank.
 
+    CUDA: the caching allocator's peak of reserved memory (what the device must hold) since the
+    tracker started. CPU: torch.profiler with profile_memory=True, started before the model is
+    built; the peak of the running sum of allocation and free events is the profiler's "Total
+    Allocated" maximum (shared/reference/torch-distributed-cpu.md, "Measuring memory on CPU";
+    process RSS is useless). The profiler is stopped after the first MEMORY_STEPS steps so that
+    it does not slow the timed steps.
 
-def _selective(model) -> None:
-    """Re-run the attention core (scores, softmax, context) in backward (Korthikanti 2022)."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            core = module.core
-            module.core = lambda q, k, v, _core=core: checkpoint(_core, q, k, v, use_reentrant=False)
+    Both count from `mark()`, called when training starts: the model, optimizer and everything
+    alive then are included, the transient copies of building and splitting the model are not
+    (a real run builds on the meta device; the cost model predicts the training peak).
+    """
 
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak: float | None = None
+        self._prof = None
 
-def prepare(spec: ModelSpec, layout: Layout, seed: int, world: int):
-    """Model and optimizer for this rank with the layout's recompute and data parallelism."""
-    model = build_model(spec, seed)
-    if layout.recompute == "full":
-        for key, block in list(model.layers.items()):
-            model.layers[key] = checkpoint_wrapper(block)
-    elif layout.recompute == "selective":
-        _selective(model)
-    if world == 1:
-        return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, foreach=False)
-    if layout.zero_stage <= 1:
-        ddp = DistributedDataParallel(model)
-        if layout.zero_stage == 1:
-            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
+    @property
+    def method(self) -> str:
+        if self.device.type == "cuda":
+            return "torch.cuda.max_memory_reserved (caching allocator peak)"
+        return f"torch.profiler profile_memory peak of Total Allocated over build + {MEMORY_STEPS} steps"
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            opt = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE, foreach=False)
-        return ddp, opt
-    replicate = layout.dp // layout.shard
-    mesh = (init_device_mesh("cpu", (replicate, layout.shard), mesh_dim_names=("replicate", "shard"))
-            if replicate > 1 else init_device_mesh("cpu", (layout.shard,), mesh_dim_names=("shard",)))
-    reshard = layout.zero_stage >= 3
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, foreach=False)
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._prof is not None:
+            with record_function(TRAIN_MARK):
+                pass
+
+    def stop(self) -> None:
+        if self.device.type == "cuda":
+            self.peak = float(torch.cuda.max_memory_reserved(self.device))
+            return
+        if self._prof is None:
+            return
+        self._prof.__exit__(None, None, None)
+        events = list(self._prof.profiler.kineto_results.events())
+        marks = [e.start_ns() for e in events if e.name() == TRAIN_MARK]
+        since = marks[0] if marks else 0
+        running = peak = 0
+        for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+            if e.start_ns() >= since:
+                peak = max(peak, running)  # alive when training started
+            running += e.nbytes()
+            if e.start_ns() >= since:
+                peak = max(peak, running)
+        self.peak, self._prof = float(peak), None
 
 
-def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: int, seed: int = 0) -> StepRecord:
-    """Train `steps` steps; every rank takes its dp slice of the same seeded global batch.
-    Returns the global-batch mean loss of each step and the wall time of each step."""
-    check_supported(layout)
+def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: int, seed: int = 0,
+              warmup: int = 0, device: torch.device | None = None,
+              on_step: Callable[[int, float, float], None] | None = None) -> StepRecord:
+    """Train warmup + steps steps. Returns the global-batch mean loss and the wall time of every
+    step (warm-up included; callers drop the first `warmup`) and this rank's peak memory."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model, opt = prepare(spec, layout, seed, world)
+    device = device or torch.device("cpu")
+    check_layout(spec, training, layout, world)
+    coords = Coordinates.of(rank, layout)
+    memory = PeakMemory(device)
+    memory.start()
+    mesh = build_mesh(layout, device.type) if world > 1 else None
+    prepared = prepare(spec, training, layout, seed, device, mesh, coords)
     per_rank = layout.micro_batch_size * layout.num_microbatches
-    record = StepRecord()
-    for step in range(steps):
+    autocast = training.precision != "fp32" and device.type == "cuda"
+    dtype = torch.bfloat16 if training.precision == "bf16" else torch.float16
+    record = StepRecord(executed_as=prepared.executed_as, memory_method=memory.method)
+    memory.mark()
+    for step in range(warmup + steps):
         tokens, targets = synthetic_batch(spec, training.global_batch_size, training.seq_len, seed, step)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        tokens, targets = tokens[mine], targets[mine]
+        mine = slice(coords.dp_rank * per_rank, (coords.dp_rank + 1) * per_rank)
+        tokens, targets = tokens[mine].to(device), targets[mine].to(device)
         if world > 1:
             dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for mb in range(layout.num_microbatches):
-            rows = slice(mb * layout.micro_batch_size, (mb + 1) * layout.micro_batch_size)
-            loss = loss_fn(model(tokens[rows]), targets[rows]) / layout.num_microbatches
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        record.step_times_s.append(time.perf_counter() - start)
-        if world > 1:
-            dist.all_reduce(total)
-            total /= world
-        record.losses.append(total.item())
+        prepared.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            local = run_microbatches(prepared, layout, tokens, targets, coords)
+        prepared.optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        if step + 1 == MEMORY_STEPS:
+            memory.stop()
+        record.step_times_s.append(elapsed)
+        record.losses.append(world_loss(local, layout, device))
+        if on_step is not None:
+            on_step(step, record.losses[-1], elapsed)
+    memory.stop()
+    record.peak_memory_bytes = memory.peak
     return record

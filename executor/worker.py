@@ -1,10 +1,14 @@
-"""torchrun entry point: run one or more layouts of a plan file and write rank 0's records.
+"""torchrun entry point: run the layouts of a plan file and write what every rank measured.
 
     python -m torch.distributed.run --standalone --nproc-per-node=N -m executor.worker \
-        --plans plans.json --steps 3 --out result.json
+        --plans plans.json --steps 3 --warmup 2 --out result.json
 
 `plans.json` holds a list of Plan objects (all with the same world size); several layouts share
-one launch because starting torchrun costs seconds.
+one launch because starting torchrun costs seconds. Rank 0 prints one `BERTH_PROGRESS {json}`
+line per step (what `berth validate` reads for its progress display) and writes the result file
+at the end. A rank that fails writes `<out>.rank<R>.error.json` (the exception, and for an
+out-of-memory the device's memory) and re-raises, so torchrun tears the group down; success is
+judged from the result file, not the exit code (reference "Traps").
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import sys
+import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,31 +29,87 @@ import torch.distributed as dist
 from executor.train import run_steps
 from planner.specs import Plan
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a dead peer turns a hang into an error
+PROGRESS_PREFIX = "BERTH_PROGRESS "
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # a dead or hung peer turns a hang into an error
+
+
+def machine() -> dict:
+    info = {"hostname": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "threads_per_rank": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    return info
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available() and os.environ.get("BERTH_DEVICE", "auto") != "cpu":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _error_record(err: BaseException, device: torch.device) -> dict:
+    oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+    record = {"type": type(err).__name__, "message": str(err)[:2000], "out_of_memory": oom,
+              "traceback": traceback.format_exc()[-4000:]}
+    if oom and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        record["available_memory_bytes"] = total
+        record["peak_memory_bytes"] = torch.cuda.max_memory_reserved(device)
+    return record
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plans", required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    # Pipeline stages hand FSDP2 outputs on as views; nothing modifies them in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     torch.set_num_threads(int(os.environ.get("BERTH_THREADS_PER_RANK", "1")))
     plans = [Plan.model_validate(p) for p in json.loads(Path(args.plans).read_text())]
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:
-        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = _device()
+    timeout = timedelta(seconds=float(os.environ.get("BERTH_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S)))
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
     results = []
-    for plan in plans:
-        record = run_steps(plan.model, plan.training, plan.layout, args.steps, args.seed)
-        results.append({"layout": plan.layout.model_dump(), "losses": record.losses,
-                        "step_times_s": record.step_times_s})
-    if not distributed or dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(results))
-    if distributed:
+    try:
+        for index, plan in enumerate(plans):
+            def progress(step: int, loss: float, seconds: float, index: int = index) -> None:
+                if rank == 0:
+                    line = {"plan": index, "step": step + 1, "of": args.warmup + args.steps, "loss": loss,
+                            "step_time_s": seconds}
+                    print(PROGRESS_PREFIX + json.dumps(line), flush=True)
+
+            rec = run_steps(plan.model, plan.training, plan.layout, args.steps, args.seed, warmup=args.warmup,
+                            device=device, on_step=progress)
+            mine = {"rank": rank, "step_times_s": rec.step_times_s, "peak_memory_bytes": rec.peak_memory_bytes}
+            ranks = [None] * world if world > 1 else [mine]
+            if world > 1:
+                dist.all_gather_object(ranks, mine)
+            results.append({"layout": plan.layout.model_dump(), "losses": rec.losses,
+                            "step_times_s": rec.step_times_s, "warmup": args.warmup, "ranks": ranks,
+                            "memory_method": rec.memory_method, "executed_as": rec.executed_as,
+                            "device": str(device.type), "backend": dist.get_backend() if world > 1 else None})
+    except BaseException as err:
+        Path(f"{args.out}.rank{rank}.error.json").write_text(json.dumps(_error_record(err, device)))
+        raise
+    if rank == 0:
+        tmp = Path(args.out + ".tmp")
+        tmp.write_text(json.dumps({"machine": machine(), "world_size": world, "results": results}))
+        tmp.replace(args.out)
+    if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

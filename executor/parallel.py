@@ -1,0 +1,300 @@
+"""Apply a Layout to the decoder with PyTorch's own distributed stack.
+
+Rank order is tp innermost, then the data-parallel axis (replicate x shard), then pp outermost:
+rank = ((pp_rank * dp) + dp_rank) * tp + tp_rank, the order of the device mesh
+("pp", "replicate", "shard", "tp").
+
+Build order (shared/reference/torch-distributed-cpu.md, "Build order that works"): an identical
+seeded model on every rank -> pipeline split -> TP/SP on the tp mesh axis -> activation
+checkpointing per block -> FSDP2 on the data-parallel axis -> PipelineStage and schedule.
+
+What each layout field becomes:
+- tp: DTensor `parallelize_module`, column-parallel q/k/v and w1/w3, row-parallel wo and w2
+  (Megatron-LM, Shoeybi et al. 2019), row-parallel embedding, column-parallel LM head;
+  sequence_parallel: `SequenceParallel` on the norms, the row-parallel outputs reduce-scattered
+  over the sequence (Korthikanti et al. 2022).
+- pp: `torch.distributed.pipelining` with hand-split stages, virtual stage k of rank r holding
+  model chunk r + k * pp (looping placement, Narayanan et al. 2021); gpipe -> ScheduleGPipe,
+  1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B.
+- dp without tp or pp: DDP for zero 0, DDP + ZeroRedundancyOptimizer over the shard group for
+  zero 1, FSDP2 `fully_shard` for zero 2 (no reshard after forward) and zero 3 (reshard), on a
+  2-D (replicate, shard) mesh when shard < dp (hybrid sharding).
+- dp with tp or pp: FSDP2 on the (replicate, shard) sub-mesh, because plain DDP inside a pipeline
+  stage trains wrongly (reference "Traps"); zero 0 is FSDP2 with a shard axis of size 1, i.e. pure
+  replication with gradient all-reduce. ZeRO-1 has no FSDP2 form: it runs as zero 2 (gradients
+  sharded too) and `executed_as` says so.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from executor.model import Attention, Decoder, build_model, loss_fn
+from planner.specs import Layout, ModelSpec, TrainingSpec
+
+LEARNING_RATE = 1e-3
+MESH_DIMS = ("pp", "replicate", "shard", "tp")
+
+
+class UnsupportedLayout(ValueError):
+    """The layout cannot run on this model with this executor (raised before any collective)."""
+
+
+@dataclass
+class Coordinates:
+    """This rank's place in the layout."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+
+    @classmethod
+    def of(cls, rank: int, layout: Layout) -> Coordinates:
+        tp_rank = rank % layout.tp
+        dp_rank = (rank // layout.tp) % layout.dp
+        return cls(rank, rank // (layout.tp * layout.dp), dp_rank, tp_rank)
+
+
+@dataclass
+class Prepared:
+    """A rank's model parts, optimizer and (for pp > 1) pipeline schedule."""
+
+    modules: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    schedule: object | None = None
+    executed_as: list[str] = field(default_factory=list)
+
+
+def check_layout(spec: ModelSpec, training: TrainingSpec, layout: Layout, world: int) -> None:
+    """Everything that would make the run fail or train wrongly, said before it starts."""
+    problems = []
+    if layout.world_size != world:
+        problems.append(f"layout needs {layout.world_size} processes (tp x pp x dp), the launch has {world}")
+    if spec.num_attention_heads % layout.tp or spec.kv_heads % layout.tp:
+        problems.append(f"tp={layout.tp} does not divide the {spec.num_attention_heads} heads / "
+                        f"{spec.kv_heads} kv heads")
+    if spec.ffn_hidden_size % layout.tp or spec.vocab_size % layout.tp:
+        problems.append(f"tp={layout.tp} does not divide ffn {spec.ffn_hidden_size} or vocab {spec.vocab_size}")
+    if layout.sequence_parallel and training.seq_len % layout.tp:
+        problems.append(f"sequence parallel needs tp={layout.tp} to divide seq_len {training.seq_len}")
+    chunks = layout.pp * layout.virtual_stages
+    if spec.num_layers % chunks:
+        problems.append(f"pp x virtual_stages = {chunks} does not divide {spec.num_layers} layers")
+    if spec.tied_embeddings and (layout.pp > 1 or layout.tp > 1):
+        problems.append("tied embeddings with tp or pp > 1 are not supported by the executor")
+    if layout.dp % layout.shard:
+        problems.append(f"shard={layout.shard} does not divide dp={layout.dp}")
+    if layout.virtual_stages > 1 and layout.schedule != "interleaved_1f1b":
+        problems.append(f"virtual_stages={layout.virtual_stages} needs schedule interleaved_1f1b")
+    if layout.pp > 1 and layout.schedule != "gpipe" and layout.num_microbatches < layout.pp:
+        problems.append(f"{layout.schedule} needs num_microbatches >= pp ({layout.num_microbatches} < {layout.pp})")
+    rows = layout.dp * layout.micro_batch_size * layout.num_microbatches
+    if rows != training.global_batch_size:
+        problems.append(f"dp x micro_batch_size x num_microbatches = {rows} != global_batch_size "
+                        f"{training.global_batch_size}")
+    if problems:
+        raise UnsupportedLayout(f"layout {layout.short()}: " + "; ".join(problems))
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    shape = (layout.pp, layout.dp // layout.shard, layout.shard, layout.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def _selective(module: nn.Module) -> None:
+    """Re-run the attention core (scores, softmax, context) in backward (Korthikanti 2022)."""
+    for sub in module.modules():
+        if isinstance(sub, Attention):
+            core = sub.core
+            sub.core = lambda q, k, v, _core=core: checkpoint(_core, q, k, v, use_reentrant=False)
+
+
+def apply_recompute(model: Decoder, recompute: str) -> None:
+    if recompute == "full":
+        for key, block in list(model.layers.items()):
+            model.layers[key] = checkpoint_wrapper(block)
+    elif recompute == "selective":
+        _selective(model)
+
+
+def pipeline_chunk(model: Decoder, chunk: int, chunks: int) -> Decoder:
+    """Model chunk `chunk` of `chunks`: its contiguous layers, the embedding on the first chunk,
+    the final norm and head on the last; names keep their global layer index."""
+    per = model.spec.num_layers // chunks
+    part = copy.deepcopy(model)
+    for key in list(part.layers.keys()):
+        if not chunk * per <= int(key) < (chunk + 1) * per:
+            del part.layers[key]
+    if chunk > 0:
+        part.tok_embeddings = None
+    if chunk < chunks - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
+    """Megatron-style tensor parallelism (and sequence parallelism) on one model part."""
+    seq = Shard(1) if sp else Replicate()
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.output is not None:
+        if sp:
+            top["norm"] = SequenceParallel()
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if block.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sp:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    return mesh["replicate", "shard"]
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy | None) -> None:
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard}
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    for block in model.layers.values():
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    # foreach=False: mixed Tensor/DTensor parameter lists fail the foreach kernels (reference "Traps").
+    return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=False)
+
+
+def _schedule_class(layout: Layout):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[layout.schedule]
+
+
+def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, device: torch.device,
+            mesh: DeviceMesh | None, coords: Coordinates) -> Prepared:
+    """Model parts, optimizer and schedule of this rank, built in the order the reference gives."""
+    model = build_model(spec, seed).to(device)
+    mp = None
+    if device.type == "cuda" and training.precision != "fp32":
+        dtype = torch.bfloat16 if training.precision == "bf16" else torch.float16
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if mesh is None:  # one process
+        apply_recompute(model, layout.recompute)
+        return Prepared([model], _optimizer(model.parameters()))
+    executed_as: list[str] = []
+    if layout.tp == 1 and layout.pp == 1 and layout.zero_stage <= 1:
+        apply_recompute(model, layout.recompute)
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if layout.zero_stage == 1:
+            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                          process_group=mesh["shard"].get_group(), lr=LEARNING_RATE)
+        else:
+            opt = _optimizer(ddp.parameters())
+        return Prepared([ddp], opt, executed_as=executed_as)
+
+    chunks = layout.pp * layout.virtual_stages
+    stage_ids = [coords.pp_rank + k * layout.pp for k in range(layout.virtual_stages)]
+    parts = [pipeline_chunk(model, i, chunks) for i in stage_ids] if layout.pp > 1 else [model]
+    del model
+    for part in parts:
+        if layout.tp > 1:
+            apply_tp(part, mesh["tp"], layout.sequence_parallel)
+        apply_recompute(part, layout.recompute)
+        if layout.dp > 1:
+            if layout.zero_stage == 1:
+                executed_as.append("zero_stage 1 with tp or pp runs as FSDP2 zero 2 (gradients sharded too)")
+            apply_fsdp(part, _dp_mesh(mesh), reshard=layout.zero_stage >= 3, mp=mp)
+    opt = _optimizer([p for part in parts for p in part.parameters()])
+    schedule = None
+    if layout.pp > 1:
+        from torch.distributed.pipelining import PipelineStage
+
+        group = mesh["pp"].get_group()
+        stages = [PipelineStage(part, i, chunks, device, group=group) for part, i in zip(parts, stage_ids, strict=True)]
+        cls = _schedule_class(layout)
+        stage_arg = stages if layout.virtual_stages > 1 else stages[0]
+        schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn)
+    return Prepared(parts, opt, schedule, executed_as)
+
+
+def run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, targets: torch.Tensor,
+                     coords: Coordinates) -> torch.Tensor | None:
+    """Forward and backward of one step's micro-batches on this rank (gradient accumulation, or
+    the pipeline schedule); returns the mean micro-batch loss where this rank sees the loss."""
+    if prepared.schedule is not None:
+        first, last = coords.pp_rank == 0, coords.pp_rank == layout.pp - 1
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if first else ()
+        kwargs = {"target": targets, "losses": losses} if last else {}
+        prepared.schedule.step(*args, **kwargs)
+        return torch.stack([x.detach() for x in losses]).mean() if last else None
+    (model,) = prepared.modules
+    total = torch.zeros((), device=tokens.device)
+    nmb, mbs = layout.num_microbatches, layout.micro_batch_size
+    for mb in range(nmb):
+        _set_sync(model, mb == nmb - 1)
+        rows = slice(mb * mbs, (mb + 1) * mbs)
+        loss = loss_fn(model(tokens[rows]), targets[rows]) / nmb
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _set_sync(model: nn.Module, sync: bool) -> None:
+    """Skip the gradient collective on all but the last micro-batch (DDP no_sync, FSDP2
+    set_requires_gradient_sync)."""
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = sync
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+
+
+def world_loss(local: torch.Tensor | None, layout: Layout, device: torch.device) -> float:
+    """The global-batch mean loss: each (dp, tp) rank of the last stage holds its dp slice's mean;
+    the tp ranks hold the same value."""
+    value = local.detach().reshape(()).to(device) if local is not None else torch.zeros((), device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= layout.dp * layout.tp
+    return value.item()
