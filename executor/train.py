@@ -106,7 +106,7 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
     mesh = build_mesh(layout, device.type) if world > 1 else None
     prepared = prepare(spec, training, layout, seed, device, mesh, coords)
     per_rank = layout.micro_batch_size * layout.num_microbatches
-    autocast = training.precision != "fp32" and device.type == "cuda"
+    autocast = training.precision != "fp32"  # bf16/fp16 autocast on CUDA and CPU alike; fp32 runs as is
     dtype = torch.bfloat16 if training.precision == "bf16" else torch.float16
     record = StepRecord(executed_as=prepared.executed_as, memory_method=memory.method)
     memory.mark()

@@ -76,6 +76,8 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     device = _device()
+    if os.environ.get("BERTH_RUN_DIR"):  # lets a supervisor (or a fault test) find each rank
+        Path(os.environ["BERTH_RUN_DIR"], f"rank{rank}.pid").write_text(str(os.getpid()))
     timeout = timedelta(seconds=float(os.environ.get("BERTH_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S)))
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,

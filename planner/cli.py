@@ -12,30 +12,47 @@ from rich.console import Console
 
 from planner.errors import BerthError
 from planner.models import load_model
-from planner.planning import compare, compare_json, make_search, make_training, plan, plans_json
-from planner.render import breakdown_table, plans_table, print_reasons
-from planner.topology import cluster_from_preset
+from planner.planning import (
+    compare,
+    compare_json,
+    default_precision,
+    make_cluster,
+    make_search,
+    make_training,
+    plan,
+    plans_json,
+)
+from planner.render import breakdown_table, plans_table, print_reasons, validation_table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="berth: plan parallel layouts for training.")
 MIN_WIDTH = 150  # the plan table needs about this many columns; narrower output would wrap cells
 console = Console(width=max(MIN_WIDTH, shutil.get_terminal_size().columns))
 
 Model = Annotated[str, typer.Argument(help="preset name, a model YAML/JSON file, or an HF config.json")]
-Cluster = Annotated[str, typer.Option("--cluster", help="cluster preset: dgx-a100-80g, dgx-h100, dgx-h200")]
+Cluster = Annotated[str, typer.Option(
+    "--cluster", help="cluster preset (dgx-a100-80g, dgx-h100, dgx-h200) or 'local': this machine")]
 Nodes = Annotated[int, typer.Option("--nodes", help="number of nodes")]
+Devices = Annotated[int | None, typer.Option(
+    "--devices-per-node", help="with --cluster local: GPUs to use, or CPU worker processes (default: all)")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="sequence length (tokens)")]
 Batch = Annotated[int, typer.Option("--global-batch", help="global batch (sequences per step)")]
-Precision = Annotated[str, typer.Option("--precision", help="bf16, fp16 or fp32")]
+Precision = Annotated[str | None, typer.Option(
+    "--precision", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)")]
 Flash = Annotated[bool, typer.Option("--flash-attention/--no-flash-attention", help="FlashAttention kernels")]
 Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
 
 
-def _inputs(model: str, cluster: str, nodes: int, seq_len: int, global_batch: int, precision: str,
-            flash: bool):
+def _inputs(model: str, cluster: str, nodes: int, devices: int | None, seq_len: int, global_batch: int,
+            precision: str | None, flash: bool):
     spec = load_model(model)
-    training = make_training(seq_len=seq_len, global_batch_size=global_batch, precision=precision,
-                             flash_attention=flash)
-    return spec, training, cluster_from_preset(cluster, nodes)
+    cl = make_cluster(cluster, nodes, devices)
+    training = make_training(seq_len=seq_len, global_batch_size=global_batch,
+                             precision=precision or default_precision(cl), flash_attention=flash)
+    return spec, training, cl
+
+
+def _unit(cluster) -> str:
+    return "CPU workers" if cluster.device.kind == "cpu" else "GPUs"
 
 
 @app.command("plan")
@@ -43,9 +60,10 @@ def plan_cmd(
     model: Model,
     cluster: Cluster = "dgx-h100",
     nodes: Nodes = 1,
+    devices: Devices = None,
     seq_len: SeqLen = 4096,
     global_batch: Batch = 256,
-    precision: Precision = "bf16",
+    precision: Precision = None,
     flash: Flash = True,
     top: Annotated[int, typer.Option("--top", help="how many plans to show")] = 5,
     fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2")] = "",
@@ -53,13 +71,13 @@ def plan_cmd(
     as_json: Json = False,
 ) -> None:
     """Search every valid layout and show the fastest that fit."""
-    spec, training, cl = _inputs(model, cluster, nodes, seq_len, global_batch, precision, flash)
+    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash)
     result = plan(spec, training, cl, make_search(top=top, fix=fix, max_micro_batch_size=max_mbs))
     if as_json:
         print(json.dumps(plans_json(result)))
         return
     head = (f"{spec.name} ({spec.num_params / 1e9:.1f}B params) on {cl.nodes} x {cl.name} "
-            f"({cl.world_size} GPUs), seq {seq_len}, global batch {global_batch}, {precision}")
+            f"({cl.world_size} {_unit(cl)}), seq {seq_len}, global batch {global_batch}, {training.precision}")
     console.print(plans_table(result.plans, head))
     rejected = ", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none"
     console.print(f"searched {result.searched:,} layouts: {result.feasible:,} feasible; rejected: {rejected}")
@@ -75,14 +93,15 @@ def compare_cmd(
     layout: Annotated[list[str], typer.Option("--layout", help="tp=8,pp=4,dp=2,zero=1,recompute=selective,...")],
     cluster: Cluster = "dgx-h100",
     nodes: Nodes = 1,
+    devices: Devices = None,
     seq_len: SeqLen = 4096,
     global_batch: Batch = 256,
-    precision: Precision = "bf16",
+    precision: Precision = None,
     flash: Flash = True,
     as_json: Json = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
-    spec, training, cl = _inputs(model, cluster, nodes, seq_len, global_batch, precision, flash)
+    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash)
     candidates = compare(spec, training, cl, layout)
     try:
         best = plan(spec, training, cl, make_search(top=1))
@@ -93,12 +112,58 @@ def compare_cmd(
         print(json.dumps(out))
         return
     ref = best.plans[0].prediction.tokens_per_s if best and best.plans else None
-    console.print(plans_table(candidates, f"{spec.name} on {cl.world_size} GPUs: candidates", ref))
+    console.print(plans_table(candidates, f"{spec.name} on {cl.world_size} {_unit(cl)}: candidates", ref))
     print_reasons(console, candidates)
     if best and best.plans:
         b = best.plans[0]
         console.print(f"best searched layout: {b.layout.short()} at {b.prediction.tokens_per_s:,.0f} tokens/s")
     console.print(breakdown_table(candidates, "breakdowns"))
+
+
+@app.command("validate")
+def validate_cmd(
+    plan_file: Annotated[str, typer.Argument(help="a plan JSON, or the output of `berth plan --json`")],
+    pick: Annotated[int, typer.Option("--pick", help="which plan of the file (1 = first)")] = 1,
+    steps: Annotated[int, typer.Option("--steps", help="timed steps")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", help="untimed steps first")] = 2,
+    out: Annotated[str | None, typer.Option("--out", help="write the ValidationReport JSON here")] = None,
+    store: Annotated[str | None, typer.Option("--store", help="SQLite results store (default $BERTH_STORE_PATH "
+                                              "or ~/.local/share/berth/berth.sqlite)")] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="watchdog in seconds (default: from the "
+                                                  "predicted step time)")] = None,
+    oversubscribe: Annotated[bool, typer.Option("--oversubscribe", help="allow more CPU workers than cores")] = False,
+    as_json: Json = False,
+) -> None:
+    """Run a plan on this machine with torch.distributed and compare measured with predicted."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from executor.validate import load_plan, validate
+    from planner.store import Store
+
+    chosen = load_plan(plan_file, pick)
+    db = Store(store)
+    err = Console(stderr=True)
+    total = steps + warmup
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task(f"validating {chosen.layout.short()} on {chosen.layout.world_size} processes "
+                            "(starting torchrun)", total=total)
+
+        def progress(p: dict) -> None:
+            bar.update(task, completed=p["step"], description=f"step {p['step']}/{p['of']}  loss {p['loss']:.4f}  "
+                       f"{p['step_time_s'] * 1e3:.0f} ms")
+
+        report = validate(chosen, steps=steps, warmup=warmup, store=db, out=out, on_progress=progress,
+                          oversubscribe=oversubscribe, timeout_s=timeout)
+    if as_json:
+        print(report.model_dump_json())
+    else:
+        console.print(validation_table(report))
+        where = f"report {report.id} stored in {db.path}" + (f" and written to {out}" if out else "")
+        console.print(where)
+    if report.status != "ok":
+        Console(stderr=True).print(f"[red]{report.status}:[/red] {report.message}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 def main() -> None:

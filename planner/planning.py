@@ -11,6 +11,23 @@ from planner.errors import BerthError, from_validation_error
 from planner.layouts import complete_layout, parse_spec
 from planner.search import SearchResult, predict_layouts, search
 from planner.specs import ClusterSpec, ModelSpec, Plan, SearchSpec, TrainingSpec
+from planner.topology import LOCAL, cluster_from_preset, local_cluster
+
+
+def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = None) -> ClusterSpec:
+    """A preset for `nodes` servers, or `local`: this machine (its GPUs, or CPU worker processes)."""
+    if cluster == LOCAL:
+        if nodes != 1:
+            raise BerthError("cluster.nodes", nodes, "a local cluster is this one machine: nodes must be 1")
+        return local_cluster(devices_per_node)
+    if devices_per_node is not None:
+        raise BerthError("cluster.devices_per_node", devices_per_node, "applies to --cluster local only")
+    return cluster_from_preset(cluster, nodes)
+
+
+def default_precision(cluster: ClusterSpec) -> str:
+    """bf16 on GPUs; fp32 on CPU workers, where bf16 matmuls are slow without AVX512-BF16."""
+    return "fp32" if cluster.device.kind == "cpu" else "bf16"
 
 
 def make_training(**fields: Any) -> TrainingSpec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from planner.specs import Plan
+from planner.specs import Plan, ValidationReport
 
 GIB = 2**30
 TIME_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
@@ -66,3 +66,35 @@ def print_reasons(console: Console, plans: list[Plan]) -> None:
     for i, p in enumerate(plans, 1):
         if p.infeasible_reason:
             console.print(f"  #{i} {p.layout.short()}: [yellow]{p.infeasible_reason}[/yellow]")
+
+
+def _metric(key: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if key == "step_time_s":
+        return _seconds(value)
+    if key == "peak_memory_bytes":
+        return f"{value / 2**20:,.1f} MiB" if value < GIB else f"{value / GIB:.2f} GiB"
+    if key == "tokens_per_s":
+        return f"{value:,.0f}"
+    return f"{value:.4f}"
+
+
+def validation_table(report: ValidationReport) -> Table:
+    spread = report.step_time_spread_s
+    title = (f"{report.plan.model.name} {report.plan.layout.short()}: {report.status} "
+             f"({report.steps} steps after {report.warmup} warm-up, {report.mode})")
+    t = Table(title=title, header_style="bold")
+    for col in ("metric", "predicted", "measured", "error"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    names = {"step_time_s": "step time", "tokens_per_s": "tokens/s", "peak_memory_bytes": "peak memory (max rank)",
+             "loss": "first-step loss (pred. ln V)"}
+    for key, name in names.items():
+        p, m = getattr(report.predicted, key), getattr(report.measured, key)
+        err = report.relative_error.get(key)
+        t.add_row(name, _metric(key, p), _metric(key, m), f"{err:+.1%}" if err is not None else "-")
+    if spread:
+        t.add_row("step time min..max", "", f"{_seconds(spread['min'])}..{_seconds(spread['max'])}", "")
+    if report.losses:
+        t.add_row("loss first -> last", "", f"{report.losses[0]:.4f} -> {report.losses[-1]:.4f}", "")
+    return t

@@ -7,7 +7,7 @@ Units are SI base units and carried in field names.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -217,3 +217,45 @@ class Plan(Spec):
     layout: Layout
     prediction: Prediction | None
     infeasible_reason: str | None = None
+
+
+class Metrics(Spec):
+    """The figures a validation compares; None where not measured or not predicted."""
+
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    peak_memory_bytes: float | None = None
+    loss: float | None = None
+
+
+ValidationStatus = Literal["ok", "failed", "did_not_fit"]
+
+
+class ValidationReport(Spec):
+    """What `berth validate` measured for a plan, next to what the plan predicted.
+
+    predicted.loss is the first-step loss of a randomly initialized model, ln(vocab_size) (uniform
+    next-token distribution); measured.loss is the loss of the first step. relative_error is
+    (measured - predicted) / predicted for each metric both sides have.
+    """
+
+    id: str
+    created: str
+    berth_version: str
+    status: ValidationStatus
+    message: str | None = None
+    mode: Literal["full", "rank-slice"] = "full"
+    plan: Plan
+    machine: dict[str, Any] = Field(default_factory=dict)
+    steps: int
+    warmup: int
+    predicted: Metrics
+    measured: Metrics
+    relative_error: dict[str, float] = Field(default_factory=dict)
+    step_time_spread_s: dict[str, float] = Field(default_factory=dict)
+    step_times_s: list[float] = Field(default_factory=list)
+    losses: list[float] = Field(default_factory=list)
+    per_rank: list[dict[str, Any]] = Field(default_factory=list)
+    memory_method: str | None = None
+    executed_as: list[str] = Field(default_factory=list)
+    checks: dict[str, list[str]] = Field(default_factory=dict)

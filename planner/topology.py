@@ -9,12 +9,17 @@ Graph format (networkx node-link): GPU nodes {"id": "n0.g0", "kind": "gpu", "dev
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
 import networkx as nx
 
-from hardware_profiles import UnknownProfileError, load_device, load_server
+from hardware_profiles import UnknownProfileError, device_names, load_device, load_server, server_names
 from hardware_profiles.schema import ServerProfile
 from planner.errors import BerthError
-from planner.specs import MAX_NODES, ClusterSpec
+from planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec
 
 
 def cluster_from_preset(preset: str, nodes: int) -> ClusterSpec:
@@ -86,3 +91,60 @@ def graph_summary(g: nx.Graph) -> dict[str, int]:
             hosts[data["host"]] = hosts.get(data["host"], 0) + 1
     sizes = set(hosts.values())
     return {"nodes": len(hosts), "gpus_per_node": max(sizes) if sizes else 0}
+
+
+LOCAL = "local"
+# nvidia-smi name fragment -> device profile (most specific first)
+GPU_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80g"), ("A100 80GB", "a100-80g"))
+
+
+def local_gpus() -> list[tuple[str, float]]:
+    """(name, memory bytes) of each GPU on this machine from nvidia-smi; [] without one. The
+    planner does not import torch, so it asks the driver's tool."""
+    if os.environ.get("BERTH_DEVICE") == "cpu" or shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        name, mib = (x.strip() for x in line.rsplit(",", 1))
+        gpus.append((name, float(mib) * 2**20))
+    return gpus
+
+
+def host_memory_bytes() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def local_cluster(devices_per_node: int | None = None) -> ClusterSpec:
+    """This machine as a one-node cluster: its GPUs, or with none, `devices_per_node` CPU worker
+    processes (default: one per core) sharing the host's RAM, on the host CPU profile."""
+    if devices_per_node is not None and not 1 <= devices_per_node <= MAX_GPUS_PER_NODE:
+        raise BerthError("cluster.devices_per_node", devices_per_node, f"must be in 1..{MAX_GPUS_PER_NODE}")
+    gpus = local_gpus()
+    if gpus:
+        name, memory = gpus[0]
+        profile = next((p for frag, p in GPU_NAMES if frag in name), None)
+        if profile is None:
+            raise BerthError("cluster", LOCAL, f"this machine's GPU {name!r} has no profile; known devices: "
+                             f"{', '.join(device_names())}")
+        if devices_per_node is not None and devices_per_node > len(gpus):
+            raise BerthError("cluster.devices_per_node", devices_per_node, f"this machine has {len(gpus)} GPUs")
+        count = devices_per_node or len(gpus)
+        server = next(load_server(s) for s in server_names() if load_server(s).device == profile)
+        device = load_device(profile).model_copy(update={"memory_bytes": memory})
+    else:
+        count = devices_per_node or os.cpu_count() or 1
+        server = load_server("local-cpu")
+        device = load_device(server.device).model_copy(update={"memory_bytes": host_memory_bytes() / count})
+    return ClusterSpec(name=LOCAL, nodes=1, gpus_per_node=count, device=device, intra_node=server.intra_node,
+                       inter_node=server.inter_node, collective_base_latency_s=server.collective_base_latency_s)

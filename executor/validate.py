@@ -1,0 +1,269 @@
+"""`berth validate`: run a plan for real on this machine and compare measured with predicted.
+
+The parent process never imports torch: it checks the plan, launches
+`torchrun --standalone --nproc-per-node=<world size> -m executor.worker`, follows rank 0's progress
+lines, enforces a wall-clock watchdog, and turns the result (or the failure) into a
+ValidationReport, written to a file and appended to the SQLite results store.
+
+Failure handling: the workers' process-group timeout (BERTH_COLLECTIVE_TIMEOUT_S) turns a dead or
+hung peer into an error on the others; torchrun tears the group down when a rank exits; the
+watchdog kills the whole process group if the launch outlives its deadline. Success is judged
+from the result file (reference "Traps": a few launches abort at exit after writing results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from executor.checks import UnsupportedLayout, check_layout
+from planner import __version__
+from planner.errors import BerthError, from_validation_error
+from planner.specs import Metrics, Plan, ValidationReport
+from planner.store import Store
+from planner.topology import local_gpus
+
+PROGRESS_PREFIX = "BERTH_PROGRESS "  # executor.worker prints it; kept here to avoid importing torch
+STARTUP_BUDGET_S = 120.0  # torchrun start, imports and model build, generously
+STEP_BUDGET_FACTOR = 20.0  # a step may run this many times slower than predicted before the watchdog fires
+TERMINATE_GRACE_S = 5.0
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+def load_plan(path: str | Path, pick: int = 1) -> Plan:
+    """One Plan from a file holding a plan object, a list of them, or `berth plan --json` output
+    (plans numbered from 1 as in the table; the first unless `pick`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise BerthError("plan", str(path), f"cannot read the file: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise BerthError("plan", str(path), f"not JSON: {err.msg} at line {err.lineno}") from None
+    plans = data.get("plans", data.get("candidates")) if isinstance(data, dict) else data
+    if plans is None:
+        plans = [data]
+    if not isinstance(plans, list) or not plans:
+        raise BerthError("plan", str(path), "holds no plan (expected a plan, a list, or `berth plan --json` output)")
+    if not 1 <= pick <= len(plans):
+        raise BerthError("pick", pick, f"the file holds {len(plans)} plans (numbered 1..{len(plans)})")
+    try:
+        return Plan.model_validate(plans[pick - 1])
+    except ValidationError as err:
+        raise from_validation_error(err, "plan") from None
+
+
+def local_devices() -> tuple[str, int]:
+    gpus = local_gpus()
+    return ("gpu", len(gpus)) if gpus else ("cpu", os.cpu_count() or 1)
+
+
+def preflight(plan: Plan, oversubscribe: bool = False) -> None:
+    """Refuse, before launching anything, a plan this machine cannot run or that cannot run."""
+    if plan.infeasible_reason:
+        raise BerthError("plan.infeasible_reason", plan.infeasible_reason, "the plan is not feasible; pick another")
+    try:
+        check_layout(plan.model, plan.training, plan.layout, plan.layout.world_size)
+    except UnsupportedLayout as err:
+        raise BerthError("plan.layout", plan.layout.short(), str(err)) from None
+    kind, count = local_devices()
+    want = plan.cluster.device.kind
+    if want == "gpu" and kind != "gpu":
+        raise BerthError("plan.cluster.device", plan.cluster.device.name,
+                         "the plan is for GPUs and this machine has none; plan with --cluster local")
+    if want == "cpu" and kind == "gpu" and os.environ.get("BERTH_DEVICE") != "cpu":
+        raise BerthError("plan.cluster.device", plan.cluster.device.name,
+                         "the plan is for CPU workers and this machine has GPUs; set BERTH_DEVICE=cpu to run it on CPU")
+    world = plan.layout.world_size
+    if world > count and not (kind == "cpu" and oversubscribe):
+        hint = " (--oversubscribe runs more CPU workers than cores)" if kind == "cpu" else ""
+        raise BerthError("plan.layout", plan.layout.short(),
+                         f"needs {world} {'GPUs' if kind == 'gpu' else 'CPU workers'}, this machine has {count}; "
+                         f"use --proxy rank-slice to run one rank's share{hint}")
+
+
+def predicted_metrics(plan: Plan) -> Metrics:
+    p = plan.prediction
+    initial_loss = math.log(plan.model.vocab_size)
+    if p is None:
+        return Metrics(loss=initial_loss)
+    return Metrics(step_time_s=p.step_time_s, tokens_per_s=p.tokens_per_s, peak_memory_bytes=p.peak_memory_bytes,
+                   loss=initial_loss)
+
+
+def relative_errors(predicted: Metrics, measured: Metrics) -> dict[str, float]:
+    out = {}
+    for key in Metrics.model_fields:
+        p, m = getattr(predicted, key), getattr(measured, key)
+        if p and m is not None:
+            out[key] = (m - p) / p
+    return out
+
+
+def _watchdog_s(plan: Plan, steps: int) -> float:
+    predicted = plan.prediction.step_time_s if plan.prediction else 10.0
+    return STARTUP_BUDGET_S + STEP_BUDGET_FACTOR * predicted * steps
+
+
+def _launch(cmd: list[str], env: dict[str, str], deadline_s: float, on_progress: Progress | None,
+            stderr_path: Path) -> tuple[int | None, bool]:
+    """Run torchrun in its own process group; returns (exit code, timed out)."""
+    with stderr_path.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                start_new_session=True)
+
+        def follow() -> None:
+            for line in proc.stdout:
+                at = line.find(PROGRESS_PREFIX)
+                if at >= 0 and on_progress is not None:
+                    with contextlib.suppress(json.JSONDecodeError, TypeError):
+                        on_progress(json.loads(line[at + len(PROGRESS_PREFIX):]))
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=deadline_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            rc = proc.returncode
+        reader.join(timeout=TERMINATE_GRACE_S)
+    return rc, timed_out
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=TERMINATE_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _failure(out: Path, stderr_path: Path, rc: int | None, timed_out: bool, deadline_s: float,
+             plan: Plan) -> tuple[str, str]:
+    """(status, message) of a launch that left no result file."""
+    errors = []
+    for f in sorted(out.parent.glob(out.name + ".rank*.error.json")):
+        try:
+            errors.append((f.name.split(".rank")[1].split(".")[0], json.loads(f.read_text())))
+        except (OSError, json.JSONDecodeError):
+            continue
+    oom = [(r, e) for r, e in errors if e.get("out_of_memory")]
+    if oom:
+        rank, e = oom[0]
+        available = e.get("available_memory_bytes") or plan.cluster.device.memory_bytes
+        predicted = plan.prediction.peak_memory_bytes if plan.prediction else float("nan")
+        return "did_not_fit", (f"did not fit: rank {rank} ran out of memory (predicted peak "
+                               f"{predicted / 2**30:.2f} GiB, available {available / 2**30:.2f} GiB): "
+                               f"{e['message'][:300]}")
+    if timed_out:
+        return "failed", f"timed out: the run outlived its {deadline_s:.0f} s watchdog and was killed"
+    tail = stderr_path.read_text(errors="replace") if stderr_path.is_file() else ""
+    parts = []
+    first = re.search(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", tail)
+    if first:
+        code, rank = int(first.group(1)), first.group(2)
+        killed = code < 0 and -code in _SIGNALS
+        how = f"was killed by {signal.Signals(-code).name}" if killed else f"exited with code {code}"
+        parts.append(f"rank {rank} {how} first")
+    if errors:
+        rank, e = errors[0]
+        parts.append(f"rank {rank} raised {e['type']}: {e['message'].splitlines()[0][:240]}")
+    detail = "; ".join(parts) or " | ".join(tail.strip().splitlines()[-3:])
+    return "failed", f"the run failed (torchrun exit code {rc}): {detail}"
+
+
+_SIGNALS = {int(s) for s in signal.Signals}
+
+
+def measured_metrics(plan: Plan, result: dict[str, Any]) -> tuple[Metrics, dict[str, Any]]:
+    """Step time = median over timed steps of the slowest rank's step; memory = the largest rank."""
+    warm = result["warmup"]
+    ranks = result["ranks"]
+    per_step = [max(r["step_times_s"][i] for r in ranks) for i in range(warm, len(ranks[0]["step_times_s"]))]
+    median = statistics.median(per_step)
+    tokens = plan.training.global_batch_size * plan.training.seq_len
+    peaks = [r["peak_memory_bytes"] for r in ranks if r["peak_memory_bytes"] is not None]
+    metrics = Metrics(step_time_s=median, tokens_per_s=tokens / median, peak_memory_bytes=max(peaks) if peaks else None,
+                      loss=result["losses"][0])
+    extra = {
+        "step_times_s": per_step,
+        "spread": {"min": min(per_step), "median": median, "max": max(per_step),
+                   "stdev": statistics.stdev(per_step) if len(per_step) > 1 else 0.0},
+        "per_rank": [{"rank": r["rank"], "step_time_median_s": statistics.median(r["step_times_s"][warm:]),
+                      "peak_memory_bytes": r["peak_memory_bytes"]} for r in ranks],
+    }
+    return metrics, extra
+
+
+def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: Store | None = None,
+             out: str | Path | None = None, on_progress: Progress | None = None, oversubscribe: bool = False,
+             timeout_s: float | None = None, collective_timeout_s: float = 60.0,
+             run_dir: str | Path | None = None) -> ValidationReport:
+    """Check, launch, measure and report. Failures come back as a report with status failed or
+    did_not_fit (and are stored); bad input raises BerthError before anything starts."""
+    if steps < 1:
+        raise BerthError("steps", steps, "must be at least 1")
+    if warmup < 0:
+        raise BerthError("warmup", warmup, "must be 0 or more")
+    preflight(plan, oversubscribe)
+    work = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="berth-validate-"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "plans.json").write_text(json.dumps([plan.model_dump(mode="json")]))
+    result_path = work / "result.json"
+    world = plan.layout.world_size
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "executor.worker", "--plans", str(work / "plans.json"), "--steps", str(steps),
+           "--warmup", str(warmup), "--seed", str(seed), "--out", str(result_path)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "BERTH_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
+           "BERTH_RUN_DIR": str(work)}
+    if plan.cluster.device.kind == "cpu":
+        env["BERTH_DEVICE"] = "cpu"
+    deadline = timeout_s or _watchdog_s(plan, steps + warmup)
+    started = time.perf_counter()
+    rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "torchrun.stderr")
+    predicted = predicted_metrics(plan)
+    common = {"id": uuid.uuid4().hex, "created": datetime.now(UTC).isoformat(), "berth_version": __version__,
+              "plan": plan, "steps": steps, "warmup": warmup, "predicted": predicted}
+    if result_path.is_file():
+        data = json.loads(result_path.read_text())
+        result = data["results"][0]
+        measured, extra = measured_metrics(plan, result)
+        report = ValidationReport(
+            **common, status="ok", machine={**data["machine"], "world_size": data["world_size"],
+                                            "device": result["device"], "backend": result["backend"],
+                                            "wall_time_s": time.perf_counter() - started},
+            measured=measured, relative_error=relative_errors(predicted, measured),
+            step_time_spread_s=extra["spread"], step_times_s=extra["step_times_s"], losses=result["losses"],
+            per_rank=extra["per_rank"], memory_method=result["memory_method"], executed_as=result["executed_as"])
+    else:
+        status, message = _failure(result_path, work / "torchrun.stderr", rc, timed_out, deadline, plan)
+        report = ValidationReport(**common, status=status, message=message, measured=Metrics(),
+                                  machine={"wall_time_s": time.perf_counter() - started})
+    if out:
+        Path(out).write_text(report.model_dump_json(indent=2))
+    (store or Store()).add_validation(report)
+    return report

@@ -1,0 +1,125 @@
+"""`berth validate` end to end on this machine: real torchrun, gloo CPU workers, the report file
+and the SQLite store; plans refused before launch; a killed or hung rank ends the run with a
+failure report well inside its timeout."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from executor.validate import _failure, load_plan, validate
+from planner.errors import BerthError
+from planner.store import Store
+
+BERTH = [sys.executable, "-m", "planner.cli"]
+TINY = ["tiny-gpt", "--seq-len", "128", "--global-batch", "8"]
+
+
+def berth(*args, timeout=300):
+    return subprocess.run([*BERTH, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def plan_file(tmp_path, *extra, devices="2"):
+    r = berth("plan", *TINY, "--cluster", "local", "--devices-per-node", devices, "--json", *extra)
+    assert r.returncode == 0, r.stderr
+    path = tmp_path / "plans.json"
+    path.write_text(r.stdout)
+    return path
+
+
+def test_validate_two_cpu_processes_writes_report_and_stores_it(tmp_path):
+    plans = plan_file(tmp_path)
+    store, out = tmp_path / "store.sqlite", tmp_path / "report.json"
+    r = berth("validate", str(plans), "--steps", "3", "--warmup", "2", "--store", str(store), "--out", str(out),
+              "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["status"] == "ok" and json.loads(out.read_text())["id"] == report["id"]
+    for key in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "loss"):
+        assert report["measured"][key] > 0 and report["predicted"][key] > 0
+        assert key in report["relative_error"]
+    assert len(report["step_times_s"]) == 3 and len(report["losses"]) == 5
+    assert report["losses"][-1] < report["losses"][0]
+    assert len(report["per_rank"]) == 2 and report["machine"]["backend"] == "gloo"
+    stored = Store(store).get_validation(report["id"])
+    assert stored is not None and stored.measured.step_time_s == report["measured"]["step_time_s"]
+
+
+def test_bad_plans_are_refused_before_launch(tmp_path):
+    big = plan_file(tmp_path, devices="64")  # a 64-worker plan on this machine
+    r = berth("validate", str(big), "--store", str(tmp_path / "s.sqlite"), timeout=60)
+    assert r.returncode == 2 and "plan.layout" in r.stderr and "rank-slice" in r.stderr
+    gpu = tmp_path / "gpu.json"
+    r = berth("plan", *TINY, "--cluster", "dgx-h100", "--json")
+    gpu.write_text(r.stdout)
+    if not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        r = berth("validate", str(gpu), "--store", str(tmp_path / "s.sqlite"), timeout=60)
+        assert r.returncode == 2 and "plan.cluster.device" in r.stderr
+    data = json.loads(plan_file(tmp_path).read_text())
+    data["plans"][0]["layout"]["tp"] = 3
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    r = berth("validate", str(bad), "--store", str(tmp_path / "s.sqlite"), timeout=60)
+    assert r.returncode == 2 and "plan.layout" in r.stderr and "tp=3" in r.stderr
+    r = berth("validate", str(bad), "--pick", "99", timeout=60)
+    assert r.returncode == 2 and "pick=99" in r.stderr
+    assert not (tmp_path / "s.sqlite").exists() or Store(tmp_path / "s.sqlite").validations() == []
+
+
+def test_load_plan_errors_name_the_problem(tmp_path):
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(BerthError, match="not JSON"):
+        load_plan(tmp_path / "x.json")
+    with pytest.raises(BerthError, match="cannot read"):
+        load_plan(tmp_path / "missing.json")
+
+
+def _run_with_fault(tmp_path, sig, **kwargs):
+    plan = load_plan(plan_file(tmp_path, "--fix", "dp=2,zero=0"))
+    run_dir = tmp_path / "run"
+    sent = []
+
+    def on_progress(p):
+        if p["step"] == 2 and not sent:
+            pid = int((run_dir / "rank1.pid").read_text())
+            os.kill(pid, sig)
+            sent.append(time.perf_counter())
+
+    start = time.perf_counter()
+    report = validate(plan, steps=500, warmup=1, store=Store(tmp_path / "s.sqlite"), run_dir=run_dir,
+                      on_progress=on_progress, **kwargs)
+    return report, sent, time.perf_counter() - start
+
+
+def test_killed_rank_ends_run_with_failure_report(tmp_path):
+    report, sent, _ = _run_with_fault(tmp_path, signal.SIGKILL, timeout_s=240)
+    assert sent, "the fault was never injected"
+    assert time.perf_counter() - sent[0] < 60
+    assert report.status == "failed" and "exit" in report.message.lower()
+    assert Store(tmp_path / "s.sqlite").get_validation(report.id).status == "failed"
+
+
+def test_hung_rank_ends_run_within_the_collective_timeout(tmp_path):
+    report, sent, _ = _run_with_fault(tmp_path, signal.SIGSTOP, timeout_s=120, collective_timeout_s=5)
+    assert sent
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int((tmp_path / "run" / "rank1.pid").read_text()), signal.SIGKILL)
+    assert time.perf_counter() - sent[0] < 110
+    assert report.status == "failed"
+
+
+def test_out_of_memory_is_reported_as_did_not_fit(tmp_path):
+    plan = load_plan(plan_file(tmp_path))
+    out = tmp_path / "result.json"
+    Path(f"{out}.rank1.error.json").write_text(json.dumps({
+        "type": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2.00 GiB",
+        "out_of_memory": True, "available_memory_bytes": 80 * 2**30}))
+    status, message = _failure(out, tmp_path / "none.stderr", 1, False, 100.0, plan)
+    assert status == "did_not_fit" and "rank 1" in message and "available 80.00 GiB" in message
+    assert "predicted peak" in message
