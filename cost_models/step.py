@@ -167,3 +167,25 @@ def _bottleneck(time: dict[str, np.ndarray], step: np.ndarray, reason: np.ndarra
     share = np.take_along_axis(terms, largest[None], axis=0)[0] / step
     index = np.where(share < COMPUTE_BOUND_SHARE, 0, largest + 1)
     return np.where(reason == OUT_OF_MEMORY, BOTTLENECK_NAMES.index("memory"), index)
+
+
+def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates,
+                  first: bool) -> dict[str, np.ndarray]:
+    """Per-step compute of one rank of the first or the last pipeline stage, communication
+    excluded: its layers' forward and backward over all micro-batches (plus the LM head where the
+    stage has it), the recomputation, and the optimizer step on its shard of the stage's
+    parameters. This is what a rank-slice proxy measures (executor/proxy.py)."""
+    device = cluster.device
+    b, tp, pp = c.mbs.astype(float), c.tp.astype(float), c.pp.astype(float)
+    layers = model.num_layers / pp
+    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
+    recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd, np.where(c.recompute == RECOMPUTE_SELECTIVE, attn, 0.0))
+    has_head = (pp == 1) | (not first)
+    head = np.where(has_head, compute.lm_head_compute_s(model, training, device, b, tp), 0.0)
+    params = memory.stage_params(model, c.pp, c.tp, first)
+    local = params / np.where(c.zero >= 1, c.shard, 1)
+    return {
+        "forward_backward": c.nmb * (layers * (fwd + bwd) + head),
+        "recompute": c.nmb * layers * recompute,
+        "optimizer": compute.optimizer_step_s(device, training, local),
+    }

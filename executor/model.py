@@ -20,7 +20,7 @@ INIT_STD = 0.02  # GPT-2 / Megatron initialization
 RESIDUAL_PROJECTIONS = ("wo", "w2")  # scaled by 1/sqrt(2L): they add into the residual stream
 
 
-def _norm(spec: ModelSpec) -> nn.Module:
+def norm_layer(spec: ModelSpec) -> nn.Module:
     return nn.RMSNorm(spec.hidden_size) if spec.norm == "rmsnorm" else nn.LayerNorm(spec.hidden_size)
 
 
@@ -35,14 +35,17 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """`tp` > 1 builds one tensor-parallel rank's slice (heads / tp) directly (rank-slice proxy)."""
+
+    def __init__(self, spec: ModelSpec, tp: int = 1):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
+        heads, kv = spec.num_attention_heads // tp, spec.kv_heads // tp
         self.head_dim = d
-        self.wq = nn.Linear(h, spec.num_attention_heads * d, bias=False)
-        self.wk = nn.Linear(h, spec.kv_heads * d, bias=False)
-        self.wv = nn.Linear(h, spec.kv_heads * d, bias=False)
-        self.wo = nn.Linear(spec.num_attention_heads * d, h, bias=False)
+        self.wq = nn.Linear(h, heads * d, bias=False)
+        self.wk = nn.Linear(h, kv * d, bias=False)
+        self.wv = nn.Linear(h, kv * d, bias=False)
+        self.wo = nn.Linear(heads * d, h, bias=False)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Scores, softmax and context: the part selective recomputation re-runs."""
@@ -61,9 +64,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: int = 1):
         super().__init__()
-        h, f = spec.hidden_size, spec.ffn_hidden_size
+        h, f = spec.hidden_size, spec.ffn_hidden_size // tp
         self.w1 = nn.Linear(h, f, bias=False)
         self.w2 = nn.Linear(f, h, bias=False)
         self.w3 = nn.Linear(h, f, bias=False) if spec.mlp == "swiglu" else None
@@ -75,12 +78,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: int = 1):
         super().__init__()
-        self.attention_norm = _norm(spec)
-        self.attention = Attention(spec)
-        self.ffn_norm = _norm(spec)
-        self.feed_forward = MLP(spec)
+        self.attention_norm = norm_layer(spec)
+        self.attention = Attention(spec, tp)
+        self.ffn_norm = norm_layer(spec)
+        self.feed_forward = MLP(spec, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -97,7 +100,7 @@ class Decoder(nn.Module):
         self.spec = spec
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
-        self.norm = _norm(spec)
+        self.norm = norm_layer(spec)
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -219,6 +219,130 @@ def measured_metrics(plan: Plan, result: dict[str, Any]) -> tuple[Metrics, dict[
     return metrics, extra
 
 
+PROXY_CHECKS = {
+    "checked": [
+        "compute time of one rank per step: forward and backward of its stage's layers at their tp widths "
+        "(with the embedding and/or LM head the stage holds) over the planned micro-batches, recomputation, "
+        "and the optimizer step on its shard",
+        "peak memory of that rank: parameters and gradients of its slice, optimizer state of its shard, "
+        "activations of the micro-batches the schedule keeps in flight on that stage, logits",
+    ],
+    "not_checked": [
+        "tensor- and sequence-parallel collectives, pipeline sends and the pipeline bubble",
+        "data-parallel and ZeRO traffic, inside the node and across nodes",
+        "ZeRO-2/3 (FSDP) parameter and gradient sharding: the proxy holds what zero <= 1 holds and is compared "
+        "with the prediction for that",
+        "the loss and the end-to-end step time and throughput",
+        "framework memory outside the allocator (CUDA context, NCCL buffers): left out of the predicted figure",
+    ],
+}
+
+
+def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dict[str, float], int]:
+    """The per-rank figures a rank-slice proxy measures, from the same cost model: the stage's
+    compute (communication excluded) and memory, for a model `layers` deep per stage, with ZeRO
+    capped at stage 1 (what the proxy holds). Returns metrics, breakdown, micro-batches in flight."""
+    import numpy as np
+
+    from cost_models.candidates import Candidates
+    from cost_models.memory import stage_memory_breakdown
+    from cost_models.pipeline import microbatches_in_flight
+    from cost_models.step import stage_compute
+
+    x = plan.layout
+    model = plan.model.model_copy(update={"num_layers": layers * x.pp})
+    c = Candidates.from_layouts([x.model_copy(update={"zero_stage": min(x.zero_stage, 1)})])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        comp = {k: float(v[0]) for k, v in stage_compute(model, plan.training, plan.cluster, c, first).items()}
+        mem = {k: float(v[0]) for k, v in
+               stage_memory_breakdown(model, plan.training, plan.cluster.device, c, first).items()}
+        stage = 0 if first else x.pp - 1
+        in_flight = float(microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)[0])
+    mem["framework"] = 0.0
+    metrics = Metrics(step_time_s=sum(comp.values()), peak_memory_bytes=sum(mem.values()))
+    breakdown = {**{f"time.{k}": v for k, v in comp.items()}, **{f"memory.{k}": v for k, v in mem.items()}}
+    return metrics, breakdown, max(1, math.ceil(in_flight - 1e-9))
+
+
+def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = None, steps: int = 5,
+                   warmup: int = 2, seed: int = 0, store: Store | None = None, out: str | Path | None = None,
+                   on_progress: Progress | None = None, timeout_s: float | None = None,
+                   run_dir: str | Path | None = None) -> ValidationReport:
+    """Run one rank's share of the plan in one process (executor/proxy.py) and compare it with
+    the cost model's per-rank figures for that stage."""
+    x = plan.layout
+    per_stage = plan.model.num_layers // x.pp
+    layers = per_stage if layers is None else layers
+    if not 1 <= layers <= per_stage:
+        raise BerthError("layers", layers, f"must be in 1..{per_stage} (the layers of one stage)")
+    if layers % x.virtual_stages:
+        raise BerthError("layers", layers, f"must be a multiple of virtual_stages={x.virtual_stages}")
+    if steps < 1 or warmup < 0:
+        raise BerthError("steps" if steps < 1 else "warmup", steps if steps < 1 else warmup, "out of range")
+    if plan.infeasible_reason:
+        raise BerthError("plan.infeasible_reason", plan.infeasible_reason, "the plan is not feasible; pick another")
+    try:
+        check_layout(plan.model, plan.training, x, x.world_size)
+    except UnsupportedLayout as err:
+        raise BerthError("plan.layout", x.short(), str(err)) from None
+    kind, _ = local_devices()
+    if plan.cluster.device.kind == "gpu" and kind != "gpu":
+        raise BerthError("plan.cluster.device", plan.cluster.device.name,
+                         "the plan is for GPUs and this machine has none: a CPU proxy would not measure that device")
+    predicted_full = predicted_metrics(plan)
+    first_mem = proxy_prediction(plan, layers, True)[0].peak_memory_bytes
+    last_mem = proxy_prediction(plan, layers, False)[0].peak_memory_bytes
+    stage = stage or ("first" if first_mem >= last_mem or x.pp == 1 else "last")
+    if stage not in ("first", "last"):
+        raise BerthError("stage", stage, "must be first or last")
+    predicted, breakdown, in_flight = proxy_prediction(plan, layers, stage == "first")
+    work = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="berth-proxy-"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "plan.json").write_text(plan.model_dump_json())
+    result_path = work / "result.json"
+    cmd = [sys.executable, "-m", "executor.proxy", "--plan", str(work / "plan.json"), "--stage", stage,
+           "--layers", str(layers), "--in-flight", str(in_flight), "--steps", str(steps), "--warmup", str(warmup),
+           "--seed", str(seed), "--out", str(result_path)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if plan.cluster.device.kind == "cpu":
+        env["BERTH_DEVICE"] = "cpu"
+    deadline = timeout_s or STARTUP_BUDGET_S + STEP_BUDGET_FACTOR * (predicted.step_time_s or 10.0) * (steps + warmup)
+    started = time.perf_counter()
+    rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "proxy.stderr")
+    common = {"id": uuid.uuid4().hex, "created": datetime.now(UTC).isoformat(), "berth_version": __version__,
+              "plan": plan, "steps": steps, "warmup": warmup, "predicted": predicted, "mode": "rank-slice",
+              "checks": PROXY_CHECKS}
+    if result_path.is_file():
+        r = json.loads(result_path.read_text())
+        timed = r["step_compute_s"][warmup:]
+        med = statistics.median
+        measured = Metrics(step_time_s=med(timed), peak_memory_bytes=r["peak_memory_bytes"])
+        nmb = x.num_microbatches
+        rank = {"rank": 0, "stage": r["stage"], "layers": layers, "micro_batches_in_flight": in_flight,
+                "forward_per_microbatch_s": med(r["forward_s"][warmup:]) / nmb,
+                "backward_per_microbatch_s": med(r["backward_s"][warmup:]) / nmb,
+                "optimizer_s": med(r["optimizer_s"][warmup:]),
+                "predicted_forward_backward_per_microbatch_s": (breakdown["time.forward_backward"]
+                                                                + breakdown["time.recompute"]) / nmb,
+                "predicted_optimizer_s": breakdown["time.optimizer"],
+                "parameters": r["params"], "optimizer_parameters": r["optimizer_params"],
+                "predicted_breakdown": breakdown, "plan_prediction": predicted_full.model_dump()}
+        report = ValidationReport(
+            **common, status="ok", machine={**r["machine"], "device": r["device"],
+                                            "wall_time_s": time.perf_counter() - started},
+            measured=measured, relative_error=relative_errors(predicted, measured),
+            step_time_spread_s={"min": min(timed), "median": med(timed), "max": max(timed)},
+            step_times_s=timed, per_rank=[rank], memory_method=r["memory_method"])
+    else:
+        status, message = _failure(result_path, work / "proxy.stderr", rc, timed_out, deadline, plan)
+        report = ValidationReport(**common, status=status, message=message, measured=Metrics(),
+                                  machine={"wall_time_s": time.perf_counter() - started})
+    if out:
+        Path(out).write_text(report.model_dump_json(indent=2))
+    (store or Store()).add_validation(report)
+    return report
+
+
 def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: Store | None = None,
              out: str | Path | None = None, on_progress: Progress | None = None, oversubscribe: bool = False,
              timeout_s: float | None = None, collective_timeout_s: float = 60.0,

@@ -132,33 +132,51 @@ def validate_cmd(
     timeout: Annotated[float | None, typer.Option("--timeout", help="watchdog in seconds (default: from the "
                                                   "predicted step time)")] = None,
     oversubscribe: Annotated[bool, typer.Option("--oversubscribe", help="allow more CPU workers than cores")] = False,
+    proxy: Annotated[str | None, typer.Option("--proxy", help="rank-slice: run one rank's share of a plan "
+                                              "larger than this machine in one process")] = None,
+    layers: Annotated[int | None, typer.Option("--layers", help="with --proxy: layers of the stage to run "
+                                               "(default: all of one stage)")] = None,
+    stage: Annotated[str | None, typer.Option("--stage", help="with --proxy: first or last pipeline stage "
+                                              "(default: the one predicted to hold more memory)")] = None,
     as_json: Json = False,
 ) -> None:
     """Run a plan on this machine with torch.distributed and compare measured with predicted."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from executor.validate import load_plan, validate
+    from executor.validate import load_plan, validate, validate_proxy
     from planner.store import Store
 
     chosen = load_plan(plan_file, pick)
+    if proxy not in (None, "rank-slice"):
+        raise BerthError("proxy", proxy, "the only proxy is rank-slice")
+    if proxy is None and (layers is not None or stage is not None):
+        raise BerthError("layers" if layers is not None else "stage", layers or stage, "applies to --proxy rank-slice")
     db = Store(store)
     err = Console(stderr=True)
     total = steps + warmup
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
-        task = bar.add_task(f"validating {chosen.layout.short()} on {chosen.layout.world_size} processes "
-                            "(starting torchrun)", total=total)
+        what = "one rank's slice in 1 process" if proxy else f"{chosen.layout.world_size} processes"
+        task = bar.add_task(f"validating {chosen.layout.short()} on {what} (starting)", total=total)
 
         def progress(p: dict) -> None:
-            bar.update(task, completed=p["step"], description=f"step {p['step']}/{p['of']}  loss {p['loss']:.4f}  "
-                       f"{p['step_time_s'] * 1e3:.0f} ms")
+            loss = f"  loss {p['loss']:.4f}" if p.get("loss") is not None else ""
+            bar.update(task, completed=p["step"],
+                       description=f"step {p['step']}/{p['of']}{loss}  {p['step_time_s'] * 1e3:.0f} ms")
 
-        report = validate(chosen, steps=steps, warmup=warmup, store=db, out=out, on_progress=progress,
-                          oversubscribe=oversubscribe, timeout_s=timeout)
+        if proxy:
+            report = validate_proxy(chosen, layers=layers, stage=stage, steps=steps, warmup=warmup, store=db,
+                                    out=out, on_progress=progress, timeout_s=timeout)
+        else:
+            report = validate(chosen, steps=steps, warmup=warmup, store=db, out=out, on_progress=progress,
+                              oversubscribe=oversubscribe, timeout_s=timeout)
     if as_json:
         print(report.model_dump_json())
     else:
         console.print(validation_table(report))
+        if report.mode == "rank-slice":
+            console.print("rank-slice proxy: the step time above is one rank's compute (no communication, no "
+                          "bubble). Not checked:\n  - " + "\n  - ".join(report.checks["not_checked"]))
         where = f"report {report.id} stored in {db.path}" + (f" and written to {out}" if out else "")
         console.print(where)
     if report.status != "ok":

@@ -97,4 +97,11 @@ def validation_table(report: ValidationReport) -> Table:
         t.add_row("step time min..max", "", f"{_seconds(spread['min'])}..{_seconds(spread['max'])}", "")
     if report.losses:
         t.add_row("loss first -> last", "", f"{report.losses[0]:.4f} -> {report.losses[-1]:.4f}", "")
+    if report.mode == "rank-slice" and report.per_rank:
+        r = report.per_rank[0]
+        pred_mb = r["predicted_forward_backward_per_microbatch_s"]
+        meas_mb = r["forward_per_microbatch_s"] + r["backward_per_microbatch_s"]
+        t.add_row("fwd+bwd per micro-batch", _seconds(pred_mb), _seconds(meas_mb), f"{meas_mb / pred_mb - 1:+.1%}")
+        t.add_row("optimizer step", _seconds(r["predicted_optimizer_s"]), _seconds(r["optimizer_s"]),
+                  f"{r['optimizer_s'] / r['predicted_optimizer_s'] - 1:+.1%}" if r["predicted_optimizer_s"] else "-")
     return t

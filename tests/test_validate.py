@@ -123,3 +123,30 @@ def test_out_of_memory_is_reported_as_did_not_fit(tmp_path):
     status, message = _failure(out, tmp_path / "none.stderr", 1, False, 100.0, plan)
     assert status == "did_not_fit" and "rank 1" in message and "available 80.00 GiB" in message
     assert "predicted peak" in message
+
+
+def test_rank_slice_proxy_runs_one_rank_of_a_plan_larger_than_the_machine(tmp_path):
+    """An 8-worker tp x pp x dp plan with sequence parallelism and ZeRO-1, on one process."""
+    plans = plan_file(tmp_path, "--fix", "tp=2,pp=2,dp=2,sp=1,zero=1,mbs=2,vpp=1", devices="8")
+    store = tmp_path / "s.sqlite"
+    reports = []
+    for layers in ("2", "1"):
+        r = berth("validate", str(plans), "--proxy", "rank-slice", "--layers", layers, "--steps", "2",
+                  "--warmup", "1", "--store", str(store), "--json")
+        assert r.returncode == 0, r.stderr
+        reports.append(json.loads(r.stdout))
+    full, shallow = reports
+    for rep in reports:
+        assert rep["status"] == "ok" and rep["mode"] == "rank-slice"
+        assert rep["measured"]["step_time_s"] > 0 and rep["measured"]["peak_memory_bytes"] > 0
+        assert rep["checks"]["checked"] and any("across nodes" in c for c in rep["checks"]["not_checked"])
+        rank = rep["per_rank"][0]
+        assert rank["stage"] in (0, 1) and rank["forward_per_microbatch_s"] > 0
+        # the optimizer holds half the parameters (ZeRO-1 over shard=2), within one tensor's size
+        assert 0.3 < rank["optimizer_parameters"] / rank["parameters"] < 0.7
+    assert shallow["per_rank"][0]["parameters"] < full["per_rank"][0]["parameters"]
+    assert shallow["predicted"]["peak_memory_bytes"] < full["predicted"]["peak_memory_bytes"]
+    r = berth("validate", str(plans), "--proxy", "rank-slice", "--layers", "9", "--store", str(store))
+    assert r.returncode == 2 and "layers=9" in r.stderr
+    r = berth("validate", str(plans), "--layers", "1", "--store", str(store))
+    assert r.returncode == 2 and "rank-slice" in r.stderr
