@@ -28,6 +28,7 @@ class StepRecord:
     step_times_s: list[float] = field(default_factory=list)
     peak_memory_bytes: float | None = None
     memory_method: str = ""
+    collective_s_per_step: float | None = None  # CPU: gloo work in the profiled steps, per step
     executed_as: list[str] = field(default_factory=list)
 
 
@@ -49,6 +50,7 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device = device
         self.peak: float | None = None
+        self.collective_s: float | None = None  # time in gloo collectives after mark() (CPU only)
         self._prof = None
 
     @property
@@ -81,6 +83,8 @@ class PeakMemory:
         events = list(self._prof.profiler.kineto_results.events())
         marks = [e.start_ns() for e in events if e.name() == TRAIN_MARK]
         since = marks[0] if marks else 0
+        self.collective_s = sum(e.duration_ns() for e in events
+                                if e.name().startswith("gloo:") and e.start_ns() >= since) / 1e9
         running = peak = 0
         for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
             if e.start_ns() >= since:
@@ -134,4 +138,6 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
             on_step(step, record.losses[-1], elapsed)
     memory.stop()
     record.peak_memory_bytes = memory.peak
+    if memory.collective_s is not None:
+        record.collective_s_per_step = memory.collective_s / min(MEMORY_STEPS, warmup + steps)
     return record

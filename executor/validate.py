@@ -214,7 +214,8 @@ def measured_metrics(plan: Plan, result: dict[str, Any]) -> tuple[Metrics, dict[
         "spread": {"min": min(per_step), "median": median, "max": max(per_step),
                    "stdev": statistics.stdev(per_step) if len(per_step) > 1 else 0.0},
         "per_rank": [{"rank": r["rank"], "step_time_median_s": statistics.median(r["step_times_s"][warm:]),
-                      "peak_memory_bytes": r["peak_memory_bytes"]} for r in ranks],
+                      "peak_memory_bytes": r["peak_memory_bytes"],
+                      "collective_s_per_step": r.get("collective_s_per_step")} for r in ranks],
     }
     return metrics, extra
 

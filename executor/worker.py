@@ -93,7 +93,8 @@ def main() -> None:
 
             rec = run_steps(plan.model, plan.training, plan.layout, args.steps, args.seed, warmup=args.warmup,
                             device=device, on_step=progress)
-            mine = {"rank": rank, "step_times_s": rec.step_times_s, "peak_memory_bytes": rec.peak_memory_bytes}
+            mine = {"rank": rank, "step_times_s": rec.step_times_s, "peak_memory_bytes": rec.peak_memory_bytes,
+                    "collective_s_per_step": rec.collective_s_per_step}
             ranks = [None] * world if world > 1 else [mine]
             if world > 1:
                 dist.all_gather_object(ranks, mine)
