@@ -184,6 +184,22 @@ def validate_cmd(
         raise typer.Exit(1)
 
 
+@app.command("serve")
+def serve_cmd(
+    host: Annotated[str, typer.Option("--host", help="interface to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port")] = 8000,
+    workers: Annotated[int, typer.Option("--workers", help="uvicorn worker processes")] = 1,
+) -> None:
+    """Serve the REST API (settings from BERTH_* environment variables; docs at /docs)."""
+    import uvicorn
+
+    if not 1 <= port <= 65535:
+        raise BerthError("port", port, "must be in 1..65535")
+    if workers < 1:
+        raise BerthError("workers", workers, "must be at least 1")
+    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info")
+
+
 def main() -> None:
     try:
         app(standalone_mode=True)

@@ -4,6 +4,7 @@ config.json (a file or an already-parsed dict)."""
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +18,26 @@ PRESETS_FILE = Path(__file__).parent / "model_presets.json"
 
 
 def presets() -> dict[str, ModelSpec]:
+    return dict(_presets())
+
+
+@cache
+def _presets() -> dict[str, ModelSpec]:
     raw = json.loads(PRESETS_FILE.read_text())
     return {name: ModelSpec(name=name, **fields) for name, fields in raw.items()}
 
 
-def load_model(ref: str | dict[str, Any]) -> ModelSpec:
+def load_model(ref: str | dict[str, Any], allow_files: bool = True) -> ModelSpec:
     """A ModelSpec from a preset name, a path to a YAML/JSON file, or a dict (a ModelSpec or an
-    HF config)."""
+    HF config). The service passes allow_files=False: a request never reads the server's disk."""
     if isinstance(ref, dict):
         return model_from_dict(ref, source="model")
     known = presets()
     if ref in known:
         return known[ref]
+    if not allow_files:
+        raise BerthError("model", ref, f"unknown preset; presets: {', '.join(sorted(known))}; "
+                         "or give a model spec or an HF config object")
     path = Path(ref)
     if not path.is_file():
         raise BerthError("model", ref, f"not a preset nor a file; presets: {', '.join(sorted(known))}")

@@ -3,6 +3,9 @@ JSON contract they both print."""
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from pydantic import ValidationError
@@ -45,8 +48,55 @@ def make_search(top: int = 5, fix: str | dict | None = None, **fields: Any) -> S
         raise from_validation_error(err, "search") from None
 
 
-def plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec) -> SearchResult:
-    return search(model, training, cluster, spec)
+class _PlanCache:
+    """Least-recently-used answers of `plan`: a search is a pure function of its four specs, so a
+    repeated question (a notebook re-run, a scheduler polling) is answered from memory. Size from
+    $BERTH_PLAN_CACHE_SIZE (default 256; 0 turns it off)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict[str, SearchResult] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> SearchResult | None:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        return None
+
+    def put(self, key: str, value: SearchResult) -> None:
+        if self.size <= 0:
+            return
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+PLAN_CACHE = _PlanCache(int(os.environ.get("BERTH_PLAN_CACHE_SIZE", "256")))
+
+
+def _cache_key(model, training, cluster, spec, max_candidates) -> str:
+    return "|".join(x.model_dump_json() for x in (model, training, cluster, spec)) + f"|{max_candidates}"
+
+
+def cached_plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec,
+                max_candidates: int | None = None) -> SearchResult | None:
+    """The answer of `plan` if it is in the cache (microseconds), else None."""
+    return PLAN_CACHE.get(_cache_key(model, training, cluster, spec, max_candidates))
+
+
+def plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec,
+         max_candidates: int | None = None, deadline: float | None = None) -> SearchResult:
+    key = _cache_key(model, training, cluster, spec, max_candidates)
+    cached = PLAN_CACHE.get(key)
+    if cached is not None:
+        return cached
+    result = search(model, training, cluster, spec, max_candidates, deadline)
+    PLAN_CACHE.put(key, result)
+    return result
 
 
 def compare(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,

@@ -3,6 +3,7 @@ them all with the vectorized cost model, mask the infeasible with a reason, keep
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 from itertools import product
@@ -135,12 +136,24 @@ def rank_order(ev: Evaluation, c: Candidates) -> np.ndarray:
     return idx[np.lexsort(keys)]
 
 
-def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec) -> SearchResult:
+class SearchTimeout(RuntimeError):
+    """The search ran past its deadline (checked between chunks, so it stops within one chunk)."""
+
+
+def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec,
+           max_candidates: int | None = None, deadline: float | None = None) -> SearchResult:
+    """Score every candidate layout and keep the `spec.top` best. `max_candidates` refuses a
+    search larger than that (BerthError); `deadline` (time.monotonic) stops one that runs late."""
     cands = enumerate_candidates(model, training, cluster, spec)
+    if max_candidates is not None and len(cands) > max_candidates:
+        raise BerthError("search", len(cands), f"{len(cands):,} layouts to score, more than this server's limit "
+                         f"{max_candidates:,}; narrow the search with search.fix (e.g. tp=8)")
     best: list[tuple[Candidates, Evaluation, np.ndarray]] = []
     reasons: Counter[int] = Counter()
     feasible = 0
     for start in range(0, len(cands), CHUNK):
+        if deadline is not None and time.monotonic() > deadline:
+            raise SearchTimeout(f"search stopped after {start:,} of {len(cands):,} layouts: over its time budget")
         part = cands.take(np.arange(start, min(start + CHUNK, len(cands))))
         ev = evaluate(model, training, cluster, part)
         codes, counts = np.unique(ev.reason, return_counts=True)
@@ -207,4 +220,4 @@ def predict_layouts(model: ModelSpec, training: TrainingSpec, cluster: ClusterSp
     return [make_plan(model, training, cluster, c, ev, i) for i in range(len(layouts))]
 
 
-__all__ = ["SearchResult", "divisors", "enumerate_candidates", "predict_layouts", "search"]
+__all__ = ["SearchResult", "SearchTimeout", "divisors", "enumerate_candidates", "predict_layouts", "search"]

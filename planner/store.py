@@ -1,9 +1,11 @@
 """The results store: plans and validation reports in one SQLite file.
 
-Each row keeps the full JSON of what was stored, plus the columns a query filters on. Every
-operation opens its own connection (safe across threads and processes); WAL journaling and a
+Each row keeps the full JSON of what was stored, plus the columns a query filters on. Each
+thread keeps its own connection (sqlite3 connections are not shared across threads; closing the
+last connection of a WAL database checkpoints it, which would cost milliseconds per request); WAL journaling and a
 busy timeout let concurrent writers queue instead of failing, and each insert is one
-transaction, so a crash never leaves half a row.
+transaction, so a crash never leaves half a row. synchronous=NORMAL: a committed row survives
+any crash or restart of the process; an OS crash or power cut may drop the last few commits.
 
 The file: the `path` given, else $BERTH_STORE_PATH, else $XDG_DATA_HOME/berth/berth.sqlite
 (~/.local/share/berth/berth.sqlite).
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from contextlib import closing
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,17 @@ CREATE TABLE IF NOT EXISTS validations (
     body TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS validations_created ON validations (created);
+CREATE TABLE IF NOT EXISTS validation_jobs (
+    id TEXT PRIMARY KEY,
+    created TEXT NOT NULL,
+    plan_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    report_id TEXT,
+    message TEXT,
+    request TEXT NOT NULL
+);
 """
+JOB_STATES = ("queued", "running", "done", "failed")
 
 
 def default_path() -> Path:
@@ -52,25 +64,41 @@ class Store:
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path else default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as db, db:
+        self._local = threading.local()
+        with self._connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(SCHEMA)
 
     def _connect(self) -> sqlite3.Connection:
+        """This thread's connection (a `with` block on it is one transaction)."""
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            return db
         db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
+        self._local.db = db
         db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        # WAL + NORMAL: a commit survives the process (and a crash or restart of it); only an OS
+        # crash or power cut can drop the last commits, never corrupt the file.
+        db.execute("PRAGMA synchronous = NORMAL")
         return db
+
+    def close(self) -> None:
+        """Close this thread's connection (others close when their thread ends)."""
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
 
     def add_validation(self, report: ValidationReport) -> str:
         plan = report.plan
-        with closing(self._connect()) as db, db:
+        with self._connect() as db:
             db.execute("INSERT INTO validations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                        (report.id, report.created, report.status, report.mode, plan.model.name,
                         plan.cluster.device.name, plan.layout.short(), report.model_dump_json()))
         return report.id
 
     def get_validation(self, report_id: str) -> ValidationReport | None:
-        with closing(self._connect()) as db:
+        with self._connect() as db:
             row = db.execute("SELECT body FROM validations WHERE id = ?", (report_id,)).fetchone()
         return ValidationReport.model_validate_json(row[0]) if row else None
 
@@ -83,16 +111,45 @@ class Store:
         if limit:
             query += " LIMIT ?"
             args.append(limit)
-        with closing(self._connect()) as db:
+        with self._connect() as db:
             rows = db.execute(query, args).fetchall()
         return [ValidationReport.model_validate_json(r[0]) for r in rows]
 
     def add_plan(self, plan_id: str, created: str, body: dict[str, Any]) -> str:
-        with closing(self._connect()) as db, db:
+        with self._connect() as db:
             db.execute("INSERT INTO plans VALUES (?, ?, ?)", (plan_id, created, json.dumps(body)))
         return plan_id
 
     def get_plan(self, plan_id: str) -> dict[str, Any] | None:
-        with closing(self._connect()) as db:
+        with self._connect() as db:
             row = db.execute("SELECT body FROM plans WHERE id = ?", (plan_id,)).fetchone()
         return json.loads(row[0]) if row else None
+
+    def add_job(self, job_id: str, created: str, plan_id: str, request: dict[str, Any]) -> None:
+        with self._connect() as db:
+            db.execute("INSERT INTO validation_jobs VALUES (?, ?, ?, 'queued', NULL, NULL, ?)",
+                       (job_id, created, plan_id, json.dumps(request)))
+
+    def update_job(self, job_id: str, status: str, report_id: str | None = None, message: str | None = None) -> None:
+        assert status in JOB_STATES
+        with self._connect() as db:
+            db.execute("UPDATE validation_jobs SET status = ?, report_id = COALESCE(?, report_id), "
+                       "message = COALESCE(?, message) WHERE id = ?", (status, report_id, message, job_id))
+
+    def get_job(self, job_id: str) -> dict[str, Any] | None:
+        with self._connect() as db:
+            row = db.execute("SELECT id, created, plan_id, status, report_id, message, request FROM validation_jobs "
+                             "WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            return None
+        keys = ("id", "created", "plan_id", "status", "report_id", "message", "request")
+        job = dict(zip(keys, row, strict=True))
+        job["request"] = json.loads(job["request"])
+        return job
+
+    def fail_unfinished_jobs(self, message: str) -> int:
+        """Jobs left queued or running by a server that stopped will never finish: mark them."""
+        with self._connect() as db:
+            cur = db.execute("UPDATE validation_jobs SET status = 'failed', message = ? "
+                             "WHERE status IN ('queued', 'running')", (message,))
+            return cur.rowcount

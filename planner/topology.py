@@ -9,27 +9,38 @@ Graph format (networkx node-link): GPU nodes {"id": "n0.g0", "kind": "gpu", "dev
 
 from __future__ import annotations
 
+import heapq
+import math
 import os
 import shutil
 import subprocess
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 
 from hardware_profiles import UnknownProfileError, device_names, load_device, load_server, server_names
-from hardware_profiles.schema import ServerProfile
+from hardware_profiles.schema import LinkProfile, ServerProfile
 from planner.errors import BerthError
 from planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec
 
 
 def cluster_from_preset(preset: str, nodes: int) -> ClusterSpec:
     """Build the preset's graph for `nodes` servers and summarize it into a ClusterSpec."""
-    if not isinstance(nodes, int) or nodes < 1 or nodes > MAX_NODES:
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1 or nodes > MAX_NODES:
         raise BerthError("cluster.nodes", nodes, f"must be an integer in 1..{MAX_NODES}")
     try:
-        server = load_server(preset)
+        load_server(preset)
     except UnknownProfileError as err:
         raise BerthError("cluster.preset", preset, f"unknown preset; known: {', '.join(err.known)}") from None
+    return _preset_cluster(preset, nodes)
+
+
+@lru_cache(maxsize=64)
+def _preset_cluster(preset: str, nodes: int) -> ClusterSpec:
+    """Presets are data: the same (preset, nodes) always gives the same (frozen) spec."""
+    server = load_server(preset)
     return cluster_from_graph(preset_graph(server, nodes), preset, server)
 
 
@@ -148,3 +159,152 @@ def local_cluster(devices_per_node: int | None = None) -> ClusterSpec:
         device = load_device(server.device).model_copy(update={"memory_bytes": host_memory_bytes() / count})
     return ClusterSpec(name=LOCAL, nodes=1, gpus_per_node=count, device=device, intra_node=server.intra_node,
                        inter_node=server.inter_node, collective_base_latency_s=server.collective_base_latency_s)
+
+
+# Achieved ring bus bandwidth / wire bandwidth per link kind, for graphs (presets carry their own).
+GRAPH_LINK_EFFICIENCY = {
+    "nvlink": 0.78,  # DGX A100 nccl-tests all-reduce busbw 234.9 of 300 GB/s (hardware_facts.json)
+    "nvswitch": 0.78,
+    "infiniband": 0.96,  # one HDR NIC: 24 of 25 GB/s (hardware_facts.json)
+    "ethernet": 0.8,  # assumption: RoCE/TCP reach less of the wire than InfiniBand
+    "pcie": 0.8,  # assumption: PCIe Gen4/5 peer transfers reach about 80% of the wire
+    "loopback": 1.0,
+}
+LINK_KINDS = tuple(GRAPH_LINK_EFFICIENCY)
+GRAPH_BASE_LATENCY_S = 8.4e-6  # NCCL tuner base latency (hardware_facts.json), as in the presets
+MAX_GRAPH_ELEMENTS = 200_000
+
+
+def graph_from_node_link(data: Any, field: str = "cluster.graph") -> nx.Graph:
+    """Parse and check a node-link graph: {"nodes": [{"id", "kind": "gpu"|"switch"|"nic", "device",
+    "host"}], "links": [{"source", "target", "kind", "bandwidth_GBps", "latency_us"}]}. Every
+    problem is a BerthError naming the element."""
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not isinstance(data.get("links"), list):
+        raise BerthError(field, _brief(data), 'expected {"nodes": [...], "links": [...]}')
+    nodes, links = data["nodes"], data["links"]
+    if len(nodes) + len(links) > MAX_GRAPH_ELEMENTS:
+        raise BerthError(field, len(nodes) + len(links), f"graph too large: at most {MAX_GRAPH_ELEMENTS} nodes + links")
+    g = nx.Graph()
+    known = set(device_names())
+    for i, n in enumerate(nodes):
+        where = f"{field}.nodes[{i}]"
+        if not isinstance(n, dict) or not isinstance(n.get("id"), str) or not n["id"]:
+            raise BerthError(where, _brief(n), "each node needs a non-empty string id")
+        if n["id"] in g:
+            raise BerthError(f"{where}.id", n["id"], "duplicate node id")
+        kind = n.get("kind")
+        if kind not in ("gpu", "switch", "nic"):
+            raise BerthError(f"{where}.kind", kind, "must be gpu, switch or nic")
+        if kind == "gpu":
+            if n.get("device") not in known:
+                raise BerthError(f"{where}.device", n.get("device"),
+                                 f"unknown device; known: {', '.join(sorted(known))}")
+            if not isinstance(n.get("host"), str) or not n["host"]:
+                raise BerthError(f"{where}.host", n.get("host"), "a GPU needs the host (server) it sits in")
+        g.add_node(n["id"], **{k: v for k, v in n.items() if k != "id"})
+    for i, e in enumerate(links):
+        where = f"{field}.links[{i}]"
+        if not isinstance(e, dict):
+            raise BerthError(where, _brief(e), "each link must be an object")
+        for end in ("source", "target"):
+            if e.get(end) not in g:
+                raise BerthError(f"{where}.{end}", e.get(end), "not a node id of the graph")
+        if e["source"] == e["target"]:
+            raise BerthError(where, e["source"], "self-loop: a link must join two different nodes")
+        if e.get("kind") not in LINK_KINDS:
+            raise BerthError(f"{where}.kind", e.get("kind"), f"must be one of {', '.join(LINK_KINDS)}")
+        bw, lat = e.get("bandwidth_GBps"), e.get("latency_us", 1.0)
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < 1e6:
+            raise BerthError(f"{where}.bandwidth_GBps", bw, "must be a positive number of GB/s (per direction)")
+        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < 1e6:
+            raise BerthError(f"{where}.latency_us", lat, "must be a non-negative number of microseconds")
+        if g.has_edge(e["source"], e["target"]):
+            raise BerthError(where, f"{e['source']}-{e['target']}", "duplicate link")
+        g.add_edge(e["source"], e["target"], kind=e["kind"], bandwidth_GBps=float(bw), latency_us=float(lat))
+    gpus = [n for n, d in g.nodes(data=True) if d["kind"] == "gpu"]
+    if not gpus:
+        raise BerthError(f"{field}.nodes", len(nodes), "the graph has no GPU node")
+    component = nx.node_connected_component(g, gpus[0])
+    stray = next((n for n in gpus if n not in component), None)
+    if stray is not None:
+        raise BerthError(f"{field}", stray, f"disconnected: GPU {stray!r} has no path to GPU {gpus[0]!r}")
+    return g
+
+
+def _brief(value: Any) -> Any:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _widest_path_GBps(g: nx.Graph, source: str, targets: set[str],
+                      allowed: set[str] | None = None) -> tuple[float, float]:
+    """(bottleneck bandwidth, latency along it) of the widest path from source to any target,
+    optionally through `allowed` nodes only (modified Dijkstra, max-min)."""
+    best = {source: math.inf}
+    latency = {source: 0.0}
+    heap = [(-math.inf, source)]
+    while heap:
+        neg, u = heapq.heappop(heap)
+        width = -neg
+        if u in targets and u != source:
+            return width, latency[u]
+        if width < best.get(u, 0):
+            continue
+        for v, d in g[u].items():
+            if allowed is not None and v not in allowed:
+                continue
+            w = min(width, d["bandwidth_GBps"])
+            if w > best.get(v, 0):
+                best[v], latency[v] = w, latency[u] + d["latency_us"]
+                heapq.heappush(heap, (-w, v))
+    return 0.0, 0.0
+
+
+def _link_profile(kind: str, bandwidth_GBps: float, latency_us: float) -> LinkProfile:
+    return LinkProfile(kind=kind, bandwidth_bytes_per_s=bandwidth_GBps * 1e9,
+                       collective_efficiency=GRAPH_LINK_EFFICIENCY[kind], hop_latency_s=latency_us * 1e-6)
+
+
+def cluster_from_node_link(data: Any, name: str = "graph", field: str = "cluster.graph") -> ClusterSpec:
+    """A ClusterSpec from a node-link graph: hosts and GPUs per host; the intra-node link is the
+    worst widest path between two GPUs of a host through that host's own switches, the
+    inter-node link the worst widest path from a GPU to another host. (Issue 6 widens this to
+    per-group collectives, link sharing and heterogeneous clusters.)"""
+    g = graph_from_node_link(data, field)
+    hosts: dict[str, list[str]] = {}
+    for n, d in g.nodes(data=True):
+        if d["kind"] == "gpu":
+            hosts.setdefault(d["host"], []).append(n)
+    sizes = {len(v) for v in hosts.values()}
+    if len(sizes) != 1:
+        raise BerthError(f"{field}.nodes", sorted(sizes), "hosts hold different GPU counts; not supported yet")
+    devices = {g.nodes[n]["device"] for gs in hosts.values() for n in gs}
+    if len(devices) != 1:
+        raise BerthError(f"{field}.nodes", sorted(devices), "mixed GPU types are not supported yet")
+    device = load_device(devices.pop())
+    gpus_of = {n: h for h, gs in hosts.items() for n in gs}
+    intra = (math.inf, 0.0, "loopback")
+    inter = (math.inf, 0.0, "loopback")
+    for host, gs in hosts.items():
+        # switches that serve only this host's GPUs belong to its fast domain
+        local = set(gs) | {n for n, d in g.nodes(data=True) if d["kind"] != "gpu"
+                           and {gpus_of.get(m) for m in g[n] if m in gpus_of} == {host}}
+        for gpu in gs[:2] if len(gs) > 1 else []:
+            bw, lat = _widest_path_GBps(g, gpu, set(gs) - {gpu}, local)
+            if bw == 0:
+                bw, lat = _widest_path_GBps(g, gpu, set(gs) - {gpu})
+            kind = max(g[gpu].items(), key=lambda kv: kv[1]["bandwidth_GBps"])[1]["kind"]
+            intra = min(intra, (bw, lat, kind))
+        if len(hosts) > 1:
+            others = set(gpus_of) - set(gs)
+            bw, lat = _widest_path_GBps(g, gs[0], others)
+            kinds = [d["kind"] for m, d in g[gs[0]].items() if m not in local] or ["ethernet"]
+            inter = min(inter, (bw, lat, kinds[0]))
+    if intra[0] == math.inf:
+        intra = inter if inter[0] != math.inf else (1.0, 0.0, "loopback")
+    if inter[0] == math.inf:
+        inter = intra
+    return ClusterSpec(name=name, nodes=len(hosts), gpus_per_node=sizes.pop(), device=device,
+                       intra_node=_link_profile(intra[2], intra[0], intra[1] / 2),
+                       inter_node=_link_profile(inter[2], inter[0], inter[1] / 2),
+                       collective_base_latency_s=GRAPH_BASE_LATENCY_S)

@@ -1,0 +1,145 @@
+"""Request and response bodies of the REST API. Requests mirror the CLI; responses carry plans
+exactly as `berth plan --json` prints them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
+from planner.specs import MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_NODES, MAX_SEQ_LEN, Plan, ValidationReport
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainingRequest(Body):
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, examples=[8192])
+    global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, examples=[256])
+    precision: Precision | None = Field(default=None, description="default: bf16 on GPUs, fp32 on CPU workers")
+    flash_attention: bool = True
+
+
+class PresetCluster(Body):
+    preset: str = Field(min_length=1, max_length=100, examples=["dgx-h100"],
+                        description="a cluster preset, or 'local' (the server's own machine)")
+    nodes: int = Field(default=1, gt=0, le=MAX_NODES)
+    devices_per_node: int | None = Field(default=None, gt=0, le=MAX_GPUS_PER_NODE,
+                                         description="with preset 'local' only")
+
+
+class GraphCluster(Body):
+    graph: dict[str, Any] = Field(description='networkx node-link: {"nodes": [...], "links": [...]}')
+    name: str = Field(default="graph", min_length=1, max_length=100)
+
+
+class SearchRequest(Body):
+    top: int = Field(default=5, gt=0, le=100)
+    fix: str | dict[str, int | str | bool] = Field(default_factory=dict, examples=["tp=8", {"tp": 8}])
+    max_micro_batch_size: int | None = Field(default=None, gt=0, le=1024)
+
+
+def _cluster_kind(value: Any) -> str | None:
+    if isinstance(value, GraphCluster) or isinstance(value, dict) and "graph" in value:
+        return "graph"
+    if isinstance(value, PresetCluster | dict):
+        return "preset"
+    return None  # not an object: pydantic answers 422 naming the field
+
+
+ClusterRequest = Annotated[
+    Annotated[PresetCluster, Tag("preset")] | Annotated[GraphCluster, Tag("graph")],
+    Discriminator(_cluster_kind),
+]
+ModelRef = str | dict[str, Any]
+MODEL_DESCRIPTION = "a preset name, a ModelSpec object, or a Hugging Face config.json object"
+
+
+class PlanRequest(Body):
+    model: ModelRef = Field(description=MODEL_DESCRIPTION, examples=["llama3-70b"])
+    training: TrainingRequest
+    cluster: ClusterRequest
+    search: SearchRequest = Field(default_factory=SearchRequest)
+
+
+class CompareRequest(Body):
+    model: ModelRef = Field(description=MODEL_DESCRIPTION, examples=["llama3-70b"])
+    training: TrainingRequest
+    cluster: ClusterRequest
+    layouts: list[str | dict[str, int | str | bool]] = Field(min_length=1, max_length=64,
+                                                             examples=[["tp=8,pp=2", {"tp": 8, "zero_stage": 3}]])
+
+
+class PlanResponse(BaseModel):
+    id: str
+    created: str
+    plans: list[Plan]
+    searched: int
+    feasible: int
+    rejected: dict[str, int]
+
+
+class CompareResponse(BaseModel):
+    id: str
+    created: str
+    candidates: list[Plan]
+    best_searched: Plan | None
+    gap_to_best: list[float | None] | None = None
+
+
+class ValidationRequest(Body):
+    plan_id: str = Field(min_length=1, max_length=64)
+    pick: int = Field(default=1, ge=1, le=1000, description="which plan of the stored answer (1 = first)")
+    steps: int = Field(default=5, ge=1, le=200)
+    warmup: int = Field(default=2, ge=0, le=50)
+    proxy: Literal["rank-slice"] | None = None
+    layers: int | None = Field(default=None, ge=1, le=4096)
+
+
+class ValidationJob(BaseModel):
+    id: str
+    created: str
+    plan_id: str
+    status: Literal["queued", "running", "done", "failed"]
+    message: str | None = None
+    report: ValidationReport | None = None
+
+
+class ModelInfo(BaseModel):
+    name: str
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+
+
+class ClusterInfo(BaseModel):
+    name: str
+    display_name: str
+    device: str
+    gpus_per_node: int
+    intra_node: LinkProfile
+    inter_node: LinkProfile
+
+
+class ProfileInfo(BaseModel):
+    name: str
+    display_name: str
+    kind: str
+    memory_bytes: float
+    peak_flops_per_s: dict[str, float]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    version: str
+    validation_enabled: bool
+
+
+__all__ = ["CompareRequest", "CompareResponse", "DeviceProfile", "PlanRequest", "PlanResponse", "ValidationJob",
+           "ValidationRequest"]

@@ -1,0 +1,240 @@
+"""The REST service over HTTP: a real `berth serve` (uvicorn) on loopback, its SQLite store on
+disk, restarts, concurrency, limits, bad input, and a schemathesis run against /openapi.json."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+PLAN_BODY = {"model": "llama3-70b", "training": {"seq_len": 8192, "global_batch_size": 256},
+             "cluster": {"preset": "dgx-h100", "nodes": 8}, "search": {"top": 3}}
+TINY_LOCAL = {"model": "tiny-gpt", "training": {"seq_len": 128, "global_batch_size": 8},
+              "cluster": {"preset": "local", "devices_per_node": 2}, "search": {"top": 2, "fix": "dp=2,zero=0"}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, store, **env):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        full = {**os.environ, "BERTH_STORE_PATH": str(store), **{f"BERTH_{k.upper()}": str(v) for k, v in env.items()}}
+        self.proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(self.port)],
+                                     env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not start: " + self.proc.stderr.read().decode()[-2000:])
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path / "store.sqlite")
+    yield s
+    s.stop()
+
+
+def test_plan_is_stored_and_survives_a_restart(tmp_path):
+    store = tmp_path / "store.sqlite"
+    s = Server(store)
+    try:
+        r = httpx.post(s.url + "/v1/plans", json=PLAN_BODY, timeout=30)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["plans"]) == 3 and body["searched"] > 1000
+        assert all(p["prediction"]["fits"] and p["layout"]["tp"] <= 8 for p in body["plans"])
+    finally:
+        s.stop()
+    s = Server(store)
+    try:
+        again = httpx.get(f"{s.url}/v1/plans/{body['id']}", timeout=10)
+        assert again.status_code == 200 and again.json() == body
+    finally:
+        s.stop()
+
+
+def test_same_json_as_the_cli(server):
+    api = httpx.post(server.url + "/v1/plans", json=PLAN_BODY, timeout=30).json()
+    cli = subprocess.run([sys.executable, "-m", "planner.cli", "plan", "llama3-70b", "--cluster", "dgx-h100",
+                          "--nodes", "8", "--seq-len", "8192", "--global-batch", "256", "--top", "3", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert json.loads(cli.stdout)["plans"] == api["plans"]
+
+
+def test_catalog_compare_and_health(server):
+    c = httpx.Client(base_url=server.url, timeout=30)
+    assert c.get("/healthz").json()["status"] == "ok"
+    assert "llama3-70b" in {m["name"] for m in c.get("/v1/models").json()}
+    assert "dgx-h100" in {m["name"] for m in c.get("/v1/clusters").json()}
+    assert "h100-sxm" in {m["name"] for m in c.get("/v1/hardware-profiles").json()}
+    assert c.get("/v1/hardware-profiles/h100-sxm").json()["memory_bytes"] > 7e10
+    assert c.get("/v1/hardware-profiles/nope").status_code == 404
+    assert c.get("/v1/plans/nope").status_code == 404
+    r = c.post("/v1/compare", json={**{k: PLAN_BODY[k] for k in ("model", "training", "cluster")},
+                                    "layouts": ["tp=8,pp=2", {"tp": 16}]})
+    assert r.status_code == 200, r.text
+    cands = r.json()["candidates"]
+    assert cands[0]["prediction"] and cands[1]["infeasible_reason"]
+    assert c.get(f"/v1/plans/{r.json()['id']}").json()["candidates"] == cands
+    assert c.get("/docs").status_code == 200 and "/v1/plans" in c.get("/openapi.json").json()["paths"]
+
+
+def test_inline_model_hf_config_and_graph(server):
+    hf = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 1024, "num_attention_heads": 16,
+          "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000}
+    graph = {"nodes": [{"id": f"g{i}", "kind": "gpu", "device": "h100-sxm", "host": "n0"} for i in range(4)]
+             + [{"id": "sw", "kind": "switch"}],
+             "links": [{"source": f"g{i}", "target": "sw", "kind": "nvswitch", "bandwidth_GBps": 450,
+                        "latency_us": 3.4} for i in range(4)]}
+    body = {"model": hf, "training": {"seq_len": 2048, "global_batch_size": 16}, "cluster": {"graph": graph}}
+    r = httpx.post(server.url + "/v1/plans", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    plan = r.json()["plans"][0]
+    assert plan["cluster"]["gpus_per_node"] == 4 and plan["model"]["num_kv_heads"] == 4
+
+
+BAD = [
+    ({"model": "nope"}, "model", "unknown preset"),
+    ({"training": {"seq_len": -5, "global_batch_size": 8}}, "seq_len", ""),
+    ({"training": {"seq_len": "long", "global_batch_size": 8}}, "seq_len", ""),
+    ({"training": {"global_batch_size": 8}}, "seq_len", "required"),
+    ({"cluster": {"preset": "dgx-h100", "nodes": 10**9}}, "nodes", ""),
+    ({"cluster": {"preset": "dgx-h100", "nodes": 16384}}, "cluster", "more than this server plans for"),
+    ({"cluster": {"preset": "warp-drive"}}, "preset", "unknown preset"),
+    ({"model": {"num_layers": 10**7, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
+                "vocab_size": 100}}, "num_layers", ""),
+    ({"model": {"num_layers": 2, "hidden_size": 100, "num_attention_heads": 3, "ffn_hidden_size": 256,
+                "vocab_size": 100}}, "model", "not divisible"),
+    ({"model": {"model_type": "t5", "d_model": 8}}, "model", ""),
+    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"}],
+                            "links": [{"source": "a", "target": "a", "kind": "nvlink", "bandwidth_GBps": 5}]}}},
+     "links[0]", "self-loop"),
+    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"},
+                                      {"id": "b", "kind": "gpu", "device": "h100-sxm", "host": "h"}],
+                            "links": []}}}, "graph", "disconnected"),
+    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "tpu-v9", "host": "h"}], "links": []}}},
+     "device", "unknown device"),
+    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"},
+                                      {"id": "a", "kind": "switch"}], "links": []}}}, "id", "duplicate"),
+    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"},
+                                      {"id": "s", "kind": "switch"}],
+                            "links": [{"source": "a", "target": "s", "kind": "nvlink", "bandwidth_GBps": -1}]}}},
+     "bandwidth_GBps", "positive"),
+    ({"cluster": {"graph": "not a graph"}}, "graph", ""),
+    ({"search": {"fix": "tp=banana"}}, "fix", ""),
+    ({"search": {"top": 0}}, "top", ""),
+    ({"unexpected": 1}, "unexpected", ""),
+]
+
+
+@pytest.mark.parametrize("patch,field,problem", BAD, ids=[b[1] + ":" + b[2] for b in BAD])
+def test_bad_input_is_a_4xx_naming_the_field(server, patch, field, problem):
+    body = {**PLAN_BODY, **patch}
+    r = httpx.post(server.url + "/v1/plans", json=body, timeout=30)
+    assert 400 <= r.status_code < 500, r.text
+    detail = r.json()["detail"]
+    assert any(field in [str(x) for x in d["loc"]] or field in str(d["loc"][-1]) for d in detail), detail
+    assert problem.lower() in json.dumps(detail).lower()
+
+
+def test_oversized_and_malformed_bodies(server):
+    r = httpx.post(server.url + "/v1/plans", content=b"{" + b" " * 2_000_000 + b"}",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413
+    r = httpx.post(server.url + "/v1/plans", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code in (400, 422)
+    assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+def test_concurrent_requests_all_answered_and_stored(server):
+    def ask(i):
+        body = {**PLAN_BODY, "search": {"top": 1 + i % 3}}
+        return httpx.post(server.url + "/v1/plans", json=body, timeout=60)
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(32)))
+    assert all(a.status_code == 200 for a in answers)
+    ids = {a.json()["id"] for a in answers}
+    assert len(ids) == 32
+    for a in answers[:8]:
+        assert httpx.get(f"{server.url}/v1/plans/{a.json()['id']}").json() == a.json()
+
+
+def test_search_over_budget_is_503_and_server_stays_responsive(tmp_path):
+    s = Server(tmp_path / "store.sqlite", request_timeout_s=0.05, max_concurrent_searches=1)
+    try:
+        body = {"model": "gpt-1t", "training": {"seq_len": 2048, "global_batch_size": 3072},
+                "cluster": {"preset": "dgx-a100-80g", "nodes": 384}}
+        start = time.monotonic()
+        r = httpx.post(s.url + "/v1/plans", json=body, timeout=30)
+        assert r.status_code == 503 and "budget" in r.json()["detail"]
+        assert time.monotonic() - start < 5
+        assert httpx.get(s.url + "/healthz", timeout=2).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_candidate_limit_refuses_huge_searches(tmp_path):
+    s = Server(tmp_path / "store.sqlite", max_candidates=1000)
+    try:
+        r = httpx.post(s.url + "/v1/plans", json=PLAN_BODY, timeout=30)
+        assert r.status_code == 422 and "search.fix" in json.dumps(r.json())
+    finally:
+        s.stop()
+
+
+def test_validation_disabled_by_default(server):
+    plan_id = httpx.post(server.url + "/v1/plans", json=PLAN_BODY, timeout=30).json()["id"]
+    r = httpx.post(server.url + "/v1/validations", json={"plan_id": plan_id})
+    assert r.status_code == 403 and "disabled" in r.json()["detail"]
+
+
+def test_validation_runs_in_background_with_api_key(tmp_path):
+    s = Server(tmp_path / "store.sqlite", validation_enabled=1, api_key="sekret")
+    try:
+        c = httpx.Client(base_url=s.url, timeout=30)
+        plan_id = c.post("/v1/plans", json=TINY_LOCAL).json()["id"]
+        assert c.post("/v1/validations", json={"plan_id": plan_id}).status_code == 401
+        assert c.post("/v1/validations", json={"plan_id": plan_id}, headers={"X-API-Key": "wrong"}).status_code == 401
+        key = {"X-API-Key": "sekret"}
+        assert c.post("/v1/validations", json={"plan_id": "nope"}, headers=key).status_code == 404
+        r = c.post("/v1/validations", json={"plan_id": plan_id, "steps": 2, "warmup": 1}, headers=key)
+        assert r.status_code == 202, r.text
+        job = r.json()
+        deadline = time.monotonic() + 180
+        while job["status"] in ("queued", "running") and time.monotonic() < deadline:
+            time.sleep(1)
+            job = c.get(f"/v1/validations/{job['id']}", headers=key).json()
+        assert job["status"] == "done", job
+        assert job["report"]["measured"]["step_time_s"] > 0 and job["report"]["plan"]["layout"]["dp"] == 2
+    finally:
+        s.stop()
+
+
+def test_schemathesis_finds_no_server_error_or_schema_violation(server, tmp_path):
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json", "--max-examples", "30",
+           "--exclude-checks", "positive_data_acceptance", "--seed", "1", "--report-dir", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-5000:]
