@@ -29,11 +29,12 @@ def members_per_node(size, stride, gpus_per_node: int):
     return np.clip(np.minimum(size, per_node), 1.0, None)
 
 
-def collective_time_s(cluster: ClusterSpec, nbytes, size, local, passes):
+def collective_time_s(cluster: ClusterSpec, nbytes, size, local, passes, op: str = "all_reduce"):
     """Hierarchical ring time of a collective over `size` ranks with `local` of them per node.
 
     `passes` is 2 for all-reduce and 1 for all-gather or reduce-scatter; `nbytes` is the full
-    (unsharded) buffer size.
+    (unsharded) buffer size. Each link's measured `op_time_scale` (from `berth profile`) scales
+    the bandwidth term of that operation (1.0 unless measured).
     """
     size = np.asarray(size, dtype=float)
     local = np.minimum(np.asarray(local, dtype=float), size)
@@ -42,7 +43,8 @@ def collective_time_s(cluster: ClusterSpec, nbytes, size, local, passes):
     intra_bw = intra.bandwidth_bytes_per_s * intra.collective_efficiency
     inter_bw = inter.bandwidth_bytes_per_s * inter.collective_efficiency
     bandwidth_term = passes * (
-        (local - 1.0) / local * nbytes / intra_bw + (nodes - 1.0) / nodes * (nbytes / local) / inter_bw
+        intra.scale(op) * (local - 1.0) / local * nbytes / intra_bw
+        + inter.scale(op) * (nodes - 1.0) / nodes * (nbytes / local) / inter_bw
     )
     latency_term = passes * ((local - 1.0) * intra.hop_latency_s + (nodes - 1.0) * inter.hop_latency_s)
     base = np.where(size > 1, cluster.collective_base_latency_s, 0.0)
@@ -55,9 +57,16 @@ def all_reduce_s(cluster: ClusterSpec, nbytes, size, stride):
 
 
 def all_gather_s(cluster: ClusterSpec, nbytes, size, stride):
-    """All-gather (or, the same cost, reduce-scatter) of a buffer of `nbytes` in total."""
+    """All-gather of a buffer of `nbytes` in total."""
     local = members_per_node(size, stride, cluster.gpus_per_node)
-    return collective_time_s(cluster, nbytes, size, local, HALF_PASSES)
+    return collective_time_s(cluster, nbytes, size, local, HALF_PASSES, "all_gather")
+
+
+def reduce_scatter_s(cluster: ClusterSpec, nbytes, size, stride):
+    """Reduce-scatter of a buffer of `nbytes` in total (the ring cost of an all-gather; NCCL
+    matches it, gloo is measured slower or faster through op_time_scale)."""
+    local = members_per_node(size, stride, cluster.gpus_per_node)
+    return collective_time_s(cluster, nbytes, size, local, HALF_PASSES, "reduce_scatter")
 
 
 def p2p_s(cluster: ClusterSpec, nbytes, crosses_node):
@@ -65,6 +74,6 @@ def p2p_s(cluster: ClusterSpec, nbytes, crosses_node):
     intra, inter = cluster.intra_node, cluster.inter_node
     return np.where(
         crosses_node,
-        nbytes / inter.bandwidth_bytes_per_s + inter.hop_latency_s,
-        nbytes / intra.bandwidth_bytes_per_s + intra.hop_latency_s,
+        inter.scale("p2p") * nbytes / inter.bandwidth_bytes_per_s + inter.hop_latency_s,
+        intra.scale("p2p") * nbytes / intra.bandwidth_bytes_per_s + intra.hop_latency_s,
     )

@@ -92,15 +92,18 @@ def elementwise_forward_s(model: ModelSpec, training: TrainingSpec, device: Devi
     return memory_bound_time_s(device, nbytes)
 
 
-def kernel_overhead_forward_s(device: DeviceProfile):
-    return device.kernels_per_layer_fwd * device.kernel_overhead_s
+def kernel_overhead_forward_s(device: DeviceProfile, tp=1):
+    """Dispatch cost of one layer's kernels; tensor-parallel layers pay the device's extra
+    per-kernel overhead (DTensor dispatch and collective launches; calibrated, 0 by default)."""
+    extra = np.where(np.asarray(tp) > 1, device.tp_kernel_overhead_s, 0.0)
+    return device.kernels_per_layer_fwd * (device.kernel_overhead_s + extra)
 
 
 def layer_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp):
     """(forward, backward, attention-core forward) seconds of one layer and micro-batch."""
     gemm = layer_gemm_forward_s(model, training, device, b, tp)
     attn = attention_core_forward_s(model, training, device, b, tp)
-    rest = elementwise_forward_s(model, training, device, b, tp, sp) + kernel_overhead_forward_s(device)
+    rest = elementwise_forward_s(model, training, device, b, tp, sp) + kernel_overhead_forward_s(device, tp)
     fwd = gemm + attn + rest
     return fwd, BACKWARD_TO_FORWARD * fwd, attn
 

@@ -22,11 +22,11 @@ from cost_models.validity import OUT_OF_MEMORY, VALID, structural_reasons
 from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 
 TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Shoeybi 2019, Fig. 4)
-# Fraction of a compute window that hides data-parallel communication. NCCL kernels take SMs and
-# memory bandwidth from the GEMMs they overlap with and bucket boundaries leave gaps, so the window
-# is never fully usable; 0.7 is an assumption (PyTorch FSDP, Zhao et al. 2023, Sec. 6 reports
-# overlap well short of perfect at scale) and a parameter `berth calibrate` is meant to fit.
-DP_OVERLAP_EFFICIENCY = 0.7
+# The fraction of a compute window that hides data-parallel communication is the cluster's
+# comm_overlap_efficiency: NCCL kernels take SMs and memory bandwidth from the GEMMs they overlap
+# with and bucket boundaries leave gaps, so the window is never fully usable; the default 0.7 is
+# an assumption (PyTorch FSDP, Zhao et al. 2023, Sec. 6 reports overlap well short of perfect at
+# scale) and a parameter `berth calibrate` fits.
 COMPUTE_BOUND_SHARE = 0.05  # below this share of the step no overhead is called the bottleneck
 BOTTLENECK_TERMS = {
     "tp_comm": ("tp_comm",),
@@ -75,18 +75,20 @@ def _dp_times(training, cluster, c, stage_params, compute_mb_s, layers_per_stage
     replicate = c.dp / shard
     stride_shard, stride_rep = c.tp, c.tp * c.shard
     # one all-gather or reduce-scatter (same cost) of the stage's parameters over the shard group
-    shard_pass = comm.all_gather_s(cluster, grad_bytes, shard, stride_shard)
+    gather = comm.all_gather_s(cluster, grad_bytes, shard, stride_shard)
+    scatter = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)
     ar_dp = comm.all_reduce_s(cluster, grad_bytes, c.dp, c.tp)
     # ZeRO 1/2: reduce-scatter grads and all-gather updated params within the shard group.
-    zero12 = 2.0 * shard_pass + ar_replicate
+    zero12 = gather + scatter + ar_replicate
     per_step = np.where(c.zero == 0, ar_dp, np.where(c.zero <= 2, zero12, ar_replicate))
-    hide_behind = DP_OVERLAP_EFFICIENCY * compute_mb_s * (2.0 / 3.0)  # last micro-batch's backward
+    overlap = cluster.comm_overlap_efficiency
+    hide_behind = overlap * compute_mb_s * (2.0 / 3.0)  # last micro-batch's backward
     floor = per_step / layers_per_stage
     exposed_step = np.maximum(per_step - hide_behind, floor)
     # ZeRO-3: 2 all-gathers (fwd, bwd) + 1 reduce-scatter per micro-batch.
-    per_mb = np.where(c.zero >= 3, 3.0 * shard_pass, 0.0)
-    exposed_mb = np.maximum(per_mb - DP_OVERLAP_EFFICIENCY * compute_mb_s, per_mb / layers_per_stage)
+    per_mb = np.where(c.zero >= 3, 2.0 * gather + scatter, 0.0)
+    exposed_mb = np.maximum(per_mb - overlap * compute_mb_s, per_mb / layers_per_stage)
     return exposed_step + c.nmb * exposed_mb
 
 

@@ -37,7 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -128,7 +128,9 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
     if model.output is not None:
         if sp:
             top["norm"] = SequenceParallel()
-        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
+        # vocabulary-parallel logits stay sharded; the loss runs under loss_parallel (Megatron's
+        # vocab-parallel cross entropy), so no rank holds the full b x s x V logits.
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
@@ -190,7 +192,10 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
     executed_as: list[str] = []
     if layout.tp == 1 and layout.pp == 1 and layout.zero_stage <= 1:
         apply_recompute(model, layout.recompute)
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # gradient_as_bucket_view: gradients live in DDP's buckets (no second copy), as in Megatron's
+        # contiguous gradient buffer, which is what the memory model counts.
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      gradient_as_bucket_view=True)
         if layout.zero_stage == 1:
             opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
                                           process_group=mesh["shard"].get_group(), lr=LEARNING_RATE)
@@ -227,13 +232,27 @@ def run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, t
                      coords: Coordinates) -> torch.Tensor | None:
     """Forward and backward of one step's micro-batches on this rank (gradient accumulation, or
     the pipeline schedule); returns the mean micro-batch loss where this rank sees the loss."""
+    if layout.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            loss = _run_microbatches(prepared, layout, tokens, targets, coords)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return _run_microbatches(prepared, layout, tokens, targets, coords)
+
+
+def _run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, targets: torch.Tensor,
+                      coords: Coordinates) -> torch.Tensor | None:
     if prepared.schedule is not None:
         first, last = coords.pp_rank == 0, coords.pp_rank == layout.pp - 1
         losses: list[torch.Tensor] = []
         args = (tokens,) if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
         prepared.schedule.step(*args, **kwargs)
-        return torch.stack([x.detach() for x in losses]).mean() if last else None
+        if not last:
+            return None
+        losses = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]
+        return torch.stack([x.detach() for x in losses]).mean()
     (model,) = prepared.modules
     total = torch.zeros((), device=tokens.device)
     nmb, mbs = layout.num_microbatches, layout.micro_batch_size
@@ -242,7 +261,8 @@ def run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, t
         rows = slice(mb * mbs, (mb + 1) * mbs)
         loss = loss_fn(model(tokens[rows]), targets[rows]) / nmb
         loss.backward()
-        total += loss.detach()
+        loss = loss.detach()
+        total += loss.full_tensor() if isinstance(loss, DTensor) else loss
     return total
 
 

@@ -344,6 +344,21 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     return report
 
 
+def report_from_result(plan: Plan, result: dict[str, Any], data: dict[str, Any], steps: int, warmup: int,
+                       wall_s: float, predicted: Metrics | None = None) -> ValidationReport:
+    """A ValidationReport from one layout's entry of an executor.worker result file."""
+    predicted = predicted or predicted_metrics(plan)
+    measured, extra = measured_metrics(plan, result)
+    return ValidationReport(
+        id=uuid.uuid4().hex, created=datetime.now(UTC).isoformat(), berth_version=__version__, plan=plan,
+        steps=steps, warmup=warmup, predicted=predicted, status="ok",
+        machine={**data["machine"], "world_size": data["world_size"], "device": result["device"],
+                 "backend": result["backend"], "wall_time_s": wall_s},
+        measured=measured, relative_error=relative_errors(predicted, measured),
+        step_time_spread_s=extra["spread"], step_times_s=extra["step_times_s"], losses=result["losses"],
+        per_rank=extra["per_rank"], memory_method=result["memory_method"], executed_as=result["executed_as"])
+
+
 def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: Store | None = None,
              out: str | Path | None = None, on_progress: Progress | None = None, oversubscribe: bool = False,
              timeout_s: float | None = None, collective_timeout_s: float = 60.0,
@@ -375,15 +390,8 @@ def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: 
               "plan": plan, "steps": steps, "warmup": warmup, "predicted": predicted}
     if result_path.is_file():
         data = json.loads(result_path.read_text())
-        result = data["results"][0]
-        measured, extra = measured_metrics(plan, result)
-        report = ValidationReport(
-            **common, status="ok", machine={**data["machine"], "world_size": data["world_size"],
-                                            "device": result["device"], "backend": result["backend"],
-                                            "wall_time_s": time.perf_counter() - started},
-            measured=measured, relative_error=relative_errors(predicted, measured),
-            step_time_spread_s=extra["spread"], step_times_s=extra["step_times_s"], losses=result["losses"],
-            per_rank=extra["per_rank"], memory_method=result["memory_method"], executed_as=result["executed_as"])
+        report = report_from_result(plan, data["results"][0], data, steps, warmup, time.perf_counter() - started,
+                                    predicted)
     else:
         status, message = _failure(result_path, work / "torchrun.stderr", rc, timed_out, deadline, plan)
         report = ValidationReport(**common, status=status, message=message, measured=Metrics(),

@@ -22,6 +22,7 @@ __all__ = [
     "UnknownProfileError",
     "device_names",
     "load_device",
+    "load_profile_file",
     "load_server",
     "server_names",
 ]
@@ -55,3 +56,11 @@ def load_server(name: str) -> ServerProfile:
     if not path.is_file():
         raise UnknownProfileError("cluster preset", name, server_names())
     return ServerProfile.model_validate(json.loads(path.read_text()))
+
+
+def load_profile_file(path: str | Path) -> tuple[DeviceProfile, ServerProfile]:
+    """The device and server of a `berth profile` output file (raises ValueError/OSError)."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not str(data.get("format", "")).startswith("berth-profile/"):
+        raise ValueError("not a `berth profile` output (no format: berth-profile/N)")
+    return DeviceProfile.model_validate(data["device"]), ServerProfile.model_validate(data["server"])

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Precision = Literal["bf16", "fp16", "fp32"]
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
 
 
 class _Frozen(BaseModel):
@@ -49,6 +50,9 @@ class DeviceProfile(_Frozen):
     attention_peak_fraction: float = Field(gt=0, le=1)
     kernel_overhead_s: float = Field(ge=0)
     kernels_per_layer_fwd: float = Field(ge=0)
+    tp_kernel_overhead_s: float = Field(
+        default=0.0, ge=0, description="extra dispatch time per kernel of a tensor-parallel layer (DTensor and "
+        "collective launch overhead; 0 for fused GPU stacks, fitted by `berth calibrate`)")
     framework_overhead_bytes: float = Field(ge=0)
     allocator_fragmentation_fraction: float = Field(ge=0, lt=1)
     tdp_watts: float | None = None
@@ -68,6 +72,14 @@ class LinkProfile(_Frozen):
         gt=0, le=1, description="achieved ring bus bandwidth / wire bandwidth"
     )
     hop_latency_s: float = Field(ge=0)
+    op_time_scale: dict[CollectiveOp, float] = Field(
+        default_factory=dict,
+        description="measured time of each collective relative to the ring model on this link (1.0 when absent); "
+        "gloo's all-gather and reduce-scatter are slower than its all-reduce, NCCL's are not",
+    )
+
+    def scale(self, op: CollectiveOp) -> float:
+        return self.op_time_scale.get(op, 1.0)
 
 
 class ServerProfile(_Frozen):
@@ -80,5 +92,7 @@ class ServerProfile(_Frozen):
     intra_node: LinkProfile
     inter_node: LinkProfile
     collective_base_latency_s: float = Field(ge=0)
+    comm_overlap_efficiency: float = Field(
+        default=0.7, ge=0, le=1, description="fraction of a backward compute window that hides data-parallel traffic")
     sources: dict[str, str] = Field(default_factory=dict)
     assumptions: dict[str, str] = Field(default_factory=dict)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -30,7 +31,8 @@ console = Console(width=max(MIN_WIDTH, shutil.get_terminal_size().columns))
 
 Model = Annotated[str, typer.Argument(help="preset name, a model YAML/JSON file, or an HF config.json")]
 Cluster = Annotated[str, typer.Option(
-    "--cluster", help="cluster preset (dgx-a100-80g, dgx-h100, dgx-h200) or 'local': this machine")]
+    "--cluster", help="cluster preset (dgx-h100, dgx-a100-80g, dgx-b200, aws-p5, ...: see `berth presets`) or "
+    "'local': this machine")]
 Nodes = Annotated[int, typer.Option("--nodes", help="number of nodes")]
 Devices = Annotated[int | None, typer.Option(
     "--devices-per-node", help="with --cluster local: GPUs to use, or CPU worker processes (default: all)")]
@@ -42,10 +44,14 @@ Flash = Annotated[bool, typer.Option("--flash-attention/--no-flash-attention", h
 Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
 
 
+Profile = Annotated[str | None, typer.Option("--profile", help="a `berth profile` output: measured device "
+                                             "(and, with --cluster local, links)")]
+
+
 def _inputs(model: str, cluster: str, nodes: int, devices: int | None, seq_len: int, global_batch: int,
-            precision: str | None, flash: bool):
+            precision: str | None, flash: bool, profile: str | None = None):
     spec = load_model(model)
-    cl = make_cluster(cluster, nodes, devices)
+    cl = make_cluster(cluster, nodes, devices, profile)
     training = make_training(seq_len=seq_len, global_batch_size=global_batch,
                              precision=precision or default_precision(cl), flash_attention=flash)
     return spec, training, cl
@@ -61,6 +67,7 @@ def plan_cmd(
     cluster: Cluster = "dgx-h100",
     nodes: Nodes = 1,
     devices: Devices = None,
+    profile: Profile = None,
     seq_len: SeqLen = 4096,
     global_batch: Batch = 256,
     precision: Precision = None,
@@ -71,7 +78,7 @@ def plan_cmd(
     as_json: Json = False,
 ) -> None:
     """Search every valid layout and show the fastest that fit."""
-    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash)
+    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile)
     result = plan(spec, training, cl, make_search(top=top, fix=fix, max_micro_batch_size=max_mbs))
     if as_json:
         print(json.dumps(plans_json(result)))
@@ -94,6 +101,7 @@ def compare_cmd(
     cluster: Cluster = "dgx-h100",
     nodes: Nodes = 1,
     devices: Devices = None,
+    profile: Profile = None,
     seq_len: SeqLen = 4096,
     global_batch: Batch = 256,
     precision: Precision = None,
@@ -101,7 +109,7 @@ def compare_cmd(
     as_json: Json = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
-    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash)
+    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile)
     candidates = compare(spec, training, cl, layout)
     try:
         best = plan(spec, training, cl, make_search(top=1))
@@ -118,6 +126,38 @@ def compare_cmd(
         b = best.plans[0]
         console.print(f"best searched layout: {b.layout.short()} at {b.prediction.tokens_per_s:,.0f} tokens/s")
     console.print(breakdown_table(candidates, "breakdowns"))
+
+
+@app.command("presets")
+def presets_cmd(as_json: Json = False) -> None:
+    """List the model, cluster and device presets."""
+    from rich.table import Table
+
+    from hardware_profiles import device_names, load_device, load_server, server_names
+    from planner.models import presets
+
+    servers = [load_server(n) for n in server_names()]
+    devices = [load_device(n) for n in device_names()]
+    if as_json:
+        print(json.dumps({"models": sorted(presets()), "clusters": [s.name for s in servers],
+                          "devices": [d.name for d in devices]}))
+        return
+    t = Table(title="cluster presets (per node)", header_style="bold")
+    for col in ("name", "device", "GPUs", "intra-node GB/s", "inter-node GB/s per GPU", "description"):
+        t.add_column(col)
+    for s in servers:
+        t.add_row(s.name, s.device, str(s.gpus_per_node), f"{s.intra_node.bandwidth_bytes_per_s / 1e9:g} "
+                  f"{s.intra_node.kind}", f"{s.inter_node.bandwidth_bytes_per_s / 1e9:g} {s.inter_node.kind}",
+                  s.display_name)
+    console.print(t)
+    d = Table(title="devices", header_style="bold")
+    for col in ("name", "bf16 TFLOP/s", "memory GiB", "memory TB/s", "description"):
+        d.add_column(col)
+    for x in devices:
+        d.add_row(x.name, f"{x.peak_flops('bf16') / 1e12:g}", f"{x.memory_bytes / 2**30:.0f}",
+                  f"{x.memory_bandwidth_bytes_per_s / 1e12:.3g}", x.display_name)
+    console.print(d)
+    console.print("models: " + ", ".join(sorted(presets())))
 
 
 @app.command("validate")
@@ -182,6 +222,89 @@ def validate_cmd(
     if report.status != "ok":
         Console(stderr=True).print(f"[red]{report.status}:[/red] {report.message}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+@app.command("profile")
+def profile_cmd(
+    out: Annotated[str, typer.Option("--out", help="where to write the profile")] = "berth-profile.json",
+    quick: Annotated[bool, typer.Option("--quick", help="fewer shapes, sizes and repeats (under a minute)")] = False,
+    max_procs: Annotated[int | None, typer.Option("--max-procs", help="largest process count for collectives "
+                                                  "(default: cores or GPUs, at most 8)")] = None,
+) -> None:
+    """Measure this machine (GEMMs, memory bandwidth, attention, collectives) into a profile that
+    plan, compare and --cluster local accept with --profile."""
+    from executor.profile import run_profile
+
+    err = Console(stderr=True)
+    with err.status("profiling") as status:
+        result = run_profile(quick=quick, max_procs=max_procs, progress=lambda msg: status.update(f"profiling: {msg}"))
+    Path(out).write_text(json.dumps(result, indent=2))
+    dev, link = result["device"], result["server"]["intra_node"]
+    peak = max(dev["peak_flops_per_s"].values())
+    console.print(f"{dev['display_name']}: GEMM peak {peak / 1e9:,.1f} GFLOP/s, memory "
+                  f"{dev['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+                  f"attention {dev['attention_peak_fraction']:.0%} "
+                  f"of peak, op overhead {dev['kernel_overhead_s'] * 1e6:.1f} us")
+    console.print(f"collectives: all-reduce bus bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, time vs "
+                  "all-reduce: " + ", ".join(f"{k} x{v:.2f}" for k, v in link["op_time_scale"].items()))
+    console.print(f"written to {out}")
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    reports: Annotated[list[str] | None, typer.Argument(
+        help="ValidationReport JSON files (default: the store)")] = None,
+    out: Annotated[str | None, typer.Option("--out", help="write the calibrated profile here")] = None,
+    store: Annotated[str | None, typer.Option("--store", help="SQLite results store to read reports from")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="only reports planned for this device")] = None,
+    holdout: Annotated[float, typer.Option("--holdout", help="fraction of reports held out of the fit")] = 0.3,
+    seed: Annotated[int, typer.Option("--seed", help="seed of the held-out split")] = 0,
+) -> None:
+    """Fit the cost model's named efficiency parameters to validation reports (scipy least_squares)
+    and print the error on the fitted reports and on those held out."""
+    from pydantic import ValidationError
+    from rich.table import Table
+
+    from planner.calibrate import PARAMETERS, calibrate, profile_document
+    from planner.errors import from_validation_error
+    from planner.specs import ValidationReport
+    from planner.store import Store
+
+    if not 0.0 <= holdout < 1.0:
+        raise BerthError("holdout", holdout, "must be in [0, 1)")
+    loaded = []
+    if reports:
+        for path in reports:
+            try:
+                loaded.append(ValidationReport.model_validate_json(Path(path).read_text()))
+            except OSError as err:
+                raise BerthError("reports", path, f"cannot read: {err.strerror}") from None
+            except ValidationError as err:
+                raise from_validation_error(err, f"reports[{path}]") from None
+    else:
+        loaded = Store(store).validations(status="ok")
+    if device:
+        loaded = [r for r in loaded if r.plan.cluster.device.name == device]
+    fit = calibrate(loaded, holdout=holdout, seed=seed)
+    t = Table(title=f"calibration on {len(fit.fit_ids)} reports ({len(fit.held_out_ids)} held out)")
+    for col in ("parameter", "before", "after"):
+        t.add_column(col, justify="left" if col == "parameter" else "right")
+    for name in PARAMETERS:
+        t.add_row(name, f"{fit.initial[name]:.4g}", f"{fit.values[name]:.4g}")
+    console.print(t)
+    e = Table(title="errors (fractions)")
+    for col in ("reports", "step-time MAPE", "worst", "memory MAPE", "worst"):
+        e.add_column(col, justify="left" if col == "reports" else "right")
+    for key, errs in fit.errors.items():
+        if errs:
+            nan = float("nan")
+            e.add_row(key.replace("_", " "), f"{errs['step_time_mape']:.3f}", f"{errs['step_time_max_error']:.3f}",
+                      f"{errs.get('memory_mape', nan):.3f}", f"{errs.get('memory_max_error', nan):.3f}")
+    console.print(e)
+    if out:
+        Path(out).write_text(json.dumps(profile_document(fit, "reports given" if reports else "results store"),
+                                        indent=2))
+        console.print(f"calibrated profile written to {out} (use it with --profile)")
 
 
 @app.command("serve")

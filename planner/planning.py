@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from hardware_profiles import load_profile_file
 from planner.errors import BerthError, from_validation_error
 from planner.layouts import complete_layout, parse_spec
 from planner.search import SearchResult, predict_layouts, search
@@ -17,15 +18,39 @@ from planner.specs import ClusterSpec, ModelSpec, Plan, SearchSpec, TrainingSpec
 from planner.topology import LOCAL, cluster_from_preset, local_cluster
 
 
-def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = None) -> ClusterSpec:
-    """A preset for `nodes` servers, or `local`: this machine (its GPUs, or CPU worker processes)."""
+def load_profile(path: str | None):
+    """(device, server) of a `berth profile` file, or None."""
+    if not path:
+        return None
+    try:
+        return load_profile_file(path)
+    except OSError as err:
+        raise BerthError("profile", path, f"cannot read: {err.strerror}") from None
+    except ValidationError as err:
+        raise from_validation_error(err, "profile") from None
+    except ValueError as err:
+        raise BerthError("profile", path, str(err)) from None
+
+
+def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = None,
+                 profile: str | None = None) -> ClusterSpec:
+    """A preset for `nodes` servers, or `local`: this machine (its GPUs, or CPU worker processes).
+    A `berth profile` file replaces the device (and, for `local`, the links) by measured ones."""
+    measured = load_profile(profile)
     if cluster == LOCAL:
         if nodes != 1:
             raise BerthError("cluster.nodes", nodes, "a local cluster is this one machine: nodes must be 1")
-        return local_cluster(devices_per_node)
+        return local_cluster(devices_per_node, measured)
     if devices_per_node is not None:
         raise BerthError("cluster.devices_per_node", devices_per_node, "applies to --cluster local only")
-    return cluster_from_preset(cluster, nodes)
+    spec = cluster_from_preset(cluster, nodes)
+    if measured is not None:
+        device = measured[0]
+        if device.kind != spec.device.kind:
+            raise BerthError("profile", profile, f"a {device.kind} profile cannot describe {cluster}'s "
+                             f"{spec.device.kind}s")
+        spec = spec.model_copy(update={"device": device.model_copy(update={"memory_bytes": spec.device.memory_bytes})})
+    return spec
 
 
 def default_precision(cluster: ClusterSpec) -> str:

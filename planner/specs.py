@@ -135,6 +135,9 @@ class ClusterSpec(Spec):
     intra_node: LinkProfile
     inter_node: LinkProfile
     collective_base_latency_s: float = Field(ge=0)
+    comm_overlap_efficiency: float = Field(
+        default=0.7, ge=0, le=1,
+        description="fraction of a backward compute window that hides data-parallel traffic (cost_models/step.py)")
 
     @property
     def world_size(self) -> int:

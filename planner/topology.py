@@ -21,7 +21,7 @@ from typing import Any
 import networkx as nx
 
 from hardware_profiles import UnknownProfileError, device_names, load_device, load_server, server_names
-from hardware_profiles.schema import LinkProfile, ServerProfile
+from hardware_profiles.schema import DeviceProfile, LinkProfile, ServerProfile
 from planner.errors import BerthError
 from planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec
 
@@ -66,6 +66,7 @@ def cluster_from_graph(g: nx.Graph, name: str, server: ServerProfile) -> Cluster
         intra_node=server.intra_node.model_copy(update={"bandwidth_bytes_per_s": intra_bw}),
         inter_node=server.inter_node.model_copy(update={"bandwidth_bytes_per_s": inter_bw}),
         collective_base_latency_s=server.collective_base_latency_s,
+        comm_overlap_efficiency=server.comm_overlap_efficiency,
     )
 
 
@@ -106,7 +107,9 @@ def graph_summary(g: nx.Graph) -> dict[str, int]:
 
 LOCAL = "local"
 # nvidia-smi name fragment -> device profile (most specific first)
-GPU_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80g"), ("A100 80GB", "a100-80g"))
+GPU_NAMES = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80g"),
+             ("A100 80GB", "a100-80g"), ("A100-SXM4-40GB", "a100-40g"), ("B200", "b200"), ("L40S", "l40s"),
+             ("L4", "l4"), ("MI300X", "mi300x"))
 
 
 def local_gpus() -> list[tuple[str, float]]:
@@ -136,9 +139,11 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def local_cluster(devices_per_node: int | None = None) -> ClusterSpec:
+def local_cluster(devices_per_node: int | None = None,
+                  profile: tuple[DeviceProfile, ServerProfile] | None = None) -> ClusterSpec:
     """This machine as a one-node cluster: its GPUs, or with none, `devices_per_node` CPU worker
-    processes (default: one per core) sharing the host's RAM, on the host CPU profile."""
+    processes (default: one per core) sharing the host's RAM, on the host CPU profile, or on the
+    measured `profile` (from `berth profile`) when one is given."""
     if devices_per_node is not None and not 1 <= devices_per_node <= MAX_GPUS_PER_NODE:
         raise BerthError("cluster.devices_per_node", devices_per_node, f"must be in 1..{MAX_GPUS_PER_NODE}")
     gpus = local_gpus()
@@ -157,8 +162,13 @@ def local_cluster(devices_per_node: int | None = None) -> ClusterSpec:
         count = devices_per_node or os.cpu_count() or 1
         server = load_server("local-cpu")
         device = load_device(server.device).model_copy(update={"memory_bytes": host_memory_bytes() / count})
-    return ClusterSpec(name=LOCAL, nodes=1, gpus_per_node=count, device=device, intra_node=server.intra_node,
-                       inter_node=server.inter_node, collective_base_latency_s=server.collective_base_latency_s)
+    if profile is not None:
+        device = profile[0].model_copy(update={"memory_bytes": device.memory_bytes})
+        server = profile[1]
+    return ClusterSpec(name=LOCAL if profile is None else f"{LOCAL} (profiled)", nodes=1, gpus_per_node=count,
+                       device=device, intra_node=server.intra_node,
+                       inter_node=server.inter_node, collective_base_latency_s=server.collective_base_latency_s,
+                       comm_overlap_efficiency=server.comm_overlap_efficiency)
 
 
 # Achieved ring bus bandwidth / wire bandwidth per link kind, for graphs (presets carry their own).

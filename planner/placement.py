@@ -1,0 +1,91 @@
+"""Placement as pure math: which GPU each rank runs on and which ranks form each process group.
+
+A layout's ranks are laid out along its parallel axes in an order, innermost first; the default
+("tp", "dp", "pp") is Megatron-LM's: tensor-parallel ranks adjacent (inside a node's fast
+domain), then data parallel, then pipeline stages outermost (Narayanan et al. 2021, Sec. 3.3).
+Rank r runs on node r // gpus_per_node, local GPU r % gpus_per_node, which is also what
+`torchrun --nnodes N --nproc-per-node G --node-rank n` gives rank n * G + local_rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import permutations
+
+import numpy as np
+
+from planner.specs import ClusterSpec, Layout
+
+AXES = ("tp", "dp", "pp")
+DEFAULT_ORDER = ("tp", "dp", "pp")
+ORDERS: tuple[tuple[str, ...], ...] = tuple(permutations(AXES))
+
+
+def _sizes(layout: Layout) -> dict[str, int]:
+    return {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}
+
+
+def coordinates(layout: Layout, order: tuple[str, ...] = DEFAULT_ORDER) -> dict[str, np.ndarray]:
+    """Each rank's index along every axis (arrays of length world size)."""
+    if sorted(order) != sorted(AXES):
+        raise ValueError(f"order must be a permutation of {AXES}, got {order}")
+    sizes = _sizes(layout)
+    ranks = np.arange(layout.world_size)
+    coords, stride = {}, 1
+    for axis in order:
+        coords[axis] = (ranks // stride) % sizes[axis]
+        stride *= sizes[axis]
+    return coords
+
+
+def strides(layout: Layout, order: tuple[str, ...] = DEFAULT_ORDER) -> dict[str, int]:
+    """Rank distance between neighbours of each axis."""
+    sizes, out, stride = _sizes(layout), {}, 1
+    for axis in order:
+        out[axis] = stride
+        stride *= sizes[axis]
+    return out
+
+
+def process_groups(layout: Layout, order: tuple[str, ...] = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
+    """For each axis, its groups: ranks that share every other coordinate, in axis order."""
+    coords = coordinates(layout, order)
+    groups: dict[str, list[list[int]]] = {}
+    for axis in AXES:
+        others = [a for a in AXES if a != axis]
+        keys: dict[tuple[int, ...], list[int]] = {}
+        for r in range(layout.world_size):
+            keys.setdefault(tuple(int(coords[a][r]) for a in others), []).append(r)
+        groups[axis] = [sorted(g, key=lambda r: coords[axis][r]) for g in keys.values()]
+    return groups
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    axis: str
+    size: int
+    nodes: int  # nodes one group spans
+    per_node: int  # members of one group on each of its nodes
+    crosses_nodes: bool
+
+
+def device_of(rank: int, cluster: ClusterSpec) -> tuple[int, int]:
+    """(node, local GPU) of a rank."""
+    return divmod(rank, cluster.gpus_per_node)
+
+
+def spans(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] = DEFAULT_ORDER) -> dict[str, GroupSpan]:
+    """How the (first) group of each axis sits on the nodes; all groups of an axis are alike."""
+    out = {}
+    for axis, groups in process_groups(layout, order).items():
+        g = groups[0]
+        nodes = {device_of(r, cluster)[0] for r in g}
+        out[axis] = GroupSpan(axis, len(g), len(nodes), len(g) // len(nodes), len(nodes) > 1)
+    return out
+
+
+def rank_map(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] = DEFAULT_ORDER) -> list[dict[str, int]]:
+    """Every rank with its node, local GPU and coordinates (what the plan carries)."""
+    coords = coordinates(layout, order)
+    return [{"rank": r, "node": device_of(r, cluster)[0], "local_rank": device_of(r, cluster)[1],
+             **{a: int(coords[a][r]) for a in AXES}} for r in range(layout.world_size)]

@@ -1,0 +1,134 @@
+"""Hardware profiles are data with sources; `berth profile` measures this machine into a profile
+the planner accepts; `berth calibrate` fits the named parameters and recovers known ones."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hardware_profiles import device_names, load_device, load_profile_file, load_server, server_names
+from planner.calibrate import PARAMETERS, apply, calibrate, current_values
+from planner.models import presets
+from planner.planning import make_cluster, make_search, plan
+from planner.search import predict_layouts
+from planner.specs import Layout, Metrics, TrainingSpec, ValidationReport
+
+BERTH = [sys.executable, "-m", "planner.cli"]
+DEVICES = ("a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x", "l40s", "l4")
+
+
+def test_every_device_and_server_loads_with_sources():
+    assert set(DEVICES) <= set(device_names())
+    for name in device_names():
+        d = load_device(name)
+        assert d.sources, name
+        assert any(k.startswith("peak_flops_per_s") for k in d.sources), name
+        assert d.gemm.peak_fraction == sorted(d.gemm.peak_fraction), name  # larger shapes never slower
+    for name in server_names():
+        s = load_server(name)
+        assert s.sources and load_device(s.device)
+
+
+@pytest.mark.parametrize("preset", [s for s in server_names() if s != "local-cpu"])
+def test_every_cluster_preset_plans_llama3_8b(preset):
+    training = TrainingSpec(seq_len=4096, global_batch_size=64)
+    result = plan(presets()["llama3-8b"], training, make_cluster(preset, 2), make_search(top=1))
+    best = result.plans[0]
+    assert best.prediction.fits and 0.05 < best.prediction.mfu < 0.9, (preset, best.layout.short())
+
+
+def test_faster_devices_are_predicted_faster():
+    training = TrainingSpec(seq_len=4096, global_batch_size=64)
+    model = presets()["llama3-8b"]
+
+    def best(preset):
+        return plan(model, training, make_cluster(preset, 1), make_search(top=1)).plans[0].prediction.step_time_s
+
+    assert best("dgx-b200") < best("dgx-h100") < best("dgx-a100-80g") < best("pcie-l40s") < best("pcie-l4")
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    r = subprocess.run([*BERTH, "profile", "--quick", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def test_profile_measures_this_machine(quick_profile):
+    device, server = load_profile_file(quick_profile)
+    assert device.kind == "cpu" and device.name.endswith("-profiled")
+    assert 1e9 < device.peak_flops("fp32") < 1e13  # a CPU core: GFLOP/s to a few TFLOP/s
+    assert max(device.gemm.peak_fraction) == pytest.approx(1.0)
+    assert 0 < device.attention_peak_fraction <= 1 and device.memory_bandwidth_bytes_per_s > 1e8
+    assert set(server.intra_node.op_time_scale) == {"all_gather", "reduce_scatter", "p2p"}
+    raw = json.loads(quick_profile.read_text())["measurements"]
+    assert len(raw["gemm"]) >= 4 and raw["collectives"]["2"]["backend"] == "gloo"
+
+
+def test_plan_accepts_the_profile(quick_profile):
+    r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len", "128",
+                        "--global-batch", "8", "--profile", str(quick_profile), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    cluster = json.loads(r.stdout)["plans"][0]["cluster"]
+    assert cluster["device"]["name"].endswith("-profiled") and cluster["intra_node"]["op_time_scale"]
+    r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--profile", "/nonexistent.json"], capture_output=True, text=True)
+    assert r.returncode == 2 and "profile" in r.stderr
+
+
+def _synthetic_reports(truth: dict[str, float], n_noise: float = 0.0):
+    """Reports whose 'measurements' are the cost model's predictions on a cluster with known
+    parameter values, so a correct fit must find values that reproduce them."""
+    model = presets()["tiny-gpt"]
+    training = TrainingSpec(seq_len=256, global_batch_size=8, precision="fp32")
+    base = make_cluster("local", 1, 2)
+    layouts = [Layout(dp=2, zero_stage=z, shard=2 if z else 1, micro_batch_size=m, num_microbatches=4 // m,
+                      recompute=r) for z in (0, 1, 2, 3) for m in (1, 2, 4) for r in ("none", "full")]
+    layouts += [Layout(tp=2, micro_batch_size=m, num_microbatches=8 // m) for m in (1, 2, 4)]
+    layouts += [Layout(pp=2, micro_batch_size=1, num_microbatches=8, schedule=s) for s in ("gpipe", "1f1b")]
+    planned = predict_layouts(model, training, base, layouts)
+    true = predict_layouts(model, training, apply(base, truth), layouts)
+    rng = np.random.default_rng(0)
+    reports = []
+    for i, (p, t) in enumerate(zip(planned, true, strict=True)):
+        noise = 1 + n_noise * rng.standard_normal(2)
+        reports.append(ValidationReport(
+            id=f"r{i:03d}", created="2026-01-01", berth_version="test", status="ok", plan=p, steps=3, warmup=1,
+            predicted=Metrics(), measured=Metrics(step_time_s=t.prediction.step_time_s * noise[0],
+                                                  peak_memory_bytes=t.prediction.peak_memory_bytes * noise[1])))
+    return reports, base
+
+
+def test_calibrate_recovers_known_parameters():
+    base = make_cluster("local", 1, 2)
+    truth = {**current_values(base), "compute_scale": 0.6, "comm_scale": 3.0, "framework_overhead_bytes": 20 * 2**20}
+    reports, _ = _synthetic_reports(truth)
+    fit = calibrate(reports, holdout=0.3, seed=1)
+    assert fit.errors["held_out_before"]["step_time_mape"] > 0.2  # the base profile is far off
+    assert fit.errors["held_out_after"]["step_time_mape"] < 0.02  # held-out layouts predicted after the fit
+    assert fit.errors["held_out_after"]["memory_mape"] < 0.02
+    assert set(fit.values) == set(PARAMETERS) and len(fit.held_out_ids) >= 3
+
+
+def test_calibrate_cli_writes_a_usable_profile(tmp_path):
+    truth = {**current_values(make_cluster("local", 1, 2)), "compute_scale": 0.7}
+    reports, _ = _synthetic_reports(truth, n_noise=0.02)
+    paths = []
+    for r in reports:
+        path = tmp_path / f"{r.id}.json"
+        path.write_text(r.model_dump_json())
+        paths.append(str(path))
+    out = tmp_path / "calibrated.json"
+    r = subprocess.run([*BERTH, "calibrate", *paths, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "held out" in r.stdout and "compute_scale" in r.stdout
+    device, server = load_profile_file(out)
+    assert device.name.endswith("-calibrated")
+    r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len", "256",
+                        "--global-batch", "8", "--profile", str(out), "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*BERTH, "calibrate", str(tmp_path / "missing.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "reports" in r.stderr
