@@ -74,7 +74,7 @@ def _dp_times(training, cluster, c, stage_params, compute_mb_s, layers_per_stage
     shard = c.shard.astype(float)
     replicate = c.dp / shard
     stride_shard, stride_rep = c.tp, c.tp * c.shard
-    # one all-gather or reduce-scatter (same cost) of the stage's parameters over the shard group
+    # all-gather and reduce-scatter of the stage's parameters over the shard group (costed apart: gloo differs)
     gather = comm.all_gather_s(cluster, grad_bytes, shard, stride_shard)
     scatter = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)

@@ -199,6 +199,21 @@ def _failure(out: Path, stderr_path: Path, rc: int | None, timed_out: bool, dead
 _SIGNALS = {int(s) for s in signal.Signals}
 
 
+def _failed_report(common: dict[str, Any], result_path: Path, stderr_path: Path, rc: int | None, timed_out: bool,
+                   deadline: float, plan: Plan, started: float) -> ValidationReport:
+    status, message = _failure(result_path, stderr_path, rc, timed_out, deadline, plan)
+    return ValidationReport(**common, status=status, message=message, measured=Metrics(),
+                            machine={"wall_time_s": time.perf_counter() - started})
+
+
+def _save(report: ValidationReport, out: str | Path | None, store: Store | None) -> ValidationReport:
+    """Write the report file (if asked) and append it to the results store, failed ones too."""
+    if out:
+        Path(out).write_text(report.model_dump_json(indent=2))
+    (store or Store()).add_validation(report)
+    return report
+
+
 def measured_metrics(plan: Plan, result: dict[str, Any]) -> tuple[Metrics, dict[str, Any]]:
     """Step time = median over timed steps of the slowest rank's step; memory = the largest rank."""
     warm = result["warmup"]
@@ -335,13 +350,8 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
             step_time_spread_s={"min": min(timed), "median": med(timed), "max": max(timed)},
             step_times_s=timed, per_rank=[rank], memory_method=r["memory_method"])
     else:
-        status, message = _failure(result_path, work / "proxy.stderr", rc, timed_out, deadline, plan)
-        report = ValidationReport(**common, status=status, message=message, measured=Metrics(),
-                                  machine={"wall_time_s": time.perf_counter() - started})
-    if out:
-        Path(out).write_text(report.model_dump_json(indent=2))
-    (store or Store()).add_validation(report)
-    return report
+        report = _failed_report(common, result_path, work / "proxy.stderr", rc, timed_out, deadline, plan, started)
+    return _save(report, out, store)
 
 
 def report_from_result(plan: Plan, result: dict[str, Any], data: dict[str, Any], steps: int, warmup: int,
@@ -393,10 +403,6 @@ def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: 
         report = report_from_result(plan, data["results"][0], data, steps, warmup, time.perf_counter() - started,
                                     predicted)
     else:
-        status, message = _failure(result_path, work / "torchrun.stderr", rc, timed_out, deadline, plan)
-        report = ValidationReport(**common, status=status, message=message, measured=Metrics(),
-                                  machine={"wall_time_s": time.perf_counter() - started})
-    if out:
-        Path(out).write_text(report.model_dump_json(indent=2))
-    (store or Store()).add_validation(report)
-    return report
+        report = _failed_report(common, result_path, work / "torchrun.stderr", rc, timed_out, deadline, plan,
+                                started)
+    return _save(report, out, store)
