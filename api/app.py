@@ -57,7 +57,7 @@ from planner.planning import (
 from planner.search import SearchTimeout
 from planner.specs import ClusterSpec, Plan
 from planner.store import Store
-from planner.topology import LOCAL, cluster_from_node_link
+from planner.topology import cluster_from_node_link
 
 ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"detail": {}}}}}}
 COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -304,4 +304,4 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-__all__ = ["LOCAL", "create_app"]
+__all__ = ["create_app"]

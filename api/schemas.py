@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
+from hardware_profiles.schema import LinkProfile, Precision
 from planner.specs import MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_NODES, MAX_SEQ_LEN, Plan, ValidationReport
 
 
@@ -139,7 +139,3 @@ class Health(BaseModel):
     status: Literal["ok"]
     version: str
     validation_enabled: bool
-
-
-__all__ = ["CompareRequest", "CompareResponse", "DeviceProfile", "PlanRequest", "PlanResponse", "ValidationJob",
-           "ValidationRequest"]

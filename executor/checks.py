@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
+PROGRESS_PREFIX = "BERTH_PROGRESS "  # rank 0's per-step line, read by `berth validate` for its progress display
+
 
 class UnsupportedLayout(ValueError):
     """The layout cannot run on this model with this executor (raised before any collective)."""

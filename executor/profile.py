@@ -251,11 +251,7 @@ def build_profile(device_type: str, gemm: list[dict], bandwidth: float, attentio
     dims = [g["min_dim"] for g in gemm]
     fractions = [min(1.0, max(1e-3, g["flops_per_s"] / peak)) for g in gemm]
     base = load_device("cpu-host") if device_type == "cpu" else load_device(machine.get("profile_base", "h100-sxm"))
-    peaks = dict(base.peak_flops_per_s)
-    peaks[precision] = peak
-    if device_type == "cpu":
-        peaks = {"fp32": peak, "bf16": base.peak_flops_per_s.get("bf16", peak), "fp16": base.peak_flops_per_s.get(
-            "fp16", peak)}
+    peaks = {**base.peak_flops_per_s, precision: peak}  # the measured precision; the others from the base
     when = datetime.now(UTC).date().isoformat()
     src = f"measured by `berth profile` on {machine['hostname']} ({when})"
     device = DeviceProfile(
@@ -275,8 +271,7 @@ def build_profile(device_type: str, gemm: list[dict], bandwidth: float, attentio
                      if k in ("memory_bytes", "framework_overhead_bytes", "allocator_fragmentation_fraction",
                               "kernels_per_layer_fwd")},
     )
-    server_base = load_server("local-cpu") if device_type == "cpu" else next(
-        load_server(s) for s in ("dgx-h100",))
+    server_base = load_server("local-cpu" if device_type == "cpu" else "dgx-h100")
     link = server_base.intra_node
     base_latency = server_base.collective_base_latency_s
     sources = {}

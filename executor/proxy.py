@@ -33,10 +33,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from executor.checks import PROGRESS_PREFIX
 from executor.model import INIT_STD, Block, norm_layer
 from executor.parallel import apply_recompute
 from executor.train import PeakMemory
-from executor.worker import PROGRESS_PREFIX, machine
+from executor.worker import machine
 from planner.specs import Plan
 
 

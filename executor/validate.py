@@ -33,14 +33,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from executor.checks import UnsupportedLayout, check_layout
+from executor.checks import PROGRESS_PREFIX, UnsupportedLayout, check_layout
 from planner import __version__
 from planner.errors import BerthError, from_validation_error
 from planner.specs import Metrics, Plan, ValidationReport
 from planner.store import Store
 from planner.topology import local_gpus
 
-PROGRESS_PREFIX = "BERTH_PROGRESS "  # executor.worker prints it; kept here to avoid importing torch
 STARTUP_BUDGET_S = 120.0  # torchrun start, imports and model build, generously
 STEP_BUDGET_FACTOR = 20.0  # a step may run this many times slower than predicted before the watchdog fires
 TERMINATE_GRACE_S = 5.0

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from executor.checks import PROGRESS_PREFIX
 from executor.train import run_steps
 from planner.specs import Plan
 
-PROGRESS_PREFIX = "BERTH_PROGRESS "
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # a dead or hung peer turns a hang into an error
 
 
