@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +32,8 @@ from api.schemas import (
     CompareResponse,
     GraphCluster,
     Health,
+    LaunchRequest,
+    LaunchResponse,
     ModelInfo,
     PlanRequest,
     PlanResponse,
@@ -42,17 +45,20 @@ from api.settings import Settings
 from hardware_profiles import DeviceProfile, UnknownProfileError, device_names, load_device, load_server, server_names
 from planner import __version__
 from planner.errors import BerthError, from_validation_error
+from planner.launch import artifacts
 from planner.models import load_model, presets
 from planner.planning import (
     cached_plan,
     compare,
     compare_json,
     default_precision,
+    fallback,
     make_cluster,
     make_search,
     make_training,
     plan,
     plans_json,
+    with_operations,
 )
 from planner.search import SearchTimeout
 from planner.specs import ClusterSpec, Plan
@@ -142,7 +148,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         detail = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in err.errors()]
         return JSONResponse(status_code=422, content={"detail": detail})
 
-    def resolve(model_ref, training_req, cluster_req) -> tuple[Any, Any, ClusterSpec]:
+    def resolve(model_ref, training_req, cluster_req, ops=None) -> tuple[Any, Any, ClusterSpec]:
         model = load_model(model_ref, allow_files=False)
         def too_big(gpus: int) -> None:
             if gpus > settings.max_gpus:
@@ -150,12 +156,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                  f"({settings.max_gpus:,})")
 
         if isinstance(cluster_req, GraphCluster):
+            nodes = cluster_req.graph.get("nodes")
+            if isinstance(nodes, list):  # counted before the graph is built
+                too_big(sum(1 for n in nodes if isinstance(n, dict) and n.get("kind") == "gpu"))
             cluster = cluster_from_node_link(cluster_req.graph, cluster_req.name)
         else:
             if cluster_req.preset in server_names():  # checked before the graph is built
                 too_big(load_server(cluster_req.preset).gpus_per_node * cluster_req.nodes)
-            cluster = make_cluster(cluster_req.preset, cluster_req.nodes, cluster_req.devices_per_node)
+            cluster = make_cluster(cluster_req.preset, cluster_req.nodes, cluster_req.devices_per_node,
+                                   fabric=cluster_req.fabric, nodes_per_leaf=cluster_req.nodes_per_leaf,
+                                   oversubscription=cluster_req.oversubscription)
         too_big(cluster.world_size)
+        if ops is not None:
+            gbps = ops.storage_write_gbps_per_gpu
+            cluster = with_operations(cluster, ops.failures_per_gpu_hour, gbps * 1e9 if gbps else None,
+                                      ops.price_per_gpu_hour)
         fields = training_req.model_dump()
         fields["precision"] = fields["precision"] or default_precision(cluster)
         return model, make_training(**fields), cluster
@@ -177,12 +192,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/plans", response_model=PlanResponse, tags=["plans"], responses=COMMON_ERRORS)
     async def create_plan(req: PlanRequest) -> Response:
-        model, training, cluster = resolve(req.model, req.training, req.cluster)
-        spec = make_search(top=req.search.top, fix=req.search.fix,
+        model, training, cluster = resolve(req.model, req.training, req.cluster, req.operations)
+        spec = make_search(top=req.search.top, fix=req.search.fix, objective=req.search.objective,
                            max_micro_batch_size=req.search.max_micro_batch_size)
         result = cached_plan(model, training, cluster, spec, settings.max_candidates)
         if result is None:  # a cold search: off the event loop, within the budget
             result = await bounded(lambda dl: plan(model, training, cluster, spec, settings.max_candidates, dl))
+        if req.search.fallback and result.plans and cluster.nodes > 1:
+            first = result.plans[0]
+            first = first.model_copy(update={"fallback": await bounded(lambda dl: fallback(first, spec))})
+            result = replace(result, plans=[first, *result.plans[1:]])
         body = {"id": uuid.uuid4().hex, "created": _now(), **plans_json(result)}
         store.add_plan(body["id"], body["created"], {"kind": "plan", "request": req.model_dump(mode="json"),
                                                      "response": body})
@@ -190,7 +209,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/compare", response_model=CompareResponse, tags=["plans"], responses=COMMON_ERRORS)
     async def create_compare(req: CompareRequest) -> Response:
-        model, training, cluster = resolve(req.model, req.training, req.cluster)
+        model, training, cluster = resolve(req.model, req.training, req.cluster, req.operations)
 
         def work(deadline: float):
             candidates = compare(model, training, cluster, req.layouts)
@@ -204,6 +223,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store.add_plan(body["id"], body["created"], {"kind": "compare", "request": req.model_dump(mode="json"),
                                                      "response": body})
         return _json(body)
+
+    @app.post("/v1/launch", response_model=LaunchResponse, tags=["plans"],
+              responses={404: {"description": "no such plan", **ERROR}, **COMMON_ERRORS})
+    def create_launch(req: LaunchRequest) -> Response:
+        """The files that launch a stored plan (the same as `berth launch`)."""
+        stored = store.get_plan(req.plan_id)
+        if stored is None:
+            raise HTTPException(404, f"no plan with id {req.plan_id!r}")
+        plans = stored["response"].get("plans") or stored["response"].get("candidates") or []
+        if not 1 <= req.pick <= len(plans):
+            raise BerthError("pick", req.pick, f"the stored answer holds {len(plans)} plans")
+        chosen = Plan.model_validate(plans[req.pick - 1])
+        files = artifacts(chosen, req.format, steps=req.steps, warmup=req.warmup, image=req.image)
+        return _json({"plan_id": req.plan_id, "format": req.format, "files": files})
 
     @app.get("/v1/plans/{plan_id}", response_model=PlanResponse | CompareResponse, tags=["plans"],
              responses={404: {"description": "no such plan", **ERROR}})

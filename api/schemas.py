@@ -20,6 +20,7 @@ class TrainingRequest(Body):
     global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, examples=[256])
     precision: Precision | None = Field(default=None, description="default: bf16 on GPUs, fp32 on CPU workers")
     flash_attention: bool = True
+    token_budget: float | None = Field(default=None, gt=0, le=1e16, description="tokens to train on, for the cost")
 
 
 class PresetCluster(Body):
@@ -28,6 +29,9 @@ class PresetCluster(Body):
     nodes: int = Field(default=1, gt=0, le=MAX_NODES)
     devices_per_node: int | None = Field(default=None, gt=0, le=MAX_GPUS_PER_NODE,
                                          description="with preset 'local' only")
+    fabric: Literal["rails", "fat-tree"] = Field(default="rails", description="how the nodes' NICs are joined")
+    nodes_per_leaf: int | None = Field(default=None, gt=0, le=MAX_NODES, description="fat-tree: nodes per leaf")
+    oversubscription: float = Field(default=1.0, ge=1.0, le=64.0, description="fat-tree: leaf down/up bandwidth")
 
 
 class GraphCluster(Body):
@@ -35,10 +39,20 @@ class GraphCluster(Body):
     name: str = Field(default="graph", min_length=1, max_length=100)
 
 
+class OperationsRequest(Body):
+    """Failures, storage and price (defaults: see ClusterSpec)."""
+
+    failures_per_gpu_hour: float | None = Field(default=None, ge=1e-12, le=1)
+    storage_write_gbps_per_gpu: float | None = Field(default=None, ge=1e-6, le=1e4)
+    price_per_gpu_hour: float | None = Field(default=None, ge=0, le=1e6)
+
+
 class SearchRequest(Body):
     top: int = Field(default=5, gt=0, le=100)
     fix: str | dict[str, int | str | bool] = Field(default_factory=dict, examples=["tp=8", {"tp": 8}])
     max_micro_batch_size: int | None = Field(default=None, gt=0, le=1024)
+    objective: Literal["throughput", "goodput", "cost"] = "throughput"
+    fallback: bool = Field(default=False, description="also plan the best layout with one node lost")
 
 
 def _cluster_kind(value: Any) -> str | None:
@@ -61,6 +75,7 @@ class PlanRequest(Body):
     model: ModelRef = Field(description=MODEL_DESCRIPTION, examples=["llama3-70b"])
     training: TrainingRequest
     cluster: ClusterRequest
+    operations: OperationsRequest = Field(default_factory=OperationsRequest)
     search: SearchRequest = Field(default_factory=SearchRequest)
 
 
@@ -68,6 +83,7 @@ class CompareRequest(Body):
     model: ModelRef = Field(description=MODEL_DESCRIPTION, examples=["llama3-70b"])
     training: TrainingRequest
     cluster: ClusterRequest
+    operations: OperationsRequest = Field(default_factory=OperationsRequest)
     layouts: list[str | dict[str, int | str | bool]] = Field(min_length=1, max_length=64,
                                                              examples=[["tp=8,pp=2", {"tp": 8, "zero_stage": 3}]])
 
@@ -87,6 +103,21 @@ class CompareResponse(BaseModel):
     candidates: list[Plan]
     best_searched: Plan | None
     gap_to_best: list[float | None] | None = None
+
+
+class LaunchRequest(Body):
+    plan_id: str = Field(min_length=1, max_length=64)
+    pick: int = Field(default=1, ge=1, le=1000, description="which plan of the stored answer (1 = first)")
+    format: Literal["torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan"]
+    steps: int = Field(default=20, ge=1, le=100000)
+    warmup: int = Field(default=3, ge=0, le=1000)
+    image: str = Field(default="berth:latest-torch", min_length=1, max_length=200)
+
+
+class LaunchResponse(BaseModel):
+    plan_id: str
+    format: str
+    files: dict[str, str]
 
 
 class ValidationRequest(Body):

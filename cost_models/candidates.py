@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from planner.specs import RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
+from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
 
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
 SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2
@@ -25,6 +25,7 @@ class Candidates:
     vpp: np.ndarray
     schedule: np.ndarray  # codes into SCHEDULE_CHOICES
     sp: np.ndarray  # 0/1
+    order: np.ndarray  # codes into AXIS_ORDER_CHOICES (innermost axis first)
 
     def __len__(self) -> int:
         return int(self.tp.shape[0])
@@ -46,6 +47,7 @@ class Candidates:
             vpp=col([x.virtual_stages for x in layouts]),
             schedule=col([SCHEDULE_CHOICES.index(x.schedule) for x in layouts]),
             sp=col([int(x.sequence_parallel) for x in layouts]),
+            order=col([AXIS_ORDER_CHOICES.index(x.axis_order) for x in layouts]),
         )
 
     def layout(self, i: int) -> Layout:
@@ -61,7 +63,23 @@ class Candidates:
             virtual_stages=int(self.vpp[i]),
             schedule=SCHEDULE_CHOICES[int(self.schedule[i])],
             sequence_parallel=bool(self.sp[i]),
+            axis_order=AXIS_ORDER_CHOICES[int(self.order[i])],
         )
+
+    def strides(self) -> dict[str, np.ndarray]:
+        """Rank distance between neighbours along tp, dp and pp: the product of the sizes of the
+        axes inside it in the candidate's axis order (tp-dp-pp: 1, tp, tp x dp)."""
+        sizes = {"tp": self.tp, "dp": self.dp, "pp": self.pp}
+        out = {axis: np.ones(len(self), dtype=np.int64) for axis in sizes}
+        for code, name in enumerate(AXIS_ORDER_CHOICES):
+            mask = self.order == code
+            if not mask.any():
+                continue
+            stride = np.ones(len(self), dtype=np.int64)
+            for axis in name.split("-"):
+                out[axis] = np.where(mask, stride, out[axis])
+                stride = stride * sizes[axis]
+        return out
 
     def take(self, index: np.ndarray) -> Candidates:
         return Candidates(**{f.name: getattr(self, f.name)[index] for f in fields(self)})

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models import comm, compute, flops, memory
+from cost_models import comm, compute, flops, goodput, memory
 from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
 from cost_models.pipeline import bubble_s
 from cost_models.validity import OUT_OF_MEMORY, VALID, structural_reasons
@@ -50,6 +50,8 @@ class Evaluation:
     bottleneck: np.ndarray  # index into BOTTLENECK_NAMES
     model_flops_per_step: float
     hardware_flops_per_step: np.ndarray
+    goodput: goodput.Goodput
+    cost: dict[str, np.ndarray]
 
     @property
     def feasible(self) -> np.ndarray:
@@ -59,26 +61,26 @@ class Evaluation:
 BOTTLENECK_NAMES: tuple[str, ...] = ("compute", *BOTTLENECK_TERMS)
 
 
-def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp):
+def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride):
     """Forward collectives of one layer: 2 all-reduces, or with sequence parallelism 2
     all-gathers + 2 reduce-scatters, which move the same bytes (Korthikanti 2022 Sec. 4.2.2)."""
-    return TP_COLLECTIVES_PER_LAYER_PASS * comm.all_reduce_s(cluster, activation_bytes, tp, 1)
+    return TP_COLLECTIVES_PER_LAYER_PASS * comm.all_reduce_s(cluster, activation_bytes, tp, stride)
 
 
-def _dp_times(training, cluster, c, stage_params, compute_mb_s, layers_per_stage):
+def _dp_times(training, cluster, c, stage_params, compute_mb_s, layers_per_stage, dp_stride):
     """Exposed data-parallel time per step: gradient reduction for ZeRO 0-2 once per step,
     parameter gathers and gradient reduce-scatters per micro-batch for ZeRO-3, and for hybrid
-    sharding an all-reduce of the shard across replicas."""
+    sharding an all-reduce of the shard across replicas (the shard group is the inner part of dp)."""
     e = training.bytes_per_element
     grad_bytes = stage_params * e
     shard = c.shard.astype(float)
     replicate = c.dp / shard
-    stride_shard, stride_rep = c.tp, c.tp * c.shard
+    stride_shard, stride_rep = dp_stride, dp_stride * c.shard
     # all-gather and reduce-scatter of the stage's parameters over the shard group (costed apart: gloo differs)
     gather = comm.all_gather_s(cluster, grad_bytes, shard, stride_shard)
     scatter = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)
-    ar_dp = comm.all_reduce_s(cluster, grad_bytes, c.dp, c.tp)
+    ar_dp = comm.all_reduce_s(cluster, grad_bytes, c.dp, dp_stride)
     # ZeRO 1/2: reduce-scatter grads and all-gather updated params within the shard group.
     zero12 = gather + scatter + ar_replicate
     per_step = np.where(c.zero == 0, ar_dp, np.where(c.zero <= 2, zero12, ar_replicate))
@@ -97,19 +99,19 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
     b, tp, pp, vpp, nmb = c.mbs.astype(float), c.tp.astype(float), c.pp.astype(float), c.vpp, c.nmb
     layers_per_stage = model.num_layers / pp
+    stride = c.strides()
 
     fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
     act_bytes = e * b * s * h
-    tp_fwd = _tp_layer_s(cluster, act_bytes, tp)
+    tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"])
     recompute = np.where(
         c.recompute == RECOMPUTE_FULL, fwd + tp_fwd, np.where(c.recompute == RECOMPUTE_SELECTIVE, attn, 0.0)
     )
     tp_layer = 2.0 * tp_fwd  # forward + backward
     # Embedding (vocab-parallel: one all-reduce) and LM head (one in backward).
     head = compute.lm_head_compute_s(model, training, device, b, tp)
-    edge_tp = comm.all_reduce_s(cluster, act_bytes, tp, 1)
-    crosses = c.tp * c.dp * c.pp > cluster.gpus_per_node
-    p2p = np.where(pp > 1, 2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, crosses), 0.0)
+    edge_tp = comm.all_reduce_s(cluster, act_bytes, tp, stride["tp"])
+    p2p = np.where(pp > 1, 2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"]), 0.0)
 
     body_compute = layers_per_stage * (fwd + bwd)
     body_recompute = layers_per_stage * recompute
@@ -123,7 +125,8 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
 
     bubble = bubble_s(pp, vpp, mean_mb)
     stage_params = np.maximum(memory.stage_params(model, pp, tp, True), memory.stage_params(model, pp, tp, False))
-    dp = _dp_times(training, cluster, c, stage_params, body_compute + body_recompute, layers_per_stage)
+    dp = _dp_times(training, cluster, c, stage_params, body_compute + body_recompute, layers_per_stage,
+                   stride["dp"])
     local_params = stage_params / np.where(c.zero >= 1, c.shard, 1)
     optimizer = compute.optimizer_step_s(device, training, local_params)
 
@@ -146,9 +149,11 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     model_flops = flops.model_flops_per_step(model, training)
     hw_flops = model_flops + flops.recompute_flops_per_step(model, training, c.recompute)
     peak_flops = device.peak_flops(training.precision) * cluster.world_size
+    tokens_per_s = training.global_batch_size * s / step
+    good = goodput.goodput(model, training, cluster, c, step, tokens_per_s)
     return Evaluation(
         step_time_s=step,
-        tokens_per_s=training.global_batch_size * s / step,
+        tokens_per_s=tokens_per_s,
         mfu=model_flops / (step * peak_flops),
         hfu=hw_flops / (step * peak_flops),
         peak_memory_bytes=peak,
@@ -158,6 +163,8 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
         bottleneck=_bottleneck(time, step, reason),
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops,
+        goodput=good,
+        cost=goodput.cost(cluster, step, good.goodput_tokens_per_s, training.token_budget),
     )
 
 

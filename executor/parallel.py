@@ -1,8 +1,9 @@
 """Apply a Layout to the decoder with PyTorch's own distributed stack.
 
-Rank order is tp innermost, then the data-parallel axis (replicate x shard), then pp outermost:
-rank = ((pp_rank * dp) + dp_rank) * tp + tp_rank, the order of the device mesh
-("pp", "replicate", "shard", "tp").
+Ranks follow the layout's axis_order (planner/placement.py); the default tp-dp-pp is tp innermost,
+then the data-parallel axis (replicate x shard, shard inner), then pp outermost:
+rank = ((pp_rank * dp) + dp_rank) * tp + tp_rank. The device mesh ("pp", "replicate", "shard",
+"tp") is built from each rank's coordinates, so any order gives the same groups as the plan's.
 
 Build order (shared/reference/torch-distributed-cpu.md, "Build order that works"): an identical
 seeded model on every rank -> pipeline split -> TP/SP on the tp mesh axis -> activation
@@ -50,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from executor.checks import UnsupportedLayout, check_layout  # noqa: F401 (re-exported)
 from executor.model import Attention, Decoder, build_model, loss_fn
+from planner.placement import coordinates
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
 LEARNING_RATE = 1e-3
@@ -67,9 +69,8 @@ class Coordinates:
 
     @classmethod
     def of(cls, rank: int, layout: Layout) -> Coordinates:
-        tp_rank = rank % layout.tp
-        dp_rank = (rank // layout.tp) % layout.dp
-        return cls(rank, rank // (layout.tp * layout.dp), dp_rank, tp_rank)
+        c = coordinates(layout)
+        return cls(rank, int(c["pp"][rank]), int(c["dp"][rank]), int(c["tp"][rank]))
 
 
 @dataclass
@@ -84,7 +85,14 @@ class Prepared:
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     shape = (layout.pp, layout.dp // layout.shard, layout.shard, layout.tp)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    if layout.axis_order == "tp-dp-pp":
+        return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    c = coordinates(layout)
+    grid = torch.empty(shape, dtype=torch.int64)
+    for rank in range(layout.world_size):
+        dp = int(c["dp"][rank])
+        grid[int(c["pp"][rank]), dp // layout.shard, dp % layout.shard, int(c["tp"][rank])] = rank
+    return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS)
 
 
 def _selective(module: nn.Module) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
 import warnings
 from datetime import timedelta
@@ -68,7 +69,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--report", help="also write the ValidationReport of the first plan here (rank 0): what "
+                    "`berth launch` scripts use, so a launch on any cluster ends in predicted vs measured")
     args = ap.parse_args()
+    started = time.perf_counter()
     # Pipeline stages hand FSDP2 outputs on as views; nothing modifies them in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     torch.set_num_threads(int(os.environ.get("BERTH_THREADS_PER_RANK", "1")))
@@ -107,8 +111,17 @@ def main() -> None:
         raise
     if rank == 0:
         tmp = Path(args.out + ".tmp")
-        tmp.write_text(json.dumps({"machine": machine(), "world_size": world, "results": results}))
+        data = {"machine": machine(), "world_size": world, "results": results}
+        tmp.write_text(json.dumps(data))
         tmp.replace(args.out)
+        if args.report:
+            from executor.validate import report_from_result
+
+            report = report_from_result(plans[0], results[0], data, args.steps, args.warmup,
+                                        time.perf_counter() - started)
+            Path(args.report).write_text(report.model_dump_json(indent=1))
+            print(f"berth: report written to {args.report}: step time {report.measured.step_time_s:.3f} s "
+                  f"measured vs {report.predicted.step_time_s:.3f} s predicted", flush=True)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

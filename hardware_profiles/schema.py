@@ -82,6 +82,17 @@ class LinkProfile(_Frozen):
         return self.op_time_scale.get(op, 1.0)
 
 
+class PcieWiring(_Frozen):
+    """How the GPUs of a PCIe server hang together, for its topology graph: GPUs on PCIe switches
+    (optionally NVLink-bridged in pairs), switches on CPU sockets, sockets on a CPU interconnect."""
+
+    gpus_per_switch: int = Field(gt=0)
+    switches_per_socket: int = Field(gt=0)
+    switch_uplink_bytes_per_s: float = Field(gt=0, description="PCIe switch to CPU root port, per direction")
+    inter_socket_bytes_per_s: float = Field(gt=0, description="GPU peer traffic between sockets, per direction")
+    bridge_bytes_per_s: float | None = Field(default=None, gt=0, description="NVLink bridge of a GPU pair")
+
+
 class ServerProfile(_Frozen):
     """A server (node) preset: which device, how many, and how they are wired."""
 
@@ -90,7 +101,9 @@ class ServerProfile(_Frozen):
     device: str
     gpus_per_node: int = Field(gt=0)
     intra_node: LinkProfile
-    inter_node: LinkProfile
+    inter_node: LinkProfile = Field(description="per GPU: a NIC shared by gpus_per_nic GPUs counts 1/gpus_per_nic")
+    gpus_per_nic: int = Field(default=1, gt=0, description="GPUs that share one network port")
+    pcie: PcieWiring | None = None
     collective_base_latency_s: float = Field(ge=0)
     comm_overlap_efficiency: float = Field(
         default=0.7, ge=0, le=1, description="fraction of a backward compute window that hides data-parallel traffic")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -17,13 +18,16 @@ from planner.planning import (
     compare,
     compare_json,
     default_precision,
+    fallback,
+    lose_nodes,
     make_cluster,
     make_search,
     make_training,
     plan,
     plans_json,
+    with_operations,
 )
-from planner.render import breakdown_table, plans_table, print_reasons, validation_table
+from planner.render import breakdown_table, goodput_table, plans_table, print_placement, print_reasons, validation_table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="berth: plan parallel layouts for training.")
 MIN_WIDTH = 150  # the plan table needs about this many columns; narrower output would wrap cells
@@ -31,8 +35,19 @@ console = Console(width=max(MIN_WIDTH, shutil.get_terminal_size().columns))
 
 Model = Annotated[str, typer.Argument(help="preset name, a model YAML/JSON file, or an HF config.json")]
 Cluster = Annotated[str, typer.Option(
-    "--cluster", help="cluster preset (dgx-h100, dgx-a100-80g, dgx-b200, aws-p5, ...: see `berth presets`) or "
-    "'local': this machine")]
+    "--cluster", help="cluster preset (dgx-h100, dgx-a100-80g, dgx-b200, aws-p5, ...: see `berth presets`), "
+    "a topology graph FILE.json (see `berth topology`), or 'local': this machine")]
+Fabric = Annotated[str, typer.Option("--fabric", help="with a preset: rails (one rail switch per NIC) or fat-tree")]
+PerLeaf = Annotated[int | None, typer.Option("--nodes-per-leaf", help="fat-tree: nodes per leaf switch")]
+Oversub = Annotated[float, typer.Option("--oversubscription", help="fat-tree: leaf downlink / uplink bandwidth")]
+Objective = Annotated[str, typer.Option("--objective", help="rank by throughput, goodput (after checkpoints and "
+                                        "failures) or cost")]
+Failures = Annotated[float | None, typer.Option("--failures-per-gpu-hour", help="default 1.97e-5 (Llama 3 "
+                                                "pre-training)")]
+Storage = Annotated[float | None, typer.Option("--storage-gbps-per-gpu", help="filesystem write GB/s per GPU "
+                                               "(default 0.122, Llama 3's Tectonic)")]
+Price = Annotated[float | None, typer.Option("--price-per-gpu-hour", help="for cost per step and per token")]
+Budget = Annotated[float | None, typer.Option("--token-budget", help="tokens to train on, for the total cost")]
 Nodes = Annotated[int, typer.Option("--nodes", help="number of nodes")]
 Devices = Annotated[int | None, typer.Option(
     "--devices-per-node", help="with --cluster local: GPUs to use, or CPU worker processes (default: all)")]
@@ -49,11 +64,15 @@ Profile = Annotated[str | None, typer.Option("--profile", help="a `berth profile
 
 
 def _inputs(model: str, cluster: str, nodes: int, devices: int | None, seq_len: int, global_batch: int,
-            precision: str | None, flash: bool, profile: str | None = None):
+            precision: str | None, flash: bool, profile: str | None = None, fabric: tuple = ("rails", None, 1.0),
+            operations: tuple = (None, None, None), token_budget: float | None = None):
     spec = load_model(model)
-    cl = make_cluster(cluster, nodes, devices, profile)
+    failures, storage_gbps, price = operations
+    cl = with_operations(make_cluster(cluster, nodes, devices, profile, *fabric), failures,
+                         storage_gbps * 1e9 if storage_gbps is not None else None, price)
     training = make_training(seq_len=seq_len, global_batch_size=global_batch,
-                             precision=precision or default_precision(cl), flash_attention=flash)
+                             precision=precision or default_precision(cl), flash_attention=flash,
+                             token_budget=token_budget)
     return spec, training, cl
 
 
@@ -68,6 +87,9 @@ def plan_cmd(
     nodes: Nodes = 1,
     devices: Devices = None,
     profile: Profile = None,
+    fabric: Fabric = "rails",
+    nodes_per_leaf: PerLeaf = None,
+    oversubscription: Oversub = 1.0,
     seq_len: SeqLen = 4096,
     global_batch: Batch = 256,
     precision: Precision = None,
@@ -75,11 +97,30 @@ def plan_cmd(
     top: Annotated[int, typer.Option("--top", help="how many plans to show")] = 5,
     fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2")] = "",
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
+    objective: Objective = "throughput",
+    failures: Failures = None,
+    storage_gbps: Storage = None,
+    price: Price = None,
+    token_budget: Budget = None,
+    with_fallback: Annotated[bool, typer.Option("--fallback", help="also plan the best layout for the cluster "
+                                                "with one node lost")] = False,
+    spare_nodes: Annotated[int, typer.Option("--spare-nodes", help="keep this many nodes as hot spares: plan on "
+                                             "the rest")] = 0,
     as_json: Json = False,
 ) -> None:
     """Search every valid layout and show the fastest that fit."""
-    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile)
-    result = plan(spec, training, cl, make_search(top=top, fix=fix, max_micro_batch_size=max_mbs))
+    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile,
+                                 (fabric, nodes_per_leaf, oversubscription), (failures, storage_gbps, price),
+                                 token_budget)
+    if spare_nodes:
+        if not 0 < spare_nodes < cl.nodes:
+            raise BerthError("spare_nodes", spare_nodes, f"must be in 0..{cl.nodes - 1}")
+        cl = lose_nodes(cl, spare_nodes)
+    search_spec = make_search(top=top, fix=fix, max_micro_batch_size=max_mbs, objective=objective)
+    result = plan(spec, training, cl, search_spec)
+    if with_fallback and result.plans and cl.nodes > 1:
+        first = result.plans[0].model_copy(update={"fallback": fallback(result.plans[0], search_spec)})
+        result = replace(result, plans=[first, *result.plans[1:]])
     if as_json:
         print(json.dumps(plans_json(result)))
         return
@@ -90,6 +131,14 @@ def plan_cmd(
     console.print(f"searched {result.searched:,} layouts: {result.feasible:,} feasible; rejected: {rejected}")
     if result.plans:
         console.print(breakdown_table(result.plans, "where the time and memory go"))
+        console.print(goodput_table(result.plans, f"checkpoints, failures and cost (ranked by {objective})"))
+        print_placement(console, result.plans[0], "#1")
+        fb = result.plans[0].fallback
+        if with_fallback and fb is None:
+            console.print("[red]fallback[/red]: no layout fits the cluster with one node lost")
+        if fb is not None:
+            console.print(f"fallback with {fb.nodes_lost} node lost: {fb.layout.short()}, "
+                          f"{fb.tokens_per_s:,.0f} tokens/s; " + "; ".join(fb.changes))
     else:
         console.print("[red]no layout fits[/red]: see the rejected counts above")
 
@@ -102,6 +151,9 @@ def compare_cmd(
     nodes: Nodes = 1,
     devices: Devices = None,
     profile: Profile = None,
+    fabric: Fabric = "rails",
+    nodes_per_leaf: PerLeaf = None,
+    oversubscription: Oversub = 1.0,
     seq_len: SeqLen = 4096,
     global_batch: Batch = 256,
     precision: Precision = None,
@@ -109,7 +161,8 @@ def compare_cmd(
     as_json: Json = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
-    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile)
+    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile,
+                                 (fabric, nodes_per_leaf, oversubscription))
     candidates = compare(spec, training, cl, layout)
     try:
         best = plan(spec, training, cl, make_search(top=1))
@@ -126,6 +179,40 @@ def compare_cmd(
         b = best.plans[0]
         console.print(f"best searched layout: {b.layout.short()} at {b.prediction.tokens_per_s:,.0f} tokens/s")
     console.print(breakdown_table(candidates, "breakdowns"))
+    for i, p in enumerate(candidates, 1):
+        print_placement(console, p, f"#{i}", only_crossings=True)
+
+
+@app.command("topology")
+def topology_cmd(
+    servers: Annotated[list[str], typer.Argument(help="PRESET[:NODES]..., e.g. dgx-h100:4, or a graph FILE.json "
+                                                 "to inspect; several presets make a mixed cluster")],
+    fabric: Fabric = "rails",
+    nodes_per_leaf: PerLeaf = None,
+    oversubscription: Oversub = 1.0,
+    out: Annotated[str | None, typer.Option("--out", help="write the node-link graph JSON here")] = None,
+    as_json: Json = False,
+) -> None:
+    """Build a cluster's topology graph from presets (or read one) and show its fast domains."""
+    from planner.planning import load_graph_file, preset_graph
+
+    if len(servers) == 1 and servers[0].endswith(".json"):
+        data, cl = None, load_graph_file(servers[0])
+    else:
+        data, cl = preset_graph(servers, fabric, nodes_per_leaf, oversubscription)
+    if out and data is not None:
+        Path(out).write_text(json.dumps(data, indent=1) + "\n")
+    if as_json:
+        print(json.dumps(data if data is not None else cl.model_dump(mode="json")))
+        return
+    from planner.render import hierarchy_table
+
+    console.print(hierarchy_table(cl))
+    for note in cl.notes:
+        console.print(f"[yellow]note[/yellow]: {note}")
+    if out and data is not None:
+        console.print(f"graph ({len(data['nodes'])} nodes, {len(data['links'])} links) written to {out}; "
+                      f"plan on it with --cluster {out}")
 
 
 @app.command("presets")
@@ -222,6 +309,36 @@ def validate_cmd(
     if report.status != "ok":
         Console(stderr=True).print(f"[red]{report.status}:[/red] {report.message}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+@app.command("launch")
+def launch_cmd(
+    plan_file: Annotated[str, typer.Argument(help="a plan JSON, or the output of `berth plan --json`")],
+    fmt: Annotated[str, typer.Option("--format", help="torchrun, slurm, kubernetes, megatron, deepspeed or "
+                                     "torchtitan")] = "torchrun",
+    pick: Annotated[int, typer.Option("--pick", help="which plan of the file (1 = first)")] = 1,
+    out: Annotated[str, typer.Option("--out", help="directory for the files")] = "berth-launch",
+    steps: Annotated[int, typer.Option("--steps", help="executor formats: timed steps")] = 20,
+    warmup: Annotated[int, typer.Option("--warmup", help="executor formats: untimed steps first")] = 3,
+    image: Annotated[str, typer.Option("--image", help="kubernetes: container image with berth and torch")] =
+    "berth:latest-torch",
+) -> None:
+    """Write the files that launch a plan: per-node torchrun scripts, an sbatch script or a PyTorchJob
+    running the bundled executor, or Megatron-LM / DeepSpeed / torchtitan configs for the layout."""
+    from executor.validate import load_plan
+    from planner.launch import artifacts
+
+    plan = load_plan(plan_file, pick)
+    files = artifacts(plan, fmt, steps=steps, warmup=warmup, image=image)
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        path = directory / name
+        path.write_text(text)
+        if name.endswith((".sh", ".sbatch")):
+            path.chmod(0o755)
+        console.print(f"wrote {path}")
+    console.print(f"{fmt} launch of {plan.layout.short()} ({plan.layout.world_size} ranks)")
 
 
 @app.command("profile")

@@ -17,6 +17,7 @@ ALIASES = {
     "gas": "num_microbatches",
     "vpp": "virtual_stages",
     "sp": "sequence_parallel",
+    "order": "axis_order",
 }
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -43,7 +44,7 @@ def _typed(name: str, value: str, field: str) -> Any:
         if value.lower() not in _BOOL:
             raise BerthError(f"{field}.{name}", value, "expected 0 or 1")
         return _BOOL[value.lower()]
-    if name in ("recompute", "schedule"):
+    if name in ("recompute", "schedule", "axis_order"):
         return value
     try:
         return int(value)

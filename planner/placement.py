@@ -1,10 +1,11 @@
 """Placement as pure math: which GPU each rank runs on and which ranks form each process group.
 
-A layout's ranks are laid out along its parallel axes in an order, innermost first; the default
-("tp", "dp", "pp") is Megatron-LM's: tensor-parallel ranks adjacent (inside a node's fast
+A layout's ranks are laid out along its parallel axes in its `axis_order`, innermost first; the
+default ("tp", "dp", "pp") is Megatron-LM's: tensor-parallel ranks adjacent (inside a node's fast
 domain), then data parallel, then pipeline stages outermost (Narayanan et al. 2021, Sec. 3.3).
-Rank r runs on node r // gpus_per_node, local GPU r % gpus_per_node, which is also what
-`torchrun --nnodes N --nproc-per-node G --node-rank n` gives rank n * G + local_rank.
+The search tries every order that places ranks differently. Rank r runs on node
+r // gpus_per_node, local GPU r % gpus_per_node (GPUs in the graph's rank order), which is also
+what `torchrun --nnodes N --nproc-per-node G --node-rank n` gives rank n * G + local_rank.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from itertools import permutations
 
 import numpy as np
 
-from planner.specs import ClusterSpec, Layout
+from cost_models.comm import group_level
+from planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement
 
 AXES = ("tp", "dp", "pp")
 DEFAULT_ORDER = ("tp", "dp", "pp")
@@ -25,8 +27,9 @@ def _sizes(layout: Layout) -> dict[str, int]:
     return {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}
 
 
-def coordinates(layout: Layout, order: tuple[str, ...] = DEFAULT_ORDER) -> dict[str, np.ndarray]:
+def coordinates(layout: Layout, order: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
     """Each rank's index along every axis (arrays of length world size)."""
+    order = order or layout.order
     if sorted(order) != sorted(AXES):
         raise ValueError(f"order must be a permutation of {AXES}, got {order}")
     sizes = _sizes(layout)
@@ -38,16 +41,16 @@ def coordinates(layout: Layout, order: tuple[str, ...] = DEFAULT_ORDER) -> dict[
     return coords
 
 
-def strides(layout: Layout, order: tuple[str, ...] = DEFAULT_ORDER) -> dict[str, int]:
+def strides(layout: Layout, order: tuple[str, ...] | None = None) -> dict[str, int]:
     """Rank distance between neighbours of each axis."""
     sizes, out, stride = _sizes(layout), {}, 1
-    for axis in order:
+    for axis in order or layout.order:
         out[axis] = stride
         stride *= sizes[axis]
     return out
 
 
-def process_groups(layout: Layout, order: tuple[str, ...] = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
+def process_groups(layout: Layout, order: tuple[str, ...] | None = None) -> dict[str, list[list[int]]]:
     """For each axis, its groups: ranks that share every other coordinate, in axis order."""
     coords = coordinates(layout, order)
     groups: dict[str, list[list[int]]] = {}
@@ -74,7 +77,7 @@ def device_of(rank: int, cluster: ClusterSpec) -> tuple[int, int]:
     return divmod(rank, cluster.gpus_per_node)
 
 
-def spans(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] = DEFAULT_ORDER) -> dict[str, GroupSpan]:
+def spans(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] | None = None) -> dict[str, GroupSpan]:
     """How the (first) group of each axis sits on the nodes; all groups of an axis are alike."""
     out = {}
     for axis, groups in process_groups(layout, order).items():
@@ -84,8 +87,45 @@ def spans(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] = DEFAULT
     return out
 
 
-def rank_map(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] = DEFAULT_ORDER) -> list[dict[str, int]]:
+def rank_map(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] | None = None) -> list[dict[str, int]]:
     """Every rank with its node, local GPU and coordinates (what the plan carries)."""
     coords = coordinates(layout, order)
     return [{"rank": r, "node": device_of(r, cluster)[0], "local_rank": device_of(r, cluster)[1],
              **{a: int(coords[a][r]) for a in AXES}} for r in range(layout.world_size)]
+
+
+AXIS_TERMS = {"tp": "tp_comm", "dp": "dp_comm", "pp": "pp_comm"}  # the time term each axis's traffic lands in
+
+
+def innermost_cluster(cluster: ClusterSpec) -> ClusterSpec:
+    """The same cluster with every level as fast as its innermost one: what a group's traffic would
+    cost if it never left the innermost fast domain (the reference for `cost_of_crossing_s`)."""
+    inner = cluster.levels[0].link
+    return cluster.model_copy(update={"fabric": tuple(lv.model_copy(update={"link": inner}) for lv in cluster.levels)})
+
+
+def placement(layout: Layout, cluster: ClusterSpec, times_s: dict[str, float],
+              inner_times_s: dict[str, float]) -> Placement:
+    """The plan's placement: for each axis where its groups sit, the slowest level they cross and
+    what that costs (its time term here minus on `innermost_cluster`); the full rank map and
+    groups up to PLACEMENT_DETAIL_MAX_RANKS ranks."""
+    sizes, stride = _sizes(layout), strides(layout)
+    groups = []
+    for axis in AXES:
+        k = int(group_level(cluster, sizes[axis], stride[axis]))
+        link = cluster.levels[k].link
+        first = [stride[axis] * i for i in range(sizes[axis])]
+        nodes = len({device_of(r, cluster)[0] for r in first})
+        term = AXIS_TERMS[axis]
+        groups.append(GroupPlacement(
+            axis=axis, size=sizes[axis], count=layout.world_size // sizes[axis], stride=stride[axis],
+            nodes_spanned=nodes, level=cluster.levels[k].name if sizes[axis] > 1 else "-",
+            link_kind=link.kind if sizes[axis] > 1 else "-", bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+            crosses_slow_link=sizes[axis] > 1 and k > 0 and link.bandwidth_bytes_per_s <
+            cluster.levels[0].link.bandwidth_bytes_per_s,
+            time_s=times_s.get(term, 0.0), cost_of_crossing_s=max(times_s.get(term, 0.0) - inner_times_s.get(term, 0.0),
+                                                                  0.0)))
+    detail = layout.world_size <= PLACEMENT_DETAIL_MAX_RANKS
+    return Placement(axis_order=layout.axis_order, groups=tuple(groups),
+                     rank_map=rank_map(layout, cluster) if detail else None,
+                     process_groups=process_groups(layout) if detail else None)

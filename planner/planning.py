@@ -3,19 +3,23 @@ JSON contract they both print."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from hardware_profiles import load_profile_file
+from hardware_profiles import UnknownProfileError, load_profile_file, load_server
 from planner.errors import BerthError, from_validation_error
+from planner.graphs import cluster_graph, to_node_link
 from planner.layouts import complete_layout, parse_spec
 from planner.search import SearchResult, predict_layouts, search
-from planner.specs import ClusterSpec, ModelSpec, Plan, SearchSpec, TrainingSpec
-from planner.topology import LOCAL, cluster_from_preset, local_cluster
+from planner.search import divisors as search_divisors
+from planner.specs import MAX_NODES, ClusterSpec, Fallback, ModelSpec, Plan, SearchSpec, TrainingSpec
+from planner.topology import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
 
 
 def load_profile(path: str | None):
@@ -32,10 +36,47 @@ def load_profile(path: str | None):
         raise BerthError("profile", path, str(err)) from None
 
 
+def load_graph_file(path: str) -> ClusterSpec:
+    """A cluster from a node-link graph file (docs/topology.md)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise BerthError("cluster", path, f"cannot read: {err.strerror}") from None
+    except ValueError as err:
+        raise BerthError("cluster", path, f"not JSON: {err}") from None
+    return cluster_from_node_link(data, Path(path).stem, field=f"cluster ({Path(path).name})")
+
+
+def preset_graph(servers: list[str], fabric: str = "rails", nodes_per_leaf: int | None = None,
+                 oversubscription: float = 1.0) -> tuple[dict[str, Any], ClusterSpec]:
+    """The node-link graph of PRESET[:NODES] servers on one fabric (mixed presets make a
+    heterogeneous cluster), and the cluster derived from it."""
+    parts = []
+    for item in servers:
+        name, _, count = item.partition(":")
+        try:
+            server = load_server(name)
+        except UnknownProfileError as err:
+            raise BerthError("cluster.preset", name, f"unknown preset; known: {', '.join(err.known)}") from None
+        if count and not (count.isdigit() and 1 <= int(count) <= MAX_NODES):
+            raise BerthError("cluster.nodes", item, f"write PRESET:NODES with NODES in 1..{MAX_NODES}")
+        parts.append((server, int(count or 1)))
+    if len({s.gpus_per_node for s, _ in parts}) > 1:
+        raise BerthError("cluster.preset", servers, "servers with different GPU counts cannot be mixed yet")
+    total = sum(n for _, n in parts)
+    if nodes_per_leaf is not None and not 1 <= nodes_per_leaf <= total:
+        raise BerthError("cluster.nodes_per_leaf", nodes_per_leaf, f"must be in 1..{total} (the nodes)")
+    g = cluster_graph(parts, fabric, nodes_per_leaf, oversubscription)
+    data = to_node_link(g)
+    return data, cluster_from_node_link(data, "+".join(servers))
+
+
 def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = None,
-                 profile: str | None = None) -> ClusterSpec:
-    """A preset for `nodes` servers, or `local`: this machine (its GPUs, or CPU worker processes).
-    A `berth profile` file replaces the device (and, for `local`, the links) by measured ones."""
+                 profile: str | None = None, fabric: str = "rails", nodes_per_leaf: int | None = None,
+                 oversubscription: float = 1.0) -> ClusterSpec:
+    """A preset for `nodes` servers (on a rail or fat-tree fabric), a node-link graph file
+    (`*.json`), or `local`: this machine (its GPUs, or CPU worker processes). A `berth profile`
+    file replaces the device (and, for `local`, the links) by measured ones."""
     measured = load_profile(profile)
     if cluster == LOCAL:
         if nodes != 1:
@@ -43,7 +84,13 @@ def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = No
         return local_cluster(devices_per_node, measured)
     if devices_per_node is not None:
         raise BerthError("cluster.devices_per_node", devices_per_node, "applies to --cluster local only")
-    spec = cluster_from_preset(cluster, nodes)
+    if cluster.endswith(".json"):
+        if nodes != 1 or fabric != "rails" or nodes_per_leaf or oversubscription != 1.0:
+            raise BerthError("cluster", cluster, "a graph file gives its own nodes and fabric: drop --nodes, "
+                             "--fabric, --nodes-per-leaf and --oversubscription")
+        spec = load_graph_file(cluster)
+    else:
+        spec = cluster_from_preset(cluster, nodes, fabric, nodes_per_leaf, oversubscription)
     if measured is not None:
         device = measured[0]
         if device.kind != spec.device.kind:
@@ -51,6 +98,19 @@ def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = No
                              f"{spec.device.kind}s")
         spec = spec.model_copy(update={"device": device.model_copy(update={"memory_bytes": spec.device.memory_bytes})})
     return spec
+
+
+def with_operations(cluster: ClusterSpec, failures_per_gpu_hour: float | None = None,
+                    storage_write_bytes_per_s_per_gpu: float | None = None, price_per_gpu_hour: float | None = None,
+                    restart_s: float | None = None) -> ClusterSpec:
+    """The cluster with its failure rate, storage bandwidth, restart time and price set (None keeps)."""
+    values = {"failures_per_gpu_hour": failures_per_gpu_hour, "price_per_gpu_hour": price_per_gpu_hour,
+              "storage_write_bytes_per_s_per_gpu": storage_write_bytes_per_s_per_gpu, "restart_s": restart_s}
+    update = {k: v for k, v in values.items() if v is not None}
+    try:
+        return ClusterSpec.model_validate({**cluster.model_dump(), **update}) if update else cluster
+    except ValidationError as err:
+        raise from_validation_error(err, "cluster") from None
 
 
 def default_precision(cluster: ClusterSpec) -> str:
@@ -134,6 +194,56 @@ def compare(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
         values = parse_spec(item, field) if isinstance(item, str) else dict(item)
         specs.append(complete_layout(values, training, cluster.world_size, field))
     return predict_layouts(model, training, cluster, specs)
+
+
+def lose_nodes(cluster: ClusterSpec, lost: int) -> ClusterSpec:
+    """The cluster with `lost` nodes gone: every level of its fabric capped at the GPUs left."""
+    nodes = cluster.nodes - lost
+    if nodes < 1:
+        raise BerthError("cluster.nodes", cluster.nodes, f"losing {lost} nodes leaves none")
+    world = nodes * cluster.gpus_per_node
+    levels, seen = [], set()
+    for level in cluster.levels:
+        gpus = min(level.gpus, world)
+        if gpus not in seen:
+            seen.add(gpus)
+            levels.append(level.model_copy(update={"gpus": gpus}))
+    hosts = cluster.hosts[:nodes] if cluster.hosts else ()
+    return cluster.model_copy(update={"nodes": nodes, "fabric": tuple(levels), "hosts": hosts,
+                                      "name": f"{cluster.name} minus {lost} node{'s' if lost > 1 else ''}"})
+
+
+def fallback(chosen: Plan, spec: SearchSpec, lost: int = 1) -> Fallback | None:
+    """The best layout for the cluster with `lost` nodes gone (None when nothing fits there)."""
+    cluster = lose_nodes(chosen.cluster, lost)
+    training = chosen.training
+    batches = [training.global_batch_size]
+    batches += sorted({max(1, round(training.global_batch_size / d)) * d for d in search_divisors(cluster.world_size)},
+                      key=lambda b: (abs(b - training.global_batch_size), -b))
+    quick = spec.model_copy(update={"top": 1})
+    for batch in batches[:8]:
+        t = training.model_copy(update={"global_batch_size": batch})
+        try:
+            result = plan(chosen.model, t, cluster, quick)
+        except BerthError:
+            continue
+        if not result.plans:
+            continue
+        best = result.plans[0]
+        changes = [f"{cluster.world_size} GPUs instead of {chosen.cluster.world_size}"]
+        if batch != training.global_batch_size:
+            changes.append(f"global batch {batch} instead of {training.global_batch_size}: no layout of "
+                           f"{cluster.world_size} GPUs splits {training.global_batch_size}")
+        for field in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "zero_stage", "recompute"):
+            old, new = getattr(chosen.layout, field), getattr(best.layout, field)
+            if old != new:
+                changes.append(f"{field} {old} -> {new}")
+        ratio = best.prediction.tokens_per_s / chosen.prediction.tokens_per_s - 1.0
+        changes.append(f"throughput {ratio:+.1%}")
+        return Fallback(nodes_lost=lost, world_size=cluster.world_size, global_batch_size=batch, layout=best.layout,
+                        step_time_s=best.prediction.step_time_s, tokens_per_s=best.prediction.tokens_per_s,
+                        peak_memory_bytes=best.prediction.peak_memory_bytes, changes=changes)
+    return None
 
 
 def plans_json(result: SearchResult) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from planner.specs import Plan, ValidationReport
+from planner.specs import ClusterSpec, Plan, ValidationReport
 
 GIB = 2**30
 TIME_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
@@ -104,4 +104,75 @@ def validation_table(report: ValidationReport) -> Table:
         t.add_row("fwd+bwd per micro-batch", _seconds(pred_mb), _seconds(meas_mb), f"{meas_mb / pred_mb - 1:+.1%}")
         t.add_row("optimizer step", _seconds(r["predicted_optimizer_s"]), _seconds(r["optimizer_s"]),
                   f"{r['optimizer_s'] / r['predicted_optimizer_s'] - 1:+.1%}" if r["predicted_optimizer_s"] else "-")
+    return t
+
+
+def hierarchy_table(cluster: ClusterSpec) -> Table:
+    """The cluster's hierarchy of fast domains, innermost first."""
+    t = Table(title=f"{cluster.name}: {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs, fast domains "
+              "innermost first", header_style="bold")
+    for col in ("level", "GPUs a block", "link", "GB/s per GPU", "limited by", "hop latency"):
+        t.add_column(col, justify="left" if col in ("level", "link", "limited by") else "right")
+    for lv in cluster.levels:
+        t.add_row(lv.name, str(lv.gpus), lv.link.kind, f"{lv.link.bandwidth_bytes_per_s / 1e9:,.2f}",
+                  lv.limited_by, f"{lv.link.hop_latency_s * 1e6:.1f} us")
+    return t
+
+
+def print_placement(console: Console, plan: Plan, label: str, only_crossings: bool = False) -> None:
+    """Where the plan's process groups sit; each group that leaves the innermost fast domain over
+    a slower link is called out with what that costs per step."""
+    for note in plan.cluster.notes:
+        if not only_crossings:
+            console.print(f"[yellow]note[/yellow]: {note}")
+    pl = plan.placement
+    if pl is None:
+        return
+    crossing = [g for g in pl.groups if g.crosses_slow_link]
+    if not only_crossings:
+        t = Table(title=f"placement of {label} (axis order {pl.axis_order}, innermost first)", header_style="bold")
+        for col in ("axis", "size", "groups", "stride", "nodes a group", "slowest level", "link", "GB/s per GPU",
+                    "comm / step", "cost of crossing"):
+            t.add_column(col, justify="left" if col in ("axis", "slowest level", "link") else "right")
+        for g in pl.groups:
+            if g.size == 1:
+                continue
+            t.add_row(g.axis, str(g.size), str(g.count), str(g.stride), str(g.nodes_spanned), g.level, g.link_kind,
+                      f"{g.bandwidth_bytes_per_s / 1e9:,.2f}", _seconds(g.time_s),
+                      _seconds(g.cost_of_crossing_s) if g.crosses_slow_link else "-")
+        console.print(t)
+    inner = plan.cluster.levels[0]
+    for g in crossing:
+        share = g.cost_of_crossing_s / plan.prediction.step_time_s if plan.prediction else 0.0
+        console.print(f"{label}: {g.axis} groups ({g.size} ranks) cross {g.link_kind} at "
+                      f"{g.bandwidth_bytes_per_s / 1e9:,.2f} GB/s per GPU ({g.level}) instead of "
+                      f"{inner.link.kind} at {inner.link.bandwidth_bytes_per_s / 1e9:,.0f}: "
+                      f"+{_seconds(g.cost_of_crossing_s)} per step ({share:.1%} of the step)")
+
+
+def goodput_table(plans: list[Plan], title: str) -> Table:
+    """Checkpoint size and stall, failures, goodput and cost of each plan."""
+    t = Table(title=title, header_style="bold")
+    t.add_column("term")
+    for i, _ in enumerate(plans, 1):
+        t.add_column(f"#{i}", justify="right")
+    goods = [p.prediction.goodput if p.prediction else None for p in plans]
+    rows = [
+        ("checkpoint (total)", lambda g: f"{g.checkpoint_bytes_total / GIB:,.0f} GiB"),
+        ("checkpoint per rank", lambda g: f"{g.checkpoint_bytes_per_rank / GIB:,.2f} GiB x {g.checkpoint_writers}"),
+        ("checkpoint write", lambda g: _seconds(g.checkpoint_write_s)),
+        ("interval (Young/Daly)", lambda g: _seconds(g.checkpoint_interval_s)),
+        ("stall per step", lambda g: _seconds(g.checkpoint_stall_s_per_step)),
+        ("job MTBF", lambda g: f"{g.mtbf_s / 3600:,.1f} h"),
+        ("lost per failure", lambda g: _seconds(g.lost_work_per_failure_s)),
+        ("goodput", lambda g: f"{g.goodput_tokens_per_s:,.0f} tok/s ({g.goodput_fraction:.1%})"),
+        ("cost / M tokens", lambda g: f"{g.cost_per_million_tokens:,.3f}" if g.cost_per_million_tokens is not None
+         else "-"),
+        ("cost of the budget", lambda g: f"{g.cost_for_token_budget:,.0f}" if g.cost_for_token_budget is not None
+         else "-"),
+        ("energy / M tokens (TDP)", lambda g: f"{g.energy_kwh_per_million_tokens:,.2f} kWh"
+         if g.energy_kwh_per_million_tokens is not None else "-"),
+    ]
+    for name, cell in rows:
+        t.add_row(name, *[cell(g) if g else "-" for g in goods])
     return t

@@ -20,12 +20,16 @@ from cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
 from cost_models.validity import REASONS, VALID
 from planner import __version__
 from planner.errors import BerthError
+from planner.placement import innermost_cluster, placement
 from planner.specs import (
+    AXIS_ORDER_CHOICES,
     RECOMPUTE_CHOICES,
     SCHEDULE_CHOICES,
     ClusterSpec,
+    GoodputPrediction,
     Layout,
     ModelSpec,
+    Placement,
     Plan,
     Prediction,
     SearchSpec,
@@ -33,6 +37,7 @@ from planner.specs import (
 )
 
 CHUNK = 1 << 18  # candidates scored per vectorized batch (bounds peak memory)
+COST_FIELDS = ("cost_per_step", "cost_per_million_tokens", "cost_for_token_budget", "energy_kwh_per_million_tokens")
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,18 @@ def divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
+def axis_orders(tp: int, pp: int, dp: int) -> list[int]:
+    """Codes of the axis orders that place ranks differently: axes of size 1 do not count, so
+    tp=8, pp=1 has two (tp-dp, dp-tp) and a pure dp layout one."""
+    sizes = {"tp": tp, "pp": pp, "dp": dp}
+    seen: dict[tuple[str, ...], int] = {}
+    for code, name in enumerate(AXIS_ORDER_CHOICES):
+        seen.setdefault(tuple(a for a in name.split("-") if sizes[a] > 1), code)
+    return sorted(seen.values())
+
+
 def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_mbs: int | None):
-    """(tp, pp, dp, mbs, nmb, schedule, vpp) rows that divide correctly."""
+    """(tp, pp, dp, mbs, nmb, schedule, vpp, axis order) rows that divide correctly."""
     a, kv, L, B = model.num_attention_heads, model.kv_heads, model.num_layers, training.global_batch_size
     rows = []
     for tp in divisors(world):
@@ -66,11 +81,12 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
             else:
                 schedules = [(SCHEDULE_GPIPE, 1), (SCHEDULE_1F1B, 1)]
                 schedules += [(SCHEDULE_INTERLEAVED, v) for v in divisors(L // pp) if v > 1]
+            orders = axis_orders(tp, pp, dp)
             for mbs in divisors(B // dp):
                 if max_mbs and mbs > max_mbs:
                     continue
-                rows += [(tp, pp, dp, mbs, B // (dp * mbs), s, v) for s, v in schedules]
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 7)
+                rows += [(tp, pp, dp, mbs, B // (dp * mbs), s, v, o) for s, v in schedules for o in orders]
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 8)
 
 
 def _inner_options(dp: int, tp: int) -> np.ndarray:
@@ -102,7 +118,7 @@ def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: Clus
         s = np.repeat(struct, len(inner), axis=0)
         o = np.tile(inner, (len(struct), 1))
         parts.append(Candidates(tp=s[:, 0], pp=s[:, 1], dp=s[:, 2], mbs=s[:, 3], nmb=s[:, 4],
-                                schedule=s[:, 5], vpp=s[:, 6], zero=o[:, 0], shard=o[:, 1],
+                                schedule=s[:, 5], vpp=s[:, 6], order=s[:, 7], zero=o[:, 0], shard=o[:, 1],
                                 recompute=o[:, 2], sp=o[:, 3]))
     cands = Candidates.concat(parts)
     return _apply_fix(cands, search.fix)
@@ -110,7 +126,7 @@ def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: Clus
 
 _FIX_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stage": "zero",
                 "micro_batch_size": "mbs", "num_microbatches": "nmb", "virtual_stages": "vpp",
-                "recompute": "recompute", "schedule": "schedule", "sequence_parallel": "sp"}
+                "recompute": "recompute", "schedule": "schedule", "sequence_parallel": "sp", "axis_order": "order"}
 
 
 def _apply_fix(c: Candidates, fix: dict) -> Candidates:
@@ -124,15 +140,26 @@ def _apply_fix(c: Candidates, fix: dict) -> Candidates:
             if value not in SCHEDULE_CHOICES:
                 raise BerthError("fix.schedule", value, f"use one of {SCHEDULE_CHOICES}")
             value = SCHEDULE_CHOICES.index(value)
+        elif key == "axis_order":
+            if value not in AXIS_ORDER_CHOICES:
+                raise BerthError("fix.axis_order", value, f"use one of {AXIS_ORDER_CHOICES}")
+            value = AXIS_ORDER_CHOICES.index(value)
         keep &= getattr(c, _FIX_COLUMNS[key]) == int(value)
     return c.take(np.flatnonzero(keep))
 
 
-def rank_order(ev: Evaluation, c: Candidates) -> np.ndarray:
-    """Feasible candidates, best first: throughput, then less memory, then fewer model-parallel
+def objective_value(ev: Evaluation, objective: str = "throughput") -> np.ndarray:
+    """Higher is better: tokens/s, or useful tokens/s after checkpoints and failures (goodput;
+    the cost per useful token of a fixed cluster is its inverse, so "cost" ranks the same way)."""
+    return ev.tokens_per_s if objective == "throughput" else ev.goodput.goodput_tokens_per_s
+
+
+def rank_order(ev: Evaluation, c: Candidates, objective: str = "throughput") -> np.ndarray:
+    """Feasible candidates, best first: the objective, then less memory, then fewer model-parallel
     ranks and less recomputation (the simpler layout wins a tie)."""
     idx = np.flatnonzero(ev.feasible)
-    keys = (c.recompute[idx], c.tp[idx] * c.pp[idx], ev.peak_memory_bytes[idx], -ev.tokens_per_s[idx])
+    value = objective_value(ev, objective)
+    keys = (c.recompute[idx], c.tp[idx] * c.pp[idx], ev.peak_memory_bytes[idx], -value[idx])
     return idx[np.lexsort(keys)]
 
 
@@ -158,14 +185,18 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
         ev = evaluate(model, training, cluster, part)
         codes, counts = np.unique(ev.reason, return_counts=True)
         reasons.update(dict(zip(codes.tolist(), counts.tolist(), strict=True)))
-        order = rank_order(ev, part)
+        order = rank_order(ev, part, spec.objective)
         feasible += len(order)
-        best.append((part, ev, order[: spec.top]))
-    merged = [(float(ev.tokens_per_s[i]), k, int(i)) for k, (_, ev, top) in enumerate(best) for i in top]
+        best.append((part, ev, order[: spec.top * len(AXIS_ORDER_CHOICES)]))
+    merged = [(float(objective_value(ev, spec.objective)[i]), k, int(i)) for k, (_, ev, top) in enumerate(best)
+              for i in top]
     merged.sort(key=lambda t: -t[0])
-    plans = [
-        make_plan(model, training, cluster, best[k][0], best[k][1], i) for _, k, i in merged[: spec.top]
-    ]
+    plans, seen = [], set()
+    for _, k, i in merged:  # one plan per layout: its best axis order (an equal one keeps tp-dp-pp)
+        key = best[k][0].layout(i).model_copy(update={"axis_order": "tp-dp-pp"})
+        if key not in seen and len(plans) < spec.top:
+            seen.add(key)
+            plans.append(make_plan(model, training, cluster, best[k][0], best[k][1], i))
     rejected = {REASONS[code][0]: n for code, n in sorted(reasons.items()) if code != VALID}
     return SearchResult(plans=plans, searched=len(cands), feasible=feasible, rejected=rejected)
 
@@ -184,21 +215,38 @@ def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
         memory_breakdown_bytes={k: float(v[i]) for k, v in ev.memory_breakdown_bytes.items()},
         model_flops_per_step=float(ev.model_flops_per_step),
         hardware_flops_per_step=float(ev.hardware_flops_per_step[i]),
+        goodput=GoodputPrediction(
+            **{f: float(getattr(ev.goodput, f)[i]) for f in GoodputPrediction.model_fields
+               if f not in COST_FIELDS and f != "mtbf_s" and f != "checkpoint_writers"},
+            mtbf_s=ev.goodput.mtbf_s, checkpoint_writers=int(ev.goodput.checkpoint_writers[i]),
+            **{k: float(v[i]) for k, v in ev.cost.items()}),
     )
 
 
 def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int) -> Plan:
     code = int(ev.reason[i])
     structurally_valid = code == VALID or REASONS[code][0] == "out_of_memory"
+    layout = c.layout(i)
+    prediction = prediction_at(ev, cluster, i) if structurally_valid else None
     return Plan(
         berth_version=__version__,
         model=model,
         training=training,
         cluster=cluster,
-        layout=c.layout(i),
-        prediction=prediction_at(ev, cluster, i) if structurally_valid else None,
+        layout=layout,
+        prediction=prediction,
         infeasible_reason=_reason_text(code, ev, cluster, i),
+        placement=_placement(model, training, cluster, layout, prediction) if prediction else None,
     )
+
+
+def _placement(model, training, cluster, layout: Layout, prediction: Prediction) -> Placement:
+    """Where the plan's groups sit, with each axis's traffic priced against the same layout on
+    a cluster as fast as its innermost domain everywhere."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inner = evaluate(model, training, innermost_cluster(cluster), Candidates.from_layouts([layout]))
+    return placement(layout, cluster, prediction.time_breakdown_s,
+                     {k: float(v[0]) for k, v in inner.time_breakdown_s.items()})
 
 
 def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str | None:

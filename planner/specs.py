@@ -15,8 +15,11 @@ from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+AxisOrder = Literal["tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"]
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
 SCHEDULE_CHOICES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+# innermost axis first; tp-dp-pp (Megatron's default) first so that ties keep it
+AXIS_ORDER_CHOICES: tuple[AxisOrder, ...] = ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp")
 
 # Sanity bounds on user input: far beyond any real model or cluster, small enough that a
 # request can never make the planner allocate or loop without bound.
@@ -108,6 +111,7 @@ class TrainingSpec(Spec):
     precision: Precision = "bf16"
     optimizer: Literal["adamw"] = "adamw"
     flash_attention: bool = True
+    token_budget: float | None = Field(default=None, gt=0, description="tokens to train on (for the cost)")
 
     @property
     def bytes_per_element(self) -> int:
@@ -124,9 +128,23 @@ class TrainingSpec(Spec):
         return 8 if self.precision == "fp32" else 12
 
 
+class FabricLevel(Spec):
+    """One level of the cluster's hierarchy of fast domains: blocks of `gpus` consecutive GPUs (in
+    rank order) and the link a GPU's traffic takes to the other sub-blocks of its block, with
+    `bandwidth_bytes_per_s` the share each GPU gets when every GPU of the block sends at once
+    (the bottleneck of the best path, a NIC shared by several GPUs, or an oversubscribed uplink)."""
+
+    name: str
+    gpus: int = Field(gt=0)
+    link: LinkProfile
+    limited_by: str = Field(default="path", description="path (slowest hop), nic (one GPU's own port) or "
+                            "shared (a link several GPUs cross at once)")
+
+
 class ClusterSpec(Spec):
-    """The cluster as the cost model sees it: N identical nodes, a fast domain inside each node,
-    one NIC per GPU across nodes. `topology.py` builds the networkx graph behind it."""
+    """The cluster as the cost model sees it: nodes of gpus_per_node GPUs, a fast domain inside each
+    node and a fabric between them. Presets and graphs (`topology.py`, `hierarchy.py`) also give
+    `fabric`, the full hierarchy of fast domains; without it the hierarchy is node, then cluster."""
 
     name: str
     nodes: int = Field(gt=0, le=MAX_NODES)
@@ -138,10 +156,36 @@ class ClusterSpec(Spec):
     comm_overlap_efficiency: float = Field(
         default=0.7, ge=0, le=1,
         description="fraction of a backward compute window that hides data-parallel traffic (cost_models/step.py)")
+    fabric: tuple[FabricLevel, ...] = ()
+    devices: dict[str, int] = Field(default_factory=dict,
+                                    description="GPUs per device profile, when the cluster mixes several")
+    notes: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = Field(default=(), description="host name of each node (graph clusters), in node order")
+    # Failures and checkpoints (cost_models/goodput.py). Defaults from Meta's Llama 3 pre-training
+    # (Dubey et al. 2024, "The Llama 3 Herd of Models", Sec. 3.3): 419 unexpected interruptions in
+    # 54 days on 16,384 H100 GPUs = 1.97e-5 per GPU-hour; the Tectonic filesystem sustained 2 TB/s
+    # for those 16,384 GPUs = 122 MB/s of write bandwidth per GPU.
+    failures_per_gpu_hour: float = Field(default=1.97e-5, ge=1e-12, le=1)
+    storage_write_bytes_per_s_per_gpu: float = Field(default=1.22e8, ge=1e3,
+                                                    description="the filesystem's aggregate write bandwidth / GPUs")
+    storage_client_write_bytes_per_s: float = Field(
+        default=2e9, ge=1e3, description="one writing rank's bandwidth to storage (assumption: about one 25 GB/s "
+        "storage NIC shared by a node's 8 GPUs, at 2/3 efficiency)")
+    restart_s: float = Field(default=600.0, ge=0, description="detect a failure, reschedule, reload (assumption: "
+                             "10 minutes)")
+    price_per_gpu_hour: float | None = Field(default=None, ge=0, description="currency units per GPU-hour")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def levels(self) -> tuple[FabricLevel, ...]:
+        """The hierarchy, innermost first; its last level spans the whole cluster."""
+        if self.fabric:
+            return self.fabric
+        return (FabricLevel(name="node", gpus=self.gpus_per_node, link=self.intra_node),
+                FabricLevel(name="cluster", gpus=self.world_size, link=self.inter_node))
 
 
 class Layout(Spec):
@@ -158,10 +202,15 @@ class Layout(Spec):
     virtual_stages: int = Field(default=1, gt=0)
     schedule: Schedule = "1f1b"
     sequence_parallel: bool = False
+    axis_order: AxisOrder = Field(default="tp-dp-pp", description="parallel axes over ranks, innermost first")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return tuple(self.axis_order.split("-"))
 
     def short(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
@@ -176,14 +225,21 @@ class Layout(Spec):
             parts.append(f"vpp={self.virtual_stages}")
         if self.sequence_parallel:
             parts.append("sp=1")
+        if self.axis_order != "tp-dp-pp":
+            parts.append(f"axis_order={self.axis_order}")
         return ",".join(parts)
 
 
 LAYOUT_FIELDS: tuple[str, ...] = tuple(Layout.model_fields)
 
 
+Objective = Literal["throughput", "goodput", "cost"]
+
+
 class SearchSpec(Spec):
     top: int = Field(default=5, gt=0, le=1000)
+    objective: Objective = Field(default="throughput", description="rank by tokens/s, by useful tokens/s after "
+                                 "checkpoints and failures, or by cost per useful token")
     fix: dict[str, int | str | bool] = Field(default_factory=dict)
     max_micro_batch_size: int | None = Field(default=None, gt=0)
 
@@ -193,6 +249,25 @@ class SearchSpec(Spec):
             if key not in LAYOUT_FIELDS:
                 raise ValueError(f"unknown layout field {key!r} in fix; known: {LAYOUT_FIELDS}")
         return self
+
+
+class GoodputPrediction(Spec):
+    """Checkpoints, failures and what they leave of the throughput (cost_models/goodput.py)."""
+
+    checkpoint_bytes_total: float
+    checkpoint_bytes_per_rank: float
+    checkpoint_writers: int
+    checkpoint_write_s: float
+    mtbf_s: float = Field(description="mean time between failures of the whole job")
+    checkpoint_interval_s: float = Field(description="Young/Daly optimum")
+    lost_work_per_failure_s: float
+    checkpoint_stall_s_per_step: float
+    goodput_fraction: float
+    goodput_tokens_per_s: float
+    cost_per_step: float | None = None
+    cost_per_million_tokens: float | None = None
+    cost_for_token_budget: float | None = None
+    energy_kwh_per_million_tokens: float | None = None
 
 
 class Prediction(Spec):
@@ -208,6 +283,52 @@ class Prediction(Spec):
     memory_breakdown_bytes: dict[str, float]
     model_flops_per_step: float
     hardware_flops_per_step: float
+    goodput: GoodputPrediction | None = None
+
+
+class GroupPlacement(Spec):
+    """Where the process groups of one parallel axis sit, and what their slowest link costs."""
+
+    axis: Literal["tp", "dp", "pp"]
+    size: int
+    count: int = Field(description="how many groups of this axis")
+    stride: int = Field(description="rank distance between neighbours in a group")
+    nodes_spanned: int = Field(description="nodes one group touches")
+    level: str = Field(description="the smallest fast domain that holds a whole group")
+    link_kind: str
+    bandwidth_bytes_per_s: float = Field(description="per GPU on the group's slowest level, shared as in the fabric")
+    crosses_slow_link: bool = Field(description="the group leaves the innermost fast domain")
+    time_s: float = Field(description="this axis's communication per step (exposed part)")
+    cost_of_crossing_s: float = Field(description="how much less time it would take inside the innermost domain")
+
+
+class Placement(Spec):
+    """Rank -> GPU mapping and process groups of a plan: rank r runs on node r // gpus_per_node,
+    local GPU r % gpus_per_node (what torchrun's --node-rank and local rank give); its coordinate
+    along each axis follows `axis_order`. `ranks` and `groups` are listed in full up to
+    PLACEMENT_DETAIL_MAX_RANKS ranks; larger plans carry the summary only (the rule above is exact)."""
+
+    axis_order: AxisOrder
+    groups: tuple[GroupPlacement, ...]
+    rank_map: list[dict[str, int]] | None = Field(default=None, description="rank, node, local_rank, tp, dp, pp")
+    process_groups: dict[str, list[list[int]]] | None = None
+
+
+PLACEMENT_DETAIL_MAX_RANKS = 4096
+
+
+class Fallback(Spec):
+    """What to run when a node is lost: the best layout on the remaining nodes, keeping the global
+    batch where some layout splits it, else the nearest batch that one does."""
+
+    nodes_lost: int
+    world_size: int
+    global_batch_size: int
+    layout: Layout
+    step_time_s: float
+    tokens_per_s: float
+    peak_memory_bytes: float
+    changes: list[str]
 
 
 class Plan(Spec):
@@ -220,6 +341,8 @@ class Plan(Spec):
     layout: Layout
     prediction: Prediction | None
     infeasible_reason: str | None = None
+    placement: Placement | None = None
+    fallback: Fallback | None = None
 
 
 class Metrics(Spec):

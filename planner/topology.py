@@ -1,16 +1,14 @@
-"""Cluster topology: presets become a networkx graph of GPUs, switches and links, and the graph
-is summarized into the ClusterSpec the cost model reads (fast domain inside a node, one NIC per
-GPU across nodes).
+"""Cluster topology: presets and user graphs become a networkx graph of GPUs, switches and links
+(`graphs.py`), checked here, and derived into the ClusterSpec the cost model reads: hosts, the
+hierarchy of fast domains (`hierarchy.py`) and the device. `local` is this machine.
 
 Graph format (networkx node-link): GPU nodes {"id": "n0.g0", "kind": "gpu", "device": ..., "host":
-"n0"}, switch nodes {"id": "n0.nvswitch", "kind": "switch"}, links {"source", "target", "kind",
-"bandwidth_GBps" (per direction), "latency_us"}.
+"n0"}, switch or NIC nodes {"id": "n0.nvswitch", "kind": "switch"}, links {"source", "target",
+"kind", "bandwidth_GBps" (per direction), "latency_us", optional "efficiency"}. docs/topology.md.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 import os
 import shutil
 import subprocess
@@ -21,88 +19,96 @@ from typing import Any
 import networkx as nx
 
 from hardware_profiles import UnknownProfileError, device_names, load_device, load_server, server_names
-from hardware_profiles.schema import DeviceProfile, LinkProfile, ServerProfile
+from hardware_profiles.schema import DeviceProfile, ServerProfile
 from planner.errors import BerthError
+from planner.graphs import FABRICS, cluster_graph
+from planner.hierarchy import GRAPH_LINK_EFFICIENCY, derive_levels, gpu_order
 from planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec
 
 
-def cluster_from_preset(preset: str, nodes: int) -> ClusterSpec:
-    """Build the preset's graph for `nodes` servers and summarize it into a ClusterSpec."""
+def cluster_from_preset(preset: str, nodes: int, fabric: str = "rails", nodes_per_leaf: int | None = None,
+                        oversubscription: float = 1.0) -> ClusterSpec:
+    """Build the preset's graph for `nodes` servers and derive the ClusterSpec from it."""
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1 or nodes > MAX_NODES:
         raise BerthError("cluster.nodes", nodes, f"must be an integer in 1..{MAX_NODES}")
     try:
         load_server(preset)
     except UnknownProfileError as err:
         raise BerthError("cluster.preset", preset, f"unknown preset; known: {', '.join(err.known)}") from None
-    return _preset_cluster(preset, nodes)
+    if fabric not in FABRICS:
+        raise BerthError("cluster.fabric", fabric, f"use one of {', '.join(FABRICS)}")
+    if nodes_per_leaf is not None and not 1 <= nodes_per_leaf <= nodes:
+        raise BerthError("cluster.nodes_per_leaf", nodes_per_leaf, f"must be in 1..{nodes} (the nodes)")
+    if isinstance(oversubscription, bool) or not isinstance(oversubscription, (int, float)) or \
+            not 1.0 <= oversubscription <= 64.0:
+        raise BerthError("cluster.oversubscription", oversubscription, "must be in 1..64 (1 = non-blocking)")
+    if fabric == "rails" and (nodes_per_leaf or oversubscription != 1.0):
+        raise BerthError("cluster.fabric", fabric, "nodes_per_leaf and oversubscription apply to fabric fat-tree")
+    return _preset_cluster(preset, nodes, fabric, nodes_per_leaf, float(oversubscription))
 
 
 @lru_cache(maxsize=64)
-def _preset_cluster(preset: str, nodes: int) -> ClusterSpec:
-    """Presets are data: the same (preset, nodes) always gives the same (frozen) spec."""
+def _preset_cluster(preset: str, nodes: int, fabric: str, nodes_per_leaf: int | None,
+                    oversubscription: float) -> ClusterSpec:
+    """Presets are data: the same arguments always give the same (frozen) spec."""
     server = load_server(preset)
-    return cluster_from_graph(preset_graph(server, nodes), preset, server)
+    g = cluster_graph([(server, nodes)], fabric, nodes_per_leaf, oversubscription)
+    name = preset if fabric == "rails" else f"{preset} ({fabric}, {nodes_per_leaf or nodes} nodes a leaf, " \
+                                            f"{oversubscription:g}:1)"
+    return cluster_from_graph(g, name, server)
 
 
-def cluster_from_graph(g: nx.Graph, name: str, server: ServerProfile) -> ClusterSpec:
-    """Summarize a graph: hosts and GPUs per host from the GPU nodes; the intra-node link is the
-    slowest GPU link inside a host's fast domain, the inter-node link the slowest NIC link.
-    Collective efficiencies and latencies per link kind come from the server profile."""
-    summary = graph_summary(g)
-    devices = {d["device"] for _, d in g.nodes(data=True) if d.get("kind") == "gpu"}
-    if len(devices) != 1:
-        raise BerthError("cluster.graph", sorted(devices), "mixed GPU types are not supported yet")
-    try:
-        device = load_device(devices.pop())
-    except UnknownProfileError as err:
-        raise BerthError("cluster.device", err.name, f"unknown device; known: {', '.join(err.known)}") from None
-    intra_bw = _slowest(g, server.intra_node.kind)
-    inter_bw = _slowest(g, server.inter_node.kind)
-    return ClusterSpec(
-        name=name,
-        nodes=summary["nodes"],
-        gpus_per_node=summary["gpus_per_node"],
-        device=device,
-        intra_node=server.intra_node.model_copy(update={"bandwidth_bytes_per_s": intra_bw}),
-        inter_node=server.inter_node.model_copy(update={"bandwidth_bytes_per_s": inter_bw}),
-        collective_base_latency_s=server.collective_base_latency_s,
-        comm_overlap_efficiency=server.comm_overlap_efficiency,
-    )
-
-
-def _slowest(g: nx.Graph, kind: str) -> float:
-    """Bandwidth (bytes/s per direction) of the slowest link of this kind in the graph."""
-    return min(d["bandwidth_GBps"] for _, _, d in g.edges(data=True) if d["kind"] == kind) * 1e9
-
-
-def preset_graph(server: ServerProfile, nodes: int) -> nx.Graph:
-    """The graph of `nodes` servers: each GPU on the node's NVSwitch and on its own NIC rail
-    (rail r of every node on leaf switch r)."""
-    g = nx.Graph()
-    intra, inter = server.intra_node, server.inter_node
-    for r in range(server.gpus_per_node):
-        g.add_node(f"rail{r}", kind="switch")
-    for n in range(nodes):
-        sw = f"n{n}.nvswitch"
-        g.add_node(sw, kind="switch")
-        for r in range(server.gpus_per_node):
-            gpu = f"n{n}.g{r}"
-            g.add_node(gpu, kind="gpu", device=server.device, host=f"n{n}")
-            g.add_edge(gpu, sw, kind=intra.kind, bandwidth_GBps=intra.bandwidth_bytes_per_s / 1e9,
-                       latency_us=intra.hop_latency_s * 1e6)
-            g.add_edge(gpu, f"rail{r}", kind=inter.kind, bandwidth_GBps=inter.bandwidth_bytes_per_s / 1e9,
-                       latency_us=inter.hop_latency_s * 1e6)
-    return g
-
-
-def graph_summary(g: nx.Graph) -> dict[str, int]:
-    """Hosts and GPUs per host of a graph (the seam the general graph input will widen)."""
+def cluster_from_graph(g: nx.Graph, name: str, server: ServerProfile | None = None,
+                       field: str = "cluster.graph") -> ClusterSpec:
+    """Derive the ClusterSpec of a checked graph: hosts, the hierarchy of fast domains
+    (`hierarchy.derive_levels`), and the device. A graph that mixes devices is planned on the
+    slowest device's speed and the smallest memory, and says so in `notes`."""
+    order = gpu_order(g)
     hosts: dict[str, int] = {}
-    for _, data in g.nodes(data=True):
-        if data.get("kind") == "gpu":
-            hosts[data["host"]] = hosts.get(data["host"], 0) + 1
+    for x in order:
+        hosts[g.nodes[x]["host"]] = hosts.get(g.nodes[x]["host"], 0) + 1
     sizes = set(hosts.values())
-    return {"nodes": len(hosts), "gpus_per_node": max(sizes) if sizes else 0}
+    if len(sizes) != 1:
+        counts = ", ".join(f"{h}: {n}" for h, n in list(hosts.items())[:6])
+        raise BerthError(f"{field}.nodes", counts, "hosts hold different GPU counts; not supported yet")
+    counts: dict[str, int] = {}
+    for x in order:
+        counts[g.nodes[x]["device"]] = counts.get(g.nodes[x]["device"], 0) + 1
+    device, notes = _device(counts, field)
+    levels = derive_levels(g, order)
+    per_host = sizes.pop()
+    intra = max((lv for lv in levels if lv.gpus <= per_host), key=lambda lv: lv.gpus, default=levels[0])
+    return ClusterSpec(
+        name=name, nodes=len(hosts), gpus_per_node=per_host, device=device,
+        intra_node=intra.link, inter_node=levels[-1].link,
+        collective_base_latency_s=server.collective_base_latency_s if server else GRAPH_BASE_LATENCY_S,
+        comm_overlap_efficiency=server.comm_overlap_efficiency if server else ClusterSpec.model_fields[
+            "comm_overlap_efficiency"].default,
+        fabric=levels, devices=counts if len(counts) > 1 else {}, notes=notes, hosts=tuple(hosts))
+
+
+def _device(counts: dict[str, int], field: str) -> tuple[DeviceProfile, tuple[str, ...]]:
+    try:
+        profiles = [load_device(name) for name in counts]
+    except UnknownProfileError as err:
+        raise BerthError(f"{field}.device", err.name, f"unknown device; known: {', '.join(err.known)}") from None
+    if len(profiles) == 1:
+        return profiles[0], ()
+    kinds = {p.kind for p in profiles}
+    if len(kinds) > 1:
+        raise BerthError(f"{field}.nodes", sorted(counts), "a cluster cannot mix CPU workers and GPUs")
+    slowest = min(profiles, key=lambda p: (p.peak_flops("bf16"), p.memory_bandwidth_bytes_per_s))
+    smallest = min(profiles, key=lambda p: p.memory_bytes)
+    mix = ", ".join(f"{n}x {name}" for name, n in counts.items())
+    device = slowest.model_copy(update={
+        "memory_bytes": smallest.memory_bytes,
+        "display_name": f"{slowest.display_name} pace, {smallest.memory_bytes / 2**30:.0f} GiB bound ({mix})"})
+    notes = (f"heterogeneous cluster ({mix}): every synchronous step runs at the pace of the slowest device, "
+             f"{slowest.name}, so the plan is predicted on its speed",
+             f"every rank is planned against the smallest memory, {smallest.name}'s "
+             f"{smallest.memory_bytes / 2**30:.0f} GiB, so each device's own memory bounds what is placed on it",
+             "pipeline stages are not yet sized to device speed: faster devices idle at each step's barriers")
+    return device, notes
 
 
 LOCAL = "local"
@@ -171,15 +177,6 @@ def local_cluster(devices_per_node: int | None = None,
                        comm_overlap_efficiency=server.comm_overlap_efficiency)
 
 
-# Achieved ring bus bandwidth / wire bandwidth per link kind, for graphs (presets carry their own).
-GRAPH_LINK_EFFICIENCY = {
-    "nvlink": 0.78,  # DGX A100 nccl-tests all-reduce busbw 234.9 of 300 GB/s (hardware_facts.json)
-    "nvswitch": 0.78,
-    "infiniband": 0.96,  # one HDR NIC: 24 of 25 GB/s (hardware_facts.json)
-    "ethernet": 0.8,  # assumption: RoCE/TCP reach less of the wire than InfiniBand
-    "pcie": 0.8,  # assumption: PCIe Gen4/5 peer transfers reach about 80% of the wire
-    "loopback": 1.0,
-}
 LINK_KINDS = tuple(GRAPH_LINK_EFFICIENCY)
 GRAPH_BASE_LATENCY_S = 8.4e-6  # NCCL tuner base latency (hardware_facts.json), as in the presets
 MAX_GRAPH_ELEMENTS = 200_000
@@ -223,14 +220,17 @@ def graph_from_node_link(data: Any, field: str = "cluster.graph") -> nx.Graph:
             raise BerthError(where, e["source"], "self-loop: a link must join two different nodes")
         if e.get("kind") not in LINK_KINDS:
             raise BerthError(f"{where}.kind", e.get("kind"), f"must be one of {', '.join(LINK_KINDS)}")
-        bw, lat = e.get("bandwidth_GBps"), e.get("latency_us", 1.0)
+        bw, lat, eff = e.get("bandwidth_GBps"), e.get("latency_us", 1.0), e.get("efficiency", None)
         if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < 1e6:
             raise BerthError(f"{where}.bandwidth_GBps", bw, "must be a positive number of GB/s (per direction)")
         if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < 1e6:
             raise BerthError(f"{where}.latency_us", lat, "must be a non-negative number of microseconds")
+        if eff is not None and (isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1):
+            raise BerthError(f"{where}.efficiency", eff, "must be a number in (0, 1]: achieved / wire bandwidth")
         if g.has_edge(e["source"], e["target"]):
             raise BerthError(where, f"{e['source']}-{e['target']}", "duplicate link")
-        g.add_edge(e["source"], e["target"], kind=e["kind"], bandwidth_GBps=float(bw), latency_us=float(lat))
+        g.add_edge(e["source"], e["target"], kind=e["kind"], bandwidth_GBps=float(bw), latency_us=float(lat),
+                   **({"efficiency": float(eff)} if eff is not None else {}))
     gpus = [n for n, d in g.nodes(data=True) if d["kind"] == "gpu"]
     if not gpus:
         raise BerthError(f"{field}.nodes", len(nodes), "the graph has no GPU node")
@@ -246,75 +246,6 @@ def _brief(value: Any) -> Any:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _widest_path_GBps(g: nx.Graph, source: str, targets: set[str],
-                      allowed: set[str] | None = None) -> tuple[float, float]:
-    """(bottleneck bandwidth, latency along it) of the widest path from source to any target,
-    optionally through `allowed` nodes only (modified Dijkstra, max-min)."""
-    best = {source: math.inf}
-    latency = {source: 0.0}
-    heap = [(-math.inf, source)]
-    while heap:
-        neg, u = heapq.heappop(heap)
-        width = -neg
-        if u in targets and u != source:
-            return width, latency[u]
-        if width < best.get(u, 0):
-            continue
-        for v, d in g[u].items():
-            if allowed is not None and v not in allowed:
-                continue
-            w = min(width, d["bandwidth_GBps"])
-            if w > best.get(v, 0):
-                best[v], latency[v] = w, latency[u] + d["latency_us"]
-                heapq.heappush(heap, (-w, v))
-    return 0.0, 0.0
-
-
-def _link_profile(kind: str, bandwidth_GBps: float, latency_us: float) -> LinkProfile:
-    return LinkProfile(kind=kind, bandwidth_bytes_per_s=bandwidth_GBps * 1e9,
-                       collective_efficiency=GRAPH_LINK_EFFICIENCY[kind], hop_latency_s=latency_us * 1e-6)
-
-
 def cluster_from_node_link(data: Any, name: str = "graph", field: str = "cluster.graph") -> ClusterSpec:
-    """A ClusterSpec from a node-link graph: hosts and GPUs per host; the intra-node link is the
-    worst widest path between two GPUs of a host through that host's own switches, the
-    inter-node link the worst widest path from a GPU to another host. (Issue 6 widens this to
-    per-group collectives, link sharing and heterogeneous clusters.)"""
-    g = graph_from_node_link(data, field)
-    hosts: dict[str, list[str]] = {}
-    for n, d in g.nodes(data=True):
-        if d["kind"] == "gpu":
-            hosts.setdefault(d["host"], []).append(n)
-    sizes = {len(v) for v in hosts.values()}
-    if len(sizes) != 1:
-        raise BerthError(f"{field}.nodes", sorted(sizes), "hosts hold different GPU counts; not supported yet")
-    devices = {g.nodes[n]["device"] for gs in hosts.values() for n in gs}
-    if len(devices) != 1:
-        raise BerthError(f"{field}.nodes", sorted(devices), "mixed GPU types are not supported yet")
-    device = load_device(devices.pop())
-    gpus_of = {n: h for h, gs in hosts.items() for n in gs}
-    intra = (math.inf, 0.0, "loopback")
-    inter = (math.inf, 0.0, "loopback")
-    for host, gs in hosts.items():
-        # switches that serve only this host's GPUs belong to its fast domain
-        local = set(gs) | {n for n, d in g.nodes(data=True) if d["kind"] != "gpu"
-                           and {gpus_of.get(m) for m in g[n] if m in gpus_of} == {host}}
-        for gpu in gs[:2] if len(gs) > 1 else []:
-            bw, lat = _widest_path_GBps(g, gpu, set(gs) - {gpu}, local)
-            if bw == 0:
-                bw, lat = _widest_path_GBps(g, gpu, set(gs) - {gpu})
-            kind = max(g[gpu].items(), key=lambda kv: kv[1]["bandwidth_GBps"])[1]["kind"]
-            intra = min(intra, (bw, lat, kind))
-        if len(hosts) > 1:
-            others = set(gpus_of) - set(gs)
-            bw, lat = _widest_path_GBps(g, gs[0], others)
-            kinds = [d["kind"] for m, d in g[gs[0]].items() if m not in local] or ["ethernet"]
-            inter = min(inter, (bw, lat, kinds[0]))
-    if intra[0] == math.inf:
-        intra = inter if inter[0] != math.inf else (1.0, 0.0, "loopback")
-    if inter[0] == math.inf:
-        inter = intra
-    return ClusterSpec(name=name, nodes=len(hosts), gpus_per_node=sizes.pop(), device=device,
-                       intra_node=_link_profile(intra[2], intra[0], intra[1] / 2),
-                       inter_node=_link_profile(inter[2], inter[0], inter[1] / 2),
-                       collective_base_latency_s=GRAPH_BASE_LATENCY_S)
+    """A ClusterSpec from a node-link graph (JSON from a file or a request)."""
+    return cluster_from_graph(graph_from_node_link(data, field), name, field=field)

@@ -83,6 +83,31 @@ def test_same_json_as_the_cli(server):
     assert json.loads(cli.stdout)["plans"] == api["plans"]
 
 
+def test_launch_files_goodput_fallback_and_fat_tree_over_http(server):
+    c = httpx.Client(base_url=server.url, timeout=60)
+    body = {**PLAN_BODY, "operations": {"failures_per_gpu_hour": 1e-4, "price_per_gpu_hour": 2.0},
+            "search": {"top": 2, "objective": "goodput", "fallback": True}}
+    body["cluster"] = {"preset": "dgx-h100", "nodes": 4, "fabric": "fat-tree", "nodes_per_leaf": 2,
+                       "oversubscription": 2}
+    r = c.post("/v1/plans", json=body)
+    assert r.status_code == 200, r.text
+    first = r.json()["plans"][0]
+    assert first["prediction"]["goodput"]["cost_per_million_tokens"] > 0 and first["fallback"]["world_size"] == 24
+    assert first["placement"]["rank_map"] and "leaf" not in first["cluster"]["fabric"][0]["name"]
+    plan_id = r.json()["id"]
+    for fmt, name in (("slurm", "berth.sbatch"), ("torchrun", "node3.sh"), ("kubernetes", "pytorchjob.yaml")):
+        r = c.post("/v1/launch", json={"plan_id": plan_id, "format": fmt})
+        assert r.status_code == 200 and name in r.json()["files"], r.text
+    r = c.post("/v1/launch", json={"plan_id": plan_id, "format": "megatron"})
+    if first["layout"]["zero_stage"] >= 2:  # Megatron has no ZeRO-2/3: refused with the reason
+        assert r.status_code == 422 and "cannot express" in r.text
+    else:
+        assert r.status_code == 200 and "--tensor-model-parallel-size" in r.json()["files"]["megatron-args.txt"]
+    assert c.post("/v1/launch", json={"plan_id": plan_id, "format": "mpirun"}).status_code == 422
+    assert c.post("/v1/launch", json={"plan_id": "nope", "format": "slurm"}).status_code == 404
+    assert c.post("/v1/launch", json={"plan_id": plan_id, "pick": 9, "format": "slurm"}).status_code == 422
+
+
 def test_catalog_compare_and_health(server):
     c = httpx.Client(base_url=server.url, timeout=30)
     assert c.get("/healthz").json()["status"] == "ok"

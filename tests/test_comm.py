@@ -33,10 +33,10 @@ def test_group_spanning_nodes_pays_the_nic_hop():
     assert one_rail == pytest.approx(1e8 / nic + 2 * c.inter_node.hop_latency_s + c.collective_base_latency_s)
 
 
-def test_members_per_node_follow_rank_order():
-    assert comm.members_per_node(np.array(16), np.array(1), 8) == 8
-    assert comm.members_per_node(np.array(16), np.array(8), 8) == 1
-    assert comm.members_per_node(np.array(4), np.array(2), 8) == 4
+def test_members_per_block_follow_rank_order():
+    assert comm.members_per_block(np.array(16), np.array(1), 8) == 8
+    assert comm.members_per_block(np.array(16), np.array(8), 8) == 1
+    assert comm.members_per_block(np.array(4), np.array(2), 8) == 4
 
 
 def test_busbw_matches_nccl_tests_inside_a_dgx():
@@ -49,12 +49,13 @@ def test_busbw_matches_nccl_tests_inside_a_dgx():
         assert predicted_busbw == pytest.approx(busbw, rel=0.03)
 
 
-def test_preset_cluster_is_summarized_from_its_graph():
+def test_preset_cluster_is_derived_from_its_graph():
     from hardware_profiles import load_server
-    from planner.topology import graph_summary, preset_graph
+    from planner.graphs import cluster_graph
 
-    g = preset_graph(load_server("dgx-a100-80g"), 3)
-    assert graph_summary(g) == {"nodes": 3, "gpus_per_node": 8}
+    g = cluster_graph([(load_server("dgx-a100-80g"), 3)])
     assert g.number_of_nodes() == 3 * 8 + 3 + 8  # GPUs, one NVSwitch per node, 8 rail switches
     c = cluster_from_preset("dgx-a100-80g", 3)
     assert (c.world_size, c.intra_node.bandwidth_bytes_per_s, c.inter_node.bandwidth_bytes_per_s) == (24, 300e9, 25e9)
+    assert [(lv.gpus, lv.link.kind) for lv in c.levels] == [(8, "nvswitch"), (24, "infiniband")]
+    assert c.hosts == ("n0", "n1", "n2")

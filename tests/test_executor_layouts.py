@@ -45,6 +45,9 @@ FOUR = [
     Layout(pp=2, tp=2, sequence_parallel=True, micro_batch_size=2, num_microbatches=4),
     Layout(pp=2, dp=2, zero_stage=2, shard=2, micro_batch_size=1, num_microbatches=4,
            schedule="interleaved_1f1b", virtual_stages=2),
+    # axis orders other than tp-dp-pp: the mesh is built from each rank's coordinates
+    Layout(tp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2, axis_order="dp-tp-pp"),
+    Layout(pp=2, dp=2, micro_batch_size=1, num_microbatches=4, axis_order="pp-dp-tp"),
 ]
 EIGHT = [
     Layout(pp=2, tp=2, dp=2, zero_stage=3, shard=2, sequence_parallel=True, micro_batch_size=2, num_microbatches=2),

@@ -1,0 +1,228 @@
+"""Launch artifacts, goodput, cost and fallback plans."""
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from cost_models.goodput import daly_interval_s, useful_fraction
+from planner.launch import FIELD_KEYS, FORMATS, LaunchRefused, artifacts
+from planner.models import load_model
+from planner.planning import fallback, make_search, plan, with_operations
+from planner.search import predict_layouts, search
+from planner.specs import LAYOUT_FIELDS, Layout, SearchSpec, TrainingSpec
+from planner.topology import cluster_from_preset
+
+BERTH = [sys.executable, "-m", "planner.cli"]
+
+# Argument names read from Megatron-LM megatron/training/arguments.py (_add_network_size_args,
+# _add_training_args, _add_distributed_args, _add_mixed_precision_args) and from DeepSpeed's
+# deepspeed/runtime/constants.py and zero/config.py, torchtitan's torchtitan/config/job_config.py
+# (the engines' own sources; see planner/launch.py).
+MEGATRON_ARGS = {
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+    "--sequence-parallel", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+    "--micro-batch-size", "--global-batch-size", "--use-distributed-optimizer",
+    "--num-distributed-optimizer-instances", "--use-tp-pp-dp-mapping", "--num-layers", "--hidden-size",
+    "--ffn-hidden-size", "--num-attention-heads", "--seq-length", "--max-position-embeddings", "--bf16", "--fp16",
+    "--group-query-attention", "--num-query-groups", "--swiglu", "--normalization",
+    "--untie-embeddings-and-output-weights", "--use-flash-attn",
+}
+DEEPSPEED_KEYS = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
+    "zero_optimization.stage", "zero_optimization.mics_shard_size", "bf16", "bf16.enabled", "fp16", "fp16.enabled",
+    "pipeline", "pipeline.stages", "pipeline.partition", "tensor_parallel", "tensor_parallel.autotp_size",
+    "activation_checkpointing", "activation_checkpointing.partition_activations",
+    "activation_checkpointing.number_checkpoints",
+}
+TORCHTITAN_KEYS = {
+    "training": {"batch_size", "seq_len", "mixed_precision_param"},
+    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
+                    "pipeline_parallel_degree", "fsdp_reshard_after_forward", "pipeline_parallel_schedule",
+                    "pipeline_parallel_microbatch_size", "pipeline_parallel_layers_per_stage"},
+    "activation_checkpoint": {"mode", "selective_ac_option"},
+}
+
+
+def plan_for(layout: Layout, model="llama3-70b", nodes=4, batch=64):
+    (p,) = predict_layouts(load_model(model), TrainingSpec(seq_len=4096, global_batch_size=batch),
+                           cluster_from_preset("dgx-h100", nodes), [layout])
+    return p
+
+
+LAYOUTS = [
+    Layout(tp=8, pp=2, dp=2, zero_stage=1, shard=2, micro_batch_size=1, num_microbatches=32, sequence_parallel=True,
+           recompute="selective"),
+    Layout(tp=8, pp=4, dp=1, micro_batch_size=1, num_microbatches=64, schedule="interleaved_1f1b", virtual_stages=5,
+           sequence_parallel=True, recompute="full"),
+    Layout(tp=4, pp=4, dp=2, zero_stage=1, shard=1, micro_batch_size=1, num_microbatches=32, axis_order="tp-pp-dp",
+           recompute="full"),
+]
+
+
+def _flat(d, prefix=""):
+    for k, v in d.items():
+        yield f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.short())
+def test_megatron_arguments_are_megatrons_own(layout):
+    text = artifacts(plan_for(layout), "megatron")["megatron-args.txt"]
+    flags = [w for w in text.split() if w.startswith("--")]
+    assert set(flags) <= MEGATRON_ARGS and len(flags) == len(set(flags))
+    assert f"--tensor-model-parallel-size {layout.tp}" in text
+    assert f"--micro-batch-size {layout.micro_batch_size}" in text
+    assert ("--sequence-parallel" in flags) == layout.sequence_parallel
+    assert ("--use-tp-pp-dp-mapping" in flags) == (layout.axis_order == "tp-pp-dp")
+    assert ("--num-distributed-optimizer-instances" in flags) == (layout.zero_stage == 1 and layout.shard < layout.dp)
+    if layout.virtual_stages > 1:
+        assert f"--num-layers-per-virtual-pipeline-stage {80 // (layout.pp * layout.virtual_stages)}" in text
+
+
+def test_deepspeed_and_torchtitan_configs_use_their_schema_names():
+    ds = json.loads(artifacts(plan_for(Layout(pp=2, dp=16, zero_stage=1, shard=16, micro_batch_size=1,
+                                                num_microbatches=4, recompute="full"), "llama3-8b"),
+                              "deepspeed")["ds_config.json"])
+    assert set(_flat(ds)) <= DEEPSPEED_KEYS
+    assert ds["train_batch_size"] == 64 and ds["gradient_accumulation_steps"] == 4 and ds["pipeline"]["stages"] == 2
+    hybrid = json.loads(artifacts(plan_for(Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2), "llama3-8b"),
+                                  "deepspeed")["ds_config.json"])
+    assert hybrid["zero_optimization"] == {"stage": 3, "mics_shard_size": 8}
+    toml = tomllib.loads(artifacts(plan_for(Layout(tp=8, pp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=1,
+                                                   num_microbatches=32, schedule="interleaved_1f1b",
+                                                   virtual_stages=2, sequence_parallel=True, recompute="selective")),
+                                   "torchtitan")["torchtitan.toml"])
+    for section, keys in toml.items():
+        assert set(keys) <= TORCHTITAN_KEYS[section]
+    p = toml["parallelism"]
+    assert (p["tensor_parallel_degree"], p["pipeline_parallel_degree"], p["data_parallel_shard_degree"],
+            p["data_parallel_replicate_degree"]) == (8, 2, 2, 1)
+    assert p["pipeline_parallel_schedule"] == "Interleaved1F1B" and p["pipeline_parallel_layers_per_stage"] == 20
+    assert toml["training"]["batch_size"] == 32 and toml["activation_checkpoint"]["mode"] == "selective"
+
+
+def test_every_layout_field_maps_to_exactly_one_key():
+    for fmt, keys in FIELD_KEYS.items():
+        assert set(keys) == set(LAYOUT_FIELDS), fmt
+        real = [k for k in keys.values() if not k.startswith("(")]
+        assert len(real) == len(set(real)), fmt
+
+
+@pytest.mark.parametrize("fmt, layout, words", [
+    ("megatron", Layout(dp=32, zero_stage=3, shard=32, micro_batch_size=2), "zero_stage 3"),
+    ("megatron", Layout(tp=8, pp=4, num_microbatches=64, schedule="gpipe", recompute="full"), "gpipe"),
+    ("megatron", Layout(tp=8, dp=4, num_microbatches=16, axis_order="dp-tp-pp"), "axis_order"),
+    ("deepspeed", Layout(tp=8, dp=4, num_microbatches=16, sequence_parallel=True), "sequence_parallel"),
+    ("deepspeed", Layout(tp=8, pp=4, num_microbatches=64, schedule="interleaved_1f1b", virtual_stages=2), "1F1B"),
+    ("torchtitan", Layout(tp=8, dp=4, num_microbatches=16), "sequence_parallel"),
+    ("torchtitan", Layout(dp=32, zero_stage=1, shard=32, micro_batch_size=2, recompute="full"), "zero_stage 1"),
+])
+def test_a_layout_a_format_cannot_express_is_refused_with_the_reason(fmt, layout, words):
+    plan = plan_for(layout, "llama3-8b")
+    assert plan.prediction.fits, plan.infeasible_reason
+    with pytest.raises(LaunchRefused, match=words):
+        artifacts(plan, fmt)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_artifact_run_as_written_completes_a_validation(tmp_path):
+    r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len",
+                        "128", "--global-batch", "8", "--fix", "dp=2,zero=2", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "plans.json").write_text(r.stdout)
+    r = subprocess.run([*BERTH, "launch", str(tmp_path / "plans.json"), "--format", "torchrun", "--out",
+                        str(tmp_path / "run"), "--steps", "3", "--warmup", "1"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "run" / "node0.sh"
+    assert "--node-rank=0" in script.read_text() and "--nproc-per-node=2" in script.read_text()
+    env = {**os.environ, "MASTER_PORT": str(_free_port()),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    assert shutil.which("torchrun", path=env["PATH"])
+    done = subprocess.run(["sh", str(script)], cwd=tmp_path / "run", env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "ok" and report["measured"]["step_time_s"] > 0 and len(report["per_rank"]) == 2
+    assert report["plan"]["layout"]["zero_stage"] == 2
+
+
+def test_cluster_launchers_cover_every_node():
+    p = plan_for(Layout(tp=8, pp=2, dp=2, zero_stage=1, shard=2, micro_batch_size=1, num_microbatches=32,
+                        sequence_parallel=True, recompute="full"))
+    scripts = artifacts(p, "torchrun")
+    assert sorted(k for k in scripts if k.endswith(".sh")) == ["node0.sh", "node1.sh", "node2.sh", "node3.sh"]
+    assert "--node-rank=3" in scripts["node3.sh"] and "--master-addr=${MASTER_ADDR:-n0}" in scripts["node3.sh"]
+    sbatch = artifacts(p, "slurm")["berth.sbatch"]
+    assert "#SBATCH --nodes=4" in sbatch and "--node-rank=$SLURM_NODEID" in sbatch and "--gpus-per-node=8" in sbatch
+    job = json.loads(artifacts(p, "kubernetes")["pytorchjob.yaml"])
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert job["kind"] == "PyTorchJob" and replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 3
+    assert job["spec"]["nprocPerNode"] == "8"
+    with pytest.raises(Exception, match="use one of"):
+        artifacts(p, "mpirun")
+    assert set(FORMATS) == {"torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan"}
+
+
+def test_young_daly_interval_and_useful_fraction_by_hand():
+    delta, mtbf = 100.0, 1e5
+    young = math.sqrt(2 * delta * mtbf)  # 4472.1 s
+    x = delta / (2 * mtbf)
+    assert float(daly_interval_s(delta, mtbf)) == pytest.approx(young * (1 + math.sqrt(x) / 3 + x / 9) - delta)
+    assert float(daly_interval_s(3e5, mtbf)) == mtbf  # checkpoints slower than failures: once per MTBF
+    # 4400 s of work, 100 s checkpoint, 600 s restart, MTBF 1e5 s:
+    # 4400/4500 x (1 - (600 + 2250) / 1e5) = 0.97778 x 0.9715 = 0.94991
+    assert float(useful_fraction(4400.0, 100.0, 600.0, 1e5)) == pytest.approx(0.949911, rel=1e-5)
+
+
+def test_goodput_changes_the_ranking_with_frequent_failures_and_a_slow_filesystem():
+    model, training = load_model("llama3-8b"), TrainingSpec(seq_len=4096, global_batch_size=512)
+    calm = cluster_from_preset("dgx-h100", 64)
+    rough = with_operations(calm, failures_per_gpu_hour=2e-4, storage_write_bytes_per_s_per_gpu=2e7)
+    rough = rough.model_copy(update={"storage_client_write_bytes_per_s": 2e8})
+    fast = search(model, training, rough, SearchSpec(top=1)).plans[0]
+    good = search(model, training, rough, SearchSpec(top=1, objective="goodput")).plans[0]
+    assert good.layout != fast.layout
+    assert good.prediction.goodput.goodput_tokens_per_s > fast.prediction.goodput.goodput_tokens_per_s
+    assert good.prediction.goodput.checkpoint_writers > fast.prediction.goodput.checkpoint_writers
+    # on a calm cluster with fast storage the two objectives agree
+    assert search(model, training, calm, SearchSpec(top=1, objective="goodput")).plans[0].layout == \
+        search(model, training, calm, SearchSpec(top=1)).plans[0].layout
+    g = fast.prediction.goodput
+    assert g.mtbf_s == pytest.approx(3600 / (2e-4 * 512))
+    assert g.checkpoint_bytes_total == pytest.approx(model.num_params * 14)  # bf16 weights + 12 B of AdamW state
+
+
+def test_cost_per_token_and_budget():
+    cluster = with_operations(cluster_from_preset("dgx-h100", 8), price_per_gpu_hour=2.0)
+    training = TrainingSpec(seq_len=8192, global_batch_size=256, token_budget=1e12)
+    p = plan(load_model("llama3-70b"), training, cluster, make_search(top=1)).plans[0]
+    g = p.prediction.goodput
+    assert g.cost_per_step == pytest.approx(p.prediction.step_time_s * 64 * 2.0 / 3600)
+    assert g.cost_for_token_budget == pytest.approx(1e12 / g.goodput_tokens_per_s * 64 * 2.0 / 3600)
+    assert g.energy_kwh_per_million_tokens == pytest.approx(64 * 700 / g.goodput_tokens_per_s * 1e6 / 3.6e6)
+
+
+def test_fallback_with_one_node_lost_keeps_the_batch_or_says_what_changes():
+    model, spec = load_model("llama3-70b"), make_search(top=1)
+    keep = plan(model, TrainingSpec(seq_len=4096, global_batch_size=96), cluster_from_preset("dgx-h100", 4), spec)
+    fb = fallback(keep.plans[0], spec)
+    assert fb.world_size == 24 and fb.global_batch_size == 96 and fb.layout.world_size == 24
+    change = plan(model, TrainingSpec(seq_len=8192, global_batch_size=256), cluster_from_preset("dgx-h100", 8), spec)
+    fb = fallback(change.plans[0], spec)
+    assert fb.world_size == 56 and fb.global_batch_size != 256
+    assert any("global batch" in c and "256" in c for c in fb.changes)
