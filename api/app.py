@@ -57,7 +57,7 @@ from planner.planning import (
     make_search,
     make_training,
     plan,
-    plans_json,
+    plans_text,
     with_operations,
 )
 from planner.search import SearchTimeout
@@ -201,11 +201,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if req.search.fallback and result.plans and cluster.nodes > 1:
             first = result.plans[0]
             first = first.model_copy(update={"fallback": await bounded(lambda dl: fallback(first, spec))})
-            result = replace(result, plans=[first, *result.plans[1:]])
-        body = {"id": uuid.uuid4().hex, "created": _now(), **plans_json(result)}
-        store.add_plan(body["id"], body["created"], {"kind": "plan", "request": req.model_dump(mode="json"),
-                                                     "response": body})
-        return _json(body)
+            result = replace(result, plans=[first, *result.plans[1:]], serialized=[])
+        plan_id, created = uuid.uuid4().hex, _now()
+        # the plans' JSON is serialized once per cached answer; id and created are spliced in front
+        body = f'{{"id":"{plan_id}","created":"{created}",' + plans_text(result)[1:]
+        store.add_plan(plan_id, created, '{"kind":"plan","request":' + req.model_dump_json() + ',"response":' + body
+                       + "}")
+        return Response(content=body, media_type="application/json")
 
     @app.post("/v1/compare", response_model=CompareResponse, tags=["plans"], responses=COMMON_ERRORS)
     async def create_compare(req: CompareRequest) -> Response:

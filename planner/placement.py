@@ -52,14 +52,14 @@ def strides(layout: Layout, order: tuple[str, ...] | None = None) -> dict[str, i
 
 def process_groups(layout: Layout, order: tuple[str, ...] | None = None) -> dict[str, list[list[int]]]:
     """For each axis, its groups: ranks that share every other coordinate, in axis order."""
-    coords = coordinates(layout, order)
+    coords, sizes = coordinates(layout, order), _sizes(layout)
     groups: dict[str, list[list[int]]] = {}
     for axis in AXES:
-        others = [a for a in AXES if a != axis]
-        keys: dict[tuple[int, ...], list[int]] = {}
-        for r in range(layout.world_size):
-            keys.setdefault(tuple(int(coords[a][r]) for a in others), []).append(r)
-        groups[axis] = [sorted(g, key=lambda r: coords[axis][r]) for g in keys.values()]
+        key = np.zeros(layout.world_size, dtype=np.int64)
+        for other in (a for a in AXES if a != axis):
+            key = key * sizes[other] + coords[other]
+        ranks = np.lexsort((coords[axis], key))  # by the other coordinates, then along the axis
+        groups[axis] = ranks.reshape(-1, sizes[axis]).tolist()
     return groups
 
 
@@ -105,10 +105,10 @@ def innermost_cluster(cluster: ClusterSpec) -> ClusterSpec:
 
 
 def placement(layout: Layout, cluster: ClusterSpec, times_s: dict[str, float],
-              inner_times_s: dict[str, float]) -> Placement:
+              inner_times_s: dict[str, float], detail: bool = True) -> Placement:
     """The plan's placement: for each axis where its groups sit, the slowest level they cross and
-    what that costs (its time term here minus on `innermost_cluster`); the full rank map and
-    groups up to PLACEMENT_DETAIL_MAX_RANKS ranks."""
+    what that costs (its time term here minus on `innermost_cluster`); with `detail`, the full
+    rank map and groups up to PLACEMENT_DETAIL_MAX_RANKS ranks."""
     sizes, stride = _sizes(layout), strides(layout)
     groups = []
     for axis in AXES:
@@ -125,7 +125,7 @@ def placement(layout: Layout, cluster: ClusterSpec, times_s: dict[str, float],
             cluster.levels[0].link.bandwidth_bytes_per_s,
             time_s=times_s.get(term, 0.0), cost_of_crossing_s=max(times_s.get(term, 0.0) - inner_times_s.get(term, 0.0),
                                                                   0.0)))
-    detail = layout.world_size <= PLACEMENT_DETAIL_MAX_RANKS
+    detail = detail and layout.world_size <= PLACEMENT_DETAIL_MAX_RANKS
     return Placement(axis_order=layout.axis_order, groups=tuple(groups),
                      rank_map=rank_map(layout, cluster) if detail else None,
                      process_groups=process_groups(layout) if detail else None)

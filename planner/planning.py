@@ -255,6 +255,14 @@ def plans_json(result: SearchResult) -> dict[str, Any]:
     }
 
 
+def plans_text(result: SearchResult) -> str:
+    """`plans_json` as compact JSON text, serialized once per result: the service answers a
+    repeated question from the plan cache, and the plans' dump is most of its work."""
+    if not result.serialized:
+        result.serialized.append(json.dumps(plans_json(result), separators=(",", ":")))
+    return result.serialized[0]
+
+
 def compare_json(candidates: list[Plan], best: SearchResult | None) -> dict[str, Any]:
     best_plan = best.plans[0] if best and best.plans else None
     out: dict[str, Any] = {"candidates": [p.model_dump(mode="json") for p in candidates]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 
 import numpy as np
@@ -46,6 +46,7 @@ class SearchResult:
     searched: int
     feasible: int
     rejected: dict[str, int]
+    serialized: list[str] = field(default_factory=list, compare=False, repr=False)  # memo of its JSON text
 
 
 def divisors(n: int) -> list[int]:
@@ -54,12 +55,15 @@ def divisors(n: int) -> list[int]:
 
 
 def axis_orders(tp: int, pp: int, dp: int) -> list[int]:
-    """Codes of the axis orders that place ranks differently: axes of size 1 do not count, so
-    tp=8, pp=1 has two (tp-dp, dp-tp) and a pure dp layout one."""
+    """Codes of the axis orders searched: tp innermost (tensor-parallel traffic is the heaviest and
+    every engine berth launches on keeps it there), then dp or pp in either order, counting only
+    orders that place ranks differently (axes of size 1 do not count). Other orders can still be
+    predicted and compared (`--layout ...,axis_order=dp-tp-pp`)."""
     sizes = {"tp": tp, "pp": pp, "dp": dp}
     seen: dict[tuple[str, ...], int] = {}
     for code, name in enumerate(AXIS_ORDER_CHOICES):
-        seen.setdefault(tuple(a for a in name.split("-") if sizes[a] > 1), code)
+        if name.startswith("tp-"):
+            seen.setdefault(tuple(a for a in name.split("-") if sizes[a] > 1), code)
     return sorted(seen.values())
 
 
@@ -196,7 +200,7 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
         key = best[k][0].layout(i).model_copy(update={"axis_order": "tp-dp-pp"})
         if key not in seen and len(plans) < spec.top:
             seen.add(key)
-            plans.append(make_plan(model, training, cluster, best[k][0], best[k][1], i))
+            plans.append(make_plan(model, training, cluster, best[k][0], best[k][1], i, detail=not plans))
     rejected = {REASONS[code][0]: n for code, n in sorted(reasons.items()) if code != VALID}
     return SearchResult(plans=plans, searched=len(cands), feasible=feasible, rejected=rejected)
 
@@ -223,7 +227,9 @@ def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
     )
 
 
-def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int) -> Plan:
+def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int, detail: bool = True) -> Plan:
+    """The plan of candidate i; `detail` lists its rank map and process groups (the best plan of a
+    search and every compared layout carry them; the runners-up carry the per-axis summary)."""
     code = int(ev.reason[i])
     structurally_valid = code == VALID or REASONS[code][0] == "out_of_memory"
     layout = c.layout(i)
@@ -236,17 +242,17 @@ def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int) -
         layout=layout,
         prediction=prediction,
         infeasible_reason=_reason_text(code, ev, cluster, i),
-        placement=_placement(model, training, cluster, layout, prediction) if prediction else None,
+        placement=_placement(model, training, cluster, layout, prediction, detail) if prediction else None,
     )
 
 
-def _placement(model, training, cluster, layout: Layout, prediction: Prediction) -> Placement:
+def _placement(model, training, cluster, layout: Layout, prediction: Prediction, detail: bool) -> Placement:
     """Where the plan's groups sit, with each axis's traffic priced against the same layout on
     a cluster as fast as its innermost domain everywhere."""
     with np.errstate(divide="ignore", invalid="ignore"):
         inner = evaluate(model, training, innermost_cluster(cluster), Candidates.from_layouts([layout]))
     return placement(layout, cluster, prediction.time_breakdown_s,
-                     {k: float(v[0]) for k, v in inner.time_breakdown_s.items()})
+                     {k: float(v[0]) for k, v in inner.time_breakdown_s.items()}, detail)
 
 
 def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str | None:

@@ -305,8 +305,9 @@ class GroupPlacement(Spec):
 class Placement(Spec):
     """Rank -> GPU mapping and process groups of a plan: rank r runs on node r // gpus_per_node,
     local GPU r % gpus_per_node (what torchrun's --node-rank and local rank give); its coordinate
-    along each axis follows `axis_order`. `ranks` and `groups` are listed in full up to
-    PLACEMENT_DETAIL_MAX_RANKS ranks; larger plans carry the summary only (the rule above is exact)."""
+    along each axis follows `axis_order`. `rank_map` and `process_groups` are listed in full for
+    the best plan of a search and for compared layouts, up to PLACEMENT_DETAIL_MAX_RANKS ranks;
+    the others carry the per-axis summary (the rule above is exact, `planner/placement.py`)."""
 
     axis_order: AxisOrder
     groups: tuple[GroupPlacement, ...]

@@ -115,9 +115,11 @@ class Store:
             rows = db.execute(query, args).fetchall()
         return [ValidationReport.model_validate_json(r[0]) for r in rows]
 
-    def add_plan(self, plan_id: str, created: str, body: dict[str, Any]) -> str:
+    def add_plan(self, plan_id: str, created: str, body: dict[str, Any] | str) -> str:
+        """Store a plan answer: a dict, or its JSON text when the caller already has it."""
+        text = body if isinstance(body, str) else json.dumps(body)
         with self._connect() as db:
-            db.execute("INSERT INTO plans VALUES (?, ?, ?)", (plan_id, created, json.dumps(body)))
+            db.execute("INSERT INTO plans VALUES (?, ?, ?)", (plan_id, created, text))
         return plan_id
 
     def get_plan(self, plan_id: str) -> dict[str, Any] | None:

@@ -24,10 +24,12 @@ from planner.topology import cluster_from_preset
 
 
 def distinct_orders(tp, pp, dp):
-    """Axis orders that place ranks differently, written out: the first order (in the listed
+    """The searched axis orders, written out: tp innermost, and the first order (in the listed
     order) for every distinct sequence of the axes larger than 1."""
     out, seen = [], set()
     for order in AXIS_ORDER_CHOICES:
+        if not order.startswith("tp-"):
+            continue
         key = tuple(a for a in order.split("-") if {"tp": tp, "pp": pp, "dp": dp}[a] > 1)
         if key not in seen:
             seen.add(key)
