@@ -175,6 +175,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         fields["precision"] = fields["precision"] or default_precision(cluster)
         return model, make_training(**fields), cluster
 
+    async def resolve_off_loop(req):
+        """Presets resolve in microseconds (cached); a topology graph is derived in a worker thread
+        within the request budget (up to seconds for 10^5 links), never on the event loop."""
+        if isinstance(req.cluster, GraphCluster):
+            return await bounded(lambda _: resolve(req.model, req.training, req.cluster, req.operations))
+        return resolve(req.model, req.training, req.cluster, req.operations)
+
     async def bounded(fn):
         """Run fn(deadline) in a worker thread within the request's time budget."""
         budget = settings.request_timeout_s
@@ -192,7 +199,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/plans", response_model=PlanResponse, tags=["plans"], responses=COMMON_ERRORS)
     async def create_plan(req: PlanRequest) -> Response:
-        model, training, cluster = resolve(req.model, req.training, req.cluster, req.operations)
+        model, training, cluster = await resolve_off_loop(req)
         spec = make_search(top=req.search.top, fix=req.search.fix, objective=req.search.objective,
                            max_micro_batch_size=req.search.max_micro_batch_size)
         result = cached_plan(model, training, cluster, spec, settings.max_candidates)
@@ -211,7 +218,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/compare", response_model=CompareResponse, tags=["plans"], responses=COMMON_ERRORS)
     async def create_compare(req: CompareRequest) -> Response:
-        model, training, cluster = resolve(req.model, req.training, req.cluster, req.operations)
+        model, training, cluster = await resolve_off_loop(req)
 
         def work(deadline: float):
             candidates = compare(model, training, cluster, req.layouts)

@@ -111,7 +111,7 @@ class LaunchRequest(Body):
     format: Literal["torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan"]
     steps: int = Field(default=20, ge=1, le=100000)
     warmup: int = Field(default=3, ge=0, le=1000)
-    image: str = Field(default="berth:latest-torch", min_length=1, max_length=200)
+    image: str = Field(default="berth-executor:latest", min_length=1, max_length=200)
 
 
 class LaunchResponse(BaseModel):

@@ -73,8 +73,9 @@ def apply(cluster: ClusterSpec, values: dict[str, float]) -> ClusterSpec:
     def link(lk):
         return lk.model_copy(update={"bandwidth_bytes_per_s": lk.bandwidth_bytes_per_s / values["comm_scale"]})
 
+    fabric = tuple(lv.model_copy(update={"link": link(lv.link)}) for lv in cluster.fabric)
     return cluster.model_copy(update={"device": device, "intra_node": link(cluster.intra_node),
-                                      "inter_node": link(cluster.inter_node),
+                                      "inter_node": link(cluster.inter_node), "fabric": fabric,
                                       "comm_overlap_efficiency": values["comm_overlap_efficiency"]})
 
 

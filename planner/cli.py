@@ -321,7 +321,7 @@ def launch_cmd(
     steps: Annotated[int, typer.Option("--steps", help="executor formats: timed steps")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", help="executor formats: untimed steps first")] = 3,
     image: Annotated[str, typer.Option("--image", help="kubernetes: container image with berth and torch")] =
-    "berth:latest-torch",
+    "berth-executor:latest",
 ) -> None:
     """Write the files that launch a plan: per-node torchrun scripts, an sbatch script or a PyTorchJob
     running the bundled executor, or Megatron-LM / DeepSpeed / torchtitan configs for the layout."""

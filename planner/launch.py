@@ -28,7 +28,9 @@ from planner.specs import Plan
 
 FORMATS = ("torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan")
 DEFAULT_PORT = 29500
-DEFAULT_IMAGE = "berth:latest-torch"  # the Dockerfile built with --build-arg WITH_TORCH=1
+# the Dockerfile built with --build-arg WITH_TORCH=1 (CPU torch); GPU clusters need an image whose
+# torch is a CUDA build (pass it with --image)
+DEFAULT_IMAGE = "berth-executor:latest"
 
 
 class LaunchRefused(BerthError):
