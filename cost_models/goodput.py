@@ -21,7 +21,7 @@ Cost: GPU-hours x price; energy from the device TDP (an upper bound: GPUs rarely
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -45,6 +45,10 @@ class Goodput:
     checkpoint_stall_s_per_step: np.ndarray
     goodput_fraction: np.ndarray
     goodput_tokens_per_s: np.ndarray
+
+    def at(self, i: int) -> dict[str, float]:
+        """Candidate i's figures as plain floats."""
+        return {f.name: float(v if np.ndim(v) == 0 else v[i]) for f in fields(self) for v in [getattr(self, f.name)]}
 
 
 def checkpoint_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates):

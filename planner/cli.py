@@ -114,7 +114,7 @@ def plan_cmd(
                                  token_budget)
     if spare_nodes:
         if not 0 < spare_nodes < cl.nodes:
-            raise BerthError("spare_nodes", spare_nodes, f"must be in 0..{cl.nodes - 1}")
+            raise BerthError("spare_nodes", spare_nodes, f"must be in 1..{cl.nodes - 1} (of {cl.nodes} nodes)")
         cl = lose_nodes(cl, spare_nodes)
     search_spec = make_search(top=top, fix=fix, max_micro_batch_size=max_mbs, objective=objective)
     result = plan(spec, training, cl, search_spec)

@@ -3,7 +3,7 @@
 A layout's ranks are laid out along its parallel axes in its `axis_order`, innermost first; the
 default ("tp", "dp", "pp") is Megatron-LM's: tensor-parallel ranks adjacent (inside a node's fast
 domain), then data parallel, then pipeline stages outermost (Narayanan et al. 2021, Sec. 3.3).
-The search tries every order that places ranks differently. Rank r runs on node
+The search tries the tp-innermost orders (tp-dp-pp, tp-pp-dp). Rank r runs on node
 r // gpus_per_node, local GPU r % gpus_per_node (GPUs in the graph's rank order), which is also
 what `torchrun --nnodes N --nproc-per-node G --node-rank n` gives rank n * G + local_rank.
 """

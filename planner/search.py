@@ -37,7 +37,6 @@ from planner.specs import (
 )
 
 CHUNK = 1 << 18  # candidates scored per vectorized batch (bounds peak memory)
-COST_FIELDS = ("cost_per_step", "cost_per_million_tokens", "cost_for_token_budget", "energy_kwh_per_million_tokens")
 
 
 @dataclass(frozen=True)
@@ -219,11 +218,7 @@ def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
         memory_breakdown_bytes={k: float(v[i]) for k, v in ev.memory_breakdown_bytes.items()},
         model_flops_per_step=float(ev.model_flops_per_step),
         hardware_flops_per_step=float(ev.hardware_flops_per_step[i]),
-        goodput=GoodputPrediction(
-            **{f: float(getattr(ev.goodput, f)[i]) for f in GoodputPrediction.model_fields
-               if f not in COST_FIELDS and f != "mtbf_s" and f != "checkpoint_writers"},
-            mtbf_s=ev.goodput.mtbf_s, checkpoint_writers=int(ev.goodput.checkpoint_writers[i]),
-            **{k: float(v[i]) for k, v in ev.cost.items()}),
+        goodput=GoodputPrediction(**ev.goodput.at(i), **{k: float(v[i]) for k, v in ev.cost.items()}),
     )
 
 

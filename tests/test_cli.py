@@ -90,3 +90,22 @@ def test_heads_not_divisible_model_file(tmp_path):
                                 "ffn_hidden_size": 4000, "vocab_size": 100}))
     r = berth("plan", str(path))
     assert r.returncode == 2 and "num_attention_heads" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_topology_graph_file_plan_shows_crossings_and_fallback(tmp_path):
+    graph = tmp_path / "fat.json"
+    r = berth("topology", "dgx-h100:4", "--fabric", "fat-tree", "--nodes-per-leaf", "2", "--oversubscription", "4",
+              "--out", str(graph))
+    assert r.returncode == 0, r.stderr
+    assert "shared" in r.stdout and "infiniband" in r.stdout and graph.is_file()
+    r = berth("plan", "llama3-70b", "--cluster", str(graph), "--seq-len", "4096", "--global-batch", "64",
+              "--top", "2", "--fallback", "--price-per-gpu-hour", "2")
+    assert r.returncode == 0, r.stderr
+    assert "placement of #1" in r.stdout and "cross" in r.stdout and "per step" in r.stdout
+    assert "fallback with 1 node lost" in r.stdout and "goodput" in r.stdout
+    r = berth("plan", "llama3-70b", "--cluster", str(graph), "--nodes", "2", "--seq-len", "4096",
+              "--global-batch", "64")
+    assert r.returncode == 2 and "graph file gives its own nodes" in r.stderr
+    r = berth("plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096",
+              "--global-batch", "64", "--objective", "fastest")
+    assert r.returncode == 2 and "objective" in r.stderr
