@@ -16,7 +16,6 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -52,12 +51,12 @@ from planner.planning import (
     compare,
     compare_json,
     default_precision,
-    fallback,
     make_cluster,
     make_search,
     make_training,
     plan,
     plans_text,
+    with_fallback,
     with_operations,
 )
 from planner.search import SearchTimeout
@@ -205,10 +204,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         result = cached_plan(model, training, cluster, spec, settings.max_candidates)
         if result is None:  # a cold search: off the event loop, within the budget
             result = await bounded(lambda dl: plan(model, training, cluster, spec, settings.max_candidates, dl))
-        if req.search.fallback and result.plans and cluster.nodes > 1:
-            first = result.plans[0]
-            first = first.model_copy(update={"fallback": await bounded(lambda dl: fallback(first, spec))})
-            result = replace(result, plans=[first, *result.plans[1:]], serialized=[])
+        if req.search.fallback:
+            searched = result
+            result = await bounded(lambda _: with_fallback(searched, spec))
         plan_id, created = uuid.uuid4().hex, _now()
         # the plans' JSON is serialized once per cached answer; id and created are spliced in front
         body = f'{{"id":"{plan_id}","created":"{created}",' + plans_text(result)[1:]

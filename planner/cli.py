@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -18,13 +17,13 @@ from planner.planning import (
     compare,
     compare_json,
     default_precision,
-    fallback,
     lose_nodes,
     make_cluster,
     make_search,
     make_training,
     plan,
     plans_json,
+    with_fallback,
     with_operations,
 )
 from planner.render import breakdown_table, goodput_table, plans_table, print_placement, print_reasons, validation_table
@@ -102,7 +101,7 @@ def plan_cmd(
     storage_gbps: Storage = None,
     price: Price = None,
     token_budget: Budget = None,
-    with_fallback: Annotated[bool, typer.Option("--fallback", help="also plan the best layout for the cluster "
+    show_fallback: Annotated[bool, typer.Option("--fallback", help="also plan the best layout for the cluster "
                                                 "with one node lost")] = False,
     spare_nodes: Annotated[int, typer.Option("--spare-nodes", help="keep this many nodes as hot spares: plan on "
                                              "the rest")] = 0,
@@ -118,9 +117,8 @@ def plan_cmd(
         cl = lose_nodes(cl, spare_nodes)
     search_spec = make_search(top=top, fix=fix, max_micro_batch_size=max_mbs, objective=objective)
     result = plan(spec, training, cl, search_spec)
-    if with_fallback and result.plans and cl.nodes > 1:
-        first = result.plans[0].model_copy(update={"fallback": fallback(result.plans[0], search_spec)})
-        result = replace(result, plans=[first, *result.plans[1:]])
+    if show_fallback:
+        result = with_fallback(result, search_spec)
     if as_json:
         print(json.dumps(plans_json(result)))
         return
@@ -134,7 +132,7 @@ def plan_cmd(
         console.print(goodput_table(result.plans, f"checkpoints, failures and cost (ranked by {objective})"))
         print_placement(console, result.plans[0], "#1")
         fb = result.plans[0].fallback
-        if with_fallback and fb is None:
+        if show_fallback and fb is None:
             console.print("[red]fallback[/red]: no layout fits the cluster with one node lost")
         if fb is not None:
             console.print(f"fallback with {fb.nodes_lost} node lost: {fb.layout.short()}, "

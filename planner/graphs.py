@@ -78,17 +78,25 @@ def _server(g: nx.Graph, server: ServerProfile, host: str) -> list[str]:
     return nics
 
 
+def check_fabric(fabric: str, nodes_per_leaf: int | None, oversubscription: float, nodes: int) -> None:
+    """The fabric options, each error naming its field."""
+    if fabric not in FABRICS:
+        raise BerthError("cluster.fabric", fabric, f"use one of {', '.join(FABRICS)}")
+    if nodes_per_leaf is not None and not 1 <= nodes_per_leaf <= nodes:
+        raise BerthError("cluster.nodes_per_leaf", nodes_per_leaf, f"must be in 1..{nodes} (the nodes)")
+    if isinstance(oversubscription, bool) or not isinstance(oversubscription, (int, float)) or \
+            not 1.0 <= oversubscription <= 64.0:
+        raise BerthError("cluster.oversubscription", oversubscription, "must be in 1..64 (1 = non-blocking)")
+    if fabric == "rails" and (nodes_per_leaf or oversubscription != 1.0):
+        raise BerthError("cluster.fabric", fabric, "nodes_per_leaf and oversubscription apply to fabric fat-tree")
+
+
 def cluster_graph(servers: list[tuple[ServerProfile, int]], fabric: str = "rails", nodes_per_leaf: int | None = None,
                   oversubscription: float = 1.0) -> nx.Graph:
     """The graph of the given servers (profile, count), hosts named n0, n1, ... in that order."""
-    if fabric not in FABRICS:
-        raise BerthError("fabric", fabric, f"use one of {', '.join(FABRICS)}")
-    if not oversubscription >= 1.0:
-        raise BerthError("oversubscription", oversubscription, "must be at least 1 (1 = non-blocking)")
     total = sum(n for _, n in servers)
+    check_fabric(fabric, nodes_per_leaf, oversubscription, total)
     per_leaf = nodes_per_leaf or total
-    if not per_leaf >= 1:
-        raise BerthError("nodes_per_leaf", nodes_per_leaf, "must be at least 1")
     g = nx.Graph()
     node = 0
     port_speeds: list[float] = []  # fabric bandwidth of each server

@@ -19,7 +19,6 @@ from cost_models.comm import group_level
 from planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement
 
 AXES = ("tp", "dp", "pp")
-DEFAULT_ORDER = ("tp", "dp", "pp")
 ORDERS: tuple[tuple[str, ...], ...] = tuple(permutations(AXES))
 
 

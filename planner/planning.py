@@ -7,6 +7,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,6 @@ def preset_graph(servers: list[str], fabric: str = "rails", nodes_per_leaf: int 
         parts.append((server, int(count or 1)))
     if len({s.gpus_per_node for s, _ in parts}) > 1:
         raise BerthError("cluster.preset", servers, "servers with different GPU counts cannot be mixed yet")
-    total = sum(n for _, n in parts)
-    if nodes_per_leaf is not None and not 1 <= nodes_per_leaf <= total:
-        raise BerthError("cluster.nodes_per_leaf", nodes_per_leaf, f"must be in 1..{total} (the nodes)")
     g = cluster_graph(parts, fabric, nodes_per_leaf, oversubscription)
     data = to_node_link(g)
     return data, cluster_from_node_link(data, "+".join(servers))
@@ -244,6 +242,15 @@ def fallback(chosen: Plan, spec: SearchSpec, lost: int = 1) -> Fallback | None:
                         step_time_s=best.prediction.step_time_s, tokens_per_s=best.prediction.tokens_per_s,
                         peak_memory_bytes=best.prediction.peak_memory_bytes, changes=changes)
     return None
+
+
+def with_fallback(result: SearchResult, spec: SearchSpec) -> SearchResult:
+    """The result with its best plan carrying the fallback for one node lost (unchanged when there
+    is no plan or a single node); a new result, so a cached one and its serialized JSON stay as they are."""
+    if not result.plans or result.plans[0].cluster.nodes < 2:
+        return result
+    first = result.plans[0].model_copy(update={"fallback": fallback(result.plans[0], spec)})
+    return replace(result, plans=[first, *result.plans[1:]], serialized=[])
 
 
 def plans_json(result: SearchResult) -> dict[str, Any]:

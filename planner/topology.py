@@ -21,7 +21,7 @@ import networkx as nx
 from hardware_profiles import UnknownProfileError, device_names, load_device, load_server, server_names
 from hardware_profiles.schema import DeviceProfile, ServerProfile
 from planner.errors import BerthError
-from planner.graphs import FABRICS, cluster_graph
+from planner.graphs import cluster_graph
 from planner.hierarchy import GRAPH_LINK_EFFICIENCY, derive_levels, gpu_order
 from planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec
 
@@ -35,16 +35,7 @@ def cluster_from_preset(preset: str, nodes: int, fabric: str = "rails", nodes_pe
         load_server(preset)
     except UnknownProfileError as err:
         raise BerthError("cluster.preset", preset, f"unknown preset; known: {', '.join(err.known)}") from None
-    if fabric not in FABRICS:
-        raise BerthError("cluster.fabric", fabric, f"use one of {', '.join(FABRICS)}")
-    if nodes_per_leaf is not None and not 1 <= nodes_per_leaf <= nodes:
-        raise BerthError("cluster.nodes_per_leaf", nodes_per_leaf, f"must be in 1..{nodes} (the nodes)")
-    if isinstance(oversubscription, bool) or not isinstance(oversubscription, (int, float)) or \
-            not 1.0 <= oversubscription <= 64.0:
-        raise BerthError("cluster.oversubscription", oversubscription, "must be in 1..64 (1 = non-blocking)")
-    if fabric == "rails" and (nodes_per_leaf or oversubscription != 1.0):
-        raise BerthError("cluster.fabric", fabric, "nodes_per_leaf and oversubscription apply to fabric fat-tree")
-    return _preset_cluster(preset, nodes, fabric, nodes_per_leaf, float(oversubscription))
+    return _preset_cluster(preset, nodes, fabric, nodes_per_leaf, oversubscription)
 
 
 @lru_cache(maxsize=64)
