@@ -11,6 +11,24 @@ parallelism and sbh(34 + 5as/h)/t with sequence parallelism; selective recompute
 K and V are g = kv/heads the size of Q (GQA); the MLP keeps 2 (GELU) or 3 (SwiGLU: gate, up,
 product) b x s x ffn tensors; dropout masks exist only when the model uses dropout;
 FlashAttention replaces the score terms by its fp32 log-sum-exp (Dao 2022).
+
+What is alive at the peak is taken phase by phase, as the bundled executor's profiles show
+(CPU profiler, peak op of each layout; shared/reference/torch-distributed-cpu.md): the sum of every
+term at once over-counted layouts without gradient accumulation by up to 20% and under-counted
+accumulation by up to 30%. The peak is the largest of
+- the start of the loss backward (peak op: log-softmax backward) of the micro-batch with the most
+  activations in flight: parameters, optimizer state, the stored activations, the logits and
+  their gradients, and the gradients held then;
+- a layer's backward (peak op: a matmul backward; with full recompute after the layer is
+  re-materialized): the same without the logits, plus the re-materialized layer (full recompute),
+  the layer's gradients and one MLP-sized gradient temporary;
+- the optimizer step: parameters, optimizer state and every gradient.
+Gradients held during the backward: zero_grad(set_to_none) frees them each step, so they exist
+only once an earlier micro-batch's backward has finished on this stage (gradient accumulation;
+never before the first backward of GPipe), and then unsharded (accumulation runs before the
+reduce: DDP no_sync, FSDP2 without gradient sync). Data-parallel wrappers with gradient buckets
+(PyTorch DDP, used for zero <= 1 without tp or pp; Megatron's gradient buffer) hold one
+unsharded gradient copy for the whole run on top of that.
 """
 
 from __future__ import annotations
@@ -24,7 +42,13 @@ from planner.specs import ModelSpec, TrainingSpec
 
 FP32_BYTES = 4
 MASK_BYTES = 1  # dropout masks are stored as bytes
-LOGITS_EXTRA_BYTES = 8  # fp32 upcast of the logits + their fp32 gradient during the loss backward
+# fp32 log-softmax output, its incoming gradient and the logits' gradient during the loss backward
+# (plus the fp32 upcast's place, reused): measured e + 12 bytes per logit on CPU fp32.
+LOGITS_EXTRA_BYTES = 12
+# vocabulary-parallel cross-entropy (tp > 1; DTensor loss_parallel, as Megatron's) holds two more
+# fp32 copies of the local logits in its backward (measured: +1.2 MB per sequence of 256 tokens
+# at vocabulary 1024 / tp 2 on CPU fp32, i.e. about 2.3 copies)
+LOSS_PARALLEL_EXTRA_BYTES = 8
 FSDP_PARAM_BUFFERS = 2  # the gathered layer and the prefetched next one (FSDP, Zhao 2023 Sec. 3.3)
 FSDP_GRAD_BUFFERS = 1  # the unsharded gradient of the layer being reduce-scattered
 
@@ -98,7 +122,9 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, 
 def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp):
     """Logits of one micro-batch on the last stage: the compute-precision output plus the fp32
     copies the cross-entropy and its gradient hold (vocabulary split over tp)."""
-    return (training.bytes_per_element + LOGITS_EXTRA_BYTES) * b * training.seq_len * model.vocab_size / tp
+    parallel_loss = np.where(np.asarray(tp) > 1, LOSS_PARALLEL_EXTRA_BYTES, 0)
+    per_logit = training.bytes_per_element + LOGITS_EXTRA_BYTES + parallel_loss
+    return per_logit * b * training.seq_len * model.vocab_size / tp
 
 
 def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero):
@@ -109,23 +135,55 @@ def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero):
     return params + grads
 
 
-def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c, first: bool):
-    """Breakdown (dict of arrays, bytes) of the first or the last pipeline stage."""
+def gradient_buckets(c):
+    """1 where the data-parallel wrapper keeps a persistent unsharded gradient copy: PyTorch DDP
+    with gradient_as_bucket_view, which the executor uses for zero <= 1 when dp is the only axis."""
+    return ((np.asarray(c.zero) < 2) & (np.asarray(c.dp) > 1) & (np.asarray(c.tp) == 1)
+            & (np.asarray(c.pp) == 1)).astype(float)
+
+
+def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c, first: bool,
+                           buckets: bool = True):
+    """Breakdown (dict of arrays, bytes) of the first or the last pipeline stage at its peak
+    phase (module docstring). `buckets=False` leaves out the data-parallel gradient buckets (a
+    single-process proxy of one rank has none)."""
     stage = 0.0 if first else np.asarray(c.pp, dtype=float) - 1.0
     params = stage_params(model, c.pp, c.tp, first)
     p, g, o = model_state_bytes(training, params, c.zero, c.shard)
-    acts = activation_bytes(model, training, c, stage, first)
+    unsharded = params * training.bytes_per_element
+    e = training.bytes_per_element
+    per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
+    held = activation_bytes(model, training, c, stage, first)
+    working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
+    stored = held - working
     logits = logits_bytes(model, training, c.mbs, c.tp) if not first else np.zeros_like(p)
     logits = np.where(np.asarray(c.pp) == 1, logits_bytes(model, training, c.mbs, c.tp), logits)
     buffers = sharding_buffer_bytes(model, training, c.tp, c.zero)
-    dynamic = acts + logits + buffers
+    inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
+    accumulated = np.where(np.asarray(c.nmb, dtype=float) > inflight + 1e-9, unsharded, 0.0)
+    persistent = gradient_buckets(c) * unsharded if buckets else np.zeros_like(p)
+    held_grads = persistent + accumulated
+    # one layer's gradients and its largest backward temporary (an MLP activation gradient)
+    layer_grads = np.where(accumulated > 0, 0.0, model.params_per_layer / c.tp * e)
+    mlp_temp = e * c.mbs * training.seq_len * model.ffn_hidden_size / c.tp
+    phases = [
+        {"gradients": held_grads, "activations": stored, "logits": logits, "sharding_buffers": buffers},
+        {"gradients": held_grads + layer_grads, "activations": stored + working + mlp_temp,
+         "logits": np.zeros_like(p), "sharding_buffers": buffers},
+        {"gradients": np.maximum(g + persistent, held_grads), "activations": np.zeros_like(p),
+         "logits": np.zeros_like(p), "sharding_buffers": np.zeros_like(p)},
+    ]
+    totals = np.stack([sum(ph.values()) for ph in phases])
+    which = np.argmax(totals, axis=0)
+    chosen = {k: np.choose(which, [ph[k] for ph in phases]) for k in phases[0]}
+    dynamic = chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"]
     return {
         "parameters": p,
-        "gradients": g,
+        "gradients": chosen["gradients"],
         "optimizer_state": o,
-        "activations": acts,
-        "logits": logits,
-        "sharding_buffers": buffers,
+        "activations": chosen["activations"],
+        "logits": chosen["logits"],
+        "sharding_buffers": chosen["sharding_buffers"],
         "fragmentation": device.allocator_fragmentation_fraction * dynamic,
         "framework": np.full_like(p, device.framework_overhead_bytes),
     }

@@ -256,7 +256,9 @@ def _run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, 
         losses: list[torch.Tensor] = []
         args = (tokens,) if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
-        prepared.schedule.step(*args, **kwargs)
+        # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
+        # until the step ends to merge them (measured +7 MB of 53 on tiny-gpt, 1f1b, 8 micro-batches)
+        prepared.schedule.step(*args, return_outputs=False, **kwargs)
         if not last:
             return None
         losses = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]

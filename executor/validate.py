@@ -270,7 +270,7 @@ def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dic
     with np.errstate(divide="ignore", invalid="ignore"):
         comp = {k: float(v[0]) for k, v in stage_compute(model, plan.training, plan.cluster, c, first).items()}
         mem = {k: float(v[0]) for k, v in
-               stage_memory_breakdown(model, plan.training, plan.cluster.device, c, first).items()}
+               stage_memory_breakdown(model, plan.training, plan.cluster.device, c, first, buckets=False).items()}
         stage = 0 if first else x.pp - 1
         in_flight = float(microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)[0])
     mem["framework"] = 0.0
