@@ -25,10 +25,11 @@ accumulation by up to 30%. The peak is the largest of
 - the optimizer step: parameters, optimizer state and every gradient.
 Gradients held during the backward: zero_grad(set_to_none) frees them each step, so they exist
 only once an earlier micro-batch's backward has finished on this stage (gradient accumulation;
-never before the first backward of GPipe), and then unsharded (accumulation runs before the
-reduce: DDP no_sync, FSDP2 without gradient sync). Data-parallel wrappers with gradient buckets
-(PyTorch DDP, used for zero <= 1 without tp or pp; Megatron's gradient buffer) hold one
-unsharded gradient copy for the whole run on top of that.
+never before the first backward of GPipe), and then unsharded for ZeRO 0-2 (accumulation runs
+before the once-per-step reduce: DDP no_sync, FSDP2 without gradient sync) and sharded for ZeRO-3
+(reduce-scattered every micro-batch, as the step-time model has it). Data-parallel wrappers
+with gradient buckets (PyTorch DDP, used for zero <= 1 without tp or pp; Megatron's gradient
+buffer) hold one unsharded gradient copy for the whole run on top of that.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     p, g, o = model_state_bytes(training, params, c.zero, c.shard)
     unsharded = params * training.bytes_per_element
     e = training.bytes_per_element
-    per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
+    _, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
     held = activation_bytes(model, training, c, stage, first)
     working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
     stored = held - working
@@ -160,7 +161,8 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     logits = np.where(np.asarray(c.pp) == 1, logits_bytes(model, training, c.mbs, c.tp), logits)
     buffers = sharding_buffer_bytes(model, training, c.tp, c.zero)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
-    accumulated = np.where(np.asarray(c.nmb, dtype=float) > inflight + 1e-9, unsharded, 0.0)
+    accumulating = np.asarray(c.nmb, dtype=float) > inflight + 1e-9
+    accumulated = np.where(accumulating, np.where(np.asarray(c.zero) >= 3, g, unsharded), 0.0)
     persistent = gradient_buckets(c) * unsharded if buckets else np.zeros_like(p)
     held_grads = persistent + accumulated
     # one layer's gradients and its largest backward temporary (an MLP activation gradient)
@@ -170,7 +172,7 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
         {"gradients": held_grads, "activations": stored, "logits": logits, "sharding_buffers": buffers},
         {"gradients": held_grads + layer_grads, "activations": stored + working + mlp_temp,
          "logits": np.zeros_like(p), "sharding_buffers": buffers},
-        {"gradients": np.maximum(g + persistent, held_grads), "activations": np.zeros_like(p),
+        {"gradients": np.maximum(g, persistent), "activations": np.zeros_like(p),
          "logits": np.zeros_like(p), "sharding_buffers": np.zeros_like(p)},
     ]
     totals = np.stack([sum(ph.values()) for ph in phases])

@@ -267,7 +267,9 @@ def _run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, 
     total = torch.zeros((), device=tokens.device)
     nmb, mbs = layout.num_microbatches, layout.micro_batch_size
     for mb in range(nmb):
-        _set_sync(model, mb == nmb - 1)
+        # ZeRO-3 reduce-scatters every micro-batch (sharded accumulation, as the cost model has it);
+        # ZeRO 0-2 accumulate unsharded and reduce once
+        _set_sync(model, mb == nmb - 1 or layout.zero_stage >= 3)
         rows = slice(mb * mbs, (mb + 1) * mbs)
         loss = loss_fn(model(tokens[rows]), targets[rows]) / nmb
         loss.backward()
