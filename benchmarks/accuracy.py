@@ -1,6 +1,7 @@
 """Prediction accuracy on this machine: the number that says whether berth can be trusted.
 
     python -m benchmarks.accuracy [--runs 2] [--world 2] [--passes 2] [--quick]
+    python -m benchmarks.accuracy --rescore benchmarks/results/accuracy-vm-measurements.json
 
 Each run:
 1. profiles this machine afresh (`berth profile`);
@@ -9,9 +10,11 @@ Each run:
    oversubscribed and said so in the results);
 3. predicts each with the profile, runs each with the executor (gloo, one thread per rank) in
    `passes` launches with the layouts in a different order each time, and compares;
-4. scores the raw profile-based predictions, and predictions calibrated on held-out data: 2-fold
-   cross-validation (fit `planner.calibrate` on one half of the layouts, score the other), so no
-   layout is scored by a model fitted on it.
+4. saves the measurements (accuracy-<machine>-measurements.json), then scores the raw
+   profile-based predictions, and predictions calibrated on held-out data: 2-fold cross-validation
+   (fit `planner.calibrate` on one half of the layouts, score the other), so no layout is scored
+   by a model fitted on it. `--rescore` repeats this step alone on saved measurements, for a
+   changed cost model; the results then name the file they were scored from.
 
 Prints a table and saves benchmarks/results/accuracy-<machine>.json (fractions, not percents:
 step_time_mape, step_time_max_error, memory_mape, memory_max_error, spearman, top1_regret, the
@@ -39,8 +42,8 @@ from executor.validate import report_from_result
 from hardware_profiles.schema import DeviceProfile, ServerProfile
 from planner.calibrate import calibrate, predict
 from planner.models import load_model
-from planner.search import search
-from planner.specs import Plan, SearchSpec, TrainingSpec, ValidationReport
+from planner.search import predict_layouts, search
+from planner.specs import Layout, Plan, SearchSpec, TrainingSpec, ValidationReport
 from planner.topology import local_cluster
 
 RESULTS = Path(__file__).parent / "results"
@@ -94,7 +97,18 @@ def metrics(pred_t, meas_t, pred_m, meas_m) -> dict[str, float]:
             "top1_regret": float(meas_t[best_pred] / meas_t.min() - 1)}
 
 
-def one_run(world: int, passes: int, quick: bool, seed: int, say) -> dict:
+def local_plans(profile: dict, world: int, layouts: list[Layout]) -> list[Plan]:
+    """The layouts predicted with the profile's device on `world` local processes."""
+    device = DeviceProfile.model_validate(profile["device"])
+    server = ServerProfile.model_validate(profile["server"])
+    cluster = local_cluster(world, (device, server))
+    training = TrainingSpec(seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH, precision="fp32")
+    return predict_layouts(load_model(MODEL), training, cluster, layouts)
+
+
+def measure(world: int, passes: int, quick: bool, seed: int, say) -> dict:
+    """Profile, enumerate and run: the measurements of one run (what is expensive), kept apart so
+    that a changed cost model can be scored again on them (`--rescore`)."""
     say("profiling this machine")
     profile = run_profile(quick=quick)
     plans = enumerate_plans(world, profile)
@@ -109,13 +123,27 @@ def one_run(world: int, passes: int, quick: bool, seed: int, say) -> dict:
         ran = run_layouts([plans[i] for i in order], say)
         results = [None] * len(plans)
         for pos, i in enumerate(order):
-            results[i] = ran[pos]
+            if ran[pos] is not None:  # keep what report_from_result reads
+                data = ran[pos]["data"]
+                results[i] = {"entry": ran[pos]["entry"],
+                              "data": {"machine": data["machine"], "world_size": data["world_size"]}}
         per_pass.append(results)
+    return {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "profile": {"device": profile["device"],
+            "server": profile["server"]}, "world_size": world, "passes": passes,
+            "layouts": [p.layout.model_dump(mode="json") for p in plans], "results": per_pass}
+
+
+def score(measured: dict) -> dict:
+    """Predict every measured layout with the run's profile and the current cost model, and score
+    it raw and calibrated (2-fold cross-validation)."""
+    profile, world, passes = measured["profile"], measured["world_size"], measured["passes"]
+    plans = local_plans(profile, world, [Layout.model_validate(x) for x in measured["layouts"]])
+    per_pass = measured["results"]
     reports: list[ValidationReport] = []
     cases = []
     for i, plan in enumerate(plans):
         runs = [p[i] for p in per_pass if p[i] is not None]
-        if not runs:
+        if not runs or plan.prediction is None:
             continue
         reps = [report_from_result(plan, r["entry"], r["data"], STEPS, WARMUP, 0.0) for r in runs]
         times = [r.measured.step_time_s for r in reps]
@@ -157,8 +185,8 @@ def one_run(world: int, passes: int, quick: bool, seed: int, say) -> dict:
     for c, ti, mi in zip(cases, cal_t, cal_m, strict=True):
         c["calibrated_step_time_s"], c["calibrated_peak_memory_bytes"] = float(ti), float(mi)
     calibrated = metrics(cal_t, mt, cal_m, mm)
-    return {"profile": {"device": profile["device"], "server": profile["server"]},
-            "world_size": world, "oversubscribed": world > (os.cpu_count() or 1), "layouts": len(plans),
+    return {"measured_at": measured["measured_at"], "profile": profile, "world_size": world,
+            "oversubscribed": world > (os.cpu_count() or 1), "layouts": len(plans),
             "measured_layouts": len(cases), "passes": passes,
             "uncalibrated": raw, "calibrated_cross_validated": calibrated, "noise_floor": noise,
             "calibration_folds": fits, "cases": cases}
@@ -198,14 +226,22 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2, help="launches per layout per run (noise floor)")
     ap.add_argument("--quick", action="store_true", help="quick profile and 12 sampled layouts")
     ap.add_argument("--machine", default=platform.node().split(".")[0] or "local")
+    ap.add_argument("--rescore", metavar="MEASUREMENTS.json",
+                    help="score the current cost model on saved measurements instead of running again")
     args = ap.parse_args()
 
     def say(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    runs = [one_run(args.world, args.passes, args.quick, seed, say) for seed in range(args.runs)]
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"accuracy-{args.machine}" + ("-quick" if args.quick else "")
+    if args.rescore:
+        measured = json.loads(Path(args.rescore).read_text())["runs"]
+        say(f"scoring the current cost model on {len(measured)} saved runs from {args.rescore}")
+    else:
+        measured = [measure(args.world, args.passes, args.quick, seed, say) for seed in range(args.runs)]
+        (RESULTS / f"{stem}-measurements.json").write_text(json.dumps({"model": MODEL, "runs": measured}))
+    runs = [score(m) for m in measured]
     keys = ("step_time_mape", "step_time_max_error", "memory_mape", "memory_max_error", "spearman", "top1_regret")
     summary = {f"run{k + 1}": {"uncalibrated": {x: r["uncalibrated"][x] for x in keys},
                                "calibrated_cross_validated": {x: r["calibrated_cross_validated"][x] for x in keys},
@@ -213,7 +249,8 @@ def main() -> None:
     doc = {**{k: runs[0]["calibrated_cross_validated"][k] for k in keys}, "headline": "run 1, calibrated, held out",
            "summary": summary, "targets": {"step_time_mape": 0.10, "memory_mape": 0.05, "spearman": 0.9,
                                            "top1_regret": 0.05},
-           "model": MODEL, "seq_len": SEQ_LEN, "global_batch_size": GLOBAL_BATCH, "steps": STEPS, "warmup": WARMUP,
+           "rescored_from": args.rescore, "model": MODEL, "seq_len": SEQ_LEN, "global_batch_size": GLOBAL_BATCH,
+           "steps": STEPS, "warmup": WARMUP,
            "machine": {"hostname": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
            "runs": runs}
     (RESULTS / f"{stem}.json").write_text(json.dumps(doc, indent=1))
