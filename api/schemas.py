@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from hardware_profiles.schema import LinkProfile, Precision
-from planner.specs import MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_NODES, MAX_SEQ_LEN, Plan, ValidationReport
+from planner.specs import MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_NODES, MAX_SEQ_LEN, Framework, Plan, ValidationReport
 
 
 class Body(BaseModel):
@@ -20,6 +20,8 @@ class TrainingRequest(Body):
     global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, examples=[256])
     precision: Precision | None = Field(default=None, description="default: bf16 on GPUs, fp32 on CPU workers")
     flash_attention: bool = True
+    framework: Framework = Field(default="pytorch", description="whose memory behaviour to predict: 'pytorch' "
+                                 "(DTensor, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron'")
     token_budget: float | None = Field(default=None, gt=0, le=1e16, description="tokens to train on, for the cost")
 
 

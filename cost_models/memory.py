@@ -6,7 +6,9 @@ gradients, stage 3 also the parameters, over the `shard` group.
 
 Activations follow Korthikanti et al. 2022, Sec. 4: per layer and micro-batch
 sbh(34 + 5as/h) bytes with 16-bit activations, split as sbh(10 + 24/t + 5as/(ht)) under tensor
-parallelism and sbh(34 + 5as/h)/t with sequence parallelism; selective recompute drops the
+parallelism and sbh(34 + 5as/h)/t with sequence parallelism (Megatron-LM, which keeps the
+attention and MLP inputs sharded and re-gathers them in backward; DTensor sequence parallelism,
+framework "pytorch", keeps the gathered inputs: 2sbh of the 34 stay unsplit); selective recompute drops the
 5as^2b score terms; full recompute keeps only the 2sbh layer input. Generalized here:
 K and V are g = kv/heads the size of Q (GQA); the MLP keeps 2 (GELU) or 3 (SwiGLU: gate, up,
 product) b x s x ffn tensors; dropout masks exist only when the model uses dropout;
@@ -87,8 +89,10 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, 
     sbh = b * s * h
     hidden_split = np.where(sp > 0, tp, 1)
     masks = 2 * MASK_BYTES if model.dropout else 0
-    # norm inputs (2), QKV input, MLP input, dropout masks: replicated across tp unless sp.
-    unsplit = (4 * e + masks) * sbh
+    # norm inputs (2), QKV input, MLP input, dropout masks: replicated across tp unless sp; the
+    # QKV and MLP inputs stay gathered under DTensor sp (framework "pytorch")
+    linear_split = 1 if training.framework == "pytorch" else hidden_split
+    unsplit = (2 * e + masks) * sbh / hidden_split + 2 * e * sbh / linear_split
     # Q, K, V, attention output, and the MLP intermediates: split by tp.
     mlp_tensors = 3 if model.mlp == "swiglu" else 2
     split = e * (2 + 2 * g) * sbh + mlp_tensors * e * b * s * f
@@ -96,7 +100,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, 
         scores = FP32_BYTES * b * a * s  # log-sum-exp per row
     else:
         scores = (e + (MASK_BYTES + e if model.dropout else 0)) * b * a * s * s
-    full_layer = unsplit / hidden_split + split / tp + scores / tp
+    full_layer = unsplit + split / tp + scores / tp
     selective = full_layer - np.where(training.flash_attention, 0.0, scores / tp)
     checkpoint = e * sbh / hidden_split
     return np.where(

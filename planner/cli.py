@@ -55,6 +55,8 @@ Batch = Annotated[int, typer.Option("--global-batch", help="global batch (sequen
 Precision = Annotated[str | None, typer.Option(
     "--precision", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)")]
 Flash = Annotated[bool, typer.Option("--flash-attention/--no-flash-attention", help="FlashAttention kernels")]
+FrameworkOpt = Annotated[str, typer.Option("--framework", help="whose memory behaviour to predict: pytorch (DTensor, "
+                                           "FSDP2, DDP: the bundled executor, torchtitan) or megatron")]
 Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
 
 
@@ -64,14 +66,14 @@ Profile = Annotated[str | None, typer.Option("--profile", help="a `berth profile
 
 def _inputs(model: str, cluster: str, nodes: int, devices: int | None, seq_len: int, global_batch: int,
             precision: str | None, flash: bool, profile: str | None = None, fabric: tuple = ("rails", None, 1.0),
-            operations: tuple = (None, None, None), token_budget: float | None = None):
+            operations: tuple = (None, None, None), token_budget: float | None = None, framework: str = "pytorch"):
     spec = load_model(model)
     failures, storage_gbps, price = operations
     cl = with_operations(make_cluster(cluster, nodes, devices, profile, *fabric), failures,
                          storage_gbps * 1e9 if storage_gbps is not None else None, price)
     training = make_training(seq_len=seq_len, global_batch_size=global_batch,
                              precision=precision or default_precision(cl), flash_attention=flash,
-                             token_budget=token_budget)
+                             framework=framework, token_budget=token_budget)
     return spec, training, cl
 
 
@@ -93,6 +95,7 @@ def plan_cmd(
     global_batch: Batch = 256,
     precision: Precision = None,
     flash: Flash = True,
+    framework: FrameworkOpt = "pytorch",
     top: Annotated[int, typer.Option("--top", help="how many plans to show")] = 5,
     fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2")] = "",
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
@@ -110,7 +113,7 @@ def plan_cmd(
     """Search every valid layout and show the fastest that fit."""
     spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile,
                                  (fabric, nodes_per_leaf, oversubscription), (failures, storage_gbps, price),
-                                 token_budget)
+                                 token_budget, framework)
     if spare_nodes:
         if not 0 < spare_nodes < cl.nodes:
             raise BerthError("spare_nodes", spare_nodes, f"must be in 1..{cl.nodes - 1} (of {cl.nodes} nodes)")
@@ -156,11 +159,12 @@ def compare_cmd(
     global_batch: Batch = 256,
     precision: Precision = None,
     flash: Flash = True,
+    framework: FrameworkOpt = "pytorch",
     as_json: Json = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
     spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile,
-                                 (fabric, nodes_per_leaf, oversubscription))
+                                 (fabric, nodes_per_leaf, oversubscription), framework=framework)
     candidates = compare(spec, training, cl, layout)
     try:
         best = plan(spec, training, cl, make_search(top=1))

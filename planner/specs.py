@@ -15,6 +15,7 @@ from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Framework = Literal["pytorch", "megatron"]
 AxisOrder = Literal["tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"]
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
 SCHEDULE_CHOICES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -111,6 +112,9 @@ class TrainingSpec(Spec):
     precision: Precision = "bf16"
     optimizer: Literal["adamw"] = "adamw"
     flash_attention: bool = True
+    framework: Framework = Field(default="pytorch", description=(
+        "the training stack whose memory behaviour the prediction follows: 'pytorch' (DTensor tensor and "
+        "sequence parallelism, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron' (Megatron-LM)"))
     token_budget: float | None = Field(default=None, gt=0, description="tokens to train on (for the cost)")
 
     @property

@@ -56,7 +56,7 @@ def predict_row(r):
                       num_attention_heads=r["num_attention_heads"], ffn_hidden_size=4 * r["hidden_size"],
                       vocab_size=r["vocab_size"], mlp="gelu", tied_embeddings=True, dropout=True)
     training = TrainingSpec(seq_len=r["seq_len"], global_batch_size=batch, precision="fp16",
-                            flash_attention=False)
+                            flash_attention=False, framework="megatron")
     layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=batch // (dp * mbs),
                     virtual_stages=vpp, schedule=_schedule(r, pp, vpp), recompute=recompute,
                     sequence_parallel=bool(r["sequence_parallel"]))

@@ -18,9 +18,9 @@ from tests.conftest import gpt
 S, B, H, A = 2048, 4, 6144, 64
 
 
-def _layer(recompute, tp=1, sp=0):
+def _layer(recompute, tp=1, sp=0, framework="megatron"):
     m = gpt(layers=48, hidden=H, heads=A)
-    t = TrainingSpec(seq_len=S, global_batch_size=B, precision="fp16", flash_attention=False)
+    t = TrainingSpec(seq_len=S, global_batch_size=B, precision="fp16", flash_attention=False, framework=framework)
     per_layer, _ = memory.layer_activation_bytes(m, t, B, np.array(tp), np.array(sp), np.array(recompute))
     return float(per_layer)
 
@@ -38,6 +38,16 @@ def test_tensor_parallel_without_sp():
 def test_tensor_and_sequence_parallel():
     t = 8
     assert _layer(RECOMPUTE_NONE, tp=t, sp=1) == pytest.approx(S * B * H / t * (34 + 5 * A * S / H))
+
+
+def test_dtensor_sequence_parallel_keeps_the_gathered_linear_inputs():
+    """PyTorch (DTensor) sp stores the all-gathered QKV and MLP inputs (2 bytes x 2 sbh in fp16)
+    that Megatron-LM keeps sharded; without sp the two frameworks agree."""
+    t = 8
+    extra = 2 * 2 * S * B * H * (1 - 1 / t)
+    assert _layer(RECOMPUTE_NONE, tp=t, sp=1, framework="pytorch") == pytest.approx(_layer(RECOMPUTE_NONE, tp=t, sp=1)
+                                                                                   + extra)
+    assert _layer(RECOMPUTE_NONE, tp=t, framework="pytorch") == pytest.approx(_layer(RECOMPUTE_NONE, tp=t))
 
 
 def test_selective_recompute_drops_score_terms():
@@ -79,3 +89,35 @@ def test_fp32_training_keeps_two_optimizer_states():
     t = TrainingSpec(seq_len=1, global_batch_size=1, precision="fp32")
     p, g, o = memory.model_state_bytes(t, 1.0, np.array(0), np.array(1))
     assert (float(p), float(g), float(o)) == (4.0, 4.0, 8.0)
+
+
+def _peak_grads(**layout):
+    """Gradient bytes held at the peak phase, and the phase's logits, for a 4-layer model in fp32."""
+    from cost_models.candidates import Candidates
+    from planner.specs import Layout
+    from planner.topology import cluster_from_preset
+
+    m = gpt(layers=4, hidden=256, heads=4)
+    t = TrainingSpec(seq_len=256, global_batch_size=8, precision="fp32")
+    c = Candidates.from_layouts([Layout(**layout)])
+    device = cluster_from_preset("dgx-a100-80g", 1).device
+    last = layout.get("pp", 1) - 1
+    br = memory.stage_memory_breakdown(m, t, device, c, first=last == 0)
+    params = float(memory.stage_params(m, c.pp, c.tp, last == 0)[0]) * 4
+    return float(br["gradients"][0]) / params, float(br["logits"][0])
+
+
+def test_gradients_at_the_peak_follow_accumulation_and_buckets():
+    """Measured on the executor (module docstring of cost_models/memory.py): set_to_none frees
+    gradients each step, so the loss-backward peak of a single micro-batch holds none; gradient
+    accumulation holds them unsharded (sharded for ZeRO-3); DDP buckets hold a copy throughout."""
+    none, logits = _peak_grads(micro_batch_size=8)
+    assert none == 0.0 and logits > 0  # the peak is the loss backward, before any gradient exists
+    assert _peak_grads(micro_batch_size=2, num_microbatches=4)[0] == 1.0
+    assert _peak_grads(dp=2, micro_batch_size=4)[0] == 1.0  # DDP bucket
+    assert _peak_grads(dp=2, micro_batch_size=2, num_microbatches=2)[0] == 2.0  # bucket + no_sync copy
+    assert _peak_grads(dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2)[0] == 0.5
+    assert _peak_grads(dp=2, zero_stage=2, shard=2, micro_batch_size=2, num_microbatches=2)[0] == 1.0
+    # GPipe runs every forward before the first backward: nothing accumulated at its peak
+    assert _peak_grads(pp=2, micro_batch_size=1, num_microbatches=8, schedule="gpipe")[0] == 0.0
+    assert _peak_grads(pp=2, micro_batch_size=1, num_microbatches=8, schedule="1f1b")[0] == 1.0
