@@ -29,9 +29,10 @@ Gradients held during the backward: zero_grad(set_to_none) frees them each step,
 only once an earlier micro-batch's backward has finished on this stage (gradient accumulation;
 never before the first backward of GPipe), and then unsharded for ZeRO 0-2 (accumulation runs
 before the once-per-step reduce: DDP no_sync, FSDP2 without gradient sync) and sharded for ZeRO-3
-(reduce-scattered every micro-batch, as the step-time model has it). Data-parallel wrappers
-with gradient buckets (PyTorch DDP, used for zero <= 1 without tp or pp; Megatron's gradient
-buffer) hold one unsharded gradient copy for the whole run on top of that.
+(reduce-scattered every micro-batch, as the step-time model has it). PyTorch DDP's gradient
+buckets (the executor's wrapper for zero <= 1 when dp is the only axis) hold one unsharded
+gradient copy for the whole run on top of that. Megatron-LM's persistent gradient buffer, which
+exists for every layout, is not modelled for framework "megatron" (a known gap).
 """
 
 from __future__ import annotations

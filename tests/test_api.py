@@ -168,6 +168,7 @@ BAD = [
                             "links": [{"source": "a", "target": "s", "kind": "nvlink", "bandwidth_GBps": -1}]}}},
      "bandwidth_GBps", "positive"),
     ({"cluster": {"graph": "not a graph"}}, "graph", ""),
+    ({"training": {"seq_len": 8192, "global_batch_size": 256, "framework": "jax"}}, "framework", "megatron"),
     ({"search": {"fix": "tp=banana"}}, "fix", ""),
     ({"search": {"top": 0}}, "top", ""),
     ({"unexpected": 1}, "unexpected", ""),

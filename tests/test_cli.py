@@ -41,6 +41,20 @@ def test_plan_fix_restricts_the_search():
     assert plans and all(p["layout"]["tp"] == 8 and p["layout"]["pp"] == 2 for p in plans)
 
 
+def test_framework_changes_sequence_parallel_memory_only():
+    """DTensor sp (pytorch) keeps gathered activations Megatron-LM re-gathers: more memory, same time."""
+    def one(framework, layout):
+        r = berth("compare", "llama3-8b", "--cluster", "dgx-h100", "--seq-len", "4096", "--global-batch", "32",
+                  "--layout", layout, "--framework", framework, "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["candidates"][0]["prediction"]
+
+    pt, mg = one("pytorch", "tp=8,sp=1,mbs=1"), one("megatron", "tp=8,sp=1,mbs=1")
+    assert pt["memory_breakdown_bytes"]["activations"] > mg["memory_breakdown_bytes"]["activations"]
+    assert pt["step_time_s"] == mg["step_time_s"]
+    assert one("pytorch", "tp=8,mbs=1") == one("megatron", "tp=8,mbs=1")
+
+
 def test_compare_keeps_misfits_with_reasons():
     r = berth("compare", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "8192",
               "--global-batch", "64", "--layout", "tp=8,pp=2,recompute=full,mbs=1",
