@@ -156,14 +156,14 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     stage = 0.0 if first else np.asarray(c.pp, dtype=float) - 1.0
     params = stage_params(model, c.pp, c.tp, first)
     p, g, o = model_state_bytes(training, params, c.zero, c.shard)
-    unsharded = params * training.bytes_per_element
     e = training.bytes_per_element
+    unsharded = params * e
     _, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
     held = activation_bytes(model, training, c, stage, first)
     working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
     stored = held - working
-    logits = logits_bytes(model, training, c.mbs, c.tp) if not first else np.zeros_like(p)
-    logits = np.where(np.asarray(c.pp) == 1, logits_bytes(model, training, c.mbs, c.tp), logits)
+    holds_head = (np.asarray(c.pp) == 1) | (not first)
+    logits = np.where(holds_head, logits_bytes(model, training, c.mbs, c.tp), 0.0)
     buffers = sharding_buffer_bytes(model, training, c.tp, c.zero)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     accumulating = np.asarray(c.nmb, dtype=float) > inflight + 1e-9
