@@ -39,16 +39,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE
+from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE
 from cost_models.pipeline import layers_in_flight, microbatches_in_flight
 from hardware_profiles.schema import DeviceProfile
 from planner.specs import ModelSpec, TrainingSpec
 
 FP32_BYTES = 4
 MASK_BYTES = 1  # dropout masks are stored as bytes
-# fp32 log-softmax output, its incoming gradient and the logits' gradient during the loss backward
-# (plus the fp32 upcast's place, reused): measured e + 12 bytes per logit on CPU fp32.
-LOGITS_EXTRA_BYTES = 12
+# Per logit: the stage output (e bytes) and the fp32 log-softmax output the loss saves, for every
+# micro-batch whose loss backward has not run yet; during one loss backward the log-softmax's
+# incoming gradient and the logits' gradient (fp32). Measured e + 12 bytes with one micro-batch
+# in flight on CPU fp32; GPipe's last stage holds the first part for all its micro-batches.
+LOGITS_SAVED_BYTES = 4
+LOGITS_BACKWARD_BYTES = 8
 # vocabulary-parallel cross-entropy (tp > 1; DTensor loss_parallel, as Megatron's) holds two more
 # fp32 copies of the local logits in its backward (measured: +1.2 MB per sequence of 256 tokens
 # at vocabulary 1024 / tp 2 on CPU fp32, i.e. about 2.3 copies)
@@ -114,7 +117,10 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, 
 def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool):
     """Activations at the stage's peak: stored layers x in-flight micro-batches, plus (full
     recompute) one layer re-materialized during its backward, plus the embedding output on the
-    first stage or the final norm input on the last."""
+    first stage or the final norm input on the last, plus (framework "pytorch", pp > 1) the
+    receive buffers torch.distributed.pipelining allocates up front for every micro-batch of each
+    local stage: activations into all but the model's first stage, gradients into all but its last
+    (2v - 1 boundary tensors per micro-batch on the first and last rank)."""
     e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
     per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
     held = layers_in_flight(model.num_layers, c.pp, c.vpp, c.nmb, c.schedule, stage) * per_layer
@@ -122,14 +128,17 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, 
     boundary = e * c.mbs * s * h / np.where(c.sp > 0, c.tp, 1)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     edge = boundary * (inflight if first else 1.0)
-    return held + working + edge
+    receivers = np.where(np.asarray(c.pp) > 1, 2.0 * np.asarray(c.vpp, dtype=float) - 1.0, 0.0)
+    recv = boundary * c.nmb * receivers if training.framework == "pytorch" else 0.0
+    return held + working + edge + recv
 
 
-def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp):
-    """Logits of one micro-batch on the last stage: the compute-precision output plus the fp32
-    copies the cross-entropy and its gradient hold (vocabulary split over tp)."""
+def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0):
+    """Logits on the last stage at its loss backward: the output and the saved fp32 log-softmax of
+    each of `in_flight` micro-batches, plus the gradients of the one in backward (vocabulary split
+    over tp)."""
     parallel_loss = np.where(np.asarray(tp) > 1, LOSS_PARALLEL_EXTRA_BYTES, 0)
-    per_logit = training.bytes_per_element + LOGITS_EXTRA_BYTES + parallel_loss
+    per_logit = (training.bytes_per_element + LOGITS_SAVED_BYTES) * in_flight + LOGITS_BACKWARD_BYTES + parallel_loss
     return per_logit * b * training.seq_len * model.vocab_size / tp
 
 
@@ -163,7 +172,9 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
     stored = held - working
     holds_head = (np.asarray(c.pp) == 1) | (not first)
-    logits = np.where(holds_head, logits_bytes(model, training, c.mbs, c.tp), 0.0)
+    # micro-batches past the head but not yet through their loss backward: all of them under GPipe
+    loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.nmb, 1)
+    logits = np.where(holds_head, logits_bytes(model, training, c.mbs, c.tp, loss_in_flight), 0.0)
     buffers = sharding_buffer_bytes(model, training, c.tp, c.zero)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     accumulating = np.asarray(c.nmb, dtype=float) > inflight + 1e-9

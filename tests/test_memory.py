@@ -121,3 +121,30 @@ def test_gradients_at_the_peak_follow_accumulation_and_buckets():
     # GPipe runs every forward before the first backward: nothing accumulated at its peak
     assert _peak_grads(pp=2, micro_batch_size=1, num_microbatches=8, schedule="gpipe")[0] == 0.0
     assert _peak_grads(pp=2, micro_batch_size=1, num_microbatches=8, schedule="1f1b")[0] == 1.0
+
+
+def test_pipeline_buffers_of_torch_pipelining():
+    """GPipe's last stage holds every micro-batch's logits and saved log-softmax until its loss
+    backward; torch.distributed.pipelining (framework "pytorch") preallocates a receive buffer per
+    micro-batch for activations and gradients of each local stage, which Megatron-LM does not."""
+    from cost_models.candidates import Candidates
+    from planner.specs import Layout
+    from planner.topology import cluster_from_preset
+
+    m = gpt(layers=4, hidden=256, heads=4)
+    device = cluster_from_preset("dgx-a100-80g", 1).device
+
+    def last_stage(framework, **layout):
+        t = TrainingSpec(seq_len=256, global_batch_size=8, precision="fp32", framework=framework)
+        c = Candidates.from_layouts([Layout(pp=2, micro_batch_size=1, num_microbatches=8, **layout)])
+        return {k: float(v[0]) for k, v in memory.stage_memory_breakdown(m, t, device, c, first=False).items()}
+
+    logit = 256 * m.vocab_size  # one micro-batch's logits
+    gpipe, one_f = last_stage("megatron", schedule="gpipe"), last_stage("megatron", schedule="1f1b")
+    assert gpipe["logits"] == pytest.approx(((4 + 4) * 8 + 8) * logit)
+    assert one_f["logits"] == pytest.approx((4 + 4 + 8) * logit)
+    boundary = 4 * 256 * 256
+    for v, schedule in ((1, "1f1b"), (2, "interleaved_1f1b")):
+        pt = last_stage("pytorch", schedule=schedule, virtual_stages=v)
+        mg = last_stage("megatron", schedule=schedule, virtual_stages=v)
+        assert pt["activations"] - mg["activations"] == pytest.approx((2 * v - 1) * 8 * boundary)
