@@ -25,6 +25,8 @@ accumulation by up to 30%. The peak is the largest of
   re-materialized): the same without the logits, plus the re-materialized layer (full recompute),
   the layer's gradients and one MLP-sized gradient temporary;
 - the optimizer step: parameters, optimizer state and every gradient.
+torch.distributed.pipelining's receive buffers (framework "pytorch", pp > 1) are held in every
+phase (`pipeline_buffers`).
 Gradients held during the backward: zero_grad(set_to_none) frees them each step, so they exist
 only once an earlier micro-batch's backward has finished on this stage (gradient accumulation;
 never before the first backward of GPipe), and then unsharded for ZeRO 0-2 (accumulation runs
@@ -117,10 +119,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, 
 def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool):
     """Activations at the stage's peak: stored layers x in-flight micro-batches, plus (full
     recompute) one layer re-materialized during its backward, plus the embedding output on the
-    first stage or the final norm input on the last, plus (framework "pytorch", pp > 1) the
-    receive buffers torch.distributed.pipelining allocates up front for every micro-batch of each
-    local stage: activations into all but the model's first stage, gradients into all but its last
-    (2v - 1 boundary tensors per micro-batch on the first and last rank)."""
+    first stage or the final norm input on the last."""
     e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
     per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
     held = layers_in_flight(model.num_layers, c.pp, c.vpp, c.nmb, c.schedule, stage) * per_layer
@@ -128,9 +127,22 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, 
     boundary = e * c.mbs * s * h / np.where(c.sp > 0, c.tp, 1)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     edge = boundary * (inflight if first else 1.0)
+    return held + working + edge
+
+
+def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
+    """Receive buffers torch.distributed.pipelining (framework "pytorch", pp > 1) allocates up front
+    for every micro-batch of each local stage and keeps for the whole step: activations into all
+    but the model's first stage, gradients into all but its last, i.e. 2v - 1 boundary tensors per
+    micro-batch on the first and the last rank (PipelineStage._prepare_forward_infra and
+    _prepare_backward_infra, torch 2.x; measured by benchmarks/accuracy.py). Megatron-LM receives
+    into transient tensors: none."""
+    if training.framework != "pytorch":
+        return np.zeros(np.shape(c.pp))
+    boundary = training.bytes_per_element * c.mbs * training.seq_len * model.hidden_size / np.where(
+        c.sp > 0, c.tp, 1)
     receivers = np.where(np.asarray(c.pp) > 1, 2.0 * np.asarray(c.vpp, dtype=float) - 1.0, 0.0)
-    recv = boundary * c.nmb * receivers if training.framework == "pytorch" else 0.0
-    return held + working + edge + recv
+    return boundary * c.nmb * receivers
 
 
 def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0):
@@ -176,6 +188,7 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.nmb, 1)
     logits = np.where(holds_head, logits_bytes(model, training, c.mbs, c.tp, loss_in_flight), 0.0)
     buffers = sharding_buffer_bytes(model, training, c.tp, c.zero)
+    receive = pipeline_buffer_bytes(model, training, c) + np.zeros_like(p)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     accumulating = np.asarray(c.nmb, dtype=float) > inflight + 1e-9
     accumulated = np.where(accumulating, np.where(np.asarray(c.zero) >= 3, g, unsharded), 0.0)
@@ -185,16 +198,18 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     layer_grads = np.where(accumulated > 0, 0.0, model.params_per_layer / c.tp * e)
     mlp_temp = e * c.mbs * training.seq_len * model.ffn_hidden_size / c.tp
     phases = [
-        {"gradients": held_grads, "activations": stored, "logits": logits, "sharding_buffers": buffers},
+        {"gradients": held_grads, "activations": stored, "logits": logits, "sharding_buffers": buffers,
+         "pipeline_buffers": receive},
         {"gradients": held_grads + layer_grads, "activations": stored + working + mlp_temp,
-         "logits": np.zeros_like(p), "sharding_buffers": buffers},
+         "logits": np.zeros_like(p), "sharding_buffers": buffers, "pipeline_buffers": receive},
         {"gradients": np.maximum(g, persistent), "activations": np.zeros_like(p),
-         "logits": np.zeros_like(p), "sharding_buffers": np.zeros_like(p)},
+         "logits": np.zeros_like(p), "sharding_buffers": np.zeros_like(p), "pipeline_buffers": receive},
     ]
     totals = np.stack([sum(ph.values()) for ph in phases])
     which = np.argmax(totals, axis=0)
     chosen = {k: np.choose(which, [ph[k] for ph in phases]) for k in phases[0]}
-    dynamic = chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"]
+    dynamic = (chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"]
+               + chosen["pipeline_buffers"])
     return {
         "parameters": p,
         "gradients": chosen["gradients"],
@@ -202,6 +217,7 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
         "activations": chosen["activations"],
         "logits": chosen["logits"],
         "sharding_buffers": chosen["sharding_buffers"],
+        "pipeline_buffers": chosen["pipeline_buffers"],
         "fragmentation": device.allocator_fragmentation_fraction * dynamic,
         "framework": np.full_like(p, device.framework_overhead_bytes),
     }

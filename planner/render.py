@@ -10,7 +10,7 @@ from planner.specs import ClusterSpec, Plan, ValidationReport
 GIB = 2**30
 TIME_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
 MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "activations", "logits",
-                "sharding_buffers", "fragmentation", "framework")
+                "sharding_buffers", "pipeline_buffers", "fragmentation", "framework")
 
 
 def _seconds(x: float) -> str:

@@ -58,7 +58,8 @@ def test_framework_changes_sequence_parallel_memory_only():
 def test_compare_keeps_misfits_with_reasons():
     r = berth("compare", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "8192",
               "--global-batch", "64", "--layout", "tp=8,pp=2,recompute=full,mbs=1",
-              "--layout", "tp=8,zero=3", "--layout", "tp=16", "--layout", "tp=3", "--json")
+              "--layout", "tp=8,zero=3", "--layout", "tp=16", "--layout", "tp=3",
+              "--framework", "megatron", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     cands = out["candidates"]
