@@ -197,21 +197,28 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     # one layer's gradients and its largest backward temporary (an MLP activation gradient)
     layer_grads = np.where(accumulated > 0, 0.0, model.params_per_layer / c.tp * e)
     mlp_temp = e * c.mbs * training.seq_len * model.ffn_hidden_size / c.tp
+    # FSDP2 ZeRO-2 (framework "pytorch"; reshard_after_forward=False) keeps the whole gathered
+    # model from forward to backward and its sharded parameters beside it; in mixed precision
+    # the sharded copy is the fp32 master (in the optimizer state), in fp32 it is one more copy.
+    # After the backward it reshards: the optimizer step sees only the sharded parameters.
+    fsdp2_zero2 = (np.asarray(c.zero) == 2) & (training.framework == "pytorch")
+    sharded_copy = np.where(fsdp2_zero2 & (training.precision == "fp32"), unsharded / c.shard, 0.0)
+    step_params = np.where(fsdp2_zero2, sharded_copy, p)
     phases = [
-        {"gradients": held_grads, "activations": stored, "logits": logits, "sharding_buffers": buffers,
+        {"parameters": p + sharded_copy, "gradients": held_grads, "activations": stored, "logits": logits, "sharding_buffers": buffers,
          "pipeline_buffers": receive},
-        {"gradients": held_grads + layer_grads, "activations": stored + working + mlp_temp,
+        {"parameters": p + sharded_copy, "gradients": held_grads + layer_grads, "activations": stored + working + mlp_temp,
          "logits": np.zeros_like(p), "sharding_buffers": buffers, "pipeline_buffers": receive},
-        {"gradients": np.maximum(g, persistent), "activations": np.zeros_like(p),
+        {"parameters": step_params, "gradients": np.maximum(g, persistent), "activations": np.zeros_like(p),
          "logits": np.zeros_like(p), "sharding_buffers": np.zeros_like(p), "pipeline_buffers": receive},
     ]
-    totals = np.stack([sum(ph.values()) for ph in phases])
+    totals = np.stack([sum(ph.values()) + o for ph in phases])
     which = np.argmax(totals, axis=0)
     chosen = {k: np.choose(which, [ph[k] for ph in phases]) for k in phases[0]}
     dynamic = (chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"]
                + chosen["pipeline_buffers"])
     return {
-        "parameters": p,
+        "parameters": chosen["parameters"],
         "gradients": chosen["gradients"],
         "optimizer_state": o,
         "activations": chosen["activations"],
