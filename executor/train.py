@@ -6,6 +6,7 @@ rank see the same rows; the first pipeline stage reads the tokens and the last t
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            gc.collect()  # a previous layout's objects in this process die now, not during the count
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
 
@@ -119,8 +121,10 @@ def peak_allocated(allocations: list[tuple[int, int, int]], since: int) -> float
     parallelism use: tens of them per step) is freed unseen and would stay counted forever (+10 MB
     over two steps of tiny-gpt at tp=2, growing with the step count). Two live blocks cannot share
     an address, so a block whose address is allocated again was freed before: it is released at
-    that point at the latest (an upper bound on what was held). Returns None when no allocation
-    was recorded after `since`."""
+    that point at the latest (an upper bound on what was held). A free of a block allocated before
+    the profiler started is ignored: the count starts at zero there, so that block was never in it
+    (in a process that runs layout after layout, the previous layout's objects die late). Returns
+    None when no allocation was recorded after `since`."""
     live: dict[int, int] = {}
     running = peak = seen = 0
     for t, ptr, nbytes in allocations:
@@ -131,7 +135,7 @@ def peak_allocated(allocations: list[tuple[int, int, int]], since: int) -> float
             running += nbytes - live.pop(ptr, 0)
             live[ptr] = nbytes
         else:
-            running -= live.pop(ptr, -nbytes)
+            running -= live.pop(ptr, 0)
         if t >= since:
             peak = max(peak, running)
     return float(peak) if seen else None
