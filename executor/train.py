@@ -38,9 +38,10 @@ class PeakMemory:
 
     CUDA: the caching allocator's peak of reserved memory (what the device must hold) since the
     tracker started. CPU: torch.profiler with profile_memory=True, started before the model is
-    built; the peak of the running sum of allocation and free events is the profiler's "Total
-    Allocated" maximum (shared/reference/torch-distributed-cpu.md, "Measuring memory on CPU";
-    process RSS is useless). The profiler is stopped after the first MEMORY_STEPS steps so that
+    built; the peak of its allocation and free events replayed by address (`peak_allocated`:
+    unlike the profiler's own "Total Allocated", it releases blocks freed unseen on gloo worker
+    threads; shared/reference/torch-distributed-cpu.md, "Measuring memory on CPU"; process RSS
+    is useless). The profiler is stopped after the first MEMORY_STEPS steps so that
     it does not slow the timed steps.
 
     Both count from `mark()`, called when training starts: the model, optimizer and everything
@@ -58,7 +59,7 @@ class PeakMemory:
     def method(self) -> str:
         if self.device.type == "cuda":
             return "torch.cuda.max_memory_reserved (caching allocator peak)"
-        return f"torch.profiler profile_memory peak of Total Allocated over build + {MEMORY_STEPS} steps"
+        return f"torch.profiler profile_memory allocations replayed by address over build + {MEMORY_STEPS} steps"
 
     def start(self) -> None:
         if self.device.type == "cuda":
