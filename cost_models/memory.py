@@ -205,10 +205,11 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     sharded_copy = np.where(fsdp2_zero2 & (training.precision == "fp32"), unsharded / c.shard, 0.0)
     step_params = np.where(fsdp2_zero2, sharded_copy, p)
     phases = [
-        {"parameters": p + sharded_copy, "gradients": held_grads, "activations": stored, "logits": logits, "sharding_buffers": buffers,
+        {"parameters": p + sharded_copy, "gradients": held_grads, "activations": stored, "logits": logits,
+         "sharding_buffers": buffers, "pipeline_buffers": receive},
+        {"parameters": p + sharded_copy, "gradients": held_grads + layer_grads,
+         "activations": stored + working + mlp_temp, "logits": np.zeros_like(p), "sharding_buffers": buffers,
          "pipeline_buffers": receive},
-        {"parameters": p + sharded_copy, "gradients": held_grads + layer_grads, "activations": stored + working + mlp_temp,
-         "logits": np.zeros_like(p), "sharding_buffers": buffers, "pipeline_buffers": receive},
         {"parameters": step_params, "gradients": np.maximum(g, persistent), "activations": np.zeros_like(p),
          "logits": np.zeros_like(p), "sharding_buffers": np.zeros_like(p), "pipeline_buffers": receive},
     ]
