@@ -120,14 +120,17 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, 
     """Activations at the stage's peak: stored layers x in-flight micro-batches, plus (full
     recompute) one layer re-materialized during its backward, plus the embedding output on the
     first stage or the final norm input on the last."""
-    e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
     per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
     held = layers_in_flight(model.num_layers, c.pp, c.vpp, c.nmb, c.schedule, stage) * per_layer
     working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
-    boundary = e * c.mbs * s * h / np.where(c.sp > 0, c.tp, 1)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
-    edge = boundary * (inflight if first else 1.0)
+    edge = boundary_bytes(model, training, c) * (inflight if first else 1.0)
     return held + working + edge
+
+
+def boundary_bytes(model: ModelSpec, training: TrainingSpec, c):
+    """One micro-batch's hidden states between layers (split over tp under sequence parallelism)."""
+    return training.bytes_per_element * c.mbs * training.seq_len * model.hidden_size / np.where(c.sp > 0, c.tp, 1)
 
 
 def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
@@ -139,10 +142,8 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
     into transient tensors: none."""
     if training.framework != "pytorch":
         return np.zeros(np.shape(c.pp))
-    boundary = training.bytes_per_element * c.mbs * training.seq_len * model.hidden_size / np.where(
-        c.sp > 0, c.tp, 1)
     receivers = np.where(np.asarray(c.pp) > 1, 2.0 * np.asarray(c.vpp, dtype=float) - 1.0, 0.0)
-    return boundary * c.nmb * receivers
+    return boundary_bytes(model, training, c) * c.nmb * receivers
 
 
 def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0):

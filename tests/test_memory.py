@@ -149,3 +149,24 @@ def test_pipeline_buffers_of_torch_pipelining():
         mg = last_stage("megatron", schedule=schedule, virtual_stages=v)
         assert pt["pipeline_buffers"] == pytest.approx((2 * v - 1) * 8 * boundary)
         assert mg["pipeline_buffers"] == 0.0 and pt["activations"] == pytest.approx(mg["activations"])
+
+
+def test_fsdp2_zero2_in_fp32_holds_a_sharded_copy_beside_the_gathered_parameters():
+    """FSDP2 ZeRO-2 (framework pytorch) keeps the gathered model from forward to backward next to
+    its fp32 shards; in mixed precision the shards are the master copy the optimizer state counts."""
+    from cost_models.candidates import Candidates
+    from planner.specs import Layout
+    from planner.topology import cluster_from_preset
+
+    m = gpt(layers=4, hidden=256, heads=4)
+    device = cluster_from_preset("dgx-a100-80g", 1).device
+    c = Candidates.from_layouts([Layout(dp=4, zero_stage=2, shard=4, micro_batch_size=2, num_microbatches=1)])
+
+    def params(precision, framework):
+        t = TrainingSpec(seq_len=256, global_batch_size=8, precision=precision, framework=framework)
+        return float(memory.stage_memory_breakdown(m, t, device, c, first=True)["parameters"][0])
+
+    full = m.num_params * 4
+    assert params("fp32", "pytorch") == pytest.approx(full * (1 + 1 / 4), rel=1e-6)
+    assert params("fp32", "megatron") == pytest.approx(full, rel=1e-6)
+    assert params("bf16", "pytorch") == pytest.approx(full / 2, rel=1e-6)
