@@ -117,15 +117,15 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, 
 
 
 def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool):
-    """Activations at the stage's peak: stored layers x in-flight micro-batches, plus (full
-    recompute) one layer re-materialized during its backward, plus the embedding output on the
-    first stage or the final norm input on the last."""
+    """(stored, working) activations of the stage: stored layers x in-flight micro-batches plus
+    the embedding output on the first stage or the final norm input on the last; and (full
+    recompute) the one layer re-materialized during its backward."""
     per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
     held = layers_in_flight(model.num_layers, c.pp, c.vpp, c.nmb, c.schedule, stage) * per_layer
     working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     edge = boundary_bytes(model, training, c) * (inflight if first else 1.0)
-    return held + working + edge
+    return held + edge, working
 
 
 def boundary_bytes(model: ModelSpec, training: TrainingSpec, c):
@@ -140,9 +140,8 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
     micro-batch on the first and the last rank (PipelineStage._prepare_forward_infra and
     _prepare_backward_infra, torch 2.x; measured by benchmarks/accuracy.py). Megatron-LM receives
     into transient tensors: none."""
-    if training.framework != "pytorch":
-        return np.zeros(np.shape(c.pp))
-    receivers = np.where(np.asarray(c.pp) > 1, 2.0 * np.asarray(c.vpp, dtype=float) - 1.0, 0.0)
+    torch_pipeline = (np.asarray(c.pp) > 1) & (training.framework == "pytorch")
+    receivers = np.where(torch_pipeline, 2.0 * np.asarray(c.vpp, dtype=float) - 1.0, 0.0)
     return boundary_bytes(model, training, c) * c.nmb * receivers
 
 
@@ -180,16 +179,13 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     p, g, o = model_state_bytes(training, params, c.zero, c.shard)
     e = training.bytes_per_element
     unsharded = params * e
-    _, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
-    held = activation_bytes(model, training, c, stage, first)
-    working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
-    stored = held - working
+    stored, working = activation_bytes(model, training, c, stage, first)
     holds_head = (np.asarray(c.pp) == 1) | (not first)
     # micro-batches past the head but not yet through their loss backward: all of them under GPipe
     loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.nmb, 1)
     logits = np.where(holds_head, logits_bytes(model, training, c.mbs, c.tp, loss_in_flight), 0.0)
     buffers = sharding_buffer_bytes(model, training, c.tp, c.zero)
-    receive = pipeline_buffer_bytes(model, training, c) + np.zeros_like(p)
+    receive = pipeline_buffer_bytes(model, training, c)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     accumulating = np.asarray(c.nmb, dtype=float) > inflight + 1e-9
     accumulated = np.where(accumulating, np.where(np.asarray(c.zero) >= 3, g, unsharded), 0.0)
@@ -214,7 +210,7 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
         {"parameters": step_params, "gradients": np.maximum(g, persistent), "activations": np.zeros_like(p),
          "logits": np.zeros_like(p), "sharding_buffers": np.zeros_like(p), "pipeline_buffers": receive},
     ]
-    totals = np.stack([sum(ph.values()) + o for ph in phases])
+    totals = np.stack([sum(ph.values()) for ph in phases])
     which = np.argmax(totals, axis=0)
     chosen = {k: np.choose(which, [ph[k] for ph in phases]) for k in phases[0]}
     dynamic = (chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"]
