@@ -4,9 +4,10 @@ Per micro-batch, the slowest pipeline stage runs its layers' forward, backward a
 recomputation, the tensor-parallel collectives of each layer (exposed: Megatron does not
 overlap them, Shoeybi 2019), and its stage-to-stage sends. The pipeline runs m micro-batches at
 the pace of the slowest stage plus a fill/drain bubble of (p - 1)/v mean micro-batch times
-(Narayanan 2021). Data-parallel gradient reduction (and ZeRO-3 parameter gathers) overlap with
-backward compute; only the part longer than the compute it hides behind, and at least the last
-layer's share, is exposed. The optimizer step follows.
+(Narayanan 2021). Data-parallel traffic (gradient reduction, ZeRO-3 parameter gathers) is issued
+layer by layer behind the forward or backward compute it overlaps (`_dp_times`); what a layer's
+traffic takes beyond its usable compute, and the first or last layer's share, is exposed. The
+optimizer step follows.
 """
 
 from __future__ import annotations
@@ -67,10 +68,37 @@ def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride):
     return TP_COLLECTIVES_PER_LAYER_PASS * comm.all_reduce_s(cluster, activation_bytes, tp, stride)
 
 
-def _dp_times(training, cluster, c, stage_params, compute_mb_s, layers_per_stage, dp_stride):
-    """Exposed data-parallel time per step: gradient reduction for ZeRO 0-2 once per step,
-    parameter gathers and gradient reduce-scatters per micro-batch for ZeRO-3, and for hybrid
-    sharding an all-reduce of the shard across replicas (the shard group is the inner part of dp)."""
+def pipelined_exposed_s(traffic_s, window_s, chunks, overlap):
+    """Exposed time of `traffic_s` of communication issued in `chunks` equal pieces (one per layer),
+    each hidden behind the compute of the neighbouring layer, of which a share `overlap` is usable.
+
+    A two-stage pipeline (transfer chunk i+1 while computing chunk i): the first (or last) chunk
+    has nothing to hide behind, each of the other chunks - 1 exposes what its transfer takes beyond
+    its layer's usable compute. Never less than traffic - overlap x window (the whole window cannot
+    hide more than it lasts), never less than one chunk, and 0 with no traffic."""
+    n = np.maximum(np.asarray(chunks, dtype=float), 1.0)
+    per_chunk = traffic_s / n
+    return per_chunk + (n - 1.0) * np.maximum(per_chunk - overlap * window_s / n, 0.0)
+
+
+def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, layers_per_stage, dp_stride):
+    """Exposed data-parallel time per step, layer by layer against the compute it overlaps.
+
+    - ZeRO 0 (DDP, Li et al. 2020): the gradient all-reduce runs in buckets during the last
+      micro-batch's backward; the last bucket is exposed.
+    - ZeRO 1/2: the gradient reduce-scatter (and, for hybrid sharding, the all-reduce of the
+      shard across replicas) in the last micro-batch's backward; the all-gather of the updated
+      parameters during the next step's first forward (FSDP2 reshard_after_forward=False,
+      Megatron's overlapped parameter gather), its first layer exposed.
+    - ZeRO 3 / FSDP (Rajbhandari et al. 2020 Sec. 5; Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3-3.4):
+      per micro-batch, each layer's parameters are all-gathered in forward (prefetched behind
+      the previous layer's forward) and again in backward, where each layer's gradients are
+      reduce-scattered; backward gathers and reduce-scatters are issued on the same links, one
+      after the other, so they share the backward window. The first gather of each pass and the
+      last reduce-scatter have no compute to hide behind. Hybrid sharding adds the all-reduce
+      of the shard across replicas to the last micro-batch's backward.
+    Only `comm_overlap_efficiency` of each window hides traffic (NCCL kernels take SMs and
+    memory bandwidth from the GEMMs; Zhao et al. 2023 Sec. 6)."""
     e = training.bytes_per_element
     grad_bytes = stage_params * e
     shard = c.shard.astype(float)
@@ -81,17 +109,18 @@ def _dp_times(training, cluster, c, stage_params, compute_mb_s, layers_per_stage
     scatter = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)
     ar_dp = comm.all_reduce_s(cluster, grad_bytes, c.dp, dp_stride)
-    # ZeRO 1/2: reduce-scatter grads and all-gather updated params within the shard group.
-    zero12 = gather + scatter + ar_replicate
-    per_step = np.where(c.zero == 0, ar_dp, np.where(c.zero <= 2, zero12, ar_replicate))
     overlap = cluster.comm_overlap_efficiency
-    hide_behind = overlap * compute_mb_s * (2.0 / 3.0)  # last micro-batch's backward
-    floor = per_step / layers_per_stage
-    exposed_step = np.maximum(per_step - hide_behind, floor)
-    # ZeRO-3: 2 all-gathers (fwd, bwd) + 1 reduce-scatter per micro-batch.
-    per_mb = np.where(c.zero >= 3, 2.0 * gather + scatter, 0.0)
-    exposed_mb = np.maximum(per_mb - overlap * compute_mb_s, per_mb / layers_per_stage)
-    return exposed_step + c.nmb * exposed_mb
+    n = layers_per_stage
+
+    def hidden(traffic, window):
+        return pipelined_exposed_s(traffic, window, n, overlap)
+
+    ddp = hidden(ar_dp, bwd_window_s)
+    zero12 = hidden(scatter + ar_replicate, bwd_window_s) + hidden(gather, fwd_window_s)
+    zero3_mb = hidden(gather, fwd_window_s) + hidden(gather + scatter, bwd_window_s)
+    zero3_last = hidden(gather, fwd_window_s) + hidden(gather + scatter + ar_replicate, bwd_window_s)
+    zero3 = (c.nmb - 1.0) * zero3_mb + zero3_last
+    return np.where(c.zero == 0, ddp, np.where(c.zero <= 2, zero12, zero3))
 
 
 def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates) -> Evaluation:
@@ -125,8 +154,8 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
 
     bubble = bubble_s(pp, vpp, mean_mb)
     stage_params = np.maximum(memory.stage_params(model, pp, tp, True), memory.stage_params(model, pp, tp, False))
-    dp = _dp_times(training, cluster, c, stage_params, body_compute + body_recompute, layers_per_stage,
-                   stride["dp"])
+    dp = _dp_times(training, cluster, c, stage_params, layers_per_stage * fwd,
+                   layers_per_stage * (bwd + recompute), layers_per_stage, stride["dp"])
     local_params = stage_params / np.where(c.zero >= 1, c.shard, 1)
     optimizer = compute.optimizer_step_s(device, training, local_params)
 
