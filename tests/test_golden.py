@@ -1,82 +1,110 @@
-"""Golden cases: the published A100 runs in shared/reference/published_runs_a100.json.
+"""Golden cases: published runs in ../shared/reference/published_runs_a100.json and
+published_runs_more.json, each predicted with the layout and engine its source used
+(`benchmarks/published.py`: `case_for` builds the model, training, cluster and layout, and turns
+each source's figure into a measured step time).
 
-How each source counts: Narayanan 2021 reports TFLOP/s by its Eq. 3, which counts the extra
-forward of full recomputation (4 passes); Korthikanti 2022 reports iteration times directly. We
-compare step times: for Narayanan the step time implied by Eq. 3 FLOPs / (GPUs x TFLOP/s), for
-Korthikanti the measured one. Nothing in the A100 profile was fitted to these runs: the GEMM
-efficiency is the MAMF best-shape fraction and the links are datasheet and nccl-tests figures.
+- Megatron-LM on A100 (Narayanan 2021 Tables 1-2, Korthikanti 2022 Table 5 and Sec. 6.3):
+  fp16, unfused attention, full or selective recompute, tp/pp/interleaving as published.
+- PyTorch FSDP (ZeRO-3, FULL_SHARD) on A100 40/80 GB: MosaicML llm-foundry's MPT runs, 125M-70B,
+  seq 512-65536, with and without full recompute.
+- torchtitan on H100: Llama 3.1 8B, FSDP2 over 8 and 128 GPUs, bf16, eager (the compiled and FP8
+  rows are not expressible; benchmarks/published.py lists why each skipped run is skipped).
 
-Tolerance: each run within 20% and the mean absolute error within 12%. The runs include work the
-model leaves out (data loading, fp16 loss scaling, logging, the tied-embedding all-reduce), the
-published TFLOP/s are rounded (~0.5%), and 2021-era kernels fall short of the best-shape GEMM
-efficiency; 20% still separates a good layout from a mediocre one (Table 1 spans 2x in layouts).
+Tolerances (step time, predicted / measured - 1): each source family's median |error| within
+TARGET_MEDIAN (12%) and its worst within TARGET_WORST (30%), the targets of issue 12; the
+Megatron runs, checked since the first release, each within 20% and 12% on average. The runs
+include work the model leaves out (data loading, loss scaling, logging), the published figures
+are rounded (~0.5%), and the H100 rows ran on a 96 GB, 500 W part predicted from the 80 GB,
+700 W profile with a stated clock derate (benchmarks/published.py: H100_96GB_*).
 
-Excluded: Narayanan 2021 Table 2's ZeRO-3 rows, run with DeepSpeed's ZeRO-3 of 2021. berth models
-an FSDP-style ZeRO-3 whose gathers overlap compute over all NIC rails; those runs reached
-44-144 TFLOP/s and degrade with scale in a way that implementation, not the hardware, explains.
+The reference data are required: CI has ../shared beside the checkout, and a missing file is a
+failure that says where the data were looked for, never a skip.
 """
 
+import statistics
 
-from planner.search import predict_layouts
-from planner.specs import Layout, ModelSpec, TrainingSpec
-from planner.topology import cluster_from_preset
+import pytest
 
-PER_RUN_TOLERANCE = 0.20
-MEAN_TOLERANCE = 0.12
+from benchmarks.published import REFERENCE, TARGET_MEDIAN, TARGET_WORST, Skip, case_for, load_runs, predict
 
-
-def _schedule(row, pp, vpp):
-    if pp == 1:
-        return "1f1b"
-    return "interleaved_1f1b" if vpp > 1 else "1f1b"
+MEGATRON_PER_RUN = 0.20
+MEGATRON_MEAN = 0.12
+MEGATRON = ("narayanan2021", "korthikanti2022")
 
 
-def golden_rows(rows):
-    out = []
-    for r in rows:
-        d = r["derived"]
-        tp = r["tp"] or d.get("tp")
-        if r["completeness"] != "full" or tp is None or "zero3" in r["id"]:
+@pytest.fixture(scope="module")
+def published_runs():
+    try:
+        return load_runs(REFERENCE)
+    except FileNotFoundError as err:
+        pytest.fail(str(err))
+
+
+@pytest.fixture(scope="module")
+def results(published_runs):
+    out = {}
+    for row in published_runs:
+        try:
+            out[row["id"]] = predict(case_for(row))
+        except Skip:
             continue
-        measured = r["step_time_s"] or d.get("implied_step_time_s")
-        if measured is None:
-            continue
-        out.append(r)
     return out
 
 
-def predict_row(r):
-    d = r["derived"]
-    tp, pp = r["tp"] or d["tp"], r["pp"] or d["pp"]
-    n, batch = r["num_gpus"], r["global_batch_size"] or d["global_batch_size"]
-    dp, mbs = n // (tp * pp), r["micro_batch_size"]
-    vpp = r["virtual_pipeline_stages"] or d.get("virtual_pipeline_stages") or 1
-    recompute = "selective" if str(r["activation_recompute"]).startswith("selective") else "full"
-    model = ModelSpec(name=r["id"], num_layers=r["num_layers"], hidden_size=r["hidden_size"],
-                      num_attention_heads=r["num_attention_heads"], ffn_hidden_size=4 * r["hidden_size"],
-                      vocab_size=r["vocab_size"], mlp="gelu", tied_embeddings=True, dropout=True)
-    training = TrainingSpec(seq_len=r["seq_len"], global_batch_size=batch, precision="fp16",
-                            flash_attention=False, framework="megatron")
-    layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=batch // (dp * mbs),
-                    virtual_stages=vpp, schedule=_schedule(r, pp, vpp), recompute=recompute,
-                    sequence_parallel=bool(r["sequence_parallel"]))
-    return predict_layouts(model, training, cluster_from_preset("dgx-a100-80g", n // 8), [layout])[0]
+def _family(results, *families):
+    return [r for r in results.values() if r.case.family in families]
 
 
-def test_published_runs(published_runs):
-    rows = golden_rows(published_runs)
-    assert len(rows) >= 20
-    errors = {}
+def test_usable_runs_are_all_there(results):
+    """Every family the issue names is predicted; a reader change that drops rows fails here."""
+    counts = {f: len(_family(results, f)) for f in (*MEGATRON, "mosaicml_llmfoundry", "torchtitan_bench_202412")}
+    assert counts["narayanan2021"] + counts["korthikanti2022"] >= 25, counts
+    assert counts["mosaicml_llmfoundry"] >= 130, counts
+    assert counts["torchtitan_bench_202412"] >= 2, counts
+
+
+def test_megatron_runs(results):
+    rows = _family(results, *MEGATRON)
     for r in rows:
-        plan = predict_row(r)
-        assert plan.infeasible_reason is None, (r["id"], plan.infeasible_reason)
-        assert plan.prediction.fits and plan.prediction.peak_memory_bytes <= 80 * 2**30, r["id"]
-        measured = r["step_time_s"] or r["derived"]["implied_step_time_s"]
-        errors[r["id"]] = plan.prediction.step_time_s / measured - 1.0
+        assert r.reason is None, (r.case.id, r.reason)
+        assert r.fits, (r.case.id, r.peak_gib)
+    worst = max(rows, key=lambda r: abs(r.error))
+    assert abs(worst.error) <= MEGATRON_PER_RUN, (worst.case.id, worst.error)
+    mean = sum(abs(r.error) for r in rows) / len(rows)
+    assert mean <= MEGATRON_MEAN, mean
+
+
+@pytest.mark.parametrize("family", ["narayanan2021", "korthikanti2022", "mosaicml_llmfoundry",
+                                    "torchtitan_bench_202412"])
+def test_family_step_time(results, family):
+    """Issue 12's targets per source family: median |error| <= 12%, worst <= 30%."""
+    rows = _family(results, family)
+    errors = {r.case.id: r.error for r in rows}
+    median = statistics.median(abs(e) for e in errors.values())
     worst = max(errors, key=lambda k: abs(errors[k]))
-    assert abs(errors[worst]) <= PER_RUN_TOLERANCE, (worst, errors[worst])
-    mean = sum(abs(e) for e in errors.values()) / len(errors)
-    assert mean <= MEAN_TOLERANCE, mean
+    assert median <= TARGET_MEDIAN, (family, median)
+    assert abs(errors[worst]) <= TARGET_WORST, (family, worst, errors[worst])
+
+
+def test_fsdp_throughput_trends(results):
+    """MosaicML's runs of one model at one sequence length on 8..128 A100 40GB GPUs differ by
+    under 7% in tokens/s per GPU for 3B and 7B (FSDP over 1600 Gbps RoCE); the prediction must
+    not invent a collapse with scale either."""
+    for size in ("3b", "7b"):
+        rows = [r for r in _family(results, "mosaicml_llmfoundry")
+                if f"_{size}_a100_40gb_" in r.case.id and r.case.id.endswith("_s2048_bf16")]
+        assert len(rows) >= 4, size
+        tps = [r.case.training.global_batch_size * r.case.training.seq_len
+               / (r.predicted_step_s * r.case.cluster.world_size) for r in rows]
+        assert max(tps) / min(tps) < 1.15, (size, tps)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 19: the memory model over-predicts FSDP runs with large "
+                   "micro-batches (logits) and torchtitan's 8B; strict: remove the mark when it passes")
+def test_published_fsdp_layouts_fit(results):
+    rows = _family(results, "mosaicml_llmfoundry", "torchtitan_bench_202412")
+    misfits = [(r.case.id, round(r.peak_gib, 1)) for r in rows if not r.fits]
+    assert not misfits, misfits
 
 
 def test_selective_recompute_beats_full_as_published(published_runs):
@@ -84,6 +112,13 @@ def test_selective_recompute_beats_full_as_published(published_runs):
     full recompute for every model; the prediction must order them the same way."""
     by_id = {r["id"]: r for r in published_runs}
     for size in ("22B", "175B", "530B", "1T"):
-        full = predict_row(by_id[f"korthikanti2022_t5_{size}_fullrecompute"]).prediction.step_time_s
-        sel = predict_row(by_id[f"korthikanti2022_t5_{size}_sp_selective"]).prediction.step_time_s
+        full = predict(case_for(by_id[f"korthikanti2022_t5_{size}_fullrecompute"])).predicted_step_s
+        sel = predict(case_for(by_id[f"korthikanti2022_t5_{size}_sp_selective"])).predicted_step_s
         assert 1.15 < full / sel < 1.6, (size, full / sel)
+
+
+def test_missing_reference_data_is_a_clear_error(tmp_path):
+    """Without ../shared/reference the loader names the path it looked in (the fixture turns
+    this into a failure, not a skip)."""
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        load_runs(tmp_path)
