@@ -1,10 +1,26 @@
 """Time of the compute each rank performs for one layer and one micro-batch.
 
-GEMMs follow a roofline (Williams et al. 2009): time = max(FLOPs / (peak x eff(shape)),
-bytes / achieved memory bandwidth), where eff(shape) is the device's measured efficiency curve
-as a function of the smallest GEMM dimension. Tensor parallelism shrinks the n or k dimension of
-every projection to h/tp or ffn/tp, so thin slices pay both terms. Elementwise work (norms,
-residual adds, activation functions, dropout, softmax) is memory-bound.
+Three kinds of work, each timed from measurements of the device (hardware_profiles/devices/*.json,
+sources there; the H100 fits come from ../shared/reference/h100-microbench via
+`python -m benchmarks.layer_fidelity --fit`):
+
+- GEMMs: a roofline (Williams et al. 2009), time = max(FLOPs / (peak x eff), bytes / achieved
+  bandwidth), where eff is the device's GEMM efficiency by the real shape (m, n, k) of each GEMM
+  (`gemm_shape`, fitted to gemm.json). The backward runs each projection's dgrad GEMM
+  (tokens x in, reducing over out) and wgrad GEMM (in x out, reducing over tokens) with their own
+  shapes, so it is no longer a flat 2x the forward. Tensor parallelism shrinks the n or k
+  dimension of every projection to h/tp or ffn/tp (Shoeybi 2019 split).
+- Flash attention: FLOPs of the causal half of the score and context products at the device's
+  attention efficiency by shape (`attention_shape`, fitted to attention.json), forward and
+  backward apart. Unfused attention (Megatron 2021-22) is two batched GEMMs plus softmax passes.
+- The rest of the layer (norms, rotary, activation function, residual adds, dtype casts of the
+  weights under autocast, kernel dispatch): what the training stack's kernels decide, so it is
+  kept per framework (`DeviceProfile.frameworks[TrainingSpec.framework]`, see FrameworkCompute):
+  a host dispatch time per layer pass plus bytes moved at the device's streaming bandwidth.
+
+Profiles without the measured models (a `berth profile` of a CPU, older files) fall back to the
+earlier terms: the GEMM curve by min dim, one attention fraction, fixed elementwise passes and
+kernels_per_layer_fwd x kernel_overhead_s, with the backward at BACKWARD_TO_FORWARD x forward.
 """
 
 from __future__ import annotations
@@ -12,84 +28,138 @@ from __future__ import annotations
 import numpy as np
 
 from cost_models.flops import BACKWARD_TO_FORWARD
-from hardware_profiles.schema import DeviceProfile
+from hardware_profiles.schema import AttentionPassModel, DeviceProfile, FrameworkCompute
 from planner.specs import ModelSpec, TrainingSpec
 
 # Named constants (each an assumption stated with its reason).
 CAUSAL_WORK_FRACTION = 0.5  # FlashAttention skips fully-masked blocks: ~half of s^2 (Dao 2023)
-HIDDEN_ELEMENTWISE_PASSES = 10  # 2 norms (read+write) + 2 residual adds (2 reads+write) per layer
-FFN_ELEMENTWISE_PASSES_GELU = 2  # GELU reads and writes the b x s x ffn tensor
-FFN_ELEMENTWISE_PASSES_SWIGLU = 3  # SiLU(gate) * up: reads 2, writes 1 b x s x ffn tensors
+ATTENTION_BACKWARD_FLOPS = 2.5  # flash backward recomputes S and P: 5 s^2 d products vs 2 (Dao 2023, Sec. 3)
+HIDDEN_ELEMENTWISE_PASSES = 10  # legacy: 2 norms (read+write) + 2 residual adds (2 reads+write) per layer
+FFN_ELEMENTWISE_PASSES_GELU = 2  # legacy: GELU reads and writes the b x s x ffn tensor
+FFN_ELEMENTWISE_PASSES_SWIGLU = 3  # legacy: SiLU(gate) * up: reads 2, writes 1 b x s x ffn tensors
 SOFTMAX_PASSES = 4  # unfused-attention path: write scores, softmax read+write, read in AV
 DROPOUT_PASSES = 3  # read, write output, write 1-byte mask (counted as one pass)
+HEAD_DIM_SMALL, HEAD_DIM_LARGE = 64.0, 128.0  # attention.json measures these two head dims
+GELU_FFN_SHARE = 0.5  # GELU touches one b x s x ffn tensor where SiLU(gate) * up touches two
 
 
-def gemm_efficiency(device: DeviceProfile, min_dim):
-    """Fraction of peak a compute-bound GEMM reaches, interpolated in log2 of its smallest dim."""
-    xs = np.log2(np.asarray(device.gemm.min_dim, dtype=float))
-    x = np.log2(np.maximum(np.asarray(min_dim, dtype=float), 1.0))
-    return np.interp(x, xs, np.asarray(device.gemm.peak_fraction, dtype=float))
+def _framework(device: DeviceProfile, training: TrainingSpec) -> FrameworkCompute | None:
+    return device.frameworks.get(training.framework)
+
+
+def _stream_s(device: DeviceProfile, nbytes):
+    return nbytes / (device.memory_bandwidth_bytes_per_s * device.memory_bandwidth_fraction)
+
+
+memory_bound_time_s = _stream_s
+
+
+def gemm_efficiency(device: DeviceProfile, m, n=None, k=None):
+    """Fraction of peak a compute-bound GEMM of (m x k) @ (k x n) reaches.
+
+    With the device's shape model: 1/eff = (1 + m_knee/m + n_knee/n + k_knee/k) / max_fraction
+    (fitted to gemm.json for the H100). Without it (or called with one argument, the smallest
+    dimension): the older curve by min(m, n, k), linear in log2(dim), held at the ends."""
+    shape = device.gemm_shape
+    if shape is None or n is None:
+        min_dim = m if n is None else np.minimum(np.minimum(m, n), k)
+        xs = np.log2(np.asarray(device.gemm.min_dim, dtype=float))
+        x = np.log2(np.maximum(np.asarray(min_dim, dtype=float), 1.0))
+        return np.interp(x, xs, np.asarray(device.gemm.peak_fraction, dtype=float))
+    m, n, k = (np.maximum(np.asarray(v, dtype=float), 1.0) for v in (m, n, k))
+    return shape.max_fraction / (1.0 + shape.m_knee / m + shape.n_knee / n + shape.k_knee / k)
 
 
 def gemm_time_s(device: DeviceProfile, training: TrainingSpec, m, n, k, batch=1.0):
     """Roofline time of `batch` GEMMs of (m x k) @ (k x n) in the training precision."""
     flops = 2.0 * batch * m * n * k
     e = training.bytes_per_element
-    compute = flops / (device.peak_flops(training.precision) * gemm_efficiency(
-        device, np.minimum(np.minimum(m, n), k)
-    ))
+    compute = flops / (device.peak_flops(training.precision) * gemm_efficiency(device, m, n, k))
     traffic = batch * e * (m * k + k * n + m * n)
-    memory = traffic / (device.memory_bandwidth_bytes_per_s * device.memory_bandwidth_fraction)
-    return np.maximum(compute, memory)
+    return np.maximum(compute, _stream_s(device, traffic))
 
 
-def memory_bound_time_s(device: DeviceProfile, nbytes):
-    return nbytes / (device.memory_bandwidth_bytes_per_s * device.memory_bandwidth_fraction)
+def _projection_s(device, training, rows, out, inp, count=1.0):
+    """(forward, backward) of `count` projections y = x W^T, x: rows x inp, y: rows x out.
+    Backward = dgrad (rows x inp, reducing over out) + wgrad (inp x out, reducing over rows)."""
+    fwd = gemm_time_s(device, training, rows, out, inp)
+    if device.gemm_shape is None:
+        return count * fwd, count * BACKWARD_TO_FORWARD * fwd
+    bwd = gemm_time_s(device, training, rows, inp, out) + gemm_time_s(device, training, inp, out, rows)
+    return count * fwd, count * bwd
 
 
-def layer_gemm_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
-    """QKV, output projection and MLP GEMMs of one layer on one tp rank (Shoeybi 2019 split:
-    QKV and MLP-in column-parallel, output and MLP-out row-parallel)."""
+def layer_gemm_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
+    """(forward, backward) seconds of the QKV, output and MLP GEMMs of one layer on one tp rank
+    (Shoeybi 2019 split: QKV and MLP-in column-parallel, output and MLP-out row-parallel)."""
     h, f, s = model.hidden_size, model.ffn_hidden_size, training.seq_len
     rows = b * s
     qkv_out = (h + 2 * model.kv_heads * model.head_dim) / tp
-    t = gemm_time_s(device, training, rows, qkv_out, h)
-    t = t + gemm_time_s(device, training, rows, h, h / tp)
-    t = t + (model.mlp_matrices - 1) * gemm_time_s(device, training, rows, f / tp, h)
-    return t + gemm_time_s(device, training, rows, h, f / tp)
+    parts = (
+        _projection_s(device, training, rows, qkv_out, h),
+        _projection_s(device, training, rows, h, h / tp),
+        _projection_s(device, training, rows, f / tp, h, model.mlp_matrices - 1),
+        _projection_s(device, training, rows, h, f / tp),
+    )
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
-def attention_core_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
-    """Scores, softmax and context for the a/tp heads of one rank, forward.
+def layer_gemm_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
+    return layer_gemm_s(model, training, device, b, tp)[0]
 
-    Flash path: 4bs^2h/tp FLOPs x causal fraction at the device's attention efficiency
-    (Dao 2022/2023). Unfused path (Megatron 2021-22): two batched GEMMs with k = head_dim over
-    the full s x s matrix, plus the softmax and dropout passes over b(a/tp)s^2 scores.
+
+def _attention_efficiency(p: AttentionPassModel, head_dim: float, s, rows):
+    """1/eff = (1 + seq_knee/s + rows_knee/(b heads s)) / max_fraction(head_dim); the asymptote is
+    interpolated in log2(head_dim) between the measured 64 and 128 and held beyond them."""
+    w = np.clip(np.log2(head_dim / HEAD_DIM_SMALL) / np.log2(HEAD_DIM_LARGE / HEAD_DIM_SMALL), 0.0, 1.0)
+    top = p.max_fraction_small_head + w * (p.max_fraction - p.max_fraction_small_head)
+    return top / (1.0 + p.seq_knee / s + p.rows_knee / np.maximum(rows, 1.0))
+
+
+def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
+    """(forward, backward) seconds of scores, softmax and context for the a/tp heads of one rank.
+
+    Flash path: 4 b (a/tp) s^2 d x causal fraction FLOPs forward, 2.5x that backward, each at the
+    device's measured efficiency for the shape (attention.json, `enable_gqa` and MHA rows), or at
+    the single attention_peak_fraction where the profile has no shape model. Unfused path
+    (Megatron 2021-22): two batched GEMMs with k = head_dim over the full s x s matrix, plus the
+    softmax and dropout passes over b(a/tp)s^2 scores; backward 2x.
     """
     s, a, d = training.seq_len, model.num_attention_heads, model.head_dim
     heads = b * a / tp
+    peak = device.peak_flops(training.precision)
     if training.flash_attention:
         flops = 4.0 * heads * s * s * d * CAUSAL_WORK_FRACTION
-        return flops / (device.peak_flops(training.precision) * device.attention_peak_fraction)
+        shape = device.attention_shape
+        if shape is None:
+            fwd = flops / (peak * device.attention_peak_fraction)
+            return fwd, BACKWARD_TO_FORWARD * fwd
+        rows = heads * s
+        fwd = flops / (peak * _attention_efficiency(shape.forward, d, s, rows))
+        bwd = ATTENTION_BACKWARD_FLOPS * flops / (peak * _attention_efficiency(shape.backward, d, s, rows))
+        return fwd, bwd
     gemms = gemm_time_s(device, training, s, s, d, batch=heads) + gemm_time_s(
         device, training, s, d, s, batch=heads
     )
     passes = SOFTMAX_PASSES + (DROPOUT_PASSES if model.dropout else 0)
-    return gemms + memory_bound_time_s(device, passes * training.bytes_per_element * heads * s * s)
+    fwd = gemms + _stream_s(device, passes * training.bytes_per_element * heads * s * s)
+    return fwd, BACKWARD_TO_FORWARD * fwd
+
+
+def attention_core_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
+    return attention_core_s(model, training, device, b, tp)[0]
 
 
 def elementwise_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp):
-    """Norms, residual adds, activation function, dropout: memory-bound passes over activations.
-
-    Without sequence parallelism the b x s x h work is replicated on every tp rank; with it the
-    sequence is split over tp (Korthikanti 2022, Sec. 4.2.2).
-    """
+    """Legacy (profiles without `frameworks`): norms, residual adds, activation function, dropout
+    as memory-bound passes over activations. Without sequence parallelism the b x s x h work is
+    replicated on every tp rank; with it the sequence is split over tp (Korthikanti 2022, 4.2.2)."""
     e, s, h, f = training.bytes_per_element, training.seq_len, model.hidden_size, model.ffn_hidden_size
     hidden_split = np.where(sp > 0, tp, 1)
     hidden_passes = HIDDEN_ELEMENTWISE_PASSES + (2 * DROPOUT_PASSES if model.dropout else 0)
     ffn_passes = FFN_ELEMENTWISE_PASSES_SWIGLU if model.mlp == "swiglu" else FFN_ELEMENTWISE_PASSES_GELU
     nbytes = e * b * s * (hidden_passes * h / hidden_split + ffn_passes * f / tp)
-    return memory_bound_time_s(device, nbytes)
+    return _stream_s(device, nbytes)
 
 
 def kernel_overhead_forward_s(device: DeviceProfile, tp=1):
@@ -99,24 +169,88 @@ def kernel_overhead_forward_s(device: DeviceProfile, tp=1):
     return device.kernels_per_layer_fwd * (device.kernel_overhead_s + extra)
 
 
+def layer_rest_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp):
+    """(forward, backward) device seconds of the layer's work that is neither GEMM nor attention,
+    and (forward, backward) host dispatch seconds.
+
+    With the framework's entry (FrameworkCompute, fitted for the bundled executor "pytorch" to
+    layer.json): bytes at streaming bandwidth, where bytes =
+      hidden_bytes x tokens x h / (tp under sequence parallelism)   norms, residual adds and the
+          autocast casts of the normed input (the b x s x h tensors each rank handles),
+      ffn_bytes x tokens x ffn/tp (x 1/2 for GELU)                  SiLU(gate) * up (or GELU),
+      weight_bytes x layer parameters / tp                          fp32 -> bf16 weight casts
+          forward, the bf16 weight gradient's cast and accumulation into fp32 .grad backward,
+    plus dropout passes where the model has dropout. A tensor-parallel layer adds the device's
+    tp_kernel_overhead_s per kernel (DTensor; 0 unless calibrated).
+    The dispatch is the entry's dispatch_s per pass plus, for a tensor-parallel layer, the
+    device's tp_kernel_overhead_s per kernel (DTensor; 0 unless calibrated).
+    Without an entry: the legacy elementwise passes, and kernel overhead as dispatch; backward 2x."""
+    fw = _framework(device, training)
+    tp_extra = kernel_overhead_forward_s(device, tp) - device.kernels_per_layer_fwd * device.kernel_overhead_s
+    if fw is None:
+        fwd = elementwise_forward_s(model, training, device, b, tp, sp)
+        launch = kernel_overhead_forward_s(device, tp)
+        return (fwd, BACKWARD_TO_FORWARD * fwd), (launch, BACKWARD_TO_FORWARD * launch)
+    s, h, f = training.seq_len, model.hidden_size, model.ffn_hidden_size
+    tokens = b * s
+    hidden = tokens * h / np.where(sp > 0, tp, 1)
+    ffn = tokens * f / tp * (1.0 if model.mlp == "swiglu" else GELU_FFN_SHARE)
+    weights = model.params_per_layer / tp
+    dropout = (DROPOUT_PASSES * training.bytes_per_element * 2 * hidden) if model.dropout else 0.0
+    fwd_bytes = fw.hidden_bytes_fwd * hidden + fw.ffn_bytes_fwd * ffn + fw.weight_bytes_fwd * weights + dropout
+    bwd_bytes = fw.hidden_bytes_bwd * hidden + fw.ffn_bytes_bwd * ffn + fw.weight_bytes_bwd * weights + dropout
+    device_s = (_stream_s(device, fwd_bytes), _stream_s(device, bwd_bytes))
+    return device_s, (fw.dispatch_fwd_s + tp_extra, fw.dispatch_bwd_s + BACKWARD_TO_FORWARD * tp_extra)
+
+
+def host_and_device_s(device: DeviceProfile, training: TrainingSpec, dispatch_s, device_s):
+    """Time of a pass that the host dispatches in dispatch_s and the GPU runs in device_s:
+    max + exposed fraction x min (FrameworkCompute.dispatch_exposed_fraction; serial without an
+    entry)."""
+    fw = _framework(device, training)
+    exposed = 1.0 if fw is None else fw.dispatch_exposed_fraction
+    return np.maximum(dispatch_s, device_s) + exposed * np.minimum(dispatch_s, device_s)
+
+
 def layer_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp):
     """(forward, backward, attention-core forward) seconds of one layer and micro-batch."""
-    gemm = layer_gemm_forward_s(model, training, device, b, tp)
-    attn = attention_core_forward_s(model, training, device, b, tp)
-    rest = elementwise_forward_s(model, training, device, b, tp, sp) + kernel_overhead_forward_s(device, tp)
-    fwd = gemm + attn + rest
-    return fwd, BACKWARD_TO_FORWARD * fwd, attn
+    gemm_f, gemm_b = layer_gemm_s(model, training, device, b, tp)
+    attn_f, attn_b = attention_core_s(model, training, device, b, tp)
+    (rest_f, rest_b), (host_f, host_b) = layer_rest_s(model, training, device, b, tp, sp)
+    fwd = host_and_device_s(device, training, host_f, gemm_f + attn_f + rest_f)
+    bwd = host_and_device_s(device, training, host_b, gemm_b + attn_b + rest_b)
+    return fwd, bwd, attn_f
 
 
 def lm_head_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
-    """Vocabulary-parallel output GEMM and cross-entropy (fp32 logits), forward + backward."""
+    """Vocabulary-parallel output GEMM and cross-entropy (fp32 logits), forward + backward.
+
+    With the framework's entry (fitted to head.json): the output GEMM's forward, dgrad and wgrad
+    at their shapes, loss_bytes_per_logit per logit of the rank (upcast, log-softmax, its
+    gradient, downcast), the weight casts of the head (weight_bytes) and the embedding's dense
+    gradient accumulation (weight_bytes_bwd again), and head_dispatch_s. Without it: the legacy
+    3x GEMM + 16 bytes per logit."""
     s, v, h = training.seq_len, model.vocab_size, model.hidden_size
-    gemm = gemm_time_s(device, training, b * s, v / tp, h)
-    loss_bytes = 4.0 * 4 * b * s * v / tp  # fp32 logits: upcast, softmax, grad write and read
-    return (1.0 + BACKWARD_TO_FORWARD) * gemm + memory_bound_time_s(device, loss_bytes)
+    rows = b * s
+    fw = _framework(device, training)
+    if fw is None:
+        gemm = gemm_time_s(device, training, rows, v / tp, h)
+        loss_bytes = 4.0 * 4 * rows * v / tp  # fp32 logits: upcast, softmax, grad write and read
+        return (1.0 + BACKWARD_TO_FORWARD) * gemm + _stream_s(device, loss_bytes)
+    fwd, bwd = _projection_s(device, training, rows, v / tp, h)
+    weights = v * h / tp
+    nbytes = fw.loss_bytes_per_logit * rows * v / tp + (fw.weight_bytes_fwd + 2 * fw.weight_bytes_bwd) * weights
+    return fwd + bwd + fw.head_dispatch_s + _stream_s(device, nbytes)
 
 
 def optimizer_step_s(device: DeviceProfile, training: TrainingSpec, local_params):
-    """AdamW update of the parameters this rank owns: memory-bound streaming of model states."""
+    """AdamW update of the parameters this rank owns: memory-bound streaming of model states.
+
+    With the framework's entry: optimizer_bytes_per_param (the bundled executor's AdamW with
+    foreach=False runs ~10 elementwise passes of 8 bytes; optimizer.json). Without it: read and
+    write of the optimizer states, the fp32 weights and the gradient."""
+    fw = _framework(device, training)
+    if fw is not None:
+        return _stream_s(device, fw.optimizer_bytes_per_param * local_params)
     per_param = 2 * training.optimizer_bytes_per_param + 2 * training.bytes_per_element
-    return memory_bound_time_s(device, per_param * local_params)
+    return _stream_s(device, per_param * local_params)

@@ -36,6 +36,66 @@ class GemmCurve(_Frozen):
         return v
 
 
+class GemmShapeModel(_Frozen):
+    """Fraction of peak a bf16/fp16 GEMM of (m x k) @ (k x n) reaches, by its real shape:
+
+        1 / eff = (1 + m_knee / m + n_knee / n + k_knee / k) / max_fraction
+
+    Each knee is the size of that dimension at which it alone halves the efficiency (per-tile
+    prologue/epilogue and pipeline fill along k, partial waves of output tiles along m and n);
+    max_fraction is the asymptote of large GEMMs. The same form serves the forward, dgrad and
+    wgrad GEMM of a projection: each is scored with its own (m, n, k)."""
+
+    max_fraction: float = Field(gt=0, le=1)
+    m_knee: float = Field(ge=0)
+    n_knee: float = Field(ge=0)
+    k_knee: float = Field(ge=0)
+
+
+class AttentionPassModel(_Frozen):
+    """Fraction of peak of one pass (forward or backward) of causal flash attention, by shape:
+
+        1 / eff = (1 + seq_knee / s + rows_knee / (b * heads * s)) / max_fraction(head_dim)
+
+    FLOPs counted as 4 b heads s^2 d / 2 forward and 2.5x that backward (the causal half)."""
+
+    max_fraction: float = Field(gt=0, le=1, description="head_dim >= 128")
+    max_fraction_small_head: float = Field(gt=0, le=1, description="head_dim <= 64 (interpolated between)")
+    seq_knee: float = Field(ge=0)
+    rows_knee: float = Field(ge=0, description="b x heads per rank x s at which occupancy halves the efficiency")
+
+
+class AttentionShapeModel(_Frozen):
+    forward: AttentionPassModel
+    backward: AttentionPassModel
+
+
+class FrameworkCompute(_Frozen):
+    """The work of one training stack's layer that is neither GEMM nor attention, per layer and
+    micro-batch, and its optimizer step: what the framework's kernels (not the hardware) decide.
+
+    A layer pass takes max(dispatch_s, device) + dispatch_exposed_fraction x min(dispatch_s, device),
+    where device = its GEMMs + attention + bytes / (memory bandwidth x fraction) with bytes =
+    hidden_bytes x tokens x h (/tp under sequence parallelism) + ffn_bytes x tokens x ffn/tp +
+    weight_bytes x the layer's parameters on the rank: the host issues kernels while the GPU runs
+    earlier ones, and waits where a run of small kernels is faster than their dispatch."""
+
+    dispatch_fwd_s: float = Field(ge=0, description="host time per layer forward the GPU waits on (eager op dispatch)")
+    dispatch_bwd_s: float = Field(ge=0, description="the same for the backward")
+    hidden_bytes_fwd: float = Field(ge=0, description="bytes moved per token per hidden unit: norms, residual adds, casts")
+    hidden_bytes_bwd: float = Field(ge=0)
+    ffn_bytes_fwd: float = Field(ge=0, description="bytes per token per ffn unit of the rank: activation function")
+    ffn_bytes_bwd: float = Field(ge=0)
+    weight_bytes_fwd: float = Field(ge=0, description="bytes per parameter of the layer per forward (weight casts)")
+    weight_bytes_bwd: float = Field(ge=0, description="bytes per parameter per backward (gradient cast, accumulation)")
+    dispatch_exposed_fraction: float = Field(
+        default=1.0, ge=0, le=1, description="share of the smaller of host dispatch and device time that does not "
+        "overlap the other: pass time = max(dispatch, device) + this x min(dispatch, device); 1 = serial")
+    head_dispatch_s: float = Field(ge=0, description="host time of the LM head and loss, forward + backward")
+    loss_bytes_per_logit: float = Field(ge=0, description="bytes per logit of the cross-entropy, forward + backward")
+    optimizer_bytes_per_param: float = Field(gt=0, description="bytes the optimizer step moves per parameter")
+
+
 class DeviceProfile(_Frozen):
     """One accelerator (or a CPU worker) as the cost model sees it."""
 
@@ -53,6 +113,13 @@ class DeviceProfile(_Frozen):
     tp_kernel_overhead_s: float = Field(
         default=0.0, ge=0, description="extra dispatch time per kernel of a tensor-parallel layer (DTensor and "
         "collective launch overhead; 0 for fused GPU stacks, fitted by `berth calibrate`)")
+    gemm_shape: GemmShapeModel | None = Field(
+        default=None, description="GEMM efficiency by (m, n, k); when absent the `gemm` curve by min dim is used")
+    attention_shape: AttentionShapeModel | None = Field(
+        default=None, description="flash attention efficiency by shape; when absent attention_peak_fraction")
+    frameworks: dict[str, FrameworkCompute] = Field(
+        default_factory=dict, description="non-GEMM layer work per training stack (TrainingSpec.framework); when "
+        "absent, memory-bound elementwise passes plus kernels_per_layer_fwd x kernel_overhead_s")
     framework_overhead_bytes: float = Field(ge=0)
     allocator_fragmentation_fraction: float = Field(ge=0, lt=1)
     tdp_watts: float | None = None
