@@ -69,6 +69,11 @@ LLAMA3_VOCAB = 128_256  # torchtitan records leave vocab out: "128,256 in the re
 H100_96GB_MEMORY_SCALE = 96 / 80
 H100_96GB_CLOCK_DERATE = (500 / 700) ** (1 / 3)
 
+# torchtitan and Composer gather bf16 parameters under FSDP mixed precision (param_dtype bf16; the
+# bundled executor keeps fp32 parameters under autocast) and step a fused AdamW: the device
+# profiles' "torchtitan" compute entry (cost_models/compute.py), not the executor's "pytorch" one.
+FSDP_BF16_STACK = "torchtitan"
+
 GIB = 2**30
 
 
@@ -155,8 +160,14 @@ def _device_for(gpu_type: str):
     raise Skip(f"gpu_type {gpu_type!r} has no profile")
 
 
-def _cluster(row: dict) -> ClusterSpec:
+def _cluster(row: dict, compute_stack: str | None = None) -> ClusterSpec:
+    """The record's cluster; `compute_stack` names the device profile's `frameworks` entry whose
+    non-GEMM layer work and optimizer step the run's engine has, when it is not the one
+    TrainingSpec.framework selects (memory still follows TrainingSpec.framework)."""
     device, preset = _device_for(row["gpu_type"])
+    if compute_stack and compute_stack in device.frameworks:
+        stacks = {**device.frameworks, "pytorch": device.frameworks[compute_stack]}
+        device = device.model_copy(update={"frameworks": stacks})
     per_node = row.get("gpus_per_node") or GPUS_PER_NODE_DEFAULT
     n = row["num_gpus"]
     if n % per_node:
@@ -299,7 +310,7 @@ def _mosaicml(row: dict) -> Case:
     notes = []
     if "DEFAULT" in (row["precision"] or ""):
         notes.append("amp_bf16 (FSDP mixed_precision=DEFAULT) reduces gradients in fp32: predicted with bf16 traffic")
-    return Case(row["id"], row["source_id"], model, training, _cluster(row), layout, measured,
+    return Case(row["id"], row["source_id"], model, training, _cluster(row, FSDP_BF16_STACK), layout, measured,
                 "global batch tokens / (printed tokens/s per GPU x GPUs)", check, notes)
 
 
@@ -343,7 +354,7 @@ def _torchtitan(row: dict) -> Case:
              "attention core only"]
     if "96GB" in row["gpu_type"].replace(" ", ""):
         notes.insert(0, "device: h100-sxm with 96 GB and a 500 W clock derate (H100_96GB_*)")
-    return Case(row["id"], row["source_id"], model, training, _cluster(row), layout, measured,
+    return Case(row["id"], row["source_id"], model, training, _cluster(row, FSDP_BF16_STACK), layout, measured,
                 "global batch tokens / (printed tokens/s per GPU x GPUs)", None, notes)
 
 
