@@ -42,8 +42,9 @@ def _fsdp_case(oversubscription=4.0, nodes=16):
 
 
 def test_fsdp_exposed_at_least_traffic_minus_window():
-    """1.74 s of gathers, reduce-scatters and the replica all-reduce against about 1.7 s of compute
-    came out as 22 ms exposed before the window was shared; now at least traffic - usable window."""
+    """1.74 s of gathers, reduce-scatters and the replica all-reduce against 1.69 s of compute (at
+    0.7 usable: 1.18 s) came out as 22 ms exposed before the window was shared; now at least
+    traffic - usable window, whatever the compute model makes the window."""
     model, training, cluster, c = _fsdp_case()
     ev = evaluate(model, training, cluster, c)
     params = np.maximum(memory.stage_params(model, c.pp, c.tp, True), memory.stage_params(model, c.pp, c.tp, False))
@@ -57,7 +58,6 @@ def test_fsdp_exposed_at_least_traffic_minus_window():
     window = t["compute"] + t["recompute"]
     assert traffic[0] > 1.5  # the issue's 1.74 s
     assert t["dp_comm"][0] >= traffic[0] - cluster.comm_overlap_efficiency * window[0] - 1e-9
-    assert t["dp_comm"][0] > 0.3
 
 
 @pytest.mark.parametrize("zero,shard", [(0, 1), (1, 64), (2, 8), (3, 64), (3, 8)])

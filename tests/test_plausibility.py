@@ -2,17 +2,17 @@
 published runs reached, and the published layouts' predicted tokens/s within a stated tolerance
 of what they measured. A model that promises 72% MFU for Llama 3 8B on 8 H100 fails here.
 
-Each range is the published figure of the closest counterpart, widened by the slack named in
-its row (a better layout than the published one may exist, but not one 1.5x better):
+Each range runs from the lowest published model-FLOPs MFU of the closest counterparts less
+PESSIMISM (the 30% worst-case step-time target of issue 12) to the highest plus OPTIMISM (a
+layout better than the published ones may exist, but not one much better than the best):
 
-- Llama 3 8B, seq 8192, on 8 and 128 H100 (torchtitan, Dec 2024, eager bf16 FSDP): 5,762 and
-  5,605 tokens/s per GPU = 36% and 35% model-FLOPs MFU of the 989 TFLOP/s peak -> 30-45%.
-- Llama 3 70B / 405B on H100 (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: 38-43%
-  bf16 MFU on 8K-16K H100 with tp/pp/cp/FSDP) -> 30-52% for 70B on 64-128 GPUs, 30-48% for 405B.
-- GPT-3 175B on 1024 A100 (Narayanan 2021 Table 2 PTD 34-37% with full recompute; Korthikanti
-  2022 Table 5, 51.4% with selective recompute and sequence parallelism) -> 33-56%.
-- GPT 1T on 3072 A100 (Narayanan 2021 Table 1, 39.2% model MFU on 3072 GPUs; Korthikanti 2022
-  Table 5, 56.3% on 512) -> 35-60%.
+- Llama 3 8B, seq 8192, on 8 and 128 H100: the issue's stated 30-45% (torchtitan, Dec 2024, eager
+  bf16 FSDP: 5,762 and 5,605 tokens/s per GPU = 36% and 35% of 989 TFLOP/s on 500 W parts).
+- Llama 3 70B and 405B on H100: Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: 38-43%
+  bf16 MFU on 8K-16K H100 with tp/pp/cp/FSDP.
+- GPT-3 175B on A100: Narayanan 2021 Table 2 (PTD, full recompute) 33.9-36.8%; Korthikanti
+  2022 Table 5, 51.4% with selective recompute and sequence parallelism.
+- GPT 1T on A100: Narayanan 2021 Table 1, 39.2% on 3072 GPUs; Korthikanti 2022 Table 5, 56.3%.
 """
 
 import pytest
@@ -23,22 +23,29 @@ from planner.search import search
 from planner.specs import SearchSpec, TrainingSpec
 from planner.topology import cluster_from_preset
 
+PESSIMISM = 0.30  # issue 12's worst-case step-time error
+OPTIMISM = 0.10  # headroom over the best published run for a better layout
+
+
+def published_range(lowest: float, highest: float) -> tuple[float, float]:
+    return lowest * (1.0 - PESSIMISM), highest * (1.0 + OPTIMISM)
+
+
 FAT_TREE = dict(fabric="fat-tree", nodes_per_leaf=4, oversubscription=4.0)
-H100_8B = (0.30, 0.45)
-H100_70B = (0.30, 0.52)
-H100_405B = (0.30, 0.48)
-A100_175B = (0.33, 0.56)
-A100_1T = (0.35, 0.60)
+H100_8B = (0.30, 0.45)  # issue 12
+H100_LLAMA3 = published_range(0.38, 0.43)
+A100_175B = published_range(0.339, 0.514)
+A100_1T = published_range(0.392, 0.563)
 
 CASES = [
     # model, cluster preset, nodes, seq, global batch, fabric options, MFU range of the top plans
     ("llama3-8b", "dgx-h100", 1, 8192, 16, {}, H100_8B),  # torchtitan Table 1's size
     ("llama3-8b", "dgx-h100", 16, 8192, 256, {}, H100_8B),  # torchtitan Table 3's size
-    ("llama3-70b", "dgx-h100", 8, 8192, 256, {}, H100_70B),  # README, first example
-    ("llama3-70b", "dgx-h100", 16, 4096, 64, FAT_TREE, H100_70B),  # README, fat tree
+    ("llama3-70b", "dgx-h100", 8, 8192, 256, {}, H100_LLAMA3),  # README, first example
+    ("llama3-70b", "dgx-h100", 16, 4096, 64, FAT_TREE, H100_LLAMA3),  # README, fat tree
     ("gpt3-175b", "dgx-a100-80g", 128, 2048, 1536, {}, A100_175B),  # README and search_speed
     ("gpt-1t", "dgx-a100-80g", 384, 2048, 3072, {}, A100_1T),  # search_speed
-    ("llama3.1-405b", "dgx-h100", 2048, 8192, 2048, {}, H100_405B),  # search_speed
+    ("llama3.1-405b", "dgx-h100", 2048, 8192, 2048, {}, H100_LLAMA3),  # search_speed
 ]
 TOP = 3  # the plans a user sees first
 PUBLISHED_TOKENS_TOLERANCE = 0.30  # predicted tokens/s per GPU within 30% of the published figure
