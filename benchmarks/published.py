@@ -358,6 +358,11 @@ def _torchtitan(row: dict) -> Case:
                 "global batch tokens / (printed tokens/s per GPU x GPUs)", None, notes)
 
 
+ACCOUNTING_CHECKS = {
+    "narayanan2021": "the record's derived implied_step_time_s",
+    "mosaicml_llmfoundry": "model TFLOP/s through the README's MFU formula",
+}
+
 READERS = {"narayanan2021": _megatron, "korthikanti2022": _megatron, "mosaicml_llmfoundry": _mosaicml,
            "torchtitan_bench_202412": _torchtitan}
 
@@ -463,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:28s} {s['runs']:5d} {s['median_abs_error']:13.1%} {s['mean_error']:+9.1%} "
               f"{s['worst_error']:+8.1%}  {s['worst_run']}")
     print(f"targets per family: median |error| <= {TARGET_MEDIAN:.0%}, worst <= {TARGET_WORST:.0%}")
+    for name in summary["families"]:
+        checks = [abs(r.case.accounting_check) for r in results
+                  if r.case.family == name and r.case.accounting_check is not None]
+        if checks:
+            print(f"accounting cross-check, {name}: {len(checks)} runs, the step time from the source's other "
+                  f"figure ({ACCOUNTING_CHECKS.get(name, 'second figure')}) agrees within {max(checks):.2%}")
     print(f"\npredicted NOT to fit ({len(summary['not_fitting'])}):")
     for m in summary["not_fitting"]:
         print(f"  {m['id']}: {m['predicted_gib']:.1f} GiB > {m['capacity_gib']:.1f} GiB")
