@@ -42,7 +42,6 @@ from hardware_profiles.schema import (
     AttentionPassModel,
     AttentionShapeModel,
     DeviceProfile,
-    FrameworkCompute,
     GemmShapeModel,
 )
 from planner.models import presets
@@ -139,8 +138,7 @@ def _attn_arrays(rows):
 
 def _attn_kernel_s(p: AttentionPassModel, peak: float, heads, d, s, b, flops_mult):
     flops = flops_mult * 4.0 * b * heads * s * s * d * compute.CAUSAL_WORK_FRACTION
-    eff = np.array([compute._attention_efficiency(p, float(dd), ss, bb * hh * ss)
-                    for dd, ss, bb, hh in zip(d, s, b, heads, strict=True)])
+    eff = compute.attention_efficiency(p, d, s, b * heads * s)
     return flops / (peak * eff)
 
 
@@ -408,7 +406,7 @@ def main(argv: list[str]) -> int:
     print(f"saved {OUT}")
     held = [lay[f]["held_out"]["both"] for f in ("fold_a", "fold_b")]
     ok = all(h["mape"] <= TARGET_MAPE and h["worst"] <= TARGET_WORST for h in held)
-    print("held-out targets (MAPE <= %.2f, worst <= %.2f): %s" % (TARGET_MAPE, TARGET_WORST, "met" if ok else "NOT met"))
+    print(f"held-out targets (MAPE <= {TARGET_MAPE:.2f}, worst <= {TARGET_WORST:.2f}): {'met' if ok else 'NOT met'}")
     return 0
 
 

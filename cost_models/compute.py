@@ -81,12 +81,21 @@ def gemm_time_s(device: DeviceProfile, training: TrainingSpec, m, n, k, batch=1.
 
 def _projection_s(device, training, rows, out, inp, count=1.0):
     """(forward, backward) of `count` projections y = x W^T, x: rows x inp, y: rows x out.
-    Backward = dgrad (rows x inp, reducing over out) + wgrad (inp x out, reducing over rows)."""
-    fwd = gemm_time_s(device, training, rows, out, inp)
-    if device.gemm_shape is None:
+
+    Backward = dgrad (m, n, k) = (rows, inp, out) + wgrad (inp, out, rows). The three GEMMs share
+    their FLOPs and the bytes of the three matrices, so the roofline is evaluated once for them
+    (the same as three gemm_time_s calls, at a third of the array operations)."""
+    shape = device.gemm_shape
+    if shape is None:
+        fwd = gemm_time_s(device, training, rows, out, inp)
         return count * fwd, count * BACKWARD_TO_FORWARD * fwd
-    bwd = gemm_time_s(device, training, rows, inp, out) + gemm_time_s(device, training, inp, out, rows)
-    return count * fwd, count * bwd
+    memory = _stream_s(device, training.bytes_per_element * (rows * inp + inp * out + rows * out))
+    base = 2.0 * rows * out * inp / (device.peak_flops(training.precision) * shape.max_fraction)
+    r, o, i = shape.m_knee / rows, shape.n_knee / out, shape.k_knee / inp  # forward: m = rows, n = out, k = inp
+    fwd = np.maximum(base * (1.0 + r + o + i), memory)
+    dgrad = np.maximum(base * (1.0 + r + shape.n_knee / inp + shape.k_knee / out), memory)
+    wgrad = np.maximum(base * (1.0 + shape.m_knee / inp + o + shape.k_knee / rows), memory)
+    return count * fwd, count * (dgrad + wgrad)
 
 
 def layer_gemm_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
@@ -108,10 +117,11 @@ def layer_gemm_forward_s(model: ModelSpec, training: TrainingSpec, device: Devic
     return layer_gemm_s(model, training, device, b, tp)[0]
 
 
-def _attention_efficiency(p: AttentionPassModel, head_dim: float, s, rows):
+def attention_efficiency(p: AttentionPassModel, head_dim: float, s, rows):
     """1/eff = (1 + seq_knee/s + rows_knee/(b heads s)) / max_fraction(head_dim); the asymptote is
     interpolated in log2(head_dim) between the measured 64 and 128 and held beyond them."""
-    w = np.clip(np.log2(head_dim / HEAD_DIM_SMALL) / np.log2(HEAD_DIM_LARGE / HEAD_DIM_SMALL), 0.0, 1.0)
+    d = np.asarray(head_dim, dtype=float)
+    w = np.clip(np.log2(d / HEAD_DIM_SMALL) / np.log2(HEAD_DIM_LARGE / HEAD_DIM_SMALL), 0.0, 1.0)
     top = p.max_fraction_small_head + w * (p.max_fraction - p.max_fraction_small_head)
     return top / (1.0 + p.seq_knee / s + p.rows_knee / np.maximum(rows, 1.0))
 
@@ -135,8 +145,8 @@ def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DevicePro
             fwd = flops / (peak * device.attention_peak_fraction)
             return fwd, BACKWARD_TO_FORWARD * fwd
         rows = heads * s
-        fwd = flops / (peak * _attention_efficiency(shape.forward, d, s, rows))
-        bwd = ATTENTION_BACKWARD_FLOPS * flops / (peak * _attention_efficiency(shape.backward, d, s, rows))
+        fwd = flops / (peak * attention_efficiency(shape.forward, d, s, rows))
+        bwd = ATTENTION_BACKWARD_FLOPS * flops / (peak * attention_efficiency(shape.backward, d, s, rows))
         return fwd, bwd
     gemms = gemm_time_s(device, training, s, s, d, batch=heads) + gemm_time_s(
         device, training, s, d, s, batch=heads

@@ -82,7 +82,7 @@ class FrameworkCompute(_Frozen):
 
     dispatch_fwd_s: float = Field(ge=0, description="host time per layer forward the GPU waits on (eager op dispatch)")
     dispatch_bwd_s: float = Field(ge=0, description="the same for the backward")
-    hidden_bytes_fwd: float = Field(ge=0, description="bytes moved per token per hidden unit: norms, residual adds, casts")
+    hidden_bytes_fwd: float = Field(ge=0, description="bytes per token per hidden unit: norms, residual adds, casts")
     hidden_bytes_bwd: float = Field(ge=0)
     ffn_bytes_fwd: float = Field(ge=0, description="bytes per token per ffn unit of the rank: activation function")
     ffn_bytes_bwd: float = Field(ge=0)

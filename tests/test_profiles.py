@@ -26,6 +26,12 @@ def test_every_device_and_server_loads_with_sources():
         assert d.sources, name
         assert any(k.startswith("peak_flops_per_s") for k in d.sources), name
         assert d.gemm.peak_fraction == sorted(d.gemm.peak_fraction), name  # larger shapes never slower
+        if d.kind == "gpu":  # every GPU carries the measured compute model, with where its numbers come from
+            assert d.gemm_shape and d.attention_shape and {"pytorch", "megatron", "torchtitan"} <= set(d.frameworks)
+            for key in ("gemm_shape", "attention_shape", "frameworks.pytorch"):
+                assert key in d.sources or key in d.assumptions, (name, key)
+            # the typical projection GEMM is below the best-shape (MAMF) figure the profile quotes
+            assert d.gemm_shape.max_fraction < max(d.gemm.peak_fraction), name
     for name in server_names():
         s = load_server(name)
         assert s.sources and load_device(s.device)

@@ -49,9 +49,16 @@ def test_pcie_boxes_with_bridged_pairs_keep_tp_at_most_2():
     for name, nodes, batch in (("llama3-8b", 1, 64), ("llama3-70b", 4, 64)):
         model, training = load_model(name), TrainingSpec(seq_len=4096, global_batch_size=batch)
         assert best(model, training, cluster_from_preset("pcie-h100", nodes)).layout.tp <= 2
-    # the same model on NVSwitch nodes does use wider tp
-    assert best(load_model("llama3-70b"), TrainingSpec(seq_len=4096, global_batch_size=64),
-                cluster_from_preset("dgx-h100", 4)).layout.tp >= 4
+    # wide tp costs little on NVSwitch nodes and a lot over PCIe (the measured compute model makes thin
+    # tp slices slower everywhere, so the best layout need not use tp 8 even on NVSwitch)
+    model, training = load_model("llama3-70b"), TrainingSpec(seq_len=4096, global_batch_size=64)
+
+    def tp8_penalty(preset):
+        cluster = cluster_from_preset(preset, 4)
+        tp8 = best(model, training, cluster, fix="tp=8").prediction.step_time_s
+        return tp8 / best(model, training, cluster).prediction.step_time_s
+
+    assert tp8_penalty("dgx-h100") < 1.3 and tp8_penalty("pcie-h100") > 1.8
 
 
 def test_tp16_across_two_dgx_nodes_is_far_slower_than_tp8_inside_one():
@@ -99,7 +106,8 @@ def test_fat_tree_with_4_to_1_oversubscription_keeps_dp_inside_a_leaf():
     inside, across = (Layout(tp=8, pp=4, dp=4, micro_batch_size=1, num_microbatches=16, axis_order=o)
                       for o in ("tp-dp-pp", "tp-pp-dp"))
     a, b = predict_layouts(model, training, over, [inside, across])
-    assert b.prediction.step_time_s > 1.1 * a.prediction.step_time_s  # dp across leaves pays the spine
+    assert b.prediction.time_breakdown_s["dp_comm"] > 4 * a.prediction.time_breakdown_s["dp_comm"]  # the spine
+    assert b.prediction.step_time_s > 1.05 * a.prediction.step_time_s
     a, b = predict_layouts(model, training, flat, [inside, across])
     assert b.prediction.step_time_s == pytest.approx(a.prediction.step_time_s, rel=0.02)  # non-blocking: no matter
 
