@@ -19,9 +19,11 @@ S, B, H, A = 2048, 4, 6144, 64
 
 
 def _layer(recompute, tp=1, sp=0, framework="megatron"):
+    """A layer with a 16-bit residual stream: Megatron-LM, or PyTorch under FSDP2 mixed precision."""
     m = gpt(layers=48, hidden=H, heads=A)
     t = TrainingSpec(seq_len=S, global_batch_size=B, precision="fp16", flash_attention=False, framework=framework)
-    per_layer, _ = memory.layer_activation_bytes(m, t, B, np.array(tp), np.array(sp), np.array(recompute))
+    recipe = memory.RECIPE_MEGATRON if framework == "megatron" else memory.RECIPE_FSDP2
+    per_layer, _ = memory.layer_activation_bytes(m, t, B, np.array(tp), np.array(sp), np.array(recompute), recipe)
     return float(per_layer)
 
 
@@ -62,7 +64,7 @@ def test_full_recompute_keeps_the_layer_input():
 
 def test_flash_attention_removes_the_s_squared_term():
     m = gpt(layers=48, hidden=H, heads=A)
-    t = TrainingSpec(seq_len=S, global_batch_size=B, precision="fp16", flash_attention=True)
+    t = TrainingSpec(seq_len=S, global_batch_size=B, precision="fp16", flash_attention=True, framework="megatron")
     per_layer, _ = memory.layer_activation_bytes(m, t, B, np.array(1), np.array(0), np.array(RECOMPUTE_NONE))
     assert float(per_layer) == pytest.approx(S * B * H * 34 + 4 * B * A * S)
 
@@ -77,18 +79,58 @@ def test_layers_in_flight_by_schedule():
     assert inter == pytest.approx(L * (1 + (p - 1) / (p * v)))  # Korthikanti Sec. 4.2.3
 
 
-@pytest.mark.parametrize("zero,expected", [(0, 16.0), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)])
-def test_zero_stages_divide_model_states(zero, expected):
-    t = TrainingSpec(seq_len=1, global_batch_size=1, precision="bf16")
-    psi = 1e9
-    p, g, o = memory.model_state_bytes(t, psi, np.array(zero), np.array(8))
-    assert float(p + g + o) == pytest.approx(expected * psi)  # Rajbhandari 2020, Fig. 1
+def _states(precision, framework, zero=0, shard=1, dp=None, tp=1):
+    from cost_models.candidates import Candidates
+    from planner.specs import Layout
+
+    t = TrainingSpec(seq_len=1, global_batch_size=8, precision=precision, framework=framework)
+    dp = dp or shard
+    c = Candidates.from_layouts([Layout(tp=tp, dp=dp, shard=shard, zero_stage=zero, micro_batch_size=1,
+                                        num_microbatches=8 // dp)])
+    return {k: float(v[0]) for k, v in memory.model_state_bytes(t, 1.0, c).items()}
+
+
+@pytest.mark.parametrize("zero,expected", [(0, 2 + 4 + 12), (1, 2 + 4 + 12 / 8)])
+def test_megatron_holds_16_bit_parameters_an_fp32_grad_buffer_and_12_bytes_of_optimizer_state(zero, expected):
+    """Megatron-LM bf16: 16-bit parameters, the persistent fp32 gradient buffer (never sharded by
+    the distributed optimizer), fp32 main parameters + Adam (K = 12, sharded for zero 1)."""
+    s = _states("bf16", "megatron", zero=zero, shard=8 if zero else 1, dp=8)
+    assert s["parameters"] + s["grad_buffer"] + s["optimizer_state"] == pytest.approx(expected)
+    assert s["gradients"] == 0.0 and s["autocast"] == 0.0
+    fp16 = _states("fp16", "megatron")
+    assert fp16["grad_buffer"] == 2.0 and fp16["step_extra"] == 4.0  # fp16 buffer; fp32 main grads at the step
+
+
+def test_executor_autocast_recipe_holds_fp32_state_and_a_bf16_cast_cache():
+    """The bundled executor on one GPU (and DDP): fp32 parameters and gradients, AdamW's two fp32
+    states, and autocast's bf16 copy of every weight: 18 bytes per parameter."""
+    s = _states("bf16", "pytorch")
+    assert (s["parameters"], s["gradients"], s["optimizer_state"], s["autocast"]) == (4.0, 4.0, 8.0, 2.0)
+    assert memory.precision_recipe(TrainingSpec(seq_len=1, global_batch_size=1), _cands()) == memory.RECIPE_AUTOCAST
+
+
+def _cands(**layout):
+    from cost_models.candidates import Candidates
+    from planner.specs import Layout
+
+    return Candidates.from_layouts([Layout(**layout)])
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp2_mixed_precision_shards_the_fp32_master_gradients_and_state(zero):
+    """torchtitan / the executor with FSDP2 MixedPrecisionPolicy(bf16, reduce fp32): 16 bytes per
+    parameter over the shard group; ZeRO-2 keeps the gathered bf16 stage from forward to backward."""
+    s = _states("bf16", "pytorch", zero=zero, shard=8)
+    assert s["parameters"] + s["gradients"] + s["optimizer_state"] == pytest.approx(16 / 8)
+    assert s["gathered"] == (2.0 if zero == 2 else 0.0) and s["autocast"] == 0.0
+    # dp with tp runs under FSDP2 too (the executor's rule), even at zero 0
+    assert memory.precision_recipe(TrainingSpec(seq_len=1, global_batch_size=1),
+                                   _cands(tp=2, dp=2)) == memory.RECIPE_FSDP2
 
 
 def test_fp32_training_keeps_two_optimizer_states():
-    t = TrainingSpec(seq_len=1, global_batch_size=1, precision="fp32")
-    p, g, o = memory.model_state_bytes(t, 1.0, np.array(0), np.array(1))
-    assert (float(p), float(g), float(o)) == (4.0, 4.0, 8.0)
+    s = _states("fp32", "pytorch")
+    assert (s["parameters"], s["gradients"], s["optimizer_state"], s["autocast"]) == (4.0, 4.0, 8.0, 0.0)
 
 
 def _peak_grads(**layout):
@@ -169,4 +211,5 @@ def test_fsdp2_zero2_in_fp32_holds_a_sharded_copy_beside_the_gathered_parameters
     full = m.num_params * 4
     assert params("fp32", "pytorch") == pytest.approx(full * (1 + 1 / 4), rel=1e-6)
     assert params("fp32", "megatron") == pytest.approx(full, rel=1e-6)
-    assert params("bf16", "pytorch") == pytest.approx(full / 2, rel=1e-6)
+    # bf16: the gathered bf16 stage (2 bytes) beside the fp32 master shard (4 / 4)
+    assert params("bf16", "pytorch") == pytest.approx(full * (2 + 4 / 4) / 4, rel=1e-6)
