@@ -239,13 +239,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{full['memory_mape_mem_detail']:.3f}; OOM runs predicted not to fit: "
           f"{full['oom_runs_predicted_not_to_fit']} ({full['oom_runs']})")
     pub = score_published(ref)
+    print("published runs (those with a reported peak, the tightest five, any predicted not to fit, and any "
+          "berth cannot represent):")
+    valid = [x for x in pub["rows"] if x["structurally_valid"]]
+    tightest = sorted(valid, key=lambda x: -x["predicted_bytes"] / x["capacity_bytes"])[:5]
     for x in pub["rows"]:
-        if not x["fits"] or x["reported_gib"]:
-            pred = x["predicted_bytes"] / GIB if x["predicted_bytes"] else float("nan")
-            print(f"  {x['id']:<58} {x['layout']:<44} pred {pred:6.1f} GiB of "
-                  f"{(x['capacity_bytes'] or 0) / GIB:5.1f}  reported {x['reported_gib'] or '-'}  fits {x['fits']}")
-    print(f"published runs: {pub['count']}, predicted not to fit: {len(pub['predicted_not_to_fit'])} "
-          f"{pub['predicted_not_to_fit']}")
+        if not x["structurally_valid"]:
+            print(f"  {x['id']:<58} not representable: {x['reason']}")
+        elif not x["fits"] or x["reported_gib"] or x in tightest:
+            print(f"  {x['id']:<58} {x['layout']:<48} predicted {x['predicted_bytes'] / GIB:6.1f} GiB of "
+                  f"{x['capacity_bytes'] / GIB:5.1f}  reported {x['reported_gib'] or '-':>5}  fits {x['fits']}")
+    print(f"published runs: {len(valid)} scored ({pub['count'] - len(valid)} not representable), predicted not to "
+          f"fit: {len(pub['predicted_not_to_fit'])} {pub['predicted_not_to_fit']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"full_steps": full, "published": pub}, indent=1) + "\n")
