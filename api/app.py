@@ -200,7 +200,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def create_plan(req: PlanRequest) -> Response:
         model, training, cluster = await resolve_off_loop(req)
         spec = make_search(top=req.search.top, fix=req.search.fix, objective=req.search.objective,
-                           max_micro_batch_size=req.search.max_micro_batch_size)
+                           max_micro_batch_size=req.search.max_micro_batch_size,
+                           memory_headroom=req.search.memory_headroom)
         result = cached_plan(model, training, cluster, spec, settings.max_candidates)
         if result is None:  # a cold search: off the event loop, within the budget
             result = await bounded(lambda dl: plan(model, training, cluster, spec, settings.max_candidates, dl))
@@ -219,9 +220,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         model, training, cluster = await resolve_off_loop(req)
 
         def work(deadline: float):
-            candidates = compare(model, training, cluster, req.layouts)
+            candidates = compare(model, training, cluster, req.layouts, req.memory_headroom)
             try:
-                best = plan(model, training, cluster, make_search(top=1), settings.max_candidates, deadline)
+                best = plan(model, training, cluster, make_search(top=1, memory_headroom=req.memory_headroom),
+                            settings.max_candidates, deadline)
             except BerthError:
                 best = None
             return compare_json(candidates, best)

@@ -8,7 +8,18 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from hardware_profiles.schema import LinkProfile, Precision
-from planner.specs import MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_NODES, MAX_SEQ_LEN, Framework, Plan, ValidationReport
+from planner.specs import (
+    DEFAULT_MEMORY_HEADROOM,
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS_PER_NODE,
+    MAX_MEMORY_HEADROOM,
+    MAX_NODES,
+    MAX_SEQ_LEN,
+    Framework,
+    Plan,
+    SearchSpec,
+    ValidationReport,
+)
 
 
 class Body(BaseModel):
@@ -55,6 +66,8 @@ class SearchRequest(Body):
     max_micro_batch_size: int | None = Field(default=None, gt=0, le=1024)
     objective: Literal["throughput", "goodput", "cost"] = "throughput"
     fallback: bool = Field(default=False, description="also plan the best layout with one node lost")
+    memory_headroom: float = Field(default=DEFAULT_MEMORY_HEADROOM, ge=0, le=MAX_MEMORY_HEADROOM,
+                                   description=SearchSpec.model_fields["memory_headroom"].description)
 
 
 def _cluster_kind(value: Any) -> str | None:
@@ -88,6 +101,8 @@ class CompareRequest(Body):
     operations: OperationsRequest = Field(default_factory=OperationsRequest)
     layouts: list[str | dict[str, int | str | bool]] = Field(min_length=1, max_length=64,
                                                              examples=[["tp=8,pp=2", {"tp": 8, "zero_stage": 3}]])
+    memory_headroom: float = Field(default=DEFAULT_MEMORY_HEADROOM, ge=0, le=MAX_MEMORY_HEADROOM,
+                                   description=SearchSpec.model_fields["memory_headroom"].description)
 
 
 class PlanResponse(BaseModel):

@@ -47,11 +47,16 @@ from hardware_profiles.schema import DeviceProfile
 from planner.specs import ModelSpec, TrainingSpec
 
 FP32_BYTES = 4
+HALF_BYTES = 2  # a bf16/fp16 element
 MASK_BYTES = 1  # dropout masks are stored as bytes
 # Per logit: the stage output (e bytes) and the fp32 log-softmax output the loss saves, for every
 # micro-batch whose loss backward has not run yet; during one loss backward the log-softmax's
 # incoming gradient and the logits' gradient (fp32). Measured e + 12 bytes with one micro-batch
-# in flight on CPU fp32; GPipe's last stage holds the first part for all its micro-batches.
+# in flight on CPU fp32; GPipe's last stage holds the first part for all its micro-batches. In
+# 16-bit training the loss works on an fp32 copy (`logits.float()`) and the 16-bit head output is
+# freed once the loss is computed: 12 bytes per logit at the loss backward with one micro-batch in
+# flight (h100-microbench/head.json: 12.0-13.0 bytes per logit beside the head's weight, its
+# gradient and its bf16 copy at 8k-16k tokens).
 LOGITS_SAVED_BYTES = 4
 LOGITS_BACKWARD_BYTES = 8
 # vocabulary-parallel cross-entropy (tp > 1; DTensor loss_parallel, as Megatron's) holds two more
@@ -60,6 +65,41 @@ LOGITS_BACKWARD_BYTES = 8
 LOSS_PARALLEL_EXTRA_BYTES = 8
 FSDP_PARAM_BUFFERS = 2  # the gathered layer and the prefetched next one (FSDP, Zhao 2023 Sec. 3.3)
 FSDP_GRAD_BUFFERS = 1  # the unsharded gradient of the layer being reduce-scattered
+ADAM_STATES = 2  # AdamW's exp_avg and exp_avg_sq, fp32 (torch.optim.AdamW; Megatron's optimizer too)
+
+# Precision recipes: what a framework holds per parameter, from the framework, the precision and
+# the layout (`precision_recipe`). Each one's bytes are in `model_state_bytes`.
+RECIPE_FP32 = 0  # fp32 training: fp32 parameters, gradients, AdamW exp_avg and exp_avg_sq (4 + 4 + 8)
+# PyTorch without FSDP2 (the bundled executor on one device, DDP, ZeroRedundancyOptimizer, DTensor tp
+# or pipelining without dp): fp32 parameters under bf16/fp16 autocast (executor/train.py). fp32
+# gradients and AdamW state (4 + 4 + 8) and autocast's cast cache: a 16-bit copy of every weight a
+# matmul used, kept until the autocast region (the whole step's forward and backward) exits
+# (torch.autocast docs, "cache_enabled"), i.e. 2 bytes per parameter at every phase but the step.
+RECIPE_AUTOCAST = 1
+# FSDP2 `fully_shard` with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (torchtitan; the
+# executor for zero >= 2 and for dp with tp or pp): fp32 sharded parameters (the master), fp32 sharded
+# gradients, AdamW state on the shard (4 + 4 + 8 over the shard group), and the all-gathered bf16
+# parameters of the layers in use (`sharding_buffer_bytes`; the whole model under ZeRO-2).
+RECIPE_FSDP2 = 2
+# Megatron-LM mixed precision (Float16OptimizerWithFloat16Params / DistributedOptimizer): 16-bit
+# parameters, fp32 main parameters + exp_avg + exp_avg_sq (K = 12, sharded over dp by the distributed
+# optimizer, zero >= 1), and a persistent contiguous gradient buffer (DistributedDataParallel's
+# grad buffer, allocated once, never freed), fp32 with bf16 (accumulate_allreduce_grads_in_fp32,
+# which Megatron sets for bf16) and 16-bit with fp16; with fp16 the optimizer step copies the
+# main gradients to fp32 (4 bytes on the optimizer's shard, at the step only).
+RECIPE_MEGATRON = 3
+RECIPE_NAMES = ("fp32", "fp32 parameters + autocast", "FSDP2 bf16 mixed precision", "Megatron mixed precision")
+
+
+def precision_recipe(training: TrainingSpec, c):
+    """The precision recipe code of each candidate (constants above)."""
+    zero, dp = np.asarray(c.zero), np.asarray(c.dp)
+    if training.precision == "fp32":
+        return np.full(np.shape(zero), RECIPE_FP32)
+    if training.framework == "megatron":
+        return np.full(np.shape(zero), RECIPE_MEGATRON)
+    fsdp2 = (zero >= 2) | ((dp > 1) & ((np.asarray(c.tp) > 1) | (np.asarray(c.pp) > 1)))
+    return np.where(fsdp2, RECIPE_FSDP2, RECIPE_AUTOCAST)
 
 
 def stage_params(model: ModelSpec, pp, tp, first: bool):
@@ -78,20 +118,44 @@ def stage_params(model: ModelSpec, pp, tp, first: bool):
     return layers + head + np.where(pp == 1, emb, 0.0)
 
 
-def model_state_bytes(training: TrainingSpec, params, zero, shard):
-    """(parameters, gradients, optimizer state) bytes for ZeRO stage `zero` over `shard` ranks."""
+def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray]:
+    """What the precision recipe (module constants) holds per rank for `params` parameters of the
+    stage: "parameters" (the stored ones: fp32 master or 16-bit; sharded by FSDP2 and ZeRO-3),
+    "gathered" (FSDP2 without resharding after forward, ZeRO-2: the whole stage's unsharded compute
+    copy from forward to backward), "gradients" (the step's gradients: sharded for ZeRO >= 2),
+    "grad_element" (bytes of one unsharded gradient element, for accumulation), "grad_buffer"
+    (Megatron's persistent buffer), "optimizer_state" (sharded for ZeRO >= 1), "autocast" (the
+    cast cache) and "step_extra" (Megatron fp16's fp32 main gradients at the optimizer step)."""
     e = training.bytes_per_element
-    shard = np.asarray(shard, dtype=float)
-    p = params * e / np.where(zero >= 3, shard, 1.0)
-    g = params * e / np.where(zero >= 2, shard, 1.0)
-    o = params * training.optimizer_bytes_per_param / np.where(zero >= 1, shard, 1.0)
-    return p, g, o
+    recipe = precision_recipe(training, c)
+    zero = np.asarray(c.zero)
+    shard = np.asarray(c.shard, dtype=float)
+    fsdp2 = (training.framework == "pytorch") & ((zero >= 2) | ((np.asarray(c.dp) > 1)
+                                                               & ((np.asarray(c.tp) > 1) | (np.asarray(c.pp) > 1))))
+    megatron = recipe == RECIPE_MEGATRON
+    master = np.where(megatron, e, FP32_BYTES)  # bytes of a stored parameter
+    p = params * master / np.where((zero >= 3) | fsdp2, shard, 1.0)
+    gathered = np.where(fsdp2 & (zero < 3), params * e, 0.0)
+    grad_element = np.where(recipe == RECIPE_FSDP2, e, np.where(megatron, 0.0, FP32_BYTES))
+    g = params * np.where(megatron, 0.0, FP32_BYTES) / np.where((zero >= 2) | fsdp2, shard, 1.0)
+    buffer_element = np.where(training.precision == "bf16", FP32_BYTES, e)
+    grad_buffer = np.where(megatron, params * buffer_element / np.where(zero >= 2, shard, 1.0), 0.0)
+    opt_div = np.where(zero >= 1, shard, 1.0)
+    adam = ADAM_STATES * FP32_BYTES
+    o = params * np.where(megatron, adam + FP32_BYTES, adam) / opt_div
+    autocast = np.where(recipe == RECIPE_AUTOCAST, params * HALF_BYTES, 0.0)
+    step_extra = np.where(megatron & (training.precision == "fp16"), params * FP32_BYTES / opt_div, 0.0)
+    return {"parameters": p, "gathered": gathered, "gradients": g, "grad_element": grad_element,
+            "grad_buffer": grad_buffer, "optimizer_state": o, "autocast": autocast, "step_extra": step_extra}
 
 
-def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, recompute):
-    """Activation bytes one layer keeps per micro-batch on one tp rank (Korthikanti 2022 Sec. 4)."""
+def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, recompute, recipe=None):
+    """Activation bytes one layer keeps per micro-batch on one tp rank, and the whole layer's (what
+    full recompute re-materializes). Korthikanti 2022 Sec. 4 for 16-bit residual streams (Megatron,
+    FSDP2); the executor's fp32-parameter autocast recipe in `_autocast_layer_bytes`."""
     e, s, h, f = training.bytes_per_element, training.seq_len, model.hidden_size, model.ffn_hidden_size
     a, g = model.num_attention_heads, model.kv_ratio
+    recipe = precision_recipe_of(training, tp) if recipe is None else recipe
     sbh = b * s * h
     hidden_split = np.where(sp > 0, tp, 1)
     masks = 2 * MASK_BYTES if model.dropout else 0
@@ -107,8 +171,16 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, 
     else:
         scores = (e + (MASK_BYTES + e if model.dropout else 0)) * b * a * s * s
     full_layer = unsplit + split / tp + scores / tp
-    selective = full_layer - np.where(training.flash_attention, 0.0, scores / tp)
+    # selective: Megatron-LM recomputes the attention core (Korthikanti Sec. 5): the s^2 terms go,
+    # which flash attention never stores; FSDP2 (torchtitan) runs op-level selective checkpointing
+    selective = np.where(recipe == RECIPE_FSDP2, _op_sac_bytes(model, training, b, tp, sp),
+                         full_layer - np.where(training.flash_attention, 0.0, scores / tp))
     checkpoint = e * sbh / hidden_split
+    auto_full, auto_selective, auto_checkpoint = _autocast_layer_bytes(model, training, b, tp, sp)
+    autocast = recipe == RECIPE_AUTOCAST
+    full_layer = np.where(autocast, auto_full, full_layer)
+    selective = np.where(autocast, auto_selective, selective)
+    checkpoint = np.where(autocast, auto_checkpoint, checkpoint)
     return np.where(
         recompute == RECOMPUTE_FULL,
         checkpoint,
@@ -116,11 +188,82 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, 
     ), full_layer
 
 
+def precision_recipe_of(training: TrainingSpec, tp):
+    """The recipe of a single-device-style layout (no dp) of width tp: for callers of the layer
+    formula that have no whole candidate."""
+    if training.precision == "fp32":
+        return RECIPE_FP32
+    return RECIPE_MEGATRON if training.framework == "megatron" else RECIPE_AUTOCAST
+
+
+# The executor's layer under autocast with fp32 parameters (executor/model.py Block): the residual
+# stream is fp32 (the embedding lookup is not autocast, and x + bf16 promotes to fp32), each
+# projection casts its fp32 norm output to bf16 on its own (3 casts for q, k, v; 2 for SwiGLU's w1
+# and w3, 1 for GELU), GQA's K and V are expanded to every head (repeat_interleave) before SDPA,
+# and the context is copied for the output projection. Per token and layer, output excluded:
+# fp32 mid-layer residual 4h + casts 2h each, unsplit by tp; q, expanded k and v, SDPA output and
+# its copy 10h and the MLP's 2f tensors (SwiGLU: w1 out, silu out, w3 out, product; GELU: w1 out,
+# gelu out), split by tp; flash's fp32 log-sum-exp. Checked against h100-microbench/layer.json
+# (`retained_bytes` minus the bf16 weight copies the measurement includes): 1B and 8B layers at
+# tp 1-8, seq 2k-8k, within 3 % (tests/test_memory.py). The layer's input, the previous layer's
+# fp32 output (4h), is stored too and counted here.
+AUTOCAST_RESIDUAL_BYTES = FP32_BYTES
+AUTOCAST_ATTENTION_TENSORS = 5  # q, expanded k, expanded v, SDPA output, its copy for wo
+
+
+def _autocast_layer_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
+    """(full layer, selective, full-recompute checkpoint) bytes of the executor's autocast layer.
+    Selective (executor/parallel.py `_selective`: the attention core checkpointed) keeps the core's
+    inputs (q, and k, v before the GQA expansion: 2h + 4hg) instead of the expanded k, v and the
+    SDPA output (6h): 1B mbs 2 measured 1.36 GB less allocated at its peak with selective than
+    without (h100-microbench/mem_detail.json), 16 layers x 8192 tokens x 5.07h; this gives 5h."""
+    s, h, f = training.seq_len, model.hidden_size, model.ffn_hidden_size
+    a, g = model.num_attention_heads, model.kv_ratio
+    tokens = b * s
+    hidden_split = np.where(sp > 0, tp, 1)
+    casts = 3 + (2 if model.mlp == "swiglu" else 1)
+    residual = AUTOCAST_RESIDUAL_BYTES * h  # per token: one fp32 hidden vector (the executor has no dropout)
+    unsplit = 2 * residual / hidden_split + HALF_BYTES * h * casts
+    attention = AUTOCAST_ATTENTION_TENSORS * HALF_BYTES * h
+    mlp = (4 if model.mlp == "swiglu" else 2) * HALF_BYTES * f
+    scores = FP32_BYTES * a if training.flash_attention else HALF_BYTES * a * s
+    full = tokens * (unsplit + (attention + mlp + scores) / tp)
+    saved = 3 * HALF_BYTES * h - 2 * HALF_BYTES * h * g + scores  # expanded k, v, output - core inputs
+    selective = full - tokens * saved / tp
+    checkpoint = tokens * residual / hidden_split
+    return full, selective, checkpoint
+
+
+def _op_sac_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
+    """torchtitan's op-level selective activation checkpointing (activation_checkpoint.mode
+    "selective", selective_ac_option "op"; torchtitan/models/llama3/infra/parallelize.py
+    `_custom_policy`): each block is checkpointed with a policy that saves the outputs of the
+    attention kernel (output and log-sum-exp) and of every second matmul of the block (in call
+    order: wq, wk, wv, wo, w1, w3, w2 -> wq, wv, w1, w2 kept), and recomputes the rest. Stored per
+    layer: the block input (16-bit) and those outputs; q/k/v/w1/w3 outputs split by tp, wo/w2
+    outputs full width (sequence-split under sp)."""
+    e, s, h, f = training.bytes_per_element, training.seq_len, model.hidden_size, model.ffn_hidden_size
+    a, g = model.num_attention_heads, model.kv_ratio
+    tokens = b * s
+    hidden_split = np.where(sp > 0, tp, 1)
+    # (bytes per token, split by tp?) of each matmul output, in call order
+    mms = [(h, True), (h * g, True), (h * g, True), (h, False), (f, True)]
+    if model.mlp == "swiglu":
+        mms.append((f, True))
+    mms.append((h, False))
+    kept = sum(e * n / (tp if split else hidden_split) for i, (n, split) in enumerate(mms) if i % 2 == 0)
+    lse = FP32_BYTES * a / tp if training.flash_attention else e * a * s / tp
+    attention_out = e * h / tp
+    block_input = e * h / hidden_split
+    return tokens * (block_input + kept + attention_out + lse)
+
+
 def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool):
     """(stored, working) activations of the stage: stored layers x in-flight micro-batches plus
     the embedding output on the first stage or the final norm input on the last; and (full
     recompute) the one layer re-materialized during its backward."""
-    per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute)
+    per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute,
+                                                   precision_recipe(training, c))
     held = layers_in_flight(model.num_layers, c.pp, c.vpp, c.nmb, c.schedule, stage) * per_layer
     working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
@@ -148,10 +291,31 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
 def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0):
     """Logits on the last stage at its loss backward: the output and the saved fp32 log-softmax of
     each of `in_flight` micro-batches, plus the gradients of the one in backward (vocabulary split
-    over tp)."""
+    over tp). PyTorch in 16-bit computes the loss on an fp32 copy and frees the 16-bit output of
+    the micro-batch in its loss backward (LOGITS_SAVED_BYTES comment)."""
     parallel_loss = np.where(np.asarray(tp) > 1, LOSS_PARALLEL_EXTRA_BYTES, 0)
-    per_logit = (training.bytes_per_element + LOGITS_SAVED_BYTES) * in_flight + LOGITS_BACKWARD_BYTES + parallel_loss
+    e = training.bytes_per_element
+    if training.cross_entropy == "fused":
+        # the 16-bit logits of each micro-batch in flight, saved by the kernel, which writes their
+        # gradient into them (flash-attn's CrossEntropyLoss(inplace_backward=True), llm-foundry)
+        per_logit = e * in_flight + 0.0 * parallel_loss
+    elif training.framework == "pytorch" and training.precision != "fp32":
+        per_logit = LOGITS_SAVED_BYTES * in_flight + e * (in_flight - 1.0) + LOGITS_BACKWARD_BYTES + parallel_loss
+    else:
+        per_logit = (e + LOGITS_SAVED_BYTES) * in_flight + LOGITS_BACKWARD_BYTES + parallel_loss
     return per_logit * b * training.seq_len * model.vocab_size / tp
+
+
+def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_head):
+    """The largest short-lived tensor of a step: the fp32 logits (or their gradient) of one
+    micro-batch on the stage with the LM head, else an MLP activation gradient. The caching
+    allocator keeps the segment such a tensor was carved from reserved beside the blocks the
+    next peak allocates (`allocator_transient_blocks` in the device profile)."""
+    tokens = np.asarray(c.mbs, dtype=float) * training.seq_len
+    logit_bytes = training.bytes_per_element if training.cross_entropy == "fused" else FP32_BYTES
+    logits = np.where(holds_head, logit_bytes * tokens * model.vocab_size / c.tp, 0.0)
+    mlp = training.bytes_per_element * tokens * model.ffn_hidden_size / c.tp
+    return np.maximum(logits, mlp)
 
 
 def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero):
@@ -162,23 +326,37 @@ def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero):
     return params + grads
 
 
-def gradient_buckets(c):
+def gradient_buckets(c, training: TrainingSpec):
     """1 where the data-parallel wrapper keeps a persistent unsharded gradient copy: PyTorch DDP
-    with gradient_as_bucket_view, which the executor uses for zero <= 1 when dp is the only axis."""
+    with gradient_as_bucket_view, which the executor uses for zero <= 1 when dp is the only axis
+    (Megatron's persistent buffer is its `grad_buffer`, counted by the recipe)."""
     return ((np.asarray(c.zero) < 2) & (np.asarray(c.dp) > 1) & (np.asarray(c.tp) == 1)
-            & (np.asarray(c.pp) == 1)).astype(float)
+            & (np.asarray(c.pp) == 1) & (training.framework == "pytorch")).astype(float)
+
+
+def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> float:
+    """What the caching allocator can reserve on one device: the memory nvidia-smi reports less
+    what the driver keeps back (torch's "total capacity" is this much smaller), the CUDA context and
+    libraries outside the allocator, and the collective library's buffers when there are peers.
+    The predicted peak (`peak_memory`) is the allocator's reserved peak, the figure
+    `torch.cuda.max_memory_reserved` measures; it fits when it is at most this."""
+    outside = device.driver_reserved_bytes + device.framework_overhead_bytes
+    if world_size > 1:
+        outside += device.communicator_bytes
+    return float(device.memory_bytes - outside)
 
 
 def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c, first: bool,
                            buckets: bool = True):
     """Breakdown (dict of arrays, bytes) of the first or the last pipeline stage at its peak
     phase (module docstring). `buckets=False` leaves out the data-parallel gradient buckets (a
-    single-process proxy of one rank has none)."""
+    single-process proxy of one rank has none). Every term is inside the caching allocator: their
+    sum is the reserved peak."""
     stage = 0.0 if first else np.asarray(c.pp, dtype=float) - 1.0
     params = stage_params(model, c.pp, c.tp, first)
-    p, g, o = model_state_bytes(training, params, c.zero, c.shard)
-    e = training.bytes_per_element
-    unsharded = params * e
+    st = model_state_bytes(training, params, c)
+    p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
+    unsharded = params * st["grad_element"]
     stored, working = activation_bytes(model, training, c, stage, first)
     holds_head = (np.asarray(c.pp) == 1) | (not first)
     # micro-batches past the head but not yet through their loss backward: all of them under GPipe
@@ -189,42 +367,46 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     accumulating = np.asarray(c.nmb, dtype=float) > inflight + 1e-9
     accumulated = np.where(accumulating, np.where(np.asarray(c.zero) >= 3, g, unsharded), 0.0)
-    persistent = gradient_buckets(c) * unsharded if buckets else np.zeros_like(p)
-    held_grads = persistent + accumulated
+    persistent = gradient_buckets(c, training) * unsharded if buckets else np.zeros_like(p)
+    held_grads = persistent + accumulated + st["grad_buffer"]
     # one layer's gradients and its largest backward temporary (an MLP activation gradient)
-    layer_grads = np.where(accumulated > 0, 0.0, model.params_per_layer / c.tp * e)
-    mlp_temp = e * c.mbs * training.seq_len * model.ffn_hidden_size / c.tp
-    # FSDP2 ZeRO-2 (framework "pytorch"; reshard_after_forward=False) keeps the whole gathered
-    # model from forward to backward and its sharded parameters beside it; in mixed precision
-    # the sharded copy is the fp32 master (in the optimizer state), in fp32 it is one more copy.
-    # After the backward it reshards: the optimizer step sees only the sharded parameters.
-    fsdp2_zero2 = (np.asarray(c.zero) == 2) & (training.framework == "pytorch")
-    sharded_copy = np.where(fsdp2_zero2 & (training.precision == "fp32"), unsharded / c.shard, 0.0)
-    step_params = np.where(fsdp2_zero2, sharded_copy, p)
+    layer_grads = np.where((accumulated > 0) | (st["grad_buffer"] > 0), 0.0,
+                           model.params_per_layer / c.tp * st["grad_element"])
+    mlp_temp = training.bytes_per_element * c.mbs * training.seq_len * model.ffn_hidden_size / c.tp
+    # FSDP2 without resharding after forward (ZeRO-2, and zero 0 with tp/pp) keeps the whole
+    # gathered stage from forward to backward beside its shards; after the backward it reshards:
+    # the optimizer step sees only the sharded parameters. Autocast's cast cache is dropped when
+    # the autocast region exits, before the optimizer step.
+    fwd_params = p + st["gathered"]
+    autocast = st["autocast"]
+    zeros = np.zeros_like(p)
     phases = [
-        {"parameters": p + sharded_copy, "gradients": held_grads, "activations": stored, "logits": logits,
-         "sharding_buffers": buffers, "pipeline_buffers": receive},
-        {"parameters": p + sharded_copy, "gradients": held_grads + layer_grads,
-         "activations": stored + working + mlp_temp, "logits": np.zeros_like(p), "sharding_buffers": buffers,
+        {"parameters": fwd_params, "gradients": held_grads, "autocast_copies": autocast, "activations": stored,
+         "logits": logits, "sharding_buffers": buffers, "pipeline_buffers": receive},
+        {"parameters": fwd_params, "gradients": held_grads + layer_grads, "autocast_copies": autocast,
+         "activations": stored + working + mlp_temp, "logits": zeros, "sharding_buffers": buffers,
          "pipeline_buffers": receive},
-        {"parameters": step_params, "gradients": np.maximum(g, persistent), "activations": np.zeros_like(p),
-         "logits": np.zeros_like(p), "sharding_buffers": np.zeros_like(p), "pipeline_buffers": receive},
+        {"parameters": p, "gradients": np.maximum(g, persistent) + st["grad_buffer"] + st["step_extra"],
+         "autocast_copies": zeros, "activations": zeros, "logits": zeros, "sharding_buffers": zeros,
+         "pipeline_buffers": receive},
     ]
     totals = np.stack([sum(ph.values()) for ph in phases])
     which = np.argmax(totals, axis=0)
     chosen = {k: np.choose(which, [ph[k] for ph in phases]) for k in phases[0]}
     dynamic = (chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"]
                + chosen["pipeline_buffers"])
+    transient = np.where(which < 2, largest_transient_bytes(model, training, c, holds_head), 0.0)
     return {
         "parameters": chosen["parameters"],
         "gradients": chosen["gradients"],
         "optimizer_state": o,
+        "autocast_copies": chosen["autocast_copies"],
         "activations": chosen["activations"],
         "logits": chosen["logits"],
         "sharding_buffers": chosen["sharding_buffers"],
         "pipeline_buffers": chosen["pipeline_buffers"],
-        "fragmentation": device.allocator_fragmentation_fraction * dynamic,
-        "framework": np.full_like(p, device.framework_overhead_bytes),
+        "fragmentation": device.allocator_fragmentation_fraction * dynamic
+        + device.allocator_transient_blocks * transient,
     }
 
 

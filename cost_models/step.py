@@ -19,8 +19,8 @@ import numpy as np
 from cost_models import comm, compute, flops, goodput, memory
 from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
 from cost_models.pipeline import bubble_s
-from cost_models.validity import OUT_OF_MEMORY, VALID, structural_reasons
-from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
+from planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, TrainingSpec
 
 TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Shoeybi 2019, Fig. 4)
 # The fraction of a compute window that hides data-parallel communication is the cluster's
@@ -123,7 +123,10 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
     return np.where(c.zero == 0, ddp, np.where(c.zero <= 2, zero12, zero3))
 
 
-def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates) -> Evaluation:
+def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates,
+             memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Evaluation:
+    """`memory_headroom`: a layout whose predicted peak is above (1 - headroom) of what the
+    allocator can reserve is "tight" (MEMORY_TIGHT), above all of it out of memory."""
     device = cluster.device
     e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
     b, tp, pp, vpp, nmb = c.mbs.astype(float), c.tp.astype(float), c.pp.astype(float), c.vpp, c.nmb
@@ -173,7 +176,9 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
 
     peak, mem = memory.peak_memory(model, training, device, c)
     reason = structural_reasons(c, model, training, cluster)
-    reason = np.where((reason == VALID) & (peak > device.memory_bytes), OUT_OF_MEMORY, reason)
+    capacity = memory.allocator_capacity_bytes(device, cluster.world_size)
+    reason = np.where((reason == VALID) & (peak > capacity), OUT_OF_MEMORY, reason)
+    reason = np.where((reason == VALID) & (peak > capacity * (1.0 - memory_headroom)), MEMORY_TIGHT, reason)
 
     model_flops = flops.model_flops_per_step(model, training)
     hw_flops = model_flops + flops.recompute_flops_per_step(model, training, c.recompute)
@@ -204,7 +209,7 @@ def _bottleneck(time: dict[str, np.ndarray], step: np.ndarray, reason: np.ndarra
     largest = np.argmax(terms, axis=0)
     share = np.take_along_axis(terms, largest[None], axis=0)[0] / step
     index = np.where(share < COMPUTE_BOUND_SHARE, 0, largest + 1)
-    return np.where(reason == OUT_OF_MEMORY, BOTTLENECK_NAMES.index("memory"), index)
+    return np.where((reason == OUT_OF_MEMORY) | (reason == MEMORY_TIGHT), BOTTLENECK_NAMES.index("memory"), index)
 
 
 def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates,

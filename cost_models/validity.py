@@ -27,9 +27,11 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("too_few_microbatches", "1F1B schedules need num_microbatches >= pp"),
     ("microbatches_not_multiple_of_pp", "interleaved_1f1b needs num_microbatches divisible by pp"),
     ("out_of_memory", "predicted peak memory exceeds the device memory"),
+    ("memory_tight", "predicted peak memory is within the memory headroom of the device memory"),
 )
 REASON_CODES = {name: i for i, (name, _) in enumerate(REASONS)}
 OUT_OF_MEMORY = REASON_CODES["out_of_memory"]
+MEMORY_TIGHT = REASON_CODES["memory_tight"]  # fits, but closer to the capacity than the search's memory headroom
 
 
 def structural_reasons(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec):

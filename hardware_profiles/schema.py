@@ -122,6 +122,15 @@ class DeviceProfile(_Frozen):
         "absent, memory-bound elementwise passes plus kernels_per_layer_fwd x kernel_overhead_s")
     framework_overhead_bytes: float = Field(ge=0)
     allocator_fragmentation_fraction: float = Field(ge=0, lt=1)
+    allocator_transient_blocks: float = Field(
+        default=0.0, ge=0, le=4, description="blocks the size of the step's largest short-lived tensor (the fp32 "
+        "logits of a micro-batch) that the caching allocator holds reserved beyond the allocated peak")
+    driver_reserved_bytes: float = Field(
+        default=0.0, ge=0, description="memory of `memory_bytes` no process can allocate (nvidia-smi's total less "
+        "the total torch reports)")
+    communicator_bytes: float = Field(
+        default=0.0, ge=0, description="collective-library buffers outside the allocator when a rank has peers "
+        "(NCCL channels)")
     tdp_watts: float | None = None
     sources: dict[str, str] = Field(default_factory=dict)
     assumptions: dict[str, str] = Field(default_factory=dict)

@@ -27,6 +27,7 @@ from planner.planning import (
     with_operations,
 )
 from planner.render import breakdown_table, goodput_table, plans_table, print_placement, print_reasons, validation_table
+from planner.specs import DEFAULT_MEMORY_HEADROOM
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="berth: plan parallel layouts for training.")
 MIN_WIDTH = 150  # the plan table needs about this many columns; narrower output would wrap cells
@@ -58,6 +59,9 @@ Flash = Annotated[bool, typer.Option("--flash-attention/--no-flash-attention", h
 FrameworkOpt = Annotated[str, typer.Option("--framework", help="whose memory behaviour to predict: pytorch (DTensor, "
                                            "FSDP2, DDP: the bundled executor, torchtitan) or megatron")]
 Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
+Headroom = Annotated[float, typer.Option(
+    "--memory-headroom", help=f"share of the device memory a plan must leave free to be ranked as fitting "
+    f"(default {DEFAULT_MEMORY_HEADROOM}); closer to the capacity it is 'memory_tight' and not ranked")]
 
 
 Profile = Annotated[str | None, typer.Option("--profile", help="a `berth profile` output: measured device "
@@ -99,6 +103,7 @@ def plan_cmd(
     top: Annotated[int, typer.Option("--top", help="how many plans to show")] = 5,
     fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2")] = "",
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
+    memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
     objective: Objective = "throughput",
     failures: Failures = None,
     storage_gbps: Storage = None,
@@ -118,7 +123,8 @@ def plan_cmd(
         if not 0 < spare_nodes < cl.nodes:
             raise BerthError("spare_nodes", spare_nodes, f"must be in 1..{cl.nodes - 1} (of {cl.nodes} nodes)")
         cl = lose_nodes(cl, spare_nodes)
-    search_spec = make_search(top=top, fix=fix, max_micro_batch_size=max_mbs, objective=objective)
+    search_spec = make_search(top=top, fix=fix, max_micro_batch_size=max_mbs, objective=objective,
+                              memory_headroom=memory_headroom)
     result = plan(spec, training, cl, search_spec)
     if show_fallback:
         result = with_fallback(result, search_spec)
@@ -160,14 +166,15 @@ def compare_cmd(
     precision: Precision = None,
     flash: Flash = True,
     framework: FrameworkOpt = "pytorch",
+    memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
     as_json: Json = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
     spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile,
                                  (fabric, nodes_per_leaf, oversubscription), framework=framework)
-    candidates = compare(spec, training, cl, layout)
+    candidates = compare(spec, training, cl, layout, memory_headroom)
     try:
-        best = plan(spec, training, cl, make_search(top=1))
+        best = plan(spec, training, cl, make_search(top=1, memory_headroom=memory_headroom))
     except BerthError:
         best = None
     out = compare_json(candidates, best)

@@ -19,7 +19,17 @@ from planner.graphs import cluster_graph, to_node_link
 from planner.layouts import complete_layout, parse_spec
 from planner.search import SearchResult, predict_layouts, search
 from planner.search import divisors as search_divisors
-from planner.specs import MAX_NODES, ClusterSpec, Fallback, ModelSpec, Plan, SearchSpec, TrainingSpec
+from planner.specs import (
+    DEFAULT_MEMORY_HEADROOM,
+    MAX_MEMORY_HEADROOM,
+    MAX_NODES,
+    ClusterSpec,
+    Fallback,
+    ModelSpec,
+    Plan,
+    SearchSpec,
+    TrainingSpec,
+)
 from planner.topology import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
 
 
@@ -183,7 +193,7 @@ def plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: S
 
 
 def compare(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
-            layouts: list[str | dict[str, Any]]) -> list[Plan]:
+            layouts: list[str | dict[str, Any]], memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> list[Plan]:
     if not layouts:
         raise BerthError("layout", None, "give at least one layout")
     specs = []
@@ -191,7 +201,9 @@ def compare(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
         field = f"layout[{i}]"
         values = parse_spec(item, field) if isinstance(item, str) else dict(item)
         specs.append(complete_layout(values, training, cluster.world_size, field))
-    return predict_layouts(model, training, cluster, specs)
+    if not 0 <= memory_headroom <= MAX_MEMORY_HEADROOM:
+        raise BerthError("memory_headroom", memory_headroom, f"must be in 0..{MAX_MEMORY_HEADROOM}")
+    return predict_layouts(model, training, cluster, specs, memory_headroom)
 
 
 def lose_nodes(cluster: ClusterSpec, lost: int) -> ClusterSpec:

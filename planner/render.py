@@ -9,8 +9,10 @@ from planner.specs import ClusterSpec, Plan, ValidationReport
 
 GIB = 2**30
 TIME_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
-MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "activations", "logits",
-                "sharding_buffers", "pipeline_buffers", "fragmentation", "framework")
+# cost_models/memory.py stage_memory_breakdown: every term is inside the caching allocator (their sum is
+# the predicted reserved peak); the CUDA context and the driver's share are taken off the capacity
+MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "logits",
+                "sharding_buffers", "pipeline_buffers", "fragmentation")
 
 
 def _seconds(x: float) -> str:
@@ -57,8 +59,10 @@ def breakdown_table(plans: list[Plan], title: str) -> Table:
         t.add_row(f"time: {term}", *[_seconds(p.prediction.time_breakdown_s[term]) if p.prediction else "-"
                                      for p in plans])
     for term in MEMORY_TERMS:
-        t.add_row(f"memory: {term}", *[f"{p.prediction.memory_breakdown_bytes[term] / GIB:.2f} GiB"
+        t.add_row(f"memory: {term}", *[f"{p.prediction.memory_breakdown_bytes.get(term, 0.0) / GIB:.2f} GiB"
                                        if p.prediction else "-" for p in plans])
+    t.add_row("memory: usable (device less driver, CUDA context)",
+              *[f"{p.prediction.memory_capacity_bytes / GIB:.2f} GiB" if p.prediction else "-" for p in plans])
     return t
 
 

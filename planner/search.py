@@ -16,6 +16,7 @@ from cost_models.candidates import (
     SCHEDULE_INTERLEAVED,
     Candidates,
 )
+from cost_models.memory import allocator_capacity_bytes
 from cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
 from cost_models.validity import REASONS, VALID
 from planner import __version__
@@ -23,6 +24,7 @@ from planner.errors import BerthError
 from planner.placement import innermost_cluster, placement
 from planner.specs import (
     AXIS_ORDER_CHOICES,
+    DEFAULT_MEMORY_HEADROOM,
     RECOMPUTE_CHOICES,
     SCHEDULE_CHOICES,
     ClusterSpec,
@@ -185,7 +187,7 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
         if deadline is not None and time.monotonic() > deadline:
             raise SearchTimeout(f"search stopped after {start:,} of {len(cands):,} layouts: over its time budget")
         part = cands.take(np.arange(start, min(start + CHUNK, len(cands))))
-        ev = evaluate(model, training, cluster, part)
+        ev = evaluate(model, training, cluster, part, spec.memory_headroom)
         codes, counts = np.unique(ev.reason, return_counts=True)
         reasons.update(dict(zip(codes.tolist(), counts.tolist(), strict=True)))
         order = rank_order(ev, part, spec.objective)
@@ -211,8 +213,8 @@ def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
         mfu=float(ev.mfu[i]),
         hfu=float(ev.hfu[i]),
         peak_memory_bytes=float(ev.peak_memory_bytes[i]),
-        memory_capacity_bytes=float(cluster.device.memory_bytes),
-        fits=bool(ev.peak_memory_bytes[i] <= cluster.device.memory_bytes),
+        memory_capacity_bytes=allocator_capacity_bytes(cluster.device, cluster.world_size),
+        fits=bool(ev.peak_memory_bytes[i] <= allocator_capacity_bytes(cluster.device, cluster.world_size)),
         bottleneck=BOTTLENECK_NAMES[int(ev.bottleneck[i])],
         time_breakdown_s={k: float(v[i]) for k, v in ev.time_breakdown_s.items()},
         memory_breakdown_bytes={k: float(v[i]) for k, v in ev.memory_breakdown_bytes.items()},
@@ -226,7 +228,7 @@ def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int, d
     """The plan of candidate i; `detail` lists its rank map and process groups (the best plan of a
     search and every compared layout carry them; the runners-up carry the per-axis summary)."""
     code = int(ev.reason[i])
-    structurally_valid = code == VALID or REASONS[code][0] == "out_of_memory"
+    structurally_valid = code == VALID or REASONS[code][0] in ("out_of_memory", "memory_tight")
     layout = c.layout(i)
     prediction = prediction_at(ev, cluster, i) if structurally_valid else None
     return Plan(
@@ -254,18 +256,22 @@ def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str
     if code == VALID:
         return None
     name, text = REASONS[code]
-    if name == "out_of_memory":
-        need, have = ev.peak_memory_bytes[i] / 2**30, cluster.device.memory_bytes / 2**30
-        return f"{name}: needs {need:.1f} GiB per GPU, the device has {have:.1f} GiB"
+    if name in ("out_of_memory", "memory_tight"):
+        need = ev.peak_memory_bytes[i] / 2**30
+        have = allocator_capacity_bytes(cluster.device, cluster.world_size) / 2**30
+        if name == "memory_tight":
+            return (f"{name}: needs {need:.1f} GiB per GPU of the {have:.1f} GiB the allocator can use, less than the "
+                    f"memory headroom ({1 - need / have:.1%} left); it may run out of memory")
+        return f"{name}: needs {need:.1f} GiB per GPU, the allocator can use {have:.1f} GiB"
     return f"{name}: {text}"
 
 
 def predict_layouts(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
-                    layouts: list[Layout]) -> list[Plan]:
+                    layouts: list[Layout], memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> list[Plan]:
     """Score given layouts (invalid ones keep their reason and no prediction)."""
     c = Candidates.from_layouts(layouts)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ev = evaluate(model, training, cluster, c)
+        ev = evaluate(model, training, cluster, c, memory_headroom)
     return [make_plan(model, training, cluster, c, ev, i) for i in range(len(layouts))]
 
 
