@@ -358,12 +358,17 @@ def profile_cmd(
     with err.status("profiling") as status:
         result = run_profile(quick=quick, max_procs=max_procs, progress=lambda msg: status.update(f"profiling: {msg}"))
     Path(out).write_text(json.dumps(result, indent=2))
-    dev, link = result["device"], result["server"]["intra_node"]
+    dev, link, checks = result["device"], result["server"]["intra_node"], result.get("checks", {})
     peak = max(dev["peak_flops_per_s"].values())
-    console.print(f"{dev['display_name']}: GEMM peak {peak / 1e9:,.1f} GFLOP/s, memory "
-                  f"{dev['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+    console.print(f"{dev['display_name']}: peak {peak / 1e9:,.1f} GFLOP/s, best GEMM "
+                  f"{checks.get('best_gemm_flops_per_s', peak) / 1e9:,.1f} GFLOP/s, memory "
+                  f"{dev['memory_bandwidth_bytes_per_s'] * dev['memory_bandwidth_fraction'] / 1e9:.1f} GB/s, "
                   f"attention {dev['attention_peak_fraction']:.0%} "
                   f"of peak, op overhead {dev['kernel_overhead_s'] * 1e6:.1f} us")
+    if "square_matmul_flops_per_s" in checks:
+        console.print(f"square 8192 matmul {checks['square_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, GEMM curve top "
+                      f"{checks['curve_top_flops_per_s'] / 1e12:.0f} TFLOP/s ({checks['curve_top_vs_square']:+.1%}"
+                      f"{'' if checks['peak_agrees'] else ': more than 5% apart, rerun on an idle GPU'})")
     console.print(f"collectives: all-reduce bus bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, time vs "
                   "all-reduce: " + ", ".join(f"{k} x{v:.2f}" for k, v in link["op_time_scale"].items()))
     console.print(f"written to {out}")
