@@ -53,7 +53,7 @@ PROFILE_FORMAT = "berth-profile/1"
 Progress = Callable[[str], None]
 
 
-TIMED_BUDGET_S = 0.25  # timed seconds per CUDA shape: enough repetitions that the median is stable
+TIMED_BUDGET_S = 0.2  # timed seconds per CUDA shape: enough repetitions that the median is stable
 QUICK_TIMED_BUDGET_S = 0.05
 MIN_REPS, MAX_REPS = 10, 200  # CUDA-event repetitions per shape (after warm-up)
 CUDA_WARMUP = 3  # untimed runs first: cuBLAS heuristics, clocks, caches
@@ -62,10 +62,10 @@ SQUARE_REFERENCE = 8192  # the square bf16 matmul that stands for "peak achievab
 # tokens per micro-batch 2k-32k (h100-microbench/gemm.json covers the same grid)
 GPU_HIDDEN = (2048, 4096, 8192, 16384)
 GPU_TP = (1, 2, 4, 8)
-GPU_TOKENS = (2048, 8192, 32768)
+GPU_TOKENS = (2048, 4096, 8192, 16384, 32768)
 QUICK_GPU_HIDDEN, QUICK_GPU_TP, QUICK_GPU_TOKENS = (4096, 16384), (1, 8), (4096,)
 FFN_RATIO = 3.25  # SwiGLU ffn / hidden of Llama 3.1 405B (53248 / 16384); 8B and 70B use 3.5
-MAX_GEMM = (16384, 16384, 53248)  # m, n, k of the largest GEMM timed (the 405B down projection at tp 1)
+MAX_GEMM = (16384, 16384, 53248)  # the largest GEMM timed: the 405B down projection at tp 1, 16k tokens
 ATTENTION_SEQ = (2048, 4096, 8192)
 ATTENTION_HEADS = (4, 8, 16, 32)  # heads per tp rank: 32-128 heads over tp 1-8
 QUICK_ATTENTION_SEQ, QUICK_ATTENTION_HEADS = (4096,), (8, 32)
@@ -131,15 +131,15 @@ def layer_gemm_shapes(hidden: tuple[int, ...] = GPU_HIDDEN, tps: tuple[int, ...]
     """(m, n, k) of the projections of a decoder layer (Llama-style, GQA with 8 kv heads of 128,
     SwiGLU) for each hidden size, tp degree and micro-batch token count: QKV (m x h)@(h x (h + 2 kv)/tp),
     output (m x h/tp)@(h/tp x h), gate+up (m x h)@(h x 2 ffn/tp), down (m x ffn/tp)@(ffn/tp x h).
-    Shapes beyond `limit` (m, n, k each) are left out; plus the square SQUARE_REFERENCE matmul."""
-    shapes = {(SQUARE_REFERENCE, SQUARE_REFERENCE, SQUARE_REFERENCE)}
+    Shapes of more work than `limit` (m x n x k) are left out; plus the square SQUARE_REFERENCE matmul."""
+    shapes = {(SQUARE_REFERENCE,) * 3}
     for h in hidden:
         ffn = int(round(h * ffn_ratio / 256)) * 256
         kv = 8 * 128
         for tp in tps:
             for m in tokens:
                 for n, k in (((h + 2 * kv) // tp, h), (h, h // tp), (2 * ffn // tp, h), (h, ffn // tp)):
-                    if m <= limit[0] and n <= limit[1] and k <= limit[2]:
+                    if m * n * k <= limit[0] * limit[1] * limit[2]:
                         shapes.add((m, n, k))
     return sorted(shapes)
 
