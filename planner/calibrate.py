@@ -171,6 +171,8 @@ KINDS_NEEDED: dict[str, tuple[str, object]] = {
 }
 IDENTIFIABLE_TOLERANCE = 0.05  # a column less than 5 % independent of the kept ones: its standard error would be 20x
 MIN_REPORTS_PER_KIND = 2  # a parameter needs two reports of its kind: one report fits anything exactly
+REPORTS_PER_PARAMETER = 2  # fitted parameters of a quantity (time, memory) <= its reports / 2: a spare for each
+MEMORY_PARAMETERS = ("framework_overhead_bytes", "allocator_fragmentation_fraction")
 MAX_EVALUATIONS = 60  # Jacobian evaluations of the fit: a well-posed fit converges in 5-20
 FIT_TOLERANCE = 1e-6  # relative change of cost or step at which the fit stops: far below report noise (~1 %)
 
@@ -180,10 +182,13 @@ def identifiable(reports: list[ValidationReport], jacobian: np.ndarray, names: t
     """(parameters the reports determine, {parameter: why not} for the others), in PARAMETERS
     order: a parameter is kept when at least MIN_REPORTS_PER_KIND reports are of the kind it needs,
     its (column-normalized) Jacobian column adds a direction the kept ones do not span (smallest
-    singular value >= IDENTIFIABLE_TOLERANCE), and a residual stays spare for its uncertainty."""
+    singular value >= IDENTIFIABLE_TOLERANCE), and its quantity (step time or memory) has
+    REPORTS_PER_PARAMETER reports for each parameter fitted to it."""
     keep: list[int] = []
     why: dict[str, str] = {}
     norms = np.linalg.norm(jacobian, axis=0)
+    budget = {"time": sum(1 for r in reports if r.measured.step_time_s) // REPORTS_PER_PARAMETER,
+              "memory": sum(1 for r in reports if r.measured.peak_memory_bytes) // REPORTS_PER_PARAMETER}
     for j, name in enumerate(names):
         kind, pred = KINDS_NEEDED[name]
         count = sum(1 for r in reports if pred(r))
@@ -193,13 +198,16 @@ def identifiable(reports: list[ValidationReport], jacobian: np.ndarray, names: t
         if not norms[j] > 1e-9:
             why[name] = f"the reports do not depend on it: needs {kind}"
             continue
-        if len(keep) + 1 >= n_residuals:
-            why[name] = f"{n_residuals} residuals leave no spare for it: needs more reports"
+        quantity = "memory" if name in MEMORY_PARAMETERS else "time"
+        if budget[quantity] < 1 or len(keep) + 1 >= n_residuals:
+            why[name] = (f"{REPORTS_PER_PARAMETER} more reports with a measured {quantity} needed for one more "
+                         f"{quantity} parameter")
             continue
         cols = jacobian[:, keep + [j]] / norms[keep + [j]]
         if np.linalg.svd(cols, compute_uv=False)[-1] < IDENTIFIABLE_TOLERANCE:
             why[name] = f"not separable from {', '.join(names[k] for k in keep)} with these reports: needs {kind}"
             continue
+        budget[quantity] -= 1
         keep.append(j)
     return [names[j] for j in keep], why
 

@@ -54,6 +54,12 @@ def test_one_report_cannot_determine_nine_parameters():
     assert "1 report" in text and "9 parameters" in text and "tp > 1" in text and "dp > 1" in text
     with pytest.raises(BerthError, match="unknown parameter"):
         calibrate(reports * 2, names=("compute_scale", "warp_speed"))
+    # three reports: one step-time parameter and one memory parameter, each with a spare report
+    three, _ = full_reports({**current_values(base), "compute_scale": 0.7}, DP_LAYOUTS[::6][:3], noise=0.01)
+    fit = calibrate(three)
+    assert fit.fitted[0] == "compute_scale" and len(fit.fitted) <= 2
+    assert sum(n in ("framework_overhead_bytes", "allocator_fragmentation_fraction") for n in fit.fitted) <= 1
+    assert "more reports with a measured time" in fit.not_fitted["kernel_overhead_s"]
 
 
 def test_fits_only_what_data_parallel_reports_determine_with_uncertainty():
