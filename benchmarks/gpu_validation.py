@@ -43,7 +43,8 @@ EXAMPLES = [("llama-3.2-1b", str(MODELS / "llama-3.2-1b.json"), 4096, 16),
             ("llama-3.2-3b", str(MODELS / "llama-3.2-3b.json"), 4096, 16)]
 # (name, model, cluster args, seq, global batch, layers to run of one stage)
 PROXIES = [("llama3-8b-dgx-h100", "llama3-8b", ["--cluster", "dgx-h100", "--nodes", "1"], 8192, 64, 4),
-           ("llama3-70b-8x-dgx-h100", "llama3-70b", ["--cluster", "dgx-h100", "--nodes", "8"], 8192, 256, 2)]
+           ("llama3-70b-8x-dgx-h100", "llama3-70b", ["--cluster", "dgx-h100", "--nodes", "8", "--fix", "tp=8"],
+            8192, 256, 2)]  # a tp=8 slice beside the 8B's full-width layers: two kinds of compute shapes
 CPU_EXAMPLES = [("tiny-gpt", "tiny-gpt", 128, 8)]
 CPU_PROXIES = [("tiny-gpt-8-workers", "tiny-gpt",
                 ["--cluster", "local", "--devices-per-node", "8", "--fix", "tp=2,pp=2"], 128, 16, 1)]
