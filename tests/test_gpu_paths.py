@@ -169,6 +169,14 @@ class CudaRecorder:
         assert all(i > first_init for i in memory), self.calls
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The entry points set this process's torch thread count (one per rank): put it back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _gpu_plan(tmp_path) -> Path:
     """A one-rank tiny-gpt plan for an H100 (what `--cluster local` gives on a one-GPU machine)."""
     from planner.models import presets
@@ -219,6 +227,10 @@ def test_profile_initialises_cuda_first_and_names_the_gpu(monkeypatch):
     assert rec.calls.index("set_device") < rec.calls.index("get_device_name")
     assert rec.calls.index("init") < rec.calls.index("get_device_name")
     assert prof.gpu_base("NVIDIA H100 80GB HBM3") == ("h100-sxm", "dgx-h100")
+    from planner.errors import BerthError
+
+    with pytest.raises(BerthError, match="NVIDIA H100 80GB HBM3"):  # an unknown GPU names the known ones
+        prof.gpu_base("NVIDIA Imaginary X1")
 
 
 def test_peak_memory_tracker_alone_initialises_cuda(monkeypatch):
