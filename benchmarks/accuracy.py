@@ -178,7 +178,7 @@ def score(measured: dict) -> dict:
         fit = calibrate(folds[f])
         fits.append({"fold": f, "values": fit.values, "errors": fit.errors})
         held = folds[1 - f]
-        t, m = predict(held, fit.cluster)
+        t, m = predict(held, fit.values)
         for r, ti, mi in zip(held, t, m, strict=True):
             j = reports.index(r)
             cal_t[j], cal_m[j] = ti, mi

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from executor.device import rank_device
 from hardware_profiles import load_device, load_server
 from hardware_profiles.schema import DeviceProfile, GemmCurve, LinkProfile, ServerProfile
 
@@ -52,18 +53,68 @@ PROFILE_FORMAT = "berth-profile/1"
 Progress = Callable[[str], None]
 
 
-def _timer(device: torch.device):
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+TIMED_BUDGET_S = 0.2  # timed seconds per CUDA shape: enough repetitions that the median is stable
+QUICK_TIMED_BUDGET_S = 0.05
+MIN_REPS, MAX_REPS = 10, 200  # CUDA-event repetitions per shape (after warm-up)
+CUDA_WARMUP = 3  # untimed runs first: cuBLAS heuristics, clocks, caches
+SQUARE_REFERENCE = 8192  # the square bf16 matmul that stands for "peak achievable" on a GPU
+# the layers `berth plan` predicts: hidden 2k-16k (Llama 3.2 1B .. Llama 3.1 405B), tp 1-8,
+# tokens per micro-batch 2k-32k (h100-microbench/gemm.json covers the same grid)
+GPU_HIDDEN = (2048, 4096, 8192, 16384)
+GPU_TP = (1, 2, 4, 8)
+GPU_TOKENS = (2048, 4096, 8192, 16384, 32768)
+QUICK_GPU_HIDDEN, QUICK_GPU_TP, QUICK_GPU_TOKENS = (4096, 16384), (1, 8), (4096,)
+FFN_RATIO = 3.25  # SwiGLU ffn / hidden of Llama 3.1 405B (53248 / 16384); 8B and 70B use 3.5
+MAX_GEMM = (16384, 16384, 53248)  # the largest GEMM timed: the 405B down projection at tp 1, 16k tokens
+ATTENTION_SEQ = (2048, 4096, 8192)
+ATTENTION_HEADS = (4, 8, 16, 32)  # heads per tp rank: 32-128 heads over tp 1-8
+QUICK_ATTENTION_SEQ, QUICK_ATTENTION_HEADS = (4096,), (8, 32)
+ATTENTION_HEAD_DIM = 128
+ATTENTION_TOKENS = 16384  # batch x seq of each attention shape (batch = tokens / seq)
+
+
+def repetitions(estimate_s: float, budget_s: float, lo: int = MIN_REPS, hi: int = MAX_REPS) -> int:
+    """Timed repetitions of an operation that takes about `estimate_s`: fill `budget_s`, within [lo, hi]."""
+    if not estimate_s > 0:
+        return hi
+    return int(min(hi, max(lo, budget_s / estimate_s)))
+
+
+def cuda_event_median(fn: Callable[[], None], reps: int, warmup: int = CUDA_WARMUP) -> float:
+    """Median seconds of `fn` timed by CUDA events around each repetition (GPU time, no host
+    clock or launch gap in it), after `warmup` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True))
+
+
+def _timer(device: torch.device, quick: bool = False):
+    """measure(fn, reps) -> median seconds. CUDA: events, with the repetitions sized from a first
+    estimate to fill the timing budget; CPU: the host clock (ops are milliseconds long there)."""
+    if device.type == "cuda":
+        budget = QUICK_TIMED_BUDGET_S if quick else TIMED_BUDGET_S
+
+        def measure_cuda(fn, reps: int = MIN_REPS, warmup: int = CUDA_WARMUP) -> float:
+            estimate = cuda_event_median(fn, 3, warmup)
+            return cuda_event_median(fn, max(reps, repetitions(estimate, budget)), 0)
+
+        return measure_cuda
 
     def measure(fn, reps: int, warmup: int = 2) -> float:
         for _ in range(warmup):
             fn()
         times = []
         for _ in range(reps):
-            sync()
             t0 = time.perf_counter()
             fn()
-            sync()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
@@ -74,23 +125,51 @@ def _dtype(device: torch.device) -> tuple[torch.dtype, str]:
     return (torch.bfloat16, "bf16") if device.type == "cuda" else (torch.float32, "fp32")
 
 
-def measure_gemm(device: torch.device, quick: bool) -> list[dict]:
-    """Achieved FLOP/s of (rows x k) @ (k x n) with min(n, k) = d: the projection shapes of a
-    layer (rows = tokens of a micro-batch; n or k = a hidden or ffn slice)."""
-    dtype, _ = _dtype(device)
-    measure = _timer(device)
+def layer_gemm_shapes(hidden: tuple[int, ...] = GPU_HIDDEN, tps: tuple[int, ...] = GPU_TP,
+                      tokens: tuple[int, ...] = GPU_TOKENS, ffn_ratio: float = FFN_RATIO,
+                      limit: tuple[int, int, int] = MAX_GEMM) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the projections of a decoder layer (Llama-style, GQA with 8 kv heads of 128,
+    SwiGLU) for each hidden size, tp degree and micro-batch token count: QKV (m x h)@(h x (h + 2 kv)/tp),
+    output (m x h/tp)@(h/tp x h), gate+up (m x h)@(h x 2 ffn/tp), down (m x ffn/tp)@(ffn/tp x h).
+    Shapes of more work than `limit` (m x n x k) are left out; plus the square SQUARE_REFERENCE matmul."""
+    shapes = {(SQUARE_REFERENCE,) * 3}
+    for h in hidden:
+        ffn = int(round(h * ffn_ratio / 256)) * 256
+        kv = 8 * 128
+        for tp in tps:
+            for m in tokens:
+                for n, k in (((h + 2 * kv) // tp, h), (h, h // tp), (2 * ffn // tp, h), (h, ffn // tp)):
+                    if m * n * k <= limit[0] * limit[1] * limit[2]:
+                        shapes.add((m, n, k))
+    return sorted(shapes)
+
+
+def cpu_gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
+    """CPU worker sweep: rows x max(d, 256) @ max(d, 256) x d, d = 16..2048 (one thread: larger
+    shapes take seconds and the curve is flat beyond 128)."""
     rows = 2048 if quick else 4096
-    if device.type == "cuda":
-        rows *= 4
+    return [(rows, d, max(d, 256)) for d in (QUICK_GEMM_DIMS if quick else GEMM_DIMS)]
+
+
+def measure_gemm(device: torch.device, quick: bool, shapes: list[tuple[int, int, int]] | None = None) -> list[dict]:
+    """Seconds and achieved FLOP/s of (m x k) @ (k x n) for each shape."""
+    dtype, _ = _dtype(device)
+    if shapes is None:
+        if device.type == "cuda":
+            shapes = layer_gemm_shapes(*((QUICK_GPU_HIDDEN, QUICK_GPU_TP, QUICK_GPU_TOKENS) if quick else ()))
+        else:
+            shapes = cpu_gemm_shapes(quick)
+    measure = _timer(device, quick)
     out = []
-    for d in QUICK_GEMM_DIMS if quick else GEMM_DIMS:
-        k = max(d, 256)
-        a = torch.randn(rows, k, device=device, dtype=dtype)
-        b = torch.randn(k, d, device=device, dtype=dtype)
-        flops = 2.0 * rows * k * d
-        reps = max(3, min(50, int(2e9 / flops)))
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        flops = 2.0 * m * n * k
+        reps = MIN_REPS if device.type == "cuda" else max(3, min(50, int(2e9 / flops)))
         t = measure(lambda a=a, b=b: a @ b, reps)
-        out.append({"rows": rows, "k": k, "n": d, "min_dim": d, "seconds": t, "flops_per_s": flops / t})
+        out.append({"m": m, "n": n, "k": k, "rows": m, "min_dim": min(m, n, k), "seconds": t,
+                    "flops_per_s": flops / t})
+        del a, b
     return out
 
 
@@ -100,37 +179,104 @@ def measure_memory_bandwidth(device: torch.device, quick: bool) -> float:
         n *= 16
     x = torch.randn(n, device=device)
     y = torch.empty_like(x)
-    t = _timer(device)(lambda: torch.mul(x, 2.0, out=y), 5 if quick else 10)
+    t = _timer(device, quick)(lambda: torch.mul(x, 2.0, out=y), 5 if quick else 10)
     return 2 * x.numel() * x.element_size() / t
 
 
-def measure_attention(device: torch.device, quick: bool) -> float:
-    """Achieved FLOP/s of causal SDPA forward + backward (4bs^2hd/2 forward, 2.5x with backward
-    as FlashAttention counts it)."""
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of causal attention as FlashAttention counts them: 4 b h s^2 d / 2
+    forward, 2.5x that backward (h100-microbench/attention.json counts the same)."""
+    fwd = 4.0 * batch * heads * seq * seq * head_dim * 0.5
+    return fwd, 2.5 * fwd
+
+
+def attention_shapes(device_type: str, quick: bool) -> list[tuple[int, int, int, int]]:
+    """(batch, heads per rank, seq, head dim) to time: CUDA, the layers berth plans (seq 2k-8k,
+    32-128 heads over tp 1-8, head dim 128, ATTENTION_TOKENS per shape); CPU, one small shape."""
+    if device_type != "cuda":
+        return [(4, 4, 256, 64)]
+    seqs, heads = (QUICK_ATTENTION_SEQ, QUICK_ATTENTION_HEADS) if quick else (ATTENTION_SEQ, ATTENTION_HEADS)
+    return [(max(1, ATTENTION_TOKENS // s), h, s, ATTENTION_HEAD_DIM) for s in seqs for h in heads]
+
+
+def measure_attention(device: torch.device, quick: bool) -> list[dict]:
+    """Causal scaled_dot_product_attention forward and backward, timed separately, at each shape
+    (the flash kernel on CUDA)."""
+    measure = _timer(device, quick)
+    rows = []
+    for b, heads, s, d in attention_shapes(device.type, quick):
+        fwd_s, bwd_s, backend = _time_attention(device, measure, b, heads, s, d, 3 if quick else 8)
+        f_fwd, f_bwd = attention_flops(b, heads, s, d)
+        rows.append({"batch": b, "heads": heads, "seq": s, "head_dim": d, "forward_s": fwd_s, "backward_s": bwd_s,
+                     "forward_flops": f_fwd, "backward_flops": f_bwd, "flops_per_s": (f_fwd + f_bwd) / (fwd_s + bwd_s),
+                     "backend": backend})
+    return rows
+
+
+def _time_attention(device: torch.device, measure, b: int, heads: int, s: int, d: int,
+                    reps: int) -> tuple[float, float, str]:
+    """(forward s, backward s, backend) of one shape; q, k, v laid out as a layer produces them:
+    (b, s, heads, d) viewed as (b, heads, s, d)."""
     dtype, _ = _dtype(device)
-    b, heads, s, d = (4, 4, 256, 64) if device.type == "cpu" else (8, 32, 2048, 128)
-    # laid out as a layer produces them: (b, s, heads, d) projections viewed as (b, heads, s, d)
     q, k, v = (torch.randn(b, s, heads, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 
-    def step():
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        out.sum().backward()
+    def forward():
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True)
 
-    t = _timer(device)(step, 3 if quick else 8)
-    flops = 4.0 * b * heads * s * s * d * 0.5 * 3.5  # forward + backward (2.5x forward)
-    return flops / t
+    def timed() -> tuple[float, float]:
+        fwd_s = measure(forward, reps)
+        out = forward()
+        grad = torch.ones_like(out)
+        return fwd_s, measure(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), reps)
+
+    try:
+        with _flash_context(device) as backend:
+            return (*timed(), backend)
+    except RuntimeError as err:  # no flash kernel for this GPU or shape: what torch picks, and say so
+        if "kernel" not in str(err).lower():
+            raise
+        return (*timed(), f"default (flash unavailable: {str(err).splitlines()[0][:120]})")
+
+
+class _flash_context:
+    """The flash SDPA backend on CUDA (what the executor's layers use); the default elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.device, self._ctx = device, None
+
+    def __enter__(self) -> str:
+        if self.device.type != "cuda":
+            return "default"
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        self._ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+        self._ctx.__enter__()
+        return "flash"
+
+    def __exit__(self, *exc) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
 
 
 def measure_op_overhead(device: torch.device) -> float:
     x = torch.randn(8, device=device)
     reps = 2000
-    measure = _timer(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def many():
         for _ in range(reps):
             torch.mul(x, 2.0)
 
-    return measure(many, 3) / reps
+    times = []
+    for trial in range(4):  # host clock around many launches: the dispatch floor per op
+        sync()
+        t0 = time.perf_counter()
+        many()
+        sync()
+        if trial:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / reps
 
 
 def _collective_ops(x, gathered, shard, rank: int, world: int) -> dict[str, Callable[[], None]]:
@@ -166,10 +312,13 @@ def _concurrent_compute(quick: bool, world: int) -> dict:
             "op_overhead": measure_op_overhead(torch.device("cpu"))}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
-    gemm = [dict(g, flops_per_s=float(np.mean([e["gemm"][i]["flops_per_s"] for e in everyone])))
-            for i, g in enumerate(mine["gemm"])]
-    return {"gemm": gemm, "processes": world,
-            **{k: float(np.mean([e[k] for e in everyone])) for k in ("memory_bandwidth", "attention", "op_overhead")}}
+    def mean_rows(key: str, fields: tuple[str, ...]) -> list[dict]:
+        return [dict(row, **{f: float(np.mean([e[key][i][f] for e in everyone])) for f in fields})
+                for i, row in enumerate(mine[key])]
+
+    return {"gemm": mean_rows("gemm", ("seconds", "flops_per_s")), "processes": world,
+            "attention": mean_rows("attention", ("forward_s", "backward_s", "flops_per_s")),
+            **{k: float(np.mean([e[k] for e in everyone])) for k in ("memory_bandwidth", "op_overhead")}}
 
 
 def _comm_worker(out: str, sizes: list[int], reps: int, compute: bool = False, quick: bool = False) -> None:
@@ -177,12 +326,10 @@ def _comm_worker(out: str, sizes: list[int], reps: int, compute: bool = False, q
     with `compute`, the concurrent compute figures)."""
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available() and os.environ.get("BERTH_DEVICE") != "cpu"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = rank_device()
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     results: dict[str, list] = {op: [] for op in RING_FACTOR}
     for size in sizes:
@@ -242,36 +389,109 @@ def fit_collective(points: list[list[float]], op: str, n: int) -> dict[str, floa
     return {"latency_s": float(latency), "bus_bandwidth_bytes_per_s": float(1.0 / inv_bw)}
 
 
-def build_profile(device_type: str, gemm: list[dict], bandwidth: float, attention_flops: float, overhead: float,
-                  comm: dict[int, dict], machine: dict) -> dict:
-    """DeviceProfile and ServerProfile from the measurements; the base profile supplies what is
-    not measured (memory capacity, TDP, kernels per layer)."""
+def isotonic(values: list[float], weights: list[float] | None = None) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent
+    violators): GEMM efficiency does not fall as the smallest dimension grows, timing noise does."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights or [1.0] * len(values), strict=True):
+        blocks.append([float(v), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return [b[0] for b in blocks for _ in range(b[2])]
+
+
+def gemm_curve(gemm: list[dict], reference_flops: float, monotone: bool = True) -> tuple[list[float], list[float]]:
+    """(min dims, fractions of `reference_flops`): the median efficiency of the shapes in each
+    power-of-two bin of their smallest dimension, fitted non-decreasing (`isotonic`, weighted by
+    the shapes in the bin) when `monotone`. Fractions are measured / reference, never capped at
+    another measurement (the schema bounds them to (0, 1])."""
+    bins: dict[int, list[float]] = {}
+    for g in gemm:
+        d = int(2 ** round(np.log2(g["min_dim"])))
+        bins.setdefault(d, []).append(g["flops_per_s"] / reference_flops)
+    dims = sorted(bins)
+    medians = [float(np.median(bins[d])) for d in dims]
+    fitted = isotonic(medians, [len(bins[d]) for d in dims]) if monotone else medians
+    return [float(d) for d in dims], [min(1.0, max(1e-4, f)) for f in fitted]
+
+
+def square_matmul(gemm: list[dict]) -> dict | None:
+    """The square SQUARE_REFERENCE matmul of a GPU sweep: the "peak achievable" reference."""
+    return next((g for g in gemm if g["m"] == g["n"] == g["k"] == SQUARE_REFERENCE), None)
+
+
+PEAK_AGREEMENT = 0.05  # the curve's top must be within 5 % of the square matmul, else the sweep is suspect
+
+
+def profile_fields(measurements: dict, base: DeviceProfile, precision: str) -> tuple[dict, dict, dict]:
+    """The one place measured timings become DeviceProfile fields: (fields, sources, checks).
+
+    GPU: `peak_flops_per_s` stays the datasheet peak of the base profile (what MFU is computed
+    against); every efficiency is measured / datasheet: the GEMM curve, attention (median over the
+    shapes of forward + backward FLOP/s), memory bandwidth. The square 8192 matmul is the peak
+    achievable; the curve's top must agree with it within PEAK_AGREEMENT (`checks`). CPU (no
+    datasheet for a worker process): the peak is the best GEMM measured and fractions are relative
+    to it, as the cpu-host profile does."""
+    gemm = measurements["gemm"]
+    gpu = base.kind == "gpu"
+    best = max(g["flops_per_s"] for g in gemm)
+    reference = base.peak_flops(precision) if gpu else best
+    # GPU: tile and wave quantization scatter the shapes of a bin, the trend is monotone; CPU:
+    # cache effects make the efficiency of one thread genuinely non-monotone, kept as measured
+    dims, fractions = gemm_curve(gemm, reference, monotone=gpu)
+    attention = [a["flops_per_s"] / reference for a in measurements["attention"]]
+    bandwidth = measurements["memory_bandwidth_bytes_per_s"]
+    fields = {"peak_flops_per_s": {**base.peak_flops_per_s, precision: reference},
+              "gemm": GemmCurve(min_dim=dims, peak_fraction=fractions),
+              "attention_peak_fraction": min(1.0, float(np.median(attention))),
+              "kernel_overhead_s": measurements["op_overhead_s"]}
+    if gpu:
+        fields.update(memory_bandwidth_bytes_per_s=base.memory_bandwidth_bytes_per_s,
+                      memory_bandwidth_fraction=min(1.0, bandwidth / base.memory_bandwidth_bytes_per_s))
+    else:
+        fields.update(memory_bandwidth_bytes_per_s=bandwidth, memory_bandwidth_fraction=1.0)
+    checks: dict = {"best_gemm_flops_per_s": best, "reference_flops_per_s": reference}
+    square = square_matmul(gemm) if gpu else None
+    if square is not None:
+        top = fractions[-1] * reference
+        checks.update(square_matmul_flops_per_s=square["flops_per_s"], curve_top_flops_per_s=top,
+                      curve_top_vs_square=top / square["flops_per_s"] - 1,
+                      peak_agrees=abs(top / square["flops_per_s"] - 1) <= PEAK_AGREEMENT)
+    what = "datasheet peak (base profile)" if gpu else "best GEMM of the sweep"
+    sources = {f"peak_flops_per_s.{precision}": what,
+               "gemm": f"{len(gemm)} GEMMs binned by min dim {[int(d) for d in dims]}, median measured / {what}, "
+                       + ("fitted non-decreasing" if gpu else "as measured"),
+               "attention_peak_fraction": f"median over {len(attention)} causal SDPA shapes of forward+backward "
+                                          f"FLOP/s / {what}",
+               "memory_bandwidth_bytes_per_s": "datasheet, with memory_bandwidth_fraction = streaming multiply / "
+                                               "datasheet" if gpu else "streaming multiply (achieved: fraction 1.0)",
+               "kernel_overhead_s": "dispatch of a tiny op (host clock over 2000 launches)"}
+    return fields, sources, checks
+
+
+def build_profile(device_type: str, measurements: dict, comm: dict[int, dict], machine: dict) -> dict:
+    """DeviceProfile and ServerProfile from the measurements (`profile_fields`); the base profile
+    (cpu-host, or the GPU's own device profile) supplies what is not measured (TDP, kernels per
+    layer, memory outside tensors); a GPU's memory is what torch reports for it."""
     _, precision = _dtype(torch.device(device_type))
-    peak = max(g["flops_per_s"] for g in gemm)
-    dims = [g["min_dim"] for g in gemm]
-    fractions = [min(1.0, max(1e-3, g["flops_per_s"] / peak)) for g in gemm]
-    base = load_device("cpu-host") if device_type == "cpu" else load_device(machine.get("profile_base", "h100-sxm"))
-    peaks = {**base.peak_flops_per_s, precision: peak}  # the measured precision; the others from the base
+    base = load_device("cpu-host") if device_type == "cpu" else load_device(machine["profile_base"])
+    fields, measured_sources, checks = profile_fields(measurements, base, precision)
     when = datetime.now(UTC).date().isoformat()
     src = f"measured by `berth profile` on {machine['hostname']} ({when})"
     device = DeviceProfile(
         name=f"{base.name}-profiled", display_name=f"{base.display_name}, profiled on {machine['hostname']}",
-        kind=base.kind, peak_flops_per_s=peaks, memory_bytes=base.memory_bytes,
-        memory_bandwidth_bytes_per_s=bandwidth, memory_bandwidth_fraction=1.0,
-        gemm=GemmCurve(min_dim=dims, peak_fraction=fractions),
-        attention_peak_fraction=min(1.0, attention_flops / peak), kernel_overhead_s=overhead,
+        kind=base.kind, memory_bytes=machine.get("gpu_memory_bytes") or base.memory_bytes,
         kernels_per_layer_fwd=base.kernels_per_layer_fwd, framework_overhead_bytes=base.framework_overhead_bytes,
         allocator_fragmentation_fraction=base.allocator_fragmentation_fraction, tdp_watts=base.tdp_watts,
-        sources={f"peak_flops_per_s.{precision}": f"best GEMM of the sweep, {src}",
-                 "gemm": f"GEMM sweep over min dim {dims}, {src}",
-                 "memory_bandwidth_bytes_per_s": f"streaming multiply (achieved, so fraction 1.0), {src}",
-                 "attention_peak_fraction": f"causal SDPA forward+backward / GEMM peak, {src}",
-                 "kernel_overhead_s": f"dispatch of a tiny op, {src}"},
+        tp_kernel_overhead_s=base.tp_kernel_overhead_s, **fields,
+        sources={k: f"{v}, {src}" for k, v in measured_sources.items()},
         assumptions={k: v for k, v in base.assumptions.items()
                      if k in ("memory_bytes", "framework_overhead_bytes", "allocator_fragmentation_fraction",
                               "kernels_per_layer_fwd")},
     )
-    server_base = load_server("local-cpu" if device_type == "cpu" else "dgx-h100")
+    server_base = load_server("local-cpu" if device_type == "cpu" else machine.get("server_base", "dgx-h100"))
     link = server_base.intra_node
     base_latency = server_base.collective_base_latency_s
     sources = {}
@@ -292,30 +512,44 @@ def build_profile(device_type: str, gemm: list[dict], bandwidth: float, attentio
                    "op_time_scale": "each op's fitted bus bandwidth relative to all-reduce's"}
     server = ServerProfile(
         name="local-profiled", display_name=f"{machine['hostname']} (profiled)", device=device.name,
-        gpus_per_node=max(comm) if comm else server_base.gpus_per_node, intra_node=link, inter_node=link,
+        gpus_per_node=max(comm) if comm else machine.get("gpus", 1), intra_node=link, inter_node=link,
         collective_base_latency_s=base_latency, comm_overlap_efficiency=server_base.comm_overlap_efficiency,
         sources=sources, assumptions={"one_node": "the profile describes one machine; inter_node = intra_node"})
     return {"format": PROFILE_FORMAT, "created": datetime.now(UTC).isoformat(), "machine": machine,
-            "device": device.model_dump(mode="json"), "server": server.model_dump(mode="json"),
-            "measurements": {"gemm": gemm, "memory_bandwidth_bytes_per_s": bandwidth,
-                             "attention_flops_per_s": attention_flops, "op_overhead_s": overhead,
-                             "collectives": {str(k): v for k, v in comm.items()},
+            "device": device.model_dump(mode="json"), "server": server.model_dump(mode="json"), "checks": checks,
+            "measurements": {**measurements, "collectives": {str(k): v for k, v in comm.items()},
                              "collective_fits": fits}}
+
+
+def gpu_base(name: str) -> tuple[str, str]:
+    """(device profile, server preset) of this GPU by its name (hardware_profiles/nvidia_smi_names.json);
+    an unknown GPU is an error naming the known ones."""
+    from hardware_profiles import UnknownProfileError, nvidia_smi_device
+    from planner.errors import BerthError
+
+    try:
+        return nvidia_smi_device(name)
+    except UnknownProfileError as err:
+        raise BerthError("device", name, f"no device profile for this GPU; known GPUs: {', '.join(err.known)}") \
+            from None
 
 
 def run_profile(quick: bool = False, max_procs: int | None = None, progress: Progress | None = None) -> dict:
     say = progress or (lambda _msg: None)
-    cuda = torch.cuda.is_available() and os.environ.get("BERTH_DEVICE") != "cpu"
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    device = rank_device(0)
+    cuda = device.type == "cuda"
     if not cuda:
         torch.set_num_threads(int(os.environ.get("BERTH_THREADS_PER_RANK", "1")))
     machine = {"hostname": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                "device": device.type, "threads": torch.get_num_threads(), "quick": quick}
     if cuda:
-        machine["gpu"] = torch.cuda.get_device_name(0)
-        name = machine["gpu"]
-        machine["profile_base"] = "h200" if "H200" in name else "a100-80g" if "A100" in name else "h100-sxm"
-    say("GEMM sweep")
+        machine["gpu"] = torch.cuda.get_device_name(device)
+        machine["gpu_memory_bytes"] = float(torch.cuda.get_device_properties(device).total_memory)
+        machine["gpus"] = torch.cuda.device_count()
+        machine["profile_base"], machine["server_base"] = gpu_base(machine["gpu"])
+        machine["timing"] = (f"CUDA events, median of >= {MIN_REPS} repetitions filling "
+                             f"{QUICK_TIMED_BUDGET_S if quick else TIMED_BUDGET_S} s after {CUDA_WARMUP} warm-ups")
+    say("GEMM sweep" + (" (layer shapes, CUDA events)" if cuda else ""))
     gemm = measure_gemm(device, quick)
     say("memory bandwidth")
     bandwidth = measure_memory_bandwidth(device, quick)
@@ -336,7 +570,9 @@ def run_profile(quick: bool = False, max_procs: int | None = None, progress: Pro
             c = comm[n]["compute"]
             gemm, bandwidth, attention, overhead = c["gemm"], c["memory_bandwidth"], c["attention"], c["op_overhead"]
             machine["compute_measured_with_processes"] = n
-    return build_profile(device.type, gemm, bandwidth, attention, overhead, comm, machine)
+    measurements = {"gemm": gemm, "memory_bandwidth_bytes_per_s": bandwidth, "attention": attention,
+                    "op_overhead_s": overhead}
+    return build_profile(device.type, measurements, comm, machine)
 
 
 def main() -> None:

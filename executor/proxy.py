@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from executor.checks import PROGRESS_PREFIX
+from executor.device import rank_device
 from executor.model import INIT_STD, Block, norm_layer
 from executor.parallel import apply_recompute
 from executor.train import PeakMemory
@@ -129,8 +130,14 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("BERTH_THREADS_PER_RANK", "1")))
     plan = Plan.model_validate(json.loads(Path(args.plan).read_text()))
     x, spec, training = plan.layout, plan.model, plan.training
-    cuda = torch.cuda.is_available() and os.environ.get("BERTH_DEVICE") != "cpu"
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    try:
+        device = rank_device(0, need_gpu=plan.cluster.device.kind == "gpu")
+    except RuntimeError as err:
+        from executor.worker import _error_record
+
+        Path(f"{args.out}.rank0.error.json").write_text(json.dumps(_error_record(err, torch.device("cpu"))))
+        raise
+    cuda = device.type == "cuda"
     first, last = args.stage == "first", args.stage == "last" or x.pp == 1
     stage = 0 if first else x.pp - 1
     try:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from executor.device import init_cuda
 from executor.model import synthetic_batch
 from executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
 from planner.specs import Layout, ModelSpec, TrainingSpec
@@ -63,6 +64,7 @@ class PeakMemory:
 
     def start(self) -> None:
         if self.device.type == "cuda":
+            init_cuda(self.device)  # the allocator's counters exist only once CUDA is initialised
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             gc.collect()  # a previous layout's objects in this process die now, not during the count

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from executor.checks import PROGRESS_PREFIX
+from executor.device import rank_device
 from executor.train import run_steps
 from planner.specs import Plan
 
@@ -41,14 +42,6 @@ def machine() -> dict:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
     return info
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available() and os.environ.get("BERTH_DEVICE", "auto") != "cpu":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 def _error_record(err: BaseException, device: torch.device) -> dict:
@@ -79,7 +72,11 @@ def main() -> None:
     plans = [Plan.model_validate(p) for p in json.loads(Path(args.plans).read_text())]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = _device()
+    try:
+        device = rank_device(need_gpu=any(p.cluster.device.kind == "gpu" for p in plans))
+    except RuntimeError as err:
+        Path(f"{args.out}.rank{rank}.error.json").write_text(json.dumps(_error_record(err, torch.device("cpu"))))
+        raise
     if os.environ.get("BERTH_RUN_DIR"):  # lets a supervisor (or a fault test) find each rank
         Path(os.environ["BERTH_RUN_DIR"], f"rank{rank}.pid").write_text(str(os.getpid()))
     timeout = timedelta(seconds=float(os.environ.get("BERTH_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S)))

@@ -24,6 +24,7 @@ __all__ = [
     "load_device",
     "load_profile_file",
     "load_server",
+    "nvidia_smi_device",
     "server_names",
 ]
 
@@ -56,6 +57,22 @@ def load_server(name: str) -> ServerProfile:
     if not path.is_file():
         raise UnknownProfileError("cluster preset", name, server_names())
     return ServerProfile.model_validate(json.loads(path.read_text()))
+
+
+@cache
+def _nvidia_smi_names() -> dict[str, dict]:
+    return json.loads((_HERE / "nvidia_smi_names.json").read_text())["devices"]
+
+
+def nvidia_smi_device(gpu_name: str) -> tuple[str, str]:
+    """(device profile, server preset) of a GPU as nvidia-smi names it (`nvidia_smi_names.json`);
+    an unknown name raises UnknownProfileError listing the known names."""
+    wanted = " ".join(gpu_name.split()).lower()
+    table = _nvidia_smi_names()
+    for device, entry in table.items():
+        if any(" ".join(n.split()).lower() == wanted for n in entry["names"]):
+            return device, entry["server"]
+    raise UnknownProfileError("GPU", gpu_name, [n for e in table.values() for n in e["names"]])
 
 
 def load_profile_file(path: str | Path) -> tuple[DeviceProfile, ServerProfile]:

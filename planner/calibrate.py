@@ -14,8 +14,18 @@ spec the reports were planned for (so the fitted result is an ordinary profile):
     allocator_fragmentation_fraction
 
 Residuals are log(predicted / measured) of step time and of peak memory for every report whose
-run succeeded (full runs, not rank-slice proxies); `scipy.optimize.least_squares` with bounds
-minimizes them. Reports can be held out of the fit and scored after it.
+run succeeded: full runs (predicted as the plan) and rank-slice proxies (predicted as the proxy
+is, `executor.validate.proxy_prediction`: one stage's compute and memory, no communication, no
+memory outside the allocator). `scipy.optimize.least_squares` with bounds minimizes them.
+Reports can be held out of the fit and scored after it.
+
+Only what the reports determine is fitted (`identifiable`): each parameter needs reports of the
+kind that exercises it (KINDS_NEEDED), its column of the Jacobian at the start must not be
+(nearly) a combination of the columns already kept (IDENTIFIABLE_TOLERANCE), and the fit keeps at
+least one residual per fitted parameter spare. The rest stay at the profile's values and the
+answer says which reports would determine them. The uncertainty of each fitted value is its
+standard error from the Jacobian at the solution (covariance s^2 (J^T J)^-1, s^2 the residual
+variance) and a 95 % interval.
 """
 
 from __future__ import annotations
@@ -100,25 +110,140 @@ def _bounds(names):
 
 
 def usable(reports: list[ValidationReport]) -> list[ValidationReport]:
-    return [r for r in reports if r.status == "ok" and r.mode == "full" and r.measured.step_time_s]
+    """Successful full runs, and rank-slice proxies that say which stage and how many layers they ran."""
+    def ok(r: ValidationReport) -> bool:
+        if r.status != "ok" or not r.measured.step_time_s:
+            return False
+        return r.mode == "full" or bool(r.per_rank and {"stage", "layers"} <= set(r.per_rank[0]))
+    return [r for r in reports if ok(r)]
 
 
-def predict(reports: list[ValidationReport], cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
-    """Predicted (step time, peak memory) of each report's layout on `cluster`; the reports of
-    one model and training are scored in one vectorized call."""
+def _cluster_of(report: ValidationReport, values: dict[str, float] | None) -> ClusterSpec:
+    return report.plan.cluster if values is None else apply(report.plan.cluster, values)
+
+
+def predict(reports: list[ValidationReport], values: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted (step time, peak memory) of each report on its own cluster with these parameter
+    `values` (None: as planned). Full runs of one model, training and cluster are scored in one
+    vectorized call; a rank-slice proxy as the proxy ran (`proxy_prediction`)."""
+    from executor.validate import proxy_prediction  # torch-free: the parent side of `berth validate`
+
     times, mems = np.zeros(len(reports)), np.zeros(len(reports))
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(reports):
-        groups.setdefault(r.plan.model.model_dump_json() + r.plan.training.model_dump_json(), []).append(i)
+        if r.mode == "rank-slice":
+            rank = r.per_rank[0]
+            plan = r.plan.model_copy(update={"cluster": _cluster_of(r, values)})
+            pred = proxy_prediction(plan, int(rank["layers"]), rank["stage"] == 0)[0]
+            times[i], mems[i] = pred.step_time_s or np.inf, pred.peak_memory_bytes or np.inf
+            continue
+        key = r.plan.model.model_dump_json() + r.plan.training.model_dump_json() + r.plan.cluster.model_dump_json()
+        groups.setdefault(key, []).append(i)
     for idx in groups.values():
-        first = reports[idx[0]].plan
-        plans = predict_layouts(first.model, first.training, cluster, [reports[i].plan.layout for i in idx])
+        first = reports[idx[0]]
+        plans = predict_layouts(first.plan.model, first.plan.training, _cluster_of(first, values),
+                                [reports[i].plan.layout for i in idx])
         for i, p in zip(idx, plans, strict=True):
             if p.prediction is None:  # structurally invalid now: a large, finite miss
                 times[i], mems[i] = np.inf, np.inf
             else:
                 times[i], mems[i] = p.prediction.step_time_s, p.prediction.peak_memory_bytes
     return times, mems
+
+
+# what each parameter needs among the reports: a predicate on one report, and the words for it
+KINDS_NEEDED: dict[str, tuple[str, object]] = {
+    "compute_scale": ("reports with a step time (full or rank-slice)", lambda r: True),
+    "attention_peak_fraction": ("reports with a step time at two or more sequence lengths or attention shares",
+                                lambda r: True),
+    "kernel_overhead_s": ("reports with a step time at two or more micro-batch sizes or layer counts",
+                          lambda r: True),
+    "tp_kernel_overhead_s": ("full runs with tp > 1", lambda r: r.mode == "full" and r.plan.layout.tp > 1),
+    "memory_bandwidth_fraction": ("reports with a step time whose optimizer or elementwise share differs",
+                                  lambda r: True),
+    "comm_scale": ("full runs on 2 or more ranks (tp, dp or pp > 1)",
+                   lambda r: r.mode == "full" and r.plan.layout.world_size > 1),
+    "comm_overlap_efficiency": ("full runs with dp > 1", lambda r: r.mode == "full" and r.plan.layout.dp > 1),
+    "framework_overhead_bytes": ("full runs with a measured peak memory",
+                                 lambda r: r.mode == "full" and bool(r.measured.peak_memory_bytes)),
+    "allocator_fragmentation_fraction": ("reports with a measured peak memory at two or more activation sizes",
+                                         lambda r: bool(r.measured.peak_memory_bytes)),
+}
+IDENTIFIABLE_TOLERANCE = 0.05  # a column less than 5 % independent of the kept ones: its standard error would be 20x
+MIN_REPORTS_PER_KIND = 2  # a parameter needs two reports of its kind: one report fits anything exactly
+REPORTS_PER_PARAMETER = 2  # fitted parameters of a quantity (time, memory) <= its reports / 2: a spare for each
+MEMORY_PARAMETERS = ("framework_overhead_bytes", "allocator_fragmentation_fraction")
+MAX_EVALUATIONS = 60  # Jacobian evaluations of the fit: a well-posed fit converges in 5-20
+FIT_TOLERANCE = 1e-6  # relative change of cost or step at which the fit stops: far below report noise (~1 %)
+
+
+def identifiable(reports: list[ValidationReport], jacobian: np.ndarray, names: tuple[str, ...],
+                 n_residuals: int) -> tuple[list[str], dict[str, str]]:
+    """(parameters the reports determine, {parameter: why not} for the others), in PARAMETERS
+    order: a parameter is kept when at least MIN_REPORTS_PER_KIND reports are of the kind it needs,
+    its (column-normalized) Jacobian column adds a direction the kept ones do not span (smallest
+    singular value >= IDENTIFIABLE_TOLERANCE), and its quantity (step time or memory) has
+    REPORTS_PER_PARAMETER reports for each parameter fitted to it."""
+    keep: list[int] = []
+    why: dict[str, str] = {}
+    norms = np.linalg.norm(jacobian, axis=0)
+    budget = {"time": sum(1 for r in reports if r.measured.step_time_s) // REPORTS_PER_PARAMETER,
+              "memory": sum(1 for r in reports if r.measured.peak_memory_bytes) // REPORTS_PER_PARAMETER}
+    for j, name in enumerate(names):
+        kind, pred = KINDS_NEEDED[name]
+        count = sum(1 for r in reports if pred(r))
+        if count < MIN_REPORTS_PER_KIND:
+            why[name] = f"needs {MIN_REPORTS_PER_KIND}+ {kind} (has {count})"
+            continue
+        if not norms[j] > 1e-9:
+            why[name] = f"the reports do not depend on it: needs {kind}"
+            continue
+        quantity = "memory" if name in MEMORY_PARAMETERS else "time"
+        if budget[quantity] < 1 or len(keep) + 1 >= n_residuals:
+            why[name] = (f"{REPORTS_PER_PARAMETER} more reports with a measured {quantity} needed for one more "
+                         f"{quantity} parameter")
+            continue
+        cols = jacobian[:, keep + [j]] / norms[keep + [j]]
+        if np.linalg.svd(cols, compute_uv=False)[-1] < IDENTIFIABLE_TOLERANCE:
+            why[name] = f"not separable from {', '.join(names[k] for k in keep)} with these reports: needs {kind}"
+            continue
+        budget[quantity] -= 1
+        keep.append(j)
+    return [names[j] for j in keep], why
+
+
+def _jacobian(residuals, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, step: float = 1e-3) -> np.ndarray:
+    """Forward differences of the residuals at x (steps turned inward at a bound)."""
+    r0 = residuals(x)
+    jac = np.zeros((r0.size, x.size))
+    for j in range(x.size):
+        h = step * max(1.0, abs(x[j]))
+        if x[j] + h > hi[j]:
+            h = -h
+        xj = x.copy()
+        xj[j] += h
+        jac[:, j] = (residuals(xj) - r0) / h
+    return jac
+
+
+def uncertainty(names: list[str], x: np.ndarray, jacobian: np.ndarray, residual: np.ndarray) -> dict[str, dict]:
+    """Standard error and 95 % interval of each fitted value from the Jacobian at the solution:
+    cov = s^2 (J^T J)^-1 with s^2 = |r|^2 / (residuals - parameters), in the fitted coordinates
+    (log for the scale-like parameters: a multiplicative interval), mapped back to values."""
+    dof = max(residual.size - len(names), 1)
+    s2 = float(residual @ residual) / dof
+    cov = s2 * np.linalg.pinv(jacobian.T @ jacobian)
+    out = {}
+    for j, name in enumerate(names):
+        se = float(np.sqrt(max(cov[j, j], 0.0)))
+        lo_b, hi_b = _bounds([name])
+        a, b = max(x[j] - 1.96 * se, lo_b[0]), min(x[j] + 1.96 * se, hi_b[0])
+        value = _decode(name, x[j])
+        kind = PARAMETERS[name][2]
+        value_se = value * se if kind == "log" else se * MIB if kind == "mib" else se
+        out[name] = {"value": value, "standard_error": value_se, "ci95": [_decode(name, a), _decode(name, b)],
+                     "relative_standard_error": value_se / abs(value) if value else float("inf")}
+    return out
 
 
 @dataclass
@@ -129,13 +254,17 @@ class Fit:
     held_out_ids: list[str]
     errors: dict[str, dict[str, float]] = field(default_factory=dict)
     cluster: ClusterSpec | None = None
+    fitted: list[str] = field(default_factory=list)
+    not_fitted: dict[str, str] = field(default_factory=dict)  # parameter -> which reports would determine it
+    uncertainty: dict[str, dict] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)
 
 
-def errors(reports: list[ValidationReport], cluster: ClusterSpec) -> dict[str, float]:
+def errors(reports: list[ValidationReport], values: dict[str, float] | None = None) -> dict[str, float]:
     """MAPE and worst |relative error| of step time and peak memory (fractions)."""
     if not reports:
         return {}
-    t, m = predict(reports, cluster)
+    t, m = predict(reports, values)
     mt = np.array([r.measured.step_time_s for r in reports])
     out = {"n": float(len(reports)), "step_time_mape": float(np.mean(np.abs(t / mt - 1))),
            "step_time_max_error": float(np.max(np.abs(t / mt - 1)))}
@@ -156,46 +285,81 @@ def split(reports: list[ValidationReport], holdout: float, seed: int = 0):
     return [r for r in reports if key(r) >= holdout], held
 
 
+def report_kinds(reports: list[ValidationReport]) -> dict[str, int]:
+    """How many reports of each kind: what determines which parameters."""
+    full = [r for r in reports if r.mode == "full"]
+    return {"full": len(full), "rank-slice": len(reports) - len(full),
+            "full with tp > 1": sum(r.plan.layout.tp > 1 for r in full),
+            "full with dp > 1": sum(r.plan.layout.dp > 1 for r in full),
+            "full with pp > 1": sum(r.plan.layout.pp > 1 for r in full),
+            "with recompute": sum(r.plan.layout.recompute != "none" for r in reports),
+            "with peak memory": sum(bool(r.measured.peak_memory_bytes) for r in reports)}
+
+
 def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int = 0,
-              names: tuple[str, ...] = tuple(PARAMETERS)) -> Fit:
+              names: tuple[str, ...] | None = None) -> Fit:
+    """Fit the parameters the reports determine. `names`: fit exactly these (refused, naming the
+    reports needed, when the reports do not determine them all); None: every parameter the
+    reports determine, the others kept at the profile's values."""
     reports = usable(reports)
     if not reports:
-        raise BerthError("reports", 0, "no successful full validation reports to fit")
+        raise BerthError("reports", 0, "no successful validation reports (full or rank-slice) to fit")
     devices = {r.plan.cluster.device.name for r in reports}
     if len(devices) > 1:
         raise BerthError("reports", sorted(devices), "reports from several devices: calibrate one machine at a time")
     fit_set, held = split(reports, holdout, seed) if holdout > 0 else (reports, [])
-    if len(fit_set) < 2:
-        raise BerthError("reports", len(fit_set), "need at least 2 reports in the fit set")
-    base = reports[0].plan.cluster
-    initial = current_values(base)
-    names = tuple(n for n in names if n in PARAMETERS)
+    explicit = names is not None
+    candidates = tuple(n for n in (names or PARAMETERS) if n in PARAMETERS)
+    if explicit and len(candidates) != len(names):
+        unknown = sorted(set(names) - set(PARAMETERS))
+        raise BerthError("params", ",".join(unknown), f"unknown parameter; known: {', '.join(PARAMETERS)}")
+    if len(fit_set) < MIN_REPORTS_PER_KIND:
+        needs = "; ".join(f"{n}: {MIN_REPORTS_PER_KIND}+ {KINDS_NEEDED[n][0]}" for n in candidates)
+        raise BerthError("reports", len(fit_set), f"{len(fit_set)} report(s) in the fit set cannot determine "
+                         f"{len(candidates)} parameters ({len(held)} held out); needs {needs}")
+    initial = current_values(reports[0].plan.cluster)
     mt = np.array([r.measured.step_time_s for r in fit_set])
     mm = np.array([r.measured.peak_memory_bytes or np.nan for r in fit_set])
     has_mem = np.isfinite(mm)
 
-    def values_of(x):
-        v = dict(initial)
-        v.update({n: _decode(n, xi) for n, xi in zip(names, x, strict=True)})
-        return v
+    def make_residuals(chosen):
+        def values_of(x):
+            v = dict(initial)
+            v.update({n: _decode(n, xi) for n, xi in zip(chosen, x, strict=True)})
+            return v
 
-    def residuals(x):
-        t, m = predict(fit_set, apply(base, values_of(x)))
-        rt = np.log(np.where(np.isfinite(t), t, 1e6) / mt)
-        rm = np.log(np.where(np.isfinite(m[has_mem]), m[has_mem], 1e18) / mm[has_mem])
-        return np.concatenate([rt, rm])
+        def residuals(x):
+            t, m = predict(fit_set, values_of(x))
+            rt = np.log(np.where(np.isfinite(t), t, 1e6) / mt)
+            rm = np.log(np.where(np.isfinite(m[has_mem]), m[has_mem], 1e18) / mm[has_mem])
+            return np.concatenate([rt, rm])
+        return residuals, values_of
 
-    x0 = np.array([_encode(n, initial[n]) for n in names])
-    lo, hi = _bounds(names)
-    x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
-    result = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-3, max_nfev=200)
+    residuals, _ = make_residuals(candidates)
+    lo, hi = _bounds(candidates)
+    x0 = np.clip(np.array([_encode(n, initial[n]) for n in candidates]), lo + 1e-9, hi - 1e-9)
+    jac0 = _jacobian(residuals, x0, lo, hi)
+    chosen, not_fitted = identifiable(fit_set, jac0, candidates, jac0.shape[0])
+    kinds = report_kinds(fit_set)
+    if explicit and not_fitted:
+        raise BerthError("params", ",".join(not_fitted), "the reports do not determine: " + "; ".join(
+            f"{n} {w}" for n, w in not_fitted.items()) + f" (fit set: {kinds})")
+    if not chosen:
+        raise BerthError("reports", len(fit_set), "these reports determine none of the parameters: " + "; ".join(
+            f"{n} {w}" for n, w in not_fitted.items()))
+    residuals, values_of = make_residuals(tuple(chosen))
+    lo, hi = _bounds(chosen)
+    x0 = np.clip(np.array([_encode(n, initial[n]) for n in chosen]), lo + 1e-9, hi - 1e-9)
+    result = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-3, x_scale="jac", max_nfev=MAX_EVALUATIONS,
+                           ftol=FIT_TOLERANCE, xtol=FIT_TOLERANCE, gtol=FIT_TOLERANCE)
     values = values_of(result.x)
-    fitted = apply(base, values)
+    fitted = apply(reports[0].plan.cluster, values)
     fit = Fit(values=values, initial=initial, fit_ids=[r.id for r in fit_set], held_out_ids=[r.id for r in held],
-              cluster=fitted)
-    fit.errors = {"fit_before": errors(fit_set, base), "fit_after": errors(fit_set, fitted)}
+              cluster=fitted, fitted=list(chosen), not_fitted=not_fitted, kinds=kinds,
+              uncertainty=uncertainty(list(chosen), result.x, result.jac, result.fun))
+    fit.errors = {"fit_before": errors(fit_set), "fit_after": errors(fit_set, values)}
     if held:
-        fit.errors.update({"held_out_before": errors(held, base), "held_out_after": errors(held, fitted)})
+        fit.errors.update({"held_out_before": errors(held), "held_out_after": errors(held, values)})
     return fit
 
 
@@ -209,8 +373,10 @@ def profile_document(fit: Fit, source: str) -> dict:
         comm_overlap_efficiency=c.comm_overlap_efficiency,
         sources={"calibration": f"{len(fit.fit_ids)} validation reports ({source}), berth calibrate"})
     device = c.device.model_copy(update={"name": name, "sources": {
-        **c.device.sources, "calibration": f"parameters fitted by berth calibrate: {sorted(fit.values)}"}})
+        **c.device.sources, "calibration": f"fitted by berth calibrate: {fit.fitted}; kept at the profile: "
+        f"{sorted(fit.not_fitted)}"}})
     return {"format": "berth-profile/1", "device": device.model_dump(mode="json"),
             "server": server.model_dump(mode="json"),
             "calibration": {"values": fit.values, "initial": fit.initial, "errors": fit.errors,
-                            "fit_ids": fit.fit_ids, "held_out_ids": fit.held_out_ids}}
+                            "fitted": fit.fitted, "not_fitted": fit.not_fitted, "uncertainty": fit.uncertainty,
+                            "report_kinds": fit.kinds, "fit_ids": fit.fit_ids, "held_out_ids": fit.held_out_ids}}

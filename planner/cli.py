@@ -365,12 +365,17 @@ def profile_cmd(
     with err.status("profiling") as status:
         result = run_profile(quick=quick, max_procs=max_procs, progress=lambda msg: status.update(f"profiling: {msg}"))
     Path(out).write_text(json.dumps(result, indent=2))
-    dev, link = result["device"], result["server"]["intra_node"]
+    dev, link, checks = result["device"], result["server"]["intra_node"], result.get("checks", {})
     peak = max(dev["peak_flops_per_s"].values())
-    console.print(f"{dev['display_name']}: GEMM peak {peak / 1e9:,.1f} GFLOP/s, memory "
-                  f"{dev['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+    console.print(f"{dev['display_name']}: peak {peak / 1e9:,.1f} GFLOP/s, best GEMM "
+                  f"{checks.get('best_gemm_flops_per_s', peak) / 1e9:,.1f} GFLOP/s, memory "
+                  f"{dev['memory_bandwidth_bytes_per_s'] * dev['memory_bandwidth_fraction'] / 1e9:.1f} GB/s, "
                   f"attention {dev['attention_peak_fraction']:.0%} "
                   f"of peak, op overhead {dev['kernel_overhead_s'] * 1e6:.1f} us")
+    if "square_matmul_flops_per_s" in checks:
+        console.print(f"square 8192 matmul {checks['square_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, GEMM curve top "
+                      f"{checks['curve_top_flops_per_s'] / 1e12:.0f} TFLOP/s ({checks['curve_top_vs_square']:+.1%}"
+                      f"{'' if checks['peak_agrees'] else ': more than 5% apart, rerun on an idle GPU'})")
     console.print(f"collectives: all-reduce bus bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, time vs "
                   "all-reduce: " + ", ".join(f"{k} x{v:.2f}" for k, v in link["op_time_scale"].items()))
     console.print(f"written to {out}")
@@ -385,16 +390,19 @@ def calibrate_cmd(
     device: Annotated[str | None, typer.Option("--device", help="only reports planned for this device")] = None,
     holdout: Annotated[float, typer.Option("--holdout", help="fraction of reports held out of the fit")] = 0.3,
     seed: Annotated[int, typer.Option("--seed", help="seed of the held-out split")] = 0,
+    params: Annotated[str | None, typer.Option("--params", help="comma-separated parameters to fit (default: "
+                                               "every one the reports determine)")] = None,
 ) -> None:
     """Fit the cost model's named efficiency parameters to validation reports (scipy least_squares)
-    and print the error on the fitted reports and on those held out."""
+    and print the error on the fitted reports and on those held out, with each fitted value's
+    uncertainty; parameters the reports cannot determine keep the profile's values."""
     from pydantic import ValidationError
     from rich.table import Table
 
     from planner.calibrate import PARAMETERS, calibrate, profile_document
     from planner.errors import from_validation_error
     from planner.specs import ValidationReport
-    from planner.store import Store
+    from planner.store import read_validations
 
     if not 0.0 <= holdout < 1.0:
         raise BerthError("holdout", holdout, "must be in [0, 1)")
@@ -408,15 +416,22 @@ def calibrate_cmd(
             except ValidationError as err:
                 raise from_validation_error(err, f"reports[{path}]") from None
     else:
-        loaded = Store(store).validations(status="ok")
+        loaded = read_validations(store, status="ok")
     if device:
         loaded = [r for r in loaded if r.plan.cluster.device.name == device]
-    fit = calibrate(loaded, holdout=holdout, seed=seed)
-    t = Table(title=f"calibration on {len(fit.fit_ids)} reports ({len(fit.held_out_ids)} held out)")
-    for col in ("parameter", "before", "after"):
+    names = tuple(n.strip() for n in params.split(",") if n.strip()) if params else None
+    fit = calibrate(loaded, holdout=holdout, seed=seed, names=names)
+    kinds = ", ".join(f"{v} {k}" for k, v in fit.kinds.items() if v)
+    t = Table(title=f"calibration on {len(fit.fit_ids)} reports ({len(fit.held_out_ids)} held out; {kinds})")
+    for col in ("parameter", "before", "after", "± std. error", "95% interval"):
         t.add_column(col, justify="left" if col == "parameter" else "right")
     for name in PARAMETERS:
-        t.add_row(name, f"{fit.initial[name]:.4g}", f"{fit.values[name]:.4g}")
+        u = fit.uncertainty.get(name)
+        if u:
+            t.add_row(name, f"{fit.initial[name]:.4g}", f"{fit.values[name]:.4g}", f"{u['standard_error']:.2g}",
+                      f"{u['ci95'][0]:.3g} .. {u['ci95'][1]:.3g}")
+        else:
+            t.add_row(name, f"{fit.initial[name]:.4g}", "not fitted", "", fit.not_fitted.get(name, ""))
     console.print(t)
     e = Table(title="errors (fractions)")
     for col in ("reports", "step-time MAPE", "worst", "memory MAPE", "worst"):

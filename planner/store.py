@@ -60,6 +60,44 @@ def default_path() -> Path:
     return base / "berth" / "berth.sqlite"
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def read_validations(path: str | Path | None = None, status: str | None = None) -> list[ValidationReport]:
+    """The validation reports of an existing results store, opened read-only: a missing file, a
+    file that is not SQLite or a store without reports is a BerthError naming the `store`
+    argument (nothing is created)."""
+    from planner.errors import BerthError
+
+    where = Path(path) if path else default_path()
+    if not where.is_file():
+        raise BerthError("store", str(where), "no such results store (`berth validate` writes one)")
+    try:
+        with where.open("rb") as f:
+            header = f.read(len(SQLITE_HEADER))
+    except OSError as err:
+        raise BerthError("store", str(where), f"cannot read: {err.strerror}") from None
+    if header != SQLITE_HEADER:
+        raise BerthError("store", str(where), "not an SQLite results store")
+    try:
+        db = sqlite3.connect(f"{where.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
+        try:
+            query, args = "SELECT body FROM validations", []
+            if status:
+                query += " WHERE status = ?"
+                args.append(status)
+            rows = db.execute(query + " ORDER BY created", args).fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error as err:
+        raise BerthError("store", str(where), f"not a berth results store: {err}") from None
+    try:
+        return [ValidationReport.model_validate_json(r[0]) for r in rows]
+    except ValueError as err:
+        raise BerthError("store", str(where), f"holds a report berth cannot read: {str(err).splitlines()[0]}") \
+            from None
+
+
 class Store:
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path else default_path()

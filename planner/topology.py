@@ -18,7 +18,7 @@ from typing import Any
 
 import networkx as nx
 
-from hardware_profiles import UnknownProfileError, device_names, load_device, load_server, server_names
+from hardware_profiles import UnknownProfileError, device_names, load_device, load_server, nvidia_smi_device
 from hardware_profiles.schema import DeviceProfile, ServerProfile
 from planner.errors import BerthError
 from planner.graphs import cluster_graph
@@ -103,10 +103,6 @@ def _device(counts: dict[str, int], field: str) -> tuple[DeviceProfile, tuple[st
 
 
 LOCAL = "local"
-# nvidia-smi name fragment -> device profile (most specific first)
-GPU_NAMES = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80g"),
-             ("A100 80GB", "a100-80g"), ("A100-SXM4-40GB", "a100-40g"), ("B200", "b200"), ("L40S", "l40s"),
-             ("L4", "l4"), ("MI300X", "mi300x"))
 
 
 def local_gpus() -> list[tuple[str, float]]:
@@ -121,8 +117,11 @@ def local_gpus() -> list[tuple[str, float]]:
         return []
     gpus = []
     for line in out.strip().splitlines():
-        name, mib = (x.strip() for x in line.rsplit(",", 1))
-        gpus.append((name, float(mib) * 2**20))
+        name, _, mib = (x.strip() for x in line.rpartition(","))
+        try:
+            gpus.append((name, float(mib) * 2**20))
+        except ValueError:  # a line that is not "name, MiB" (a driver message): not a GPU
+            continue
     return gpus
 
 
@@ -145,16 +144,20 @@ def local_cluster(devices_per_node: int | None = None,
         raise BerthError("cluster.devices_per_node", devices_per_node, f"must be in 1..{MAX_GPUS_PER_NODE}")
     gpus = local_gpus()
     if gpus:
-        name, memory = gpus[0]
-        profile = next((p for frag, p in GPU_NAMES if frag in name), None)
-        if profile is None:
-            raise BerthError("cluster", LOCAL, f"this machine's GPU {name!r} has no profile; known devices: "
-                             f"{', '.join(device_names())}")
+        names = sorted({name for name, _ in gpus})
+        if len(names) > 1:
+            raise BerthError("cluster", LOCAL, f"this machine mixes GPUs ({', '.join(names)}); not supported")
+        try:
+            device_name, server_name = nvidia_smi_device(names[0])
+        except UnknownProfileError as err:
+            raise BerthError("cluster", LOCAL, f"this machine's GPU {names[0]!r} has no device profile; known GPUs: "
+                             f"{', '.join(err.known)} (hardware_profiles/nvidia_smi_names.json)") from None
         if devices_per_node is not None and devices_per_node > len(gpus):
             raise BerthError("cluster.devices_per_node", devices_per_node, f"this machine has {len(gpus)} GPUs")
         count = devices_per_node or len(gpus)
-        server = next(load_server(s) for s in server_names() if load_server(s).device == profile)
-        device = load_device(profile).model_copy(update={"memory_bytes": memory})
+        server = load_server(server_name)
+        memory = min(m for _, m in gpus)  # what nvidia-smi reports: the capacity each rank plans against
+        device = load_device(device_name).model_copy(update={"memory_bytes": memory})
     else:
         count = devices_per_node or os.cpu_count() or 1
         server = load_server("local-cpu")

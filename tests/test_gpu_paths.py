@@ -1,0 +1,373 @@
+"""The GPU-only code paths, run on this CPU machine: `--cluster local` behind a fake `nvidia-smi` on
+PATH, the executor's CUDA set-up with `torch.cuda` replaced by recording stand-ins, and `berth
+profile`'s CUDA timing and arithmetic on synthetic timings. Nothing here skips for lack of a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import executor.device
+from executor import profile as prof
+from hardware_profiles import load_device, load_server
+
+BERTH = [sys.executable, "-m", "planner.cli"]
+H100_LINE = "NVIDIA H100 80GB HBM3, 81559"
+H100_BYTES = 81559 * 2**20
+QUERY = "--query-gpu=name,memory.total --format=csv,noheader,nounits"  # what planner/topology.py asks
+
+
+def fake_nvidia_smi(directory: Path, line: str = H100_LINE) -> Path:
+    """An `nvidia-smi` that answers local_gpus()'s exact query (any other query fails loudly) and
+    logs every call."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "nvidia-smi"
+    script.write_text(f'#!/bin/sh\necho "$*" >> "{directory}/calls.log"\n'
+                      f'if [ "$*" = "{QUERY}" ]; then echo "{line}"; exit 0; fi\n'
+                      'echo "fake nvidia-smi: unexpected arguments: $*" >&2; exit 9\n')
+    script.chmod(0o755)
+    return directory
+
+
+@pytest.fixture
+def gpu_path(tmp_path, monkeypatch):
+    """PATH with the fake nvidia-smi first (in this process and its children)."""
+    bin_dir = fake_nvidia_smi(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("BERTH_DEVICE", raising=False)
+    return bin_dir
+
+
+def berth(*args, env=None, timeout=180):
+    return subprocess.run([*BERTH, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+MODEL_1B = str(Path(__file__).resolve().parents[1] / "examples" / "models" / "llama-3.2-1b.json")
+
+
+def test_local_cluster_on_an_h100_plans_compares_and_validates(gpu_path, tmp_path):
+    r = berth("plan", MODEL_1B, "--cluster", "local", "--seq-len", "4096", "--global-batch", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    plans = json.loads(r.stdout)["plans"]
+    assert plans and (gpu_path / "calls.log").read_text().strip().splitlines()[0] == QUERY
+    cluster = plans[0]["cluster"]
+    assert cluster["name"] == "local" and cluster["gpus_per_node"] == 1
+    assert cluster["device"]["name"] == "h100-sxm" and cluster["device"]["memory_bytes"] == H100_BYTES
+    assert cluster["intra_node"] == load_server("dgx-h100").intra_node.model_dump(mode="json")
+    assert all(p["prediction"]["peak_memory_bytes"] <= H100_BYTES for p in plans if p["prediction"]["fits"])
+    plans_file = tmp_path / "plans.json"
+    plans_file.write_text(r.stdout)
+
+    r = berth("compare", MODEL_1B, "--cluster", "local", "--seq-len", "4096", "--global-batch", "16",
+              "--layout", "mbs=1,recompute=full", "--layout", "mbs=16", "--json")
+    assert r.returncode == 0, r.stderr
+    candidates = json.loads(r.stdout)["candidates"]
+    assert candidates[0]["prediction"]["fits"] and not candidates[1]["prediction"]["fits"]  # 16 x 4096 in 80 GB
+
+    # the validation is built for the GPU (1 rank, NCCL side) and launched; torch here has no CUDA,
+    # so the worker refuses to measure a GPU plan on the CPU, and says why
+    store = tmp_path / "results.sqlite"
+    r = berth("validate", str(plans_file), "--steps", "1", "--warmup", "0", "--store", str(store), "--timeout", "120")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "torch sees no CUDA device" in r.stderr
+    r = berth("launch", str(plans_file), "--format", "torchrun", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    assert "--nproc-per-node=1" in (tmp_path / "run" / "node0.sh").read_text()
+
+
+def test_unknown_gpu_is_an_error_naming_the_known_ones(tmp_path):
+    bin_dir = fake_nvidia_smi(tmp_path / "bin", "NVIDIA Imaginary X1, 24000")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("BERTH_DEVICE", None)
+    r = berth("plan", "tiny-gpt", "--cluster", "local", "--seq-len", "128", "--global-batch", "8", env=env)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "NVIDIA Imaginary X1" in r.stderr and "NVIDIA H100 80GB HBM3" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_nvidia_smi_name_maps_to_a_device_and_its_server():
+    from hardware_profiles import load_server, nvidia_smi_device
+
+    table = json.loads((Path(prof.__file__).parents[1] / "hardware_profiles" / "nvidia_smi_names.json").read_text())
+    for device, entry in table["devices"].items():
+        for name in entry["names"]:
+            assert nvidia_smi_device(f"  {name.lower()} ") == (device, entry["server"])
+        assert load_server(entry["server"]).device == device and load_device(device).kind == "gpu"
+
+
+def test_api_local_preset_on_an_h100(gpu_path, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import Settings
+
+    with TestClient(create_app(Settings(store_path=str(tmp_path / "api.sqlite")))) as client:
+        body = {"model": "tiny-gpt", "training": {"seq_len": 512, "global_batch_size": 8},
+                "cluster": {"preset": "local"}, "search": {"top": 2}}
+        r = client.post("/v1/plans", json=body)
+        assert r.status_code == 200, r.text
+        cluster = r.json()["plans"][0]["cluster"]
+        assert cluster["device"]["name"] == "h100-sxm" and cluster["device"]["memory_bytes"] == H100_BYTES
+        compare = {k: v for k, v in body.items() if k != "search"}
+        r = client.post("/v1/compare", json={**compare, "layouts": ["mbs=8", "mbs=1,recompute=full"]})
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/plans", json={**body, "cluster": {"preset": "local", "devices_per_node": 4}})
+        assert r.status_code == 422 and "devices_per_node" in r.text  # this machine has one GPU
+
+
+# --- CUDA set-up order in every executor entry point -------------------------------------------
+
+class CudaRecorder:
+    """torch.cuda stand-ins that record each call; memory calls made before set_device and
+    init on the device fail as the real allocator does ("Invalid device argument")."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.ready = False
+
+    def install(self, monkeypatch):
+        executor.device._READY.clear()
+        monkeypatch.setattr(executor.device, "_READY", set())
+        rec = self
+
+        def record(name, result=None, needs_init=False):
+            def fn(*args, **kwargs):
+                rec.calls.append(name)
+                if needs_init and not rec.ready:
+                    raise RuntimeError(f"{name} before CUDA initialisation: Invalid device argument")
+                return result() if callable(result) else result
+            return fn
+
+        def init(*args, **kwargs):
+            rec.calls.append("init")
+            if "set_device" in rec.calls:
+                rec.ready = True
+
+        monkeypatch.setattr(torch.cuda, "is_available", record("is_available", True))
+        monkeypatch.setattr(torch.cuda, "set_device", record("set_device"))
+        monkeypatch.setattr(torch.cuda, "init", init)
+        monkeypatch.setattr(torch.cuda, "synchronize", record("synchronize"))
+        monkeypatch.setattr(torch.cuda, "device_count", record("device_count", 1))
+        monkeypatch.setattr(torch.cuda, "get_device_name", record("get_device_name", "NVIDIA H100 80GB HBM3"))
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            record("get_device_properties", SimpleNamespace(total_memory=H100_BYTES)))
+        for name in ("reset_peak_memory_stats", "max_memory_reserved", "memory_allocated", "max_memory_allocated"):
+            monkeypatch.setattr(torch.cuda, name, record(name, 0, needs_init=True))
+        monkeypatch.setattr(torch.cuda, "mem_get_info", record("mem_get_info", (0, H100_BYTES), needs_init=True))
+        return self
+
+    def assert_initialised_before_memory_calls(self):
+        memory = [i for i, c in enumerate(self.calls) if c in ("reset_peak_memory_stats", "max_memory_reserved",
+                                                               "memory_allocated", "mem_get_info")]
+        assert "set_device" in self.calls and "init" in self.calls, self.calls
+        first_init = max(self.calls.index("set_device"), self.calls.index("init"))
+        assert all(i > first_init for i in memory), self.calls
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The entry points set this process's torch thread count (one per rank): put it back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _gpu_plan(tmp_path) -> Path:
+    """A one-rank tiny-gpt plan for an H100 (what `--cluster local` gives on a one-GPU machine)."""
+    from planner.models import presets
+    from planner.search import predict_layouts
+    from planner.specs import Layout, TrainingSpec
+    from planner.topology import cluster_from_preset
+
+    plan = predict_layouts(presets()["tiny-gpt"], TrainingSpec(seq_len=128, global_batch_size=8),
+                           cluster_from_preset("dgx-h100", 1), [Layout(micro_batch_size=4, num_microbatches=2)])[0]
+    assert plan.cluster.device.kind == "gpu" and plan.layout.world_size == 1
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    return path
+
+
+def test_worker_initialises_cuda_before_the_peak_counters(tmp_path, monkeypatch):
+    from executor import worker
+
+    rec = CudaRecorder().install(monkeypatch)
+    (tmp_path / "plans.json").write_text("[" + _gpu_plan(tmp_path).read_text() + "]")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["worker", "--plans", str(tmp_path / "plans.json"), "--out",
+                                      str(tmp_path / "out.json"), "--steps", "1"])
+    with pytest.raises((AssertionError, RuntimeError)):  # the model cannot move to a GPU this torch lacks
+        worker.main()
+    assert "reset_peak_memory_stats" in rec.calls  # the run got as far as the memory tracker
+    rec.assert_initialised_before_memory_calls()
+
+
+def test_proxy_initialises_cuda_before_the_peak_counters(tmp_path, monkeypatch):
+    from executor import proxy
+
+    rec = CudaRecorder().install(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["proxy", "--plan", str(_gpu_plan(tmp_path)), "--layers", "1", "--in-flight",
+                                      "1", "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "r.json")])
+    with pytest.raises((AssertionError, RuntimeError)):
+        proxy.main()
+    assert rec.calls.index("reset_peak_memory_stats") > rec.calls.index("init")
+    rec.assert_initialised_before_memory_calls()
+
+
+def test_profile_initialises_cuda_first_and_names_the_gpu(monkeypatch):
+    rec = CudaRecorder().install(monkeypatch)
+    with pytest.raises((AssertionError, RuntimeError)):  # the first GEMM needs a real GPU
+        prof.run_profile(quick=True)
+    assert rec.calls.index("set_device") < rec.calls.index("get_device_name")
+    assert rec.calls.index("init") < rec.calls.index("get_device_name")
+    assert prof.gpu_base("NVIDIA H100 80GB HBM3") == ("h100-sxm", "dgx-h100")
+    from planner.errors import BerthError
+
+    with pytest.raises(BerthError, match="NVIDIA H100 80GB HBM3"):  # an unknown GPU names the known ones
+        prof.gpu_base("NVIDIA Imaginary X1")
+
+
+def test_peak_memory_tracker_alone_initialises_cuda(monkeypatch):
+    from executor.train import PeakMemory
+
+    rec = CudaRecorder().install(monkeypatch)
+    tracker = PeakMemory(torch.device("cuda", 0))
+    tracker.start()
+    tracker.mark()
+    tracker.stop()
+    assert rec.calls[:3] == ["set_device", "init", "synchronize"]
+    rec.assert_initialised_before_memory_calls()
+    assert tracker.peak == 0.0
+
+
+def test_the_recorder_catches_the_old_order(monkeypatch):
+    """Without the init, the stand-in fails as the H100 did: the check above can fail."""
+    rec = CudaRecorder().install(monkeypatch)
+    with pytest.raises(RuntimeError, match="Invalid device argument"):
+        torch.cuda.reset_peak_memory_stats(torch.device("cuda", 0))
+    assert rec.calls == ["reset_peak_memory_stats"]
+
+
+# --- berth profile on CUDA: timing and arithmetic on synthetic timings ------------------------------
+
+class FakeEvent:
+    """torch.cuda.Event on a fake GPU clock advanced by the timed function."""
+    clock = 0.0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.t = None
+
+    def record(self):
+        self.t = FakeEvent.clock
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3  # milliseconds, as CUDA events report
+
+
+def test_cuda_event_timer_takes_the_median_after_warmup(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    durations = iter([9.0, 9.0, 9.0] + [0.010, 0.012, 0.011, 0.050, 0.011])  # 3 slow warm-ups, then one outlier
+    calls = []
+
+    def fn():
+        calls.append(1)
+        FakeEvent.clock += next(durations)
+
+    assert prof.cuda_event_median(fn, reps=5, warmup=3) == pytest.approx(0.011)
+    assert len(calls) == 8
+    assert prof.repetitions(1e-5, 0.2) == prof.MAX_REPS and prof.repetitions(0.05, 0.2) == prof.MIN_REPS
+    assert prof.repetitions(0.002, 0.2) == 100
+
+
+def test_gpu_gemm_shapes_are_the_layers_berth_predicts():
+    shapes = prof.layer_gemm_shapes()
+    assert (16384, 16384, 53248) in shapes  # 405B down projection, tp 1, 16k tokens
+    assert (8192, 8192, 8192) in shapes  # the square reference
+    assert all(m * n * k <= 16384 * 16384 * 53248 for m, n, k in shapes)
+    assert (32768, 2048, 2048) in shapes and (2048, 2048, 256) in shapes  # 1B output proj; its tp=8 slice
+    assert min(min(s) for s in shapes) <= 256 and len(shapes) > 100
+    quick = prof.layer_gemm_shapes(prof.QUICK_GPU_HIDDEN, prof.QUICK_GPU_TP, prof.QUICK_GPU_TOKENS)
+    assert (8192, 8192, 8192) in quick and len(quick) < 20
+    att = prof.attention_shapes("cuda", False)
+    assert {s for _, _, s, _ in att} == {2048, 4096, 8192} and {d for *_, d in att} == {128}
+
+
+def _synthetic_measurements(efficiency, attention_flops_per_s, bandwidth, rng, noise=0.02, peak=989e12):
+    """Timings a GPU with GEMM efficiency `efficiency(m, n, k)` of `peak` would give."""
+    gemm = []
+    for m, n, k in prof.layer_gemm_shapes():
+        flops = 2.0 * m * n * k
+        achieved = peak * efficiency(m, n, k) * (1 + noise * rng.standard_normal())
+        gemm.append({"m": m, "n": n, "k": k, "rows": m, "min_dim": min(m, n, k), "seconds": flops / achieved,
+                     "flops_per_s": achieved})
+    attention = []
+    for b, h, s, d in prof.attention_shapes("cuda", False):
+        f, bw = prof.attention_flops(b, h, s, d)
+        rate = attention_flops_per_s * (1 + noise * rng.standard_normal())
+        attention.append({"batch": b, "heads": h, "seq": s, "head_dim": d, "forward_s": f / rate,
+                          "backward_s": bw / rate, "flops_per_s": rate})
+    return {"gemm": gemm, "attention": attention, "memory_bandwidth_bytes_per_s": bandwidth, "op_overhead_s": 5e-6}
+
+
+def test_profile_fields_recover_a_known_gpu_from_its_timings():
+    rng = np.random.default_rng(3)
+    h100 = load_device("h100-sxm")
+
+    def eff(m, n, k):
+        d = min(m, n, k)
+        return 0.80 * d / (d + 120.0)
+
+    meas = _synthetic_measurements(eff, 0.55 * 989e12, 2.97e12, rng)
+    fields, sources, checks = prof.profile_fields(meas, h100, "bf16")
+    assert fields["peak_flops_per_s"]["bf16"] == 989e12  # the datasheet stays the MFU reference
+    curve = fields["gemm"]
+    assert curve.peak_fraction == sorted(curve.peak_fraction)
+    for d, f in zip(curve.min_dim, curve.peak_fraction, strict=True):
+        assert f == pytest.approx(0.80 * d / (d + 120.0), rel=0.05), d
+    assert fields["attention_peak_fraction"] == pytest.approx(0.55, rel=0.02)
+    assert fields["memory_bandwidth_bytes_per_s"] == h100.memory_bandwidth_bytes_per_s
+    assert fields["memory_bandwidth_fraction"] == pytest.approx(2.97 / 3.35)
+    assert checks["peak_agrees"] and abs(checks["curve_top_vs_square"]) <= prof.PEAK_AGREEMENT
+    assert "datasheet" in sources["peak_flops_per_s.bf16"]
+
+
+def test_a_bad_gemm_sweep_does_not_cap_attention_and_is_flagged():
+    """The H100 run of issue 19: GEMMs measured at 320 TFLOP/s (launch-bound), attention at 500.
+    Attention is a fraction of the datasheet (0.51), not 100 % of the bad GEMM figure; a square
+    matmul at 790 beside a curve topping at 320 is flagged."""
+    rng = np.random.default_rng(4)
+    meas = _synthetic_measurements(lambda m, n, k: 320 / 989, 500e12, 3.0e12, rng, noise=0.0)
+    square = next(g for g in meas["gemm"] if g["m"] == g["n"] == g["k"] == 8192)
+    square["flops_per_s"] = 790e12
+    fields, _, checks = prof.profile_fields(meas, load_device("h100-sxm"), "bf16")
+    assert fields["attention_peak_fraction"] == pytest.approx(500 / 989)
+    assert not checks["peak_agrees"]
+
+
+def test_isotonic_fit_is_the_least_squares_monotone_curve():
+    assert prof.isotonic([0.2, 0.5, 0.4, 0.7]) == pytest.approx([0.2, 0.45, 0.45, 0.7])
+    assert prof.isotonic([0.3, 0.1], [3, 1]) == pytest.approx([0.25, 0.25])
+    assert prof.isotonic([0.1, 0.2, 0.3]) == [0.1, 0.2, 0.3]
+
+
+def test_gpu_profile_document_builds_with_measurements_kept(monkeypatch):
+    rng = np.random.default_rng(5)
+    meas = _synthetic_measurements(lambda m, n, k: 0.75, 0.5 * 989e12, 3.0e12, rng)
+    machine = {"hostname": "gpu-box", "profile_base": "h100-sxm", "server_base": "dgx-h100",
+               "gpu_memory_bytes": float(H100_BYTES), "gpus": 1}
+    doc = prof.build_profile("cuda", meas, {}, machine)
+    assert doc["device"]["name"] == "h100-sxm-profiled" and doc["device"]["memory_bytes"] == H100_BYTES
+    assert doc["measurements"]["gemm"] == meas["gemm"] and doc["measurements"]["attention"] == meas["attention"]
+    assert doc["checks"]["peak_agrees"]
+    path_doc = json.dumps(doc)
+    from hardware_profiles import DeviceProfile
+
+    assert DeviceProfile.model_validate(json.loads(path_doc)["device"]).peak_flops("bf16") == 989e12
