@@ -55,21 +55,25 @@ def test_framework_changes_sequence_parallel_memory_only():
     assert one("pytorch", "tp=8,mbs=1") == one("megatron", "tp=8,mbs=1")
 
 
-def test_compare_keeps_misfits_with_reasons():
-    r = berth("compare", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "8192",
-              "--global-batch", "64", "--layout", "tp=8,pp=2,recompute=full,mbs=1",
-              "--layout", "tp=8,zero=3", "--layout", "tp=16", "--layout", "tp=3",
-              "--framework", "megatron", "--json")
+def test_compare_keeps_misfits_with_reasons_and_refuses_impossible_layouts():
+    args = ("compare", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "8192",
+            "--global-batch", "64", "--layout", "tp=8,pp=2,recompute=full,mbs=1", "--layout", "tp=8,zero=3",
+            "--framework", "megatron")
+    r = berth(*args, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     cands = out["candidates"]
-    assert len(cands) == 4
+    assert len(cands) == 2
     assert cands[0]["infeasible_reason"] is None and cands[0]["prediction"]["fits"]
     assert cands[1]["infeasible_reason"].startswith("out_of_memory")
     assert cands[1]["prediction"]["fits"] is False
-    assert cands[2]["infeasible_reason"].startswith("tp_not_divide_kv_heads")
-    assert cands[3]["infeasible_reason"].startswith("world_size_mismatch")
     assert out["gap_to_best"][0] <= 0.0 and out["gap_to_best"][1] is None
+    # a layout no cluster of 16 GPUs can run is refused before anything is predicted
+    for bad, field, why in (("tp=16", "layout[2].tp", "8 kv heads"), ("tp=3", "layout[2].tp", "valid: 1, 2, 4, 8"),
+                            ("tp=8,pp=2,dp=2", "layout[2].tp,pp,dp", "must equal the 16 GPUs")):
+        r = berth(*args, "--layout", bad, "--json")
+        assert r.returncode == 2 and field in r.stderr and why in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout
     assert out["best_searched"]["prediction"]["tokens_per_s"] >= cands[0]["prediction"]["tokens_per_s"]
 
 
