@@ -2,7 +2,8 @@
 
 GPipe (Huang et al. 2019) runs all m forwards before the backwards, so every stage holds m
 micro-batches; with one stage there is no pipeline (each micro-batch's backward follows its
-forward, as gradient accumulation does), so it holds one, whatever the schedule is called. 1F1B (PipeDream-Flush; Narayanan 2021 Sec. 2.2.1) holds at most p - i on stage i.
+forward, as gradient accumulation does), so it holds one, whatever the schedule is called.
+1F1B (PipeDream-Flush; Narayanan 2021 Sec. 2.2.1) holds at most p - i on stage i.
 The interleaved schedule with v chunks per rank (Narayanan 2021 Sec. 2.2.2) warms up with
 (p - i - 1) x 2 + (v - 1) x p chunk-micro-batches plus the one in flight (Megatron-LM
 schedules.py); on stage 0 that is L(1 + (p - 1)/(pv)) layers' worth (Korthikanti 2022 Sec. 4.2.3).
