@@ -176,3 +176,43 @@ def test_scripts_end_to_end(tmp_path):
         r = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_api_refuses_impossible_fix_and_layouts_with_422(tmp_path):
+    """The service shares the one validation: a real `berth serve` answers 422 naming the field."""
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "store.sqlite")}
+    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        base = {"model": "llama3-70b", "training": {"seq_len": 4096, "global_batch_size": 64},
+                "cluster": {"preset": "dgx-h100", "nodes": 2}}
+        for fix in ({"tp": 3}, "tp=3", {"zero_stage": 4}, "tp=8,pp=2,dp=2"):
+            r = httpx.post(url + "/v1/plans", json={**base, "search": {"fix": fix}}, timeout=60)
+            assert r.status_code == 422, (fix, r.text)
+            assert "fix" in r.json()["detail"][0]["loc"], r.text
+        r = httpx.post(url + "/v1/plans", json={**base, "search": {"fix": "tp=3"}}, timeout=60)
+        assert "valid: 1, 2, 4, 8" in r.text
+        r = httpx.post(url + "/v1/compare", json={**base, "layouts": ["tp=8", {"tp": 3}]}, timeout=60)
+        assert r.status_code == 422, r.text
+        loc = r.json()["detail"][0]["loc"]
+        assert "tp" in loc and any("layout[1]" in str(x) for x in loc), r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
