@@ -140,6 +140,8 @@ _CODES = {"recompute": RECOMPUTE_CHOICES, "schedule": SCHEDULE_CHOICES, "axis_or
 def _apply_fix(c: Candidates, fix: dict, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> Candidates:
     """The candidates with the fixed values; a value no candidate has is refused (a BerthError
     with the broken rule and the values that would do), never an empty search."""
+    if not fix:
+        return c
     check_values(fix, "fix")
     keep = np.ones(len(c), dtype=bool)
     for key, value in fix.items():
@@ -190,7 +192,7 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
     for start in range(0, len(cands), CHUNK):
         if deadline is not None and time.monotonic() > deadline:
             raise SearchTimeout(f"search stopped after {start:,} of {len(cands):,} layouts: over its time budget")
-        part = cands.take(np.arange(start, min(start + CHUNK, len(cands))))
+        part = cands.take(slice(start, min(start + CHUNK, len(cands))))  # views, no copy
         ev = evaluate(model, training, cluster, part)
         codes, counts = np.unique(ev.reason, return_counts=True)
         reasons.update(dict(zip(codes.tolist(), counts.tolist(), strict=True)))
