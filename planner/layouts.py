@@ -45,6 +45,8 @@ def parse_spec(text: str, field: str = "layout") -> dict[str, Any]:
             raise BerthError(field, part, "expected key=value")
         if name not in LAYOUT_FIELDS:
             raise BerthError(field, key, f"unknown key; use {', '.join(sorted({*LAYOUT_FIELDS, *ALIASES}))}")
+        if name in out:
+            raise BerthError(f"{field}.{name}", text, "given twice")
         out[name] = _typed(name, value, field)
     return out
 
