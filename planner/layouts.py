@@ -128,7 +128,8 @@ RULE_FIELDS = {
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n <= 4096 else [d for d in (1, 2, 4, 8, 16) if n % d == 0]
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _listing(values: list) -> str:
@@ -192,7 +193,7 @@ def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, cl
 
 
 def _blame(name: str, given: set[str], values: dict[str, Any]) -> tuple[str, Any]:
-    keys = [k for k in RULE_FIELDS.get(name, ()) if k in given] or sorted(given)
+    keys = [k for k in RULE_FIELDS.get(name, ()) if k in given] or list(RULE_FIELDS.get(name, ())) or sorted(given)
     if len(keys) == 1:
         return keys[0], values.get(keys[0])
     return ",".join(keys), ",".join(f"{k}={values.get(k)}" for k in keys)
@@ -205,7 +206,7 @@ def check_layout(values: dict[str, Any], model: ModelSpec, training: TrainingSpe
     check_values(values, field)
     layout = complete_layout(values, training, cluster.world_size, field)
     given = set(values)
-    problems = layout_problems(layout, model, training, cluster, given)
+    problems = layout_problems(layout, model, training, cluster)  # derived values too: it is one layout
     if problems:
         key, value = _blame(problems[0][0], given, layout.model_dump())
         raise BerthError(f"{field}.{key}", value, "; ".join(dict.fromkeys(why for _, why in problems[:3])))
@@ -226,7 +227,10 @@ def refuse_fix(fix: dict[str, Any], key: str, valid: list, model: ModelSpec, tra
         why = "; ".join(dict.fromkeys(whole)) or (partial[0] if partial else "")
     except BerthError:
         pass
-    earlier = [f"{k}={fix[k]}" for k in fix if k != key]
+    order = list(fix)
+    earlier = [f"{k}={fix[k]}" for k in order[: order.index(key)]]
+    if not why and key in ("shard", "zero_stage") and fix.get("shard") == 1 and fix.get("zero_stage", 0) > 0:
+        why = "ZeRO shards over shard > 1 ranks (shard = 1 under ZeRO is zero = 0)"
     if not why:
         why = f"no layout of {cluster.world_size} GPUs the search covers has it" + \
             (f" with {','.join(earlier)}" if earlier else "")
