@@ -16,7 +16,8 @@ Each run:
    by a model fitted on it. `--rescore` repeats this step alone on saved measurements, for a
    changed cost model; the results then name the file they were scored from.
 
-Prints a table and saves benchmarks/results/accuracy-<machine>.json (fractions, not percents:
+Prints a table and saves benchmarks/results/accuracy-<machine>.json (a rescore only prints,
+unless --out names a file; the plot needs matplotlib, the `bench` extra) (fractions, not percents:
 step_time_mape, step_time_max_error, memory_mape, memory_max_error, spearman, top1_regret, the
 noise floor between passes, every case) and accuracy-<machine>.png (predicted vs measured).
 """
@@ -193,7 +194,11 @@ def score(measured: dict) -> dict:
 
 
 def scatter(runs: list[dict], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed (pip install -e '.[bench]'): no plot written to {path}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -227,8 +232,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="quick profile and 12 sampled layouts")
     ap.add_argument("--machine", default=platform.node().split(".")[0] or "local")
     ap.add_argument("--rescore", metavar="MEASUREMENTS.json",
-                    help="score the current cost model on saved measurements instead of running again")
+                    help="score the current cost model on saved measurements instead of running again "
+                    "(prints the scores; writes them only with --out)")
+    ap.add_argument("--out", metavar="RESULT.json", help="where to write the scores (and the .png beside); "
+                    f"default: {RESULTS}/accuracy-MACHINE.json, nothing with --rescore")
     args = ap.parse_args()
+    out = Path(args.out) if args.out else None
+    if out is not None and not out.parent.is_dir():
+        ap.error(f"--out {args.out}: directory {out.parent} does not exist")
+    if args.rescore and not Path(args.rescore).is_file():
+        ap.error(f"--rescore {args.rescore}: no such file")
 
     def say(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -236,7 +249,10 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"accuracy-{args.machine}" + ("-quick" if args.quick else "")
     if args.rescore:
-        measured = json.loads(Path(args.rescore).read_text())["runs"]
+        try:
+            measured = json.loads(Path(args.rescore).read_text())["runs"]
+        except (ValueError, KeyError, TypeError):
+            ap.error(f"--rescore {args.rescore}: not a measurements file (JSON with \"runs\")")
         say(f"scoring the current cost model on {len(measured)} saved runs from {args.rescore}")
     else:
         measured = [measure(args.world, args.passes, args.quick, seed, say) for seed in range(args.runs)]
@@ -253,8 +269,11 @@ def main() -> None:
            "steps": STEPS, "warmup": WARMUP,
            "machine": {"hostname": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
            "runs": runs}
-    (RESULTS / f"{stem}.json").write_text(json.dumps(doc, indent=1))
-    scatter(runs, RESULTS / f"{stem}.png")
+    if out is None and not args.rescore:  # a fresh measurement is saved; a rescore only printed
+        out = RESULTS / f"{stem}.json"
+    if out is not None:
+        out.write_text(json.dumps(doc, indent=1))
+        scatter(runs, out.with_suffix(".png"))
     print(f"\n{'':36s}" + "".join(f"{k:>20s}" for k in keys))
     for name, s in summary.items():
         for kind in ("uncalibrated", "calibrated_cross_validated"):
@@ -262,7 +281,7 @@ def main() -> None:
         if s["noise_floor"]:
             print(f"{name + ' noise (pass to pass)':36s}{s['noise_floor']['step_time_pass_to_pass_mean']:>20.3f}"
                   f"{'':>20s}{s['noise_floor']['memory_pass_to_pass_mean']:>20.3f}")
-    print(f"saved {RESULTS / (stem + '.json')} and .png")
+    print(f"saved {out}" if out is not None else "not saved (give --out RESULT.json to keep the scores)")
 
 
 if __name__ == "__main__":

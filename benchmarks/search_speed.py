@@ -3,6 +3,11 @@ search on three large problems. Prints a table and saves benchmarks/results/sear
 
 Targets (2-core CI machine): gpt3-175b on 128 DGX A100 nodes under 1 s; every case under 5 s.
 Each case runs REPEATS times; the median is reported next to the min and max.
+
+Beside the in-process search, each case is timed as a user feels it: the whole `berth plan`
+process (interpreter start, imports, the cluster, the search, the tables), WHOLE_REPEATS runs,
+min and median. Targets: the gpt3-175b case under 1.0 s, the 405B on 2,048 nodes under 1.5 s.
+On a shared machine these wall times are noisy: compare minima.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +32,8 @@ CASES = [
     ("llama3.1-405b / 2048 x DGX H100", "llama3.1-405b", "dgx-h100", 2048, 8192, 2048),
 ]
 REPEATS = 3
+WHOLE_REPEATS = 5
+WHOLE_TARGETS_S = {"gpt3-175b / 128 x DGX A100": 1.0, "llama3.1-405b / 2048 x DGX H100": 1.5}
 OUT = Path(__file__).parent / "results" / "search_speed.json"
 
 
@@ -51,6 +60,19 @@ def run_case(model_name, preset, nodes, seq, batch):
     }
 
 
+def whole_process(model_name, preset, nodes, seq, batch) -> dict:
+    """Wall time of `berth plan ...` as a fresh process (tables printed to /dev/null)."""
+    cmd = [sys.executable, "-m", "planner.cli", "plan", model_name, "--cluster", preset, "--nodes", str(nodes),
+           "--seq-len", str(seq), "--global-batch", str(batch)]
+    walls = []
+    for _ in range(WHOLE_REPEATS):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        walls.append(time.perf_counter() - t0)
+    return {"command": "berth " + " ".join(cmd[3:]), "wall_s_min": min(walls),
+            "wall_s_median": statistics.median(walls), "walls_s": walls}
+
+
 def main() -> None:
     results = {}
     print(f"{'case':36s} {'candidates':>11s} {'wall s':>8s} {'cand/s':>12s}  best layout")
@@ -59,9 +81,18 @@ def main() -> None:
         results[name] = r
         print(f"{name:36s} {r['candidates']:11,d} {r['wall_s_median']:8.3f} {r['candidates_per_s']:12,.0f}  "
               f"{r['best_layout']} (MFU {r['best_mfu']:.1%})")
+    print(f"\nwhole process (`berth plan ...`, {WHOLE_REPEATS} runs)")
+    for name, *args in CASES:
+        w = whole_process(*args)
+        results[name]["whole_process"] = w
+        target = WHOLE_TARGETS_S.get(name)
+        note = f"  target {target:g} s: {'met' if w['wall_s_min'] < target else 'missed'} (min)" if target else ""
+        print(f"{name:36s} min {w['wall_s_min']:.3f} s, median {w['wall_s_median']:.3f} s{note}")
     first = results[CASES[0][0]]["wall_s_median"]
     worst = max(r["wall_s_median"] for r in results.values())
-    summary = {"first_case_under_1s": first < 1.0, "every_case_under_5s": worst < 5.0}
+    summary = {"first_case_under_1s": first < 1.0, "every_case_under_5s": worst < 5.0,
+               "whole_process_targets_met_by_min": {n: results[n]["whole_process"]["wall_s_min"] < t
+                                                    for n, t in WHOLE_TARGETS_S.items()}}
     print(f"targets: first case {first:.3f} s (< 1 s: {summary['first_case_under_1s']}), "
           f"worst {worst:.3f} s (< 5 s: {summary['every_case_under_5s']})")
     OUT.parent.mkdir(parents=True, exist_ok=True)

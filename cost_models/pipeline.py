@@ -1,7 +1,9 @@
 """Pipeline schedules: micro-batches in flight per stage and the bubble.
 
 GPipe (Huang et al. 2019) runs all m forwards before the backwards, so every stage holds m
-micro-batches. 1F1B (PipeDream-Flush; Narayanan 2021 Sec. 2.2.1) holds at most p - i on stage i.
+micro-batches; with one stage there is no pipeline (each micro-batch's backward follows its
+forward, as gradient accumulation does), so it holds one, whatever the schedule is called.
+1F1B (PipeDream-Flush; Narayanan 2021 Sec. 2.2.1) holds at most p - i on stage i.
 The interleaved schedule with v chunks per rank (Narayanan 2021 Sec. 2.2.2) warms up with
 (p - i - 1) x 2 + (v - 1) x p chunk-micro-batches plus the one in flight (Megatron-LM
 schedules.py); on stage 0 that is L(1 + (p - 1)/(pv)) layers' worth (Korthikanti 2022 Sec. 4.2.3).
@@ -26,7 +28,7 @@ def layers_in_flight(num_layers: int, pp, vpp, nmb, schedule, stage):
     chunks = np.minimum(nmb * vpp, (pp - stage - 1.0) * 2.0 + (vpp - 1.0) * pp + 1.0)
     interleaved = chunks * per_stage / vpp
     return np.where(
-        schedule == SCHEDULE_GPIPE,
+        (schedule == SCHEDULE_GPIPE) & (pp > 1),
         gpipe,
         np.where(schedule == SCHEDULE_INTERLEAVED, interleaved, one_f_one_b),
     )

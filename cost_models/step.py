@@ -33,7 +33,7 @@ BOTTLENECK_TERMS = {
     "tp_comm": ("tp_comm",),
     "dp_comm": ("dp_comm",),
     "pipeline_bubble": ("bubble", "pp_comm"),
-    "memory": ("recompute",),
+    "recompute": ("recompute",),
     "optimizer": ("optimizer",),
 }
 
@@ -59,7 +59,7 @@ class Evaluation:
         return self.reason == VALID
 
 
-BOTTLENECK_NAMES: tuple[str, ...] = ("compute", *BOTTLENECK_TERMS)
+BOTTLENECK_NAMES: tuple[str, ...] = ("compute", *BOTTLENECK_TERMS, "memory")  # "memory": does not fit
 
 
 def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride):
@@ -204,7 +204,8 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
 
 def _bottleneck(time: dict[str, np.ndarray], step: np.ndarray, reason: np.ndarray) -> np.ndarray:
     """Index into BOTTLENECK_NAMES of the largest non-compute term; "compute" when every
-    overhead is under COMPUTE_BOUND_SHARE of the step; "memory" when the layout does not fit."""
+    overhead is under COMPUTE_BOUND_SHARE of the step; "recompute" when the recomputation a
+    fitting layout pays is the largest; "memory" only when the layout does not fit."""
     terms = np.stack([sum(time[k] for k in keys) for keys in BOTTLENECK_TERMS.values()])
     largest = np.argmax(terms, axis=0)
     share = np.take_along_axis(terms, largest[None], axis=0)[0] / step

@@ -34,8 +34,10 @@ OUT_OF_MEMORY = REASON_CODES["out_of_memory"]
 MEMORY_TIGHT = REASON_CODES["memory_tight"]  # fits, but closer to the capacity than the search's memory headroom
 
 
-def structural_reasons(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec):
-    """Reason codes for every rule that does not depend on the cost model."""
+def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> list:
+    """One boolean array per rule of REASONS[1:] that does not depend on the cost model (True:
+    the candidate breaks it), in REASONS order. The search masks with them and the one-layout
+    check (`planner.layouts.check_layout`) explains with them: the rules live only here."""
     one_f_one_b = (c.schedule != SCHEDULE_GPIPE) & (c.pp > 1)
     rules = [
         c.tp * c.pp * c.dp != cluster.world_size,
@@ -51,6 +53,12 @@ def structural_reasons(c: Candidates, model: ModelSpec, training: TrainingSpec, 
         one_f_one_b & (c.nmb < c.pp),
         (c.schedule == SCHEDULE_INTERLEAVED) & (c.nmb % c.pp != 0),
     ]
+    return rules
+
+
+def structural_reasons(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec):
+    """Reason codes for every rule that does not depend on the cost model."""
+    rules = structural_rules(c, model, training, cluster)
     reason = np.zeros(len(c), dtype=np.int64)
     for code in range(len(rules), 0, -1):  # the first failing rule wins
         reason = np.where(rules[code - 1], code, reason)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -11,27 +11,53 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from planner import __version__
 from planner.errors import BerthError
-from planner.models import load_model
-from planner.planning import (
-    compare,
-    compare_json,
-    default_precision,
-    lose_nodes,
-    make_cluster,
-    make_search,
-    make_training,
-    plan,
-    plans_json,
-    with_fallback,
-    with_operations,
-)
-from planner.render import breakdown_table, goodput_table, plans_table, print_placement, print_reasons, validation_table
 from planner.specs import DEFAULT_MEMORY_HEADROOM
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="berth: plan parallel layouts for training.")
-MIN_WIDTH = 150  # the plan table needs about this many columns; narrower output would wrap cells
-console = Console(width=max(MIN_WIDTH, shutil.get_terminal_size().columns))
+# Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
+# (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m planner.cli plan ...`).
+
+app = typer.Typer(no_args_is_help=True, help="berth: plan parallel layouts for training.")
+console = Console()  # the terminal's width (80 when piped): tables adapt, see planner.render.NARROW
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"berth {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print the version and exit")] = False) -> None:
+    """berth: plan parallel layouts for training."""
+
+
+def _out_file(path: str | None, field: str = "out") -> None:
+    """Refuse, before any work, an output file that cannot be written."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise BerthError(field, path, "is a directory; give a file path")
+    parent = p.parent
+    if not parent.is_dir():
+        raise BerthError(field, path, f"directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise BerthError(field, path, "not writable")
+
+
+def _write(path: str, text: str, field: str = "out") -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as err:
+        raise BerthError(field, path, f"cannot write: {err.strerror}") from None
+
+
+def _at_least(field: str, value: float | None, low: float) -> None:
+    if value is not None and value < low:
+        raise BerthError(field, value, f"must be at least {low:g}")
 
 Model = Annotated[str, typer.Argument(help="preset name, a model YAML/JSON file, or an HF config.json")]
 Cluster = Annotated[str, typer.Option(
@@ -62,6 +88,7 @@ Json = Annotated[bool, typer.Option("--json", help="print one JSON object instea
 Headroom = Annotated[float, typer.Option(
     "--memory-headroom", help=f"share of the device memory a plan must leave free to be ranked as fitting "
     f"(default {DEFAULT_MEMORY_HEADROOM}); closer to the capacity it is 'memory_tight' and not ranked")]
+Csv = Annotated[bool, typer.Option("--csv", help="print the plans as CSV (SI units) instead of tables")]
 
 
 Profile = Annotated[str | None, typer.Option("--profile", help="a `berth profile` output: measured device "
@@ -71,6 +98,9 @@ Profile = Annotated[str | None, typer.Option("--profile", help="a `berth profile
 def _inputs(model: str, cluster: str, nodes: int, devices: int | None, seq_len: int, global_batch: int,
             precision: str | None, flash: bool, profile: str | None = None, fabric: tuple = ("rails", None, 1.0),
             operations: tuple = (None, None, None), token_budget: float | None = None, framework: str = "pytorch"):
+    from planner.models import load_model
+    from planner.planning import default_precision, make_cluster, make_training, with_operations
+
     spec = load_model(model)
     failures, storage_gbps, price = operations
     cl = with_operations(make_cluster(cluster, nodes, devices, profile, *fabric), failures,
@@ -114,8 +144,14 @@ def plan_cmd(
     spare_nodes: Annotated[int, typer.Option("--spare-nodes", help="keep this many nodes as hot spares: plan on "
                                              "the rest")] = 0,
     as_json: Json = False,
+    as_csv: Csv = False,
 ) -> None:
-    """Search every valid layout and show the fastest that fit."""
+    """Search every valid layout and show the fastest that fit (exit 1 when none fits)."""
+    from planner.planning import lose_nodes, make_search, plan, plans_json, with_fallback
+    from planner.render import breakdown_table, count, goodput_table, plans_csv, plans_table, print_placement
+
+    if as_json and as_csv:
+        raise BerthError("csv", True, "give --json or --csv, not both")
     spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile,
                                  (fabric, nodes_per_leaf, oversubscription), (failures, storage_gbps, price),
                                  token_budget, framework)
@@ -130,10 +166,15 @@ def plan_cmd(
         result = with_fallback(result, search_spec)
     if as_json:
         print(json.dumps(plans_json(result)))
+    elif as_csv:
+        sys.stdout.write(plans_csv(result.plans))
+    if not result.plans:
+        _no_fit(result, cl, as_json or as_csv)
+    if as_json or as_csv:
         return
-    head = (f"{spec.name} ({spec.num_params / 1e9:.1f}B params) on {cl.nodes} x {cl.name} "
+    head = (f"{spec.name} ({count(spec.num_params)} params) on {cl.nodes} x {cl.name} "
             f"({cl.world_size} {_unit(cl)}), seq {seq_len}, global batch {global_batch}, {training.precision}")
-    console.print(plans_table(result.plans, head))
+    console.print(plans_table(result.plans, head, width=console.width))
     rejected = ", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none"
     console.print(f"searched {result.searched:,} layouts: {result.feasible:,} feasible; rejected: {rejected}")
     if result.plans:
@@ -146,8 +187,22 @@ def plan_cmd(
         if fb is not None:
             console.print(f"fallback with {fb.nodes_lost} node lost: {fb.layout.short()}, "
                           f"{fb.tokens_per_s:,.0f} tokens/s; " + "; ".join(fb.changes))
+
+
+def _no_fit(result, cluster, quiet: bool) -> None:
+    """Exit 1 naming the tightest resource: the smallest predicted peak against the device memory."""
+    if not quiet:
+        rejected = ", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none"
+        console.print(f"searched {result.searched:,} layouts: {result.feasible:,} feasible; rejected: {rejected}")
+    if result.closest is not None:
+        layout, peak = result.closest
+        why = (f"the smallest predicted peak is {peak / 2**30:,.1f} GiB of "
+               f"{cluster.device.memory_bytes / 2**30:,.1f} GiB per {_unit(cluster)[:-1]} ({layout}); "
+               "more GPUs, a shorter sequence or a smaller global batch")
     else:
-        console.print("[red]no layout fits[/red]: see the rejected counts above")
+        why = "every layout breaks a rule: " + (", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none")
+    Console(stderr=True).print(f"[red]no layout fits[/red]: {why}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
 
 
 @app.command("compare")
@@ -168,8 +223,14 @@ def compare_cmd(
     framework: FrameworkOpt = "pytorch",
     memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
     as_json: Json = False,
+    as_csv: Csv = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
+    from planner.planning import compare, compare_json, make_search, plan
+    from planner.render import breakdown_table, plans_csv, plans_table, print_placement, print_reasons
+
+    if as_json and as_csv:
+        raise BerthError("csv", True, "give --json or --csv, not both")
     spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile,
                                  (fabric, nodes_per_leaf, oversubscription), framework=framework)
     candidates = compare(spec, training, cl, layout, memory_headroom)
@@ -182,7 +243,11 @@ def compare_cmd(
         print(json.dumps(out))
         return
     ref = best.plans[0].prediction.tokens_per_s if best and best.plans else None
-    console.print(plans_table(candidates, f"{spec.name} on {cl.world_size} {_unit(cl)}: candidates", ref))
+    if as_csv:
+        sys.stdout.write(plans_csv(candidates, ref))
+        return
+    console.print(plans_table(candidates, f"{spec.name} on {cl.world_size} {_unit(cl)}: candidates", ref,
+                              width=console.width))
     print_reasons(console, candidates)
     if best and best.plans:
         b = best.plans[0]
@@ -205,12 +270,13 @@ def topology_cmd(
     """Build a cluster's topology graph from presets (or read one) and show its fast domains."""
     from planner.planning import load_graph_file, preset_graph
 
+    _out_file(out)
     if len(servers) == 1 and servers[0].endswith(".json"):
         data, cl = None, load_graph_file(servers[0])
     else:
         data, cl = preset_graph(servers, fabric, nodes_per_leaf, oversubscription)
     if out and data is not None:
-        Path(out).write_text(json.dumps(data, indent=1) + "\n")
+        _write(out, json.dumps(data, indent=1) + "\n")
     if as_json:
         print(json.dumps(data if data is not None else cl.model_dump(mode="json")))
         return
@@ -231,6 +297,7 @@ def presets_cmd(as_json: Json = False) -> None:
 
     from hardware_profiles import device_names, load_device, load_server, server_names
     from planner.models import presets
+    from planner.render import count
 
     servers = [load_server(n) for n in server_names()]
     devices = [load_device(n) for n in device_names()]
@@ -253,7 +320,7 @@ def presets_cmd(as_json: Json = False) -> None:
         d.add_row(x.name, f"{x.peak_flops('bf16') / 1e12:g}", f"{x.memory_bytes / 2**30:.0f}",
                   f"{x.memory_bandwidth_bytes_per_s / 1e12:.3g}", x.display_name)
     console.print(d)
-    console.print("models: " + ", ".join(sorted(presets())))
+    console.print("models: " + ", ".join(f"{n} ({count(m.num_params)})" for n, m in sorted(presets().items())))
 
 
 @app.command("validate")
@@ -279,10 +346,18 @@ def validate_cmd(
     """Run a plan on this machine with torch.distributed and compare measured with predicted."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from executor.validate import load_plan, validate, validate_proxy
+    from executor.validate import validate, validate_proxy
+    from planner.render import validation_table
     from planner.store import Store
 
-    chosen = load_plan(plan_file, pick)
+    _at_least("steps", steps, 1)
+    _at_least("warmup", warmup, 0)
+    _at_least("layers", layers, 1)
+    if timeout is not None and not timeout > 0:
+        raise BerthError("timeout", timeout, "must be a positive number of seconds")
+    _out_file(out)
+    _store_file(store)
+    chosen = _load_plan(plan_file, pick)
     if proxy not in (None, "rank-slice"):
         raise BerthError("proxy", proxy, "the only proxy is rank-slice")
     if proxy is None and (layers is not None or stage is not None):
@@ -334,19 +409,25 @@ def launch_cmd(
 ) -> None:
     """Write the files that launch a plan: per-node torchrun scripts, an sbatch script or a PyTorchJob
     running the bundled executor, or Megatron-LM / DeepSpeed / torchtitan configs for the layout."""
-    from executor.validate import load_plan
     from planner.launch import artifacts
 
-    plan = load_plan(plan_file, pick)
-    files = artifacts(plan, fmt, steps=steps, warmup=warmup, image=image)
+    _at_least("steps", steps, 1)
+    _at_least("warmup", warmup, 0)
     directory = Path(out)
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        path = directory / name
-        path.write_text(text)
-        if name.endswith((".sh", ".sbatch")):
-            path.chmod(0o755)
-        console.print(f"wrote {path}")
+    if directory.exists() and not directory.is_dir():
+        raise BerthError("out", out, "exists and is not a directory; give a directory for the files")
+    plan = _load_plan(plan_file, pick)
+    files = artifacts(plan, fmt, steps=steps, warmup=warmup, image=image)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            path = directory / name
+            path.write_text(text)
+            if name.endswith((".sh", ".sbatch")):
+                path.chmod(0o755)
+            console.print(f"wrote {path}")
+    except OSError as err:
+        raise BerthError("out", out, f"cannot write: {err.strerror}") from None
     console.print(f"{fmt} launch of {plan.layout.short()} ({plan.layout.world_size} ranks)")
 
 
@@ -359,12 +440,14 @@ def profile_cmd(
 ) -> None:
     """Measure this machine (GEMMs, memory bandwidth, attention, collectives) into a profile that
     plan, compare and --cluster local accept with --profile."""
+    _out_file(out)
+    _at_least("max_procs", max_procs, 1)
     from executor.profile import run_profile
 
     err = Console(stderr=True)
     with err.status("profiling") as status:
         result = run_profile(quick=quick, max_procs=max_procs, progress=lambda msg: status.update(f"profiling: {msg}"))
-    Path(out).write_text(json.dumps(result, indent=2))
+    _write(out, json.dumps(result, indent=2))
     dev, link, checks = result["device"], result["server"]["intra_node"], result.get("checks", {})
     peak = max(dev["peak_flops_per_s"].values())
     console.print(f"{dev['display_name']}: peak {peak / 1e9:,.1f} GFLOP/s, best GEMM "
@@ -406,6 +489,7 @@ def calibrate_cmd(
 
     if not 0.0 <= holdout < 1.0:
         raise BerthError("holdout", holdout, "must be in [0, 1)")
+    _out_file(out)
     loaded = []
     if reports:
         for path in reports:
@@ -413,6 +497,8 @@ def calibrate_cmd(
                 loaded.append(ValidationReport.model_validate_json(Path(path).read_text()))
             except OSError as err:
                 raise BerthError("reports", path, f"cannot read: {err.strerror}") from None
+            except UnicodeDecodeError:
+                raise BerthError("reports", path, "not a text file (expected a ValidationReport JSON)") from None
             except ValidationError as err:
                 raise from_validation_error(err, f"reports[{path}]") from None
     else:
@@ -464,12 +550,66 @@ def serve_cmd(
     uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info")
 
 
-def main() -> None:
+def _load_plan(path: str, pick: int):
+    """One plan of a plan file; a file that is no text or no JSON is refused naming it."""
+    from executor.validate import load_plan
+
+    if not Path(path).is_file():
+        raise BerthError("plan", path, "no such file" if not Path(path).exists() else "not a file")
     try:
-        app(standalone_mode=True)
+        Path(path).read_text()
+    except UnicodeDecodeError:
+        raise BerthError("plan", path, "not a text file (expected `berth plan --json` output)") from None
+    except OSError as err:
+        raise BerthError("plan", path, f"cannot read: {err.strerror}") from None
+    return load_plan(path, pick)
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
+def _store_file(path: str | None) -> None:
+    """A results store that exists must be SQLite; a new one needs an existing directory."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise BerthError("store", path, "is a directory; give a SQLite file path")
+    if p.exists():
+        try:
+            head = p.read_bytes()[:16]
+        except OSError as err:
+            raise BerthError("store", path, f"cannot read: {err.strerror}") from None
+        if head and head != SQLITE_MAGIC:
+            raise BerthError("store", path, "not a SQLite database")
+    elif not p.parent.is_dir():
+        raise BerthError("store", path, f"directory {str(p.parent)!r} does not exist")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI: bad input (ours or the argument parser's) is one line on stderr and exit 2."""
+    try:  # typer >= 0.24 vendors click
+        from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    except ImportError:  # pragma: no cover - older typer on click
+        from click.exceptions import ClickException, NoArgsIsHelpError
+
+    err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        code = app(args=argv, prog_name="berth", standalone_mode=False)
     except BerthError as err:
-        Console(stderr=True).print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {err}")
         sys.exit(2)
+    except NoArgsIsHelpError as err:
+        print(err.ctx.get_help() if err.ctx else "berth --help")
+        sys.exit(2)
+    except ClickException as err:  # the parser's own: a missing argument, "abc" for an integer, ...
+        ctx = getattr(err, "ctx", None)
+        where = f" (berth {ctx.command_path.split(' ', 1)[1]} --help)" if ctx and " " in ctx.command_path else ""
+        err_console.print(f"[red]error:[/red] {err.format_message()}{where}", markup=True)
+        sys.exit(2)
+    except typer.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

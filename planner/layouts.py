@@ -3,12 +3,22 @@ e.g. "tp=8,pp=4,dp=2,zero=1,recompute=selective,mbs=1,vpp=5,sp=1"."""
 
 from __future__ import annotations
 
+from math import gcd
 from typing import Any
 
 from pydantic import ValidationError
 
 from planner.errors import BerthError, from_validation_error
-from planner.specs import LAYOUT_FIELDS, Layout, TrainingSpec
+from planner.specs import (
+    AXIS_ORDER_CHOICES,
+    LAYOUT_FIELDS,
+    RECOMPUTE_CHOICES,
+    SCHEDULE_CHOICES,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    TrainingSpec,
+)
 
 ALIASES = {
     "zero": "zero_stage",
@@ -35,6 +45,8 @@ def parse_spec(text: str, field: str = "layout") -> dict[str, Any]:
             raise BerthError(field, part, "expected key=value")
         if name not in LAYOUT_FIELDS:
             raise BerthError(field, key, f"unknown key; use {', '.join(sorted({*LAYOUT_FIELDS, *ALIASES}))}")
+        if name in out:
+            raise BerthError(f"{field}.{name}", text, "given twice")
         out[name] = _typed(name, value, field)
     return out
 
@@ -61,14 +73,169 @@ def complete_layout(values: dict[str, Any], training: TrainingSpec, world_size: 
     tp, pp = v.get("tp", 1), v.get("pp", 1)
     if "dp" not in v and tp > 0 and pp > 0:
         v["dp"] = max(1, world_size // (tp * pp))
-    dp, mbs = v.get("dp", 1), v.get("micro_batch_size", 1)
+    dp, nmb = v.get("dp", 1), v.get("num_microbatches")
+    if "micro_batch_size" not in v and nmb and dp > 0 and nmb > 0:
+        v["micro_batch_size"] = max(1, training.global_batch_size // (dp * nmb))
+    mbs = v.get("micro_batch_size", 1)
     if "num_microbatches" not in v and dp > 0 and mbs > 0:
         v["num_microbatches"] = max(1, training.global_batch_size // (dp * mbs))
     if "shard" not in v and v.get("zero_stage", 0) > 0:
         v["shard"] = dp
     if "schedule" not in v and v.get("virtual_stages", 1) > 1:
         v["schedule"] = "interleaved_1f1b"
+    if v.get("pp", 1) == 1 and v.get("schedule") in ("gpipe", "1f1b"):
+        v["schedule"] = "1f1b"  # one stage is no pipeline: every schedule runs the same way
+    check_values(v, field)
     try:
         return Layout.model_validate(v)
     except ValidationError as err:
         raise from_validation_error(err, field) from None
+
+
+_CHOICES = {"recompute": RECOMPUTE_CHOICES, "schedule": SCHEDULE_CHOICES, "axis_order": AXIS_ORDER_CHOICES,
+            "zero_stage": (0, 1, 2, 3), "sequence_parallel": (False, True)}
+
+
+def check_values(values: dict[str, Any], field: str = "layout") -> None:
+    """Each value on its own: a known field, the right type, in range (Layout's own constraints)."""
+    for key, value in values.items():
+        if key not in LAYOUT_FIELDS:
+            raise BerthError(f"{field}.{key}", value, f"unknown layout field; known: {', '.join(LAYOUT_FIELDS)}")
+        choices = _CHOICES.get(key)
+        if choices is not None and value not in choices:
+            shown = "0 or 1" if key == "sequence_parallel" else ", ".join(map(str, choices))
+            raise BerthError(f"{field}.{key}", value, f"valid: {shown}")
+        if choices is None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise BerthError(f"{field}.{key}", value, "must be a positive integer")
+
+
+# The layout fields each rule of cost_models.validity.REASONS reads (a rule broken only through
+# fields a user left free is no refusal of what the user gave).
+RULE_FIELDS = {
+    "world_size_mismatch": ("tp", "pp", "dp"),
+    "tp_not_divide_heads": ("tp",),
+    "tp_not_divide_kv_heads": ("tp",),
+    "pp_not_divide_layers": ("pp", "virtual_stages"),
+    "batch_not_divisible": ("dp", "micro_batch_size", "num_microbatches"),
+    "shard_not_divide_dp": ("shard", "dp"),
+    "shard_without_zero": ("shard", "zero_stage"),
+    "virtual_stages_need_interleaved": ("virtual_stages", "schedule"),
+    "interleaved_needs_virtual_stages": ("schedule", "virtual_stages", "pp"),
+    "sequence_parallel_needs_tp": ("sequence_parallel", "tp"),
+    "too_few_microbatches": ("num_microbatches", "pp", "schedule"),
+    "microbatches_not_multiple_of_pp": ("num_microbatches", "pp", "schedule"),
+}
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _listing(values: list) -> str:
+    return ", ".join(map(str, values[:12])) + (", ..." if len(values) > 12 else "")
+
+
+def _why(name: str, x: Layout, model: ModelSpec, training: TrainingSpec, world: int, given: set[str]) -> str:
+    """The broken rule in the user's numbers, with the valid values where they are few."""
+    a, kv, L, B = model.num_attention_heads, model.kv_heads, model.num_layers, training.global_batch_size
+    if name == "world_size_mismatch":
+        if "dp" in given:
+            return f"tp x pp x dp = {x.tp * x.pp * x.dp} must equal the {world} GPUs"
+        return f"tp x pp = {x.tp * x.pp} must divide the {world} GPUs"
+    if name in ("tp_not_divide_heads", "tp_not_divide_kv_heads"):
+        valid = [d for d in _divisors(gcd(a, kv)) if world % d == 0]
+        return f"tp must divide the {a} attention heads and {kv} kv heads; valid: {_listing(valid)}"
+    if name == "pp_not_divide_layers":
+        valid = [d for d in _divisors(L // x.virtual_stages if L % x.virtual_stages == 0 else 1)
+                 if (world // x.tp) % d == 0]
+        return (f"pp x virtual_stages = {x.pp * x.virtual_stages} must divide the {L} layers; "
+                f"valid pp (vpp={x.virtual_stages}): {_listing(valid)}")
+    if name == "batch_not_divisible":
+        return (f"dp x micro_batch_size x num_microbatches = {x.dp} x {x.micro_batch_size} x "
+                f"{x.num_microbatches} = {x.dp * x.micro_batch_size * x.num_microbatches} must equal the "
+                f"global batch {B}")
+    if name == "shard_not_divide_dp":
+        return f"shard must divide dp = {x.dp}; valid: {_listing(_divisors(x.dp))}"
+    if name == "shard_without_zero":
+        return f"shard = {x.shard} > 1 needs zero >= 1 (sharding is what ZeRO does)"
+    if name == "virtual_stages_need_interleaved":
+        return f"virtual_stages = {x.virtual_stages} > 1 needs schedule interleaved_1f1b"
+    if name == "interleaved_needs_virtual_stages":
+        if x.pp == 1:
+            return "virtual stages split a pipeline stage: interleaved_1f1b and vpp > 1 need pp > 1"
+        return "interleaved_1f1b needs virtual_stages > 1"
+    if name == "sequence_parallel_needs_tp":
+        return "sequence parallelism splits the tensor-parallel group's activations: it needs tp > 1"
+    if name == "too_few_microbatches":
+        return f"1F1B schedules need num_microbatches >= pp; {x.num_microbatches} < {x.pp}"
+    if name == "microbatches_not_multiple_of_pp":
+        return f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}"
+    from cost_models.validity import REASONS
+
+    return dict(REASONS)[name]
+
+
+def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+                    given: set[str] | None = None) -> list[tuple[str, str]]:
+    """(rule name, why) of every structural rule the layout breaks, evaluated by the search's own
+    vectorized rules on a one-row Candidates; with `given`, only the rules that read a given field."""
+    from cost_models.candidates import Candidates
+    from cost_models.validity import REASONS, structural_rules
+
+    rules = structural_rules(Candidates.from_layouts([layout]), model, training, cluster)
+    given = set(LAYOUT_FIELDS) if given is None else given
+    out = []
+    for (name, _), broken in zip(REASONS[1:], rules, strict=False):
+        if bool(broken[0]) and given & set(RULE_FIELDS.get(name, LAYOUT_FIELDS)):
+            out.append((name, _why(name, layout, model, training, cluster.world_size, given)))
+    return out
+
+
+def _blame(name: str, given: set[str], values: dict[str, Any]) -> tuple[str, Any]:
+    keys = [k for k in RULE_FIELDS.get(name, ()) if k in given] or list(RULE_FIELDS.get(name, ())) or sorted(given)
+    if len(keys) == 1:
+        return keys[0], values.get(keys[0])
+    return ",".join(keys), ",".join(f"{k}={values.get(k)}" for k in keys)
+
+
+def check_layout(values: dict[str, Any], model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+                 field: str = "layout") -> Layout:
+    """The completed layout of `values` (`--layout`, the API's `layouts`), or a BerthError naming the
+    field, the value and the rule it breaks on this cluster."""
+    check_values(values, field)
+    layout = complete_layout(values, training, cluster.world_size, field)
+    given = set(values)
+    problems = layout_problems(layout, model, training, cluster)  # derived values too: it is one layout
+    if problems:
+        key, value = _blame(problems[0][0], given, layout.model_dump())
+        raise BerthError(f"{field}.{key}", value, "; ".join(dict.fromkeys(why for _, why in problems[:3])))
+    return layout
+
+
+def refuse_fix(fix: dict[str, Any], key: str, valid: list, model: ModelSpec, training: TrainingSpec,
+               cluster: ClusterSpec) -> BerthError:
+    """Why no layout the search covers has `fix[key]` (with the fix's earlier keys): the rules the
+    fix's completed layout breaks through a fixed field, and the values that would do."""
+    why = ""
+    try:
+        layout = complete_layout(fix, training, cluster.world_size, "fix")
+        problems = layout_problems(layout, model, training, cluster, set(fix))
+        # a rule that reads only given fields is broken whatever the search picks for the rest
+        whole = [w for n, w in problems if key in RULE_FIELDS[n] and set(RULE_FIELDS[n]) <= set(fix)]
+        partial = [w for n, w in problems if key in RULE_FIELDS[n]]
+        why = "; ".join(dict.fromkeys(whole)) or (partial[0] if partial else "")
+    except BerthError:
+        pass
+    order = list(fix)
+    earlier = [f"{k}={fix[k]}" for k in order[: order.index(key)]]
+    if not why and key in ("shard", "zero_stage") and fix.get("shard") == 1 and fix.get("zero_stage", 0) > 0:
+        why = "ZeRO shards over shard > 1 ranks (shard = 1 under ZeRO is zero = 0)"
+    if not why:
+        why = f"no layout of {cluster.world_size} GPUs the search covers has it" + \
+            (f" with {','.join(earlier)}" if earlier else "")
+    if valid and "valid:" not in why:
+        why += f"; valid{' with ' + ','.join(earlier) if earlier else ''}: {_listing(valid)}"
+    elif not valid:
+        why += f"; no value works with {','.join(earlier)}" if earlier else ""
+    return BerthError(f"fix.{key}", fix[key], why)

@@ -8,7 +8,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from planner.errors import BerthError, from_validation_error
@@ -41,11 +40,25 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True) -> ModelSpec
     path = Path(ref)
     if not path.is_file():
         raise BerthError("model", ref, f"not a preset nor a file; presets: {', '.join(sorted(known))}")
-    text = path.read_text()
     try:
-        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise BerthError("model", ref, f"cannot parse file: {err}") from None
+        text = path.read_text()
+    except OSError as err:
+        raise BerthError("model", ref, f"cannot read: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise BerthError("model", ref, "not a text file (expected a YAML/JSON model spec or an HF config.json)") \
+            from None
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as err:
+                raise BerthError("model", ref, f"cannot parse YAML: {str(err).splitlines()[0]}") from None
+        else:
+            data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BerthError("model", ref, f"not JSON: {err.msg} at line {err.lineno}") from None
     if not isinstance(data, dict):
         raise BerthError("model", ref, "file must hold one object")
     data.setdefault("name", path.stem if "model_type" not in data else data.get("_name_or_path", path.stem))
@@ -77,12 +90,53 @@ _HF_FAMILIES: dict[str, dict[str, Any]] = {
 _OPTIONAL = {"num_key_value_heads", "n_inner"}
 
 
-def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
-    """Map a Hugging Face config.json to a ModelSpec. Unknown model types are read with the
-    Llama key names when those are all present; otherwise the error names the missing keys."""
+# Keys of a config that say the model is not a dense decoder-only transformer with full causal
+# attention: berth would plan it as one and be wrong (mixture-of-experts support is a separate issue).
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+             "moe_intermediate_size")
+_ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+                  "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "whisper", "longt5", "switch_transformers")
+_DECODER_ONLY_HEADS = ("ForCausalLM", "LMHeadModel", "Model")
+
+
+def _refuse_unsupported(cfg: dict[str, Any], source: str) -> None:
+    """Refuse a config whose architecture berth does not model (a BerthError naming the key)."""
+    supported = f"supported: dense decoder-only {', '.join(sorted(_HF_FAMILIES))}"
     model_type = cfg.get("model_type")
-    family = _HF_FAMILIES.get(model_type) or {"keys": _LLAMA_KEYS, "mlp": "swiglu",
-                                               "norm": "rmsnorm", "tied": False}
+    for key in _MOE_KEYS:
+        if cfg.get(key) not in (None, 0, 1, False):
+            raise BerthError(f"{source}.{key}", cfg[key], f"a mixture-of-experts model ({model_type}); berth "
+                             f"models dense layers only; {supported}")
+    if model_type in _ENCODER_TYPES or cfg.get("is_encoder_decoder"):
+        key = "model_type" if model_type in _ENCODER_TYPES else "is_encoder_decoder"
+        raise BerthError(f"{source}.{key}", cfg.get(key), f"an encoder or encoder-decoder model; {supported}")
+    for arch in cfg.get("architectures") or ():
+        if isinstance(arch, str) and not arch.endswith(_DECODER_ONLY_HEADS):
+            raise BerthError(f"{source}.architectures", arch, f"not a causal language model; {supported}")
+    if model_type not in _HF_FAMILIES:
+        raise BerthError(f"{source}.model_type", model_type, f"unsupported model type; {supported} "
+                         "(or write a berth model spec: docs)")
+    window, longest = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
+    if isinstance(window, int) and cfg.get("use_sliding_window", True) and (not longest or window < longest):
+        raise BerthError(f"{source}.sliding_window", window, "sliding-window attention is not modelled (berth "
+                         "prices full causal attention); set it to null to plan full attention, which is exact "
+                         f"for sequences up to {window} tokens")
+    heads, hidden, head_dim = cfg.get("num_attention_heads", cfg.get("n_head")), \
+        cfg.get("hidden_size", cfg.get("n_embd")), cfg.get("head_dim")
+    if isinstance(head_dim, int) and isinstance(heads, int) and isinstance(hidden, int) and heads and \
+            head_dim * heads != hidden:
+        raise BerthError(f"{source}.head_dim", head_dim, f"differs from hidden_size / num_attention_heads = "
+                         f"{hidden}/{heads}; berth's layers assume head_dim x heads = hidden_size")
+
+
+def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
+    """Map a Hugging Face config.json of a dense decoder-only model to a ModelSpec. Mixture of
+    experts, encoders, encoder-decoders, sliding-window attention, a head_dim other than
+    hidden/heads and unknown model types are refused naming the key (they would be planned
+    wrongly). Attention/MLP biases are ignored (under 0.1% of the parameters and FLOPs)."""
+    _refuse_unsupported(cfg, source)
+    model_type = cfg.get("model_type")
+    family = _HF_FAMILIES[model_type]
     keys = family["keys"]
     missing = [k for k in keys if k and k not in cfg and k not in _OPTIONAL]
     if missing:

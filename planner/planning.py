@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from hardware_profiles import UnknownProfileError, load_profile_file, load_server
 from planner.errors import BerthError, from_validation_error
 from planner.graphs import cluster_graph, to_node_link
-from planner.layouts import complete_layout, parse_spec
+from planner.layouts import check_layout, parse_spec
 from planner.search import SearchResult, predict_layouts, search
 from planner.search import divisors as search_divisors
 from planner.specs import (
@@ -200,7 +200,7 @@ def compare(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
     for i, item in enumerate(layouts):
         field = f"layout[{i}]"
         values = parse_spec(item, field) if isinstance(item, str) else dict(item)
-        specs.append(complete_layout(values, training, cluster.world_size, field))
+        specs.append(check_layout(values, model, training, cluster, field))
     if not 0 <= memory_headroom <= MAX_MEMORY_HEADROOM:
         raise BerthError("memory_headroom", memory_headroom, f"must be in 0..{MAX_MEMORY_HEADROOM}")
     return predict_layouts(model, training, cluster, specs, memory_headroom)

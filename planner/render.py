@@ -15,8 +15,43 @@ MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "autocast_copies",
                 "sharding_buffers", "pipeline_buffers", "fragmentation")
 
 
+NARROW = 120  # below this many terminal columns the plan table stacks the layout into one cell
+
+
 def _seconds(x: float) -> str:
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+    """A duration in the unit a person reads: ms, s, min, h or days."""
+    if x < 1:
+        return f"{x * 1e3:.1f} ms"
+    if x < 120:
+        return f"{x:.2f} s"
+    if x < 2 * 3600:
+        return f"{x / 60:.1f} min"
+    if x < 2 * 86400:
+        return f"{x / 3600:.1f} h"
+    return f"{x / 86400:.1f} days"
+
+
+def count(n: float) -> str:
+    """A parameter count: 7.6M, 70.6B, 1.0T."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _compact_layout(p: Plan) -> str:
+    x = p.layout
+    parts = [f"tp{x.tp}", f"pp{x.pp}", f"dp{x.dp}"]
+    if x.zero_stage:
+        parts.append(f"z{x.zero_stage}/{x.shard}")
+    parts.append(f"mbs{x.micro_batch_size}x{x.num_microbatches}")
+    if x.recompute != "none":
+        parts.append("rc-" + x.recompute[:3])
+    if x.pp > 1:
+        parts.append({"gpipe": "gpipe", "1f1b": "1f1b"}.get(x.schedule, f"il{x.virtual_stages}"))
+    if x.sequence_parallel:
+        parts.append("sp")
+    return " ".join(parts)
 
 
 def _layout_cells(p: Plan) -> list[str]:
@@ -27,27 +62,60 @@ def _layout_cells(p: Plan) -> list[str]:
             str(x.num_microbatches), sched, "on" if x.sequence_parallel else "off"]
 
 
-def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None = None) -> Table:
+LAYOUT_COLUMNS = ("tp", "pp", "dp", "zero/shard", "recompute", "mbs", "nmb", "schedule", "sp")
+RESULT_COLUMNS = ("step", "tokens/s", "MFU", "GiB", "fits", "bottleneck")
+
+
+def _result_cells(p: Plan, best_tokens_per_s: float | None, markup: bool = True) -> list[str]:
+    pr = p.prediction
+    if pr is None:
+        cells = ["-", "-", "-", "-", "no", (p.infeasible_reason or "").split(":")[0]]
+    else:
+        fits = "yes" if pr.fits else ("[red]no[/red]" if markup else "no")
+        note = pr.bottleneck if not p.infeasible_reason else p.infeasible_reason.split(":")[0]
+        cells = [_seconds(pr.step_time_s), f"{pr.tokens_per_s:,.0f}", f"{pr.mfu:.1%}",
+                 f"{pr.peak_memory_bytes / GIB:.1f}", fits, note]
+    if best_tokens_per_s:
+        cells.append(f"{pr.tokens_per_s / best_tokens_per_s - 1:+.1%}" if pr else "-")
+    return cells
+
+
+def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None = None,
+                width: int = 200) -> Table:
+    """One row per plan; under NARROW columns the layout is one compact cell (tp8 pp2 dp4 z1/4
+    mbs1x16 rc-sel 1f1b sp) so the table fits 80 columns."""
+    narrow = width < NARROW
     t = Table(title=title, header_style="bold")
-    for col in ("#", "tp", "pp", "dp", "zero/shard", "recompute", "mbs", "nmb", "schedule", "sp",
-                "step", "tokens/s", "MFU", "GiB", "fits", "bottleneck"):
-        t.add_column(col, justify="right" if col not in ("recompute", "schedule", "bottleneck") else "left",
-                     no_wrap=True)
+    layout_cols = ("layout",) if narrow else LAYOUT_COLUMNS
+    for col in ("#", *layout_cols, *RESULT_COLUMNS):
+        t.add_column(col, justify="right" if col not in ("recompute", "schedule", "bottleneck", "layout") else "left",
+                     no_wrap=col != "layout")
     if best_tokens_per_s:
         t.add_column("vs best", justify="right")
     for i, p in enumerate(plans, 1):
-        pr = p.prediction
-        if pr is None:
-            row = [str(i), *_layout_cells(p), "-", "-", "-", "-", "no", (p.infeasible_reason or "").split(":")[0]]
-        else:
-            fits = "yes" if pr.fits else "[red]no[/red]"
-            note = pr.bottleneck if not p.infeasible_reason else p.infeasible_reason.split(":")[0]
-            row = [str(i), *_layout_cells(p), _seconds(pr.step_time_s), f"{pr.tokens_per_s:,.0f}",
-                   f"{pr.mfu:.1%}", f"{pr.peak_memory_bytes / GIB:.1f}", fits, note]
-        if best_tokens_per_s:
-            row.append(f"{pr.tokens_per_s / best_tokens_per_s - 1:+.1%}" if pr else "-")
-        t.add_row(*row)
+        cells = [_compact_layout(p)] if narrow else _layout_cells(p)
+        t.add_row(str(i), *cells, *_result_cells(p, best_tokens_per_s))
     return t
+
+
+def plans_csv(plans: list[Plan], best_tokens_per_s: float | None = None) -> str:
+    """The plans as CSV in SI units (seconds, bytes), one row per plan, for spreadsheets."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    fields = ("tp", "pp", "dp", "shard", "zero_stage", "recompute", "micro_batch_size", "num_microbatches",
+              "virtual_stages", "schedule", "sequence_parallel", "axis_order")
+    pred = ("step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "bottleneck")
+    w.writerow(["rank", *fields, *pred, "vs_best", "infeasible_reason"])
+    for i, p in enumerate(plans, 1):
+        pr = p.prediction
+        lay = [int(v) if isinstance(v, bool) else v for v in (getattr(p.layout, f) for f in fields)]
+        vals = [getattr(pr, k) for k in pred] if pr else [""] * len(pred)
+        gap = pr.tokens_per_s / best_tokens_per_s - 1 if pr and best_tokens_per_s else ""
+        w.writerow([i, *lay, *vals, gap, p.infeasible_reason or ""])
+    return buf.getvalue()
 
 
 def breakdown_table(plans: list[Plan], title: str) -> Table:
@@ -134,16 +202,21 @@ def print_placement(console: Console, plan: Plan, label: str, only_crossings: bo
         return
     crossing = [g for g in pl.groups if g.crosses_slow_link]
     if not only_crossings:
+        narrow = console.width < NARROW
         t = Table(title=f"placement of {label} (axis order {pl.axis_order}, innermost first)", header_style="bold")
-        for col in ("axis", "size", "groups", "stride", "nodes a group", "slowest level", "link", "GB/s per GPU",
-                    "comm / step", "cost of crossing"):
-            t.add_column(col, justify="left" if col in ("axis", "slowest level", "link") else "right")
+        cols = ("axis", "size", "groups", "stride", "nodes a group", "slowest level", "link", "GB/s per GPU",
+                "comm / step", "cost of crossing")
+        skip = {"groups", "stride", "nodes a group"} if narrow else set()
+        for col in cols:
+            if col not in skip:
+                t.add_column(col, justify="left" if col in ("axis", "slowest level", "link") else "right")
         for g in pl.groups:
             if g.size == 1:
                 continue
-            t.add_row(g.axis, str(g.size), str(g.count), str(g.stride), str(g.nodes_spanned), g.level, g.link_kind,
-                      f"{g.bandwidth_bytes_per_s / 1e9:,.2f}", _seconds(g.time_s),
-                      _seconds(g.cost_of_crossing_s) if g.crosses_slow_link else "-")
+            row = dict(zip(cols, (g.axis, str(g.size), str(g.count), str(g.stride), str(g.nodes_spanned), g.level,
+                                  g.link_kind, f"{g.bandwidth_bytes_per_s / 1e9:,.2f}", _seconds(g.time_s),
+                                  _seconds(g.cost_of_crossing_s) if g.crosses_slow_link else "-"), strict=True))
+            t.add_row(*[v for k, v in row.items() if k not in skip])
         console.print(t)
     inner = plan.cluster.levels[0]
     for g in crossing:

@@ -18,9 +18,10 @@ from cost_models.candidates import (
 )
 from cost_models.memory import allocator_capacity_bytes
 from cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
-from cost_models.validity import REASONS, VALID
+from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, REASONS, VALID
 from planner import __version__
 from planner.errors import BerthError
+from planner.layouts import check_values, refuse_fix
 from planner.placement import innermost_cluster, placement
 from planner.specs import (
     AXIS_ORDER_CHOICES,
@@ -48,6 +49,7 @@ class SearchResult:
     feasible: int
     rejected: dict[str, int]
     serialized: list[str] = field(default_factory=list, compare=False, repr=False)  # memo of its JSON text
+    closest: tuple[str, float] | None = field(default=None, compare=False)  # misfit with the smallest peak
 
 
 def divisors(n: int) -> list[int]:
@@ -126,7 +128,7 @@ def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: Clus
                                 schedule=s[:, 5], vpp=s[:, 6], order=s[:, 7], zero=o[:, 0], shard=o[:, 1],
                                 recompute=o[:, 2], sp=o[:, 3]))
     cands = Candidates.concat(parts)
-    return _apply_fix(cands, search.fix)
+    return _apply_fix(cands, search.fix, model, training, cluster)
 
 
 _FIX_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stage": "zero",
@@ -134,22 +136,27 @@ _FIX_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stag
                 "recompute": "recompute", "schedule": "schedule", "sequence_parallel": "sp", "axis_order": "order"}
 
 
-def _apply_fix(c: Candidates, fix: dict) -> Candidates:
+_CODES = {"recompute": RECOMPUTE_CHOICES, "schedule": SCHEDULE_CHOICES, "axis_order": AXIS_ORDER_CHOICES}
+
+
+def _apply_fix(c: Candidates, fix: dict, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> Candidates:
+    """The candidates with the fixed values; a value no candidate has is refused (a BerthError
+    with the broken rule and the values that would do), never an empty search."""
+    if not fix:
+        return c
+    check_values(fix, "fix")
     keep = np.ones(len(c), dtype=bool)
     for key, value in fix.items():
-        if key == "recompute":
-            if value not in RECOMPUTE_CHOICES:
-                raise BerthError("fix.recompute", value, f"use one of {RECOMPUTE_CHOICES}")
-            value = RECOMPUTE_CHOICES.index(value)
-        elif key == "schedule":
-            if value not in SCHEDULE_CHOICES:
-                raise BerthError("fix.schedule", value, f"use one of {SCHEDULE_CHOICES}")
-            value = SCHEDULE_CHOICES.index(value)
-        elif key == "axis_order":
-            if value not in AXIS_ORDER_CHOICES:
-                raise BerthError("fix.axis_order", value, f"use one of {AXIS_ORDER_CHOICES}")
-            value = AXIS_ORDER_CHOICES.index(value)
-        keep &= getattr(c, _FIX_COLUMNS[key]) == int(value)
+        column = getattr(c, _FIX_COLUMNS[key])
+        code = _CODES[key].index(value) if key in _CODES else int(value)
+        now = keep & (column == code)
+        if not now.any():
+            present = np.unique(column[keep]).tolist()
+            valid = [_CODES[key][v] for v in present] if key in _CODES else present
+            if key == "sequence_parallel":
+                valid = [int(v) for v in valid]
+            raise refuse_fix(fix, key, valid, model, training, cluster)
+        keep = now
     return c.take(np.flatnonzero(keep))
 
 
@@ -183,13 +190,19 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
     best: list[tuple[Candidates, Evaluation, np.ndarray]] = []
     reasons: Counter[int] = Counter()
     feasible = 0
+    closest: tuple[str, float] | None = None
     for start in range(0, len(cands), CHUNK):
         if deadline is not None and time.monotonic() > deadline:
             raise SearchTimeout(f"search stopped after {start:,} of {len(cands):,} layouts: over its time budget")
-        part = cands.take(np.arange(start, min(start + CHUNK, len(cands))))
+        part = cands.take(slice(start, min(start + CHUNK, len(cands))))  # views, no copy
         ev = evaluate(model, training, cluster, part, spec.memory_headroom)
         codes, counts = np.unique(ev.reason, return_counts=True)
         reasons.update(dict(zip(codes.tolist(), counts.tolist(), strict=True)))
+        misfit = np.flatnonzero((ev.reason == OUT_OF_MEMORY) | (ev.reason == MEMORY_TIGHT))
+        if len(misfit):
+            j = int(misfit[np.argmin(ev.peak_memory_bytes[misfit])])
+            if closest is None or ev.peak_memory_bytes[j] < closest[1]:
+                closest = (part.layout(j).short(), float(ev.peak_memory_bytes[j]))
         order = rank_order(ev, part, spec.objective)
         feasible += len(order)
         best.append((part, ev, order[: spec.top * len(AXIS_ORDER_CHOICES)]))
@@ -203,7 +216,8 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
             seen.add(key)
             plans.append(make_plan(model, training, cluster, best[k][0], best[k][1], i, detail=not plans))
     rejected = {REASONS[code][0]: n for code, n in sorted(reasons.items()) if code != VALID}
-    return SearchResult(plans=plans, searched=len(cands), feasible=feasible, rejected=rejected)
+    return SearchResult(plans=plans, searched=len(cands), feasible=feasible, rejected=rejected,
+                        closest=closest if not plans else None)
 
 
 def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:

@@ -59,21 +59,25 @@ def test_framework_changes_sequence_parallel_memory_and_kernel_time():
     assert pt["memory_breakdown_bytes"] == mg["memory_breakdown_bytes"] and mg["step_time_s"] < pt["step_time_s"]
 
 
-def test_compare_keeps_misfits_with_reasons():
-    r = berth("compare", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "8192",
-              "--global-batch", "64", "--layout", "tp=8,pp=2,recompute=full,mbs=1",
-              "--layout", "tp=8,zero=3", "--layout", "tp=16", "--layout", "tp=3",
-              "--framework", "megatron", "--json")
+def test_compare_keeps_misfits_with_reasons_and_refuses_impossible_layouts():
+    args = ("compare", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "8192",
+            "--global-batch", "64", "--layout", "tp=8,pp=2,recompute=full,mbs=1", "--layout", "tp=8,zero=3",
+            "--framework", "megatron")
+    r = berth(*args, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     cands = out["candidates"]
-    assert len(cands) == 4
+    assert len(cands) == 2
     assert cands[0]["infeasible_reason"] is None and cands[0]["prediction"]["fits"]
     assert cands[1]["infeasible_reason"].startswith("out_of_memory")
     assert cands[1]["prediction"]["fits"] is False
-    assert cands[2]["infeasible_reason"].startswith("tp_not_divide_kv_heads")
-    assert cands[3]["infeasible_reason"].startswith("world_size_mismatch")
     assert out["gap_to_best"][0] <= 0.0 and out["gap_to_best"][1] is None
+    # a layout no cluster of 16 GPUs can run is refused before anything is predicted
+    for bad, field, why in (("tp=16", "layout[2].tp", "8 kv heads"), ("tp=3", "layout[2].tp", "valid: 1, 2, 4, 8"),
+                            ("tp=8,pp=2,dp=2", "layout[2].tp,pp,dp", "must equal the 16 GPUs")):
+        r = berth(*args, "--layout", bad, "--json")
+        assert r.returncode == 2 and field in r.stderr and why in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout
     assert out["best_searched"]["prediction"]["tokens_per_s"] >= cands[0]["prediction"]["tokens_per_s"]
 
 
@@ -128,3 +132,95 @@ def test_topology_graph_file_plan_shows_crossings_and_fallback(tmp_path):
     r = berth("plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096",
               "--global-batch", "64", "--objective", "fastest")
     assert r.returncode == 2 and "objective" in r.stderr
+
+
+def test_gpipe_at_one_stage_holds_one_microbatch():
+    """pp = 1 is no pipeline: GPipe there runs like gradient accumulation, one micro-batch's
+    activations at a time (it predicted 1,060 GiB against 164 GiB for the same layout)."""
+    import numpy as np
+
+    from cost_models.candidates import SCHEDULE_1F1B, SCHEDULE_GPIPE
+    from cost_models.pipeline import layers_in_flight
+    from cost_models.step import evaluate
+    from planner.models import load_model
+    from planner.planning import make_cluster, make_training
+    from planner.search import Candidates
+    from planner.specs import Layout
+
+    pp, vpp, nmb = np.array([1, 1, 4]), np.array([1, 1, 1]), np.array([32, 32, 32])
+    held = layers_in_flight(80, pp, vpp, nmb, np.array([SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_GPIPE]), 0)
+    assert held[0] == held[1] == 80 and held[2] == 32 * 20  # GPipe over 4 stages still keeps all 32
+    model, cluster = load_model("llama3-70b"), make_cluster("dgx-h100", 2)
+    training = make_training(seq_len=4096, global_batch_size=64)
+    lays = [Layout(tp=8, dp=2, num_microbatches=32, schedule=s) for s in ("gpipe", "1f1b")]
+    ev = evaluate(model, training, cluster, Candidates.from_layouts(lays))
+    assert ev.peak_memory_bytes[0] == ev.peak_memory_bytes[1]
+    r = berth("compare", "llama3-70b", "--nodes", "2", "--seq-len", "4096", "--global-batch", "64",
+              "--layout", "tp=8,schedule=gpipe", "--layout", "tp=8", "--json")
+    a, b = (c["prediction"]["peak_memory_bytes"] for c in json.loads(r.stdout)["candidates"])
+    assert a == b
+
+
+def test_bottleneck_memory_only_for_misfits():
+    """A fitting plan whose largest overhead is recomputation says "recompute"; "memory" is kept
+    for layouts that do not fit."""
+    from cost_models.step import BOTTLENECK_NAMES, evaluate
+    from cost_models.validity import OUT_OF_MEMORY
+    from planner.models import load_model
+    from planner.planning import make_cluster, make_training
+    from planner.search import enumerate_candidates
+    from planner.specs import SearchSpec
+
+    model, cluster = load_model("llama3-70b"), make_cluster("dgx-h100", 2)
+    training = make_training(seq_len=4096, global_batch_size=64)
+    c = enumerate_candidates(model, training, cluster, SearchSpec(fix={"tp": 8}))
+    ev = evaluate(model, training, cluster, c)
+    names = [BOTTLENECK_NAMES[i] for i in ev.bottleneck]
+    fits = ev.feasible
+    assert not any(n == "memory" for n, f in zip(names, fits, strict=True) if f)
+    oom = ev.reason == OUT_OF_MEMORY
+    assert oom.any() and all(n == "memory" for n, o in zip(names, oom, strict=True) if o)
+    rec = [i for i, n in enumerate(names) if n == "recompute" and fits[i]]
+    assert rec, "some fitting full-recompute layout is bound by its recomputation"
+    for i in rec:
+        over = {k: float(v[i]) for k, v in ev.time_breakdown_s.items() if k not in ("compute",)}
+        assert over["recompute"] == max(over["recompute"], over["tp_comm"], over["dp_comm"], over["optimizer"],
+                                        over["bubble"] + over["pp_comm"])
+
+
+def test_version_completion_and_csv():
+    r = berth("--version")
+    assert r.returncode == 0 and r.stdout.startswith("berth ")
+    r = berth("--show-completion", "bash")
+    assert r.returncode == 0 and "complete" in r.stdout and "berth" in r.stdout
+    r = berth("plan", "llama3-8b", "--seq-len", "4096", "--global-batch", "64", "--top", "3", "--csv")
+    assert r.returncode == 0, r.stderr
+    import csv
+    import io
+
+    rows = list(csv.DictReader(io.StringIO(r.stdout)))
+    assert len(rows) == 3 and all(int(x["tp"]) * int(x["pp"]) * int(x["dp"]) == 8 for x in rows)
+    assert float(rows[0]["tokens_per_s"]) >= float(rows[2]["tokens_per_s"]) > 0
+    r = berth("compare", "llama3-8b", "--seq-len", "4096", "--global-batch", "64", "--layout", "tp=8",
+              "--layout", "tp=2,zero=1", "--csv")
+    rows = list(csv.DictReader(io.StringIO(r.stdout)))
+    assert r.returncode == 0 and [x["tp"] for x in rows] == ["8", "2"] and rows[0]["vs_best"]
+
+
+def test_tables_fit_80_columns_and_read_in_human_units():
+    import os
+
+    env = {**os.environ, "COLUMNS": "80"}
+    r = subprocess.run([*BERTH, "plan", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096",
+                        "--global-batch", "64"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert max(len(x) for x in lines) <= 80, max(lines, key=len)
+    assert "(8.0B params)" in r.stdout and "tp" in r.stdout
+    from planner.render import _seconds, count
+
+    assert (_seconds(26793.74), _seconds(0.0123), _seconds(3.5), _seconds(600)) == ("7.4 h", "12.3 ms", "3.50 s",
+                                                                                    "10.0 min")
+    assert count(7.6e6) == "7.6M" and count(70.6e9) == "70.6B" and count(1.0e12) == "1.0T"
+    r = berth("presets")
+    assert "tiny-gpt (" in r.stdout and "M)" in r.stdout

@@ -51,10 +51,45 @@ def test_gpt2_defaults_ffn_to_4h_and_ties_embeddings():
     assert m.num_params / 1e6 == pytest.approx(124, rel=0.02)
 
 
-def test_unknown_model_type_names_missing_keys():
+def test_unknown_model_type_is_refused_with_the_supported_list():
     with pytest.raises(BerthError) as err:
         load_model({"model_type": "mamba", "d_model": 768, "n_layer": 24})
-    assert "num_hidden_layers" in str(err.value) and "mamba" in str(err.value)
+    assert err.value.field == "model.model_type" and "mamba" in str(err.value) and "llama" in str(err.value)
+
+
+def test_hf_config_missing_keys_are_named():
+    with pytest.raises(BerthError) as err:
+        load_model({"model_type": "llama", "hidden_size": 4096})
+    assert "num_hidden_layers" in str(err.value)
+
+
+_LLAMA = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000}
+
+
+@pytest.mark.parametrize("extra,field", [
+    # Mixtral 8x7B's config.json: experts would be planned as one dense MLP
+    ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+      "architectures": ["MixtralForCausalLM"]}, "model.num_local_experts"),
+    ({"model_type": "qwen2_moe", "num_experts": 60}, "model.num_experts"),
+    ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "model.model_type"),
+    ({"model_type": "t5", "is_encoder_decoder": True}, "model.model_type"),
+    ({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}, "model.architectures"),
+    ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, "model.sliding_window"),
+    ({"model_type": "mistral", "head_dim": 160}, "model.head_dim"),
+])
+def test_unsupported_hf_architectures_are_refused(extra, field):
+    with pytest.raises(BerthError) as err:
+        load_model({**_LLAMA, **extra})
+    assert err.value.field == field
+
+
+def test_hf_full_attention_window_and_dense_configs_load():
+    # Mistral v0.2+ (no window), Qwen2 with the window switched off, one expert = dense
+    for extra in ({"model_type": "mistral", "sliding_window": None},
+                  {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False},
+                  {"model_type": "llama", "sliding_window": 8192, "max_position_embeddings": 8192}):
+        assert load_model({**_LLAMA, **extra}).num_layers == 32
 
 
 def test_heads_not_dividing_hidden_is_a_clear_error():

@@ -1,0 +1,221 @@
+"""Bad input through every command: exit 2, one line on stderr naming the argument, no traceback.
+
+Most cases fail before any real work, so they run in-process through the CLI's own `main` (the
+same entry point as the `berth` script); a few run as real subprocesses to check the script end
+to end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner.cli import main
+
+BINARY = bytes(range(256)) * 4  # not UTF-8, not JSON, not SQLite
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A binary file, a text file that is no JSON, a directory and a valid plan file."""
+    tmp_path = tmp_path_factory.mktemp("bad")
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(BINARY)
+    (tmp_path / "blob.json").write_bytes(BINARY)
+    (tmp_path / "notjson.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "existing.txt").write_text("x")
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "plan", "tiny-gpt", "--cluster", "dgx-h100",
+                        "--seq-len", "256", "--global-batch", "8", "--top", "1", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "plans.json").write_text(r.stdout)
+    return tmp_path
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as ex:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return ex.value.code, out, err
+
+
+T = "{tmp}"
+GPT = ("tiny-gpt", "--seq-len", "256", "--global-batch", "8")
+CASES = [
+    # (command line with {tmp} for the temporary directory, what the error line must name)
+    (["plan", f"{T}/blob.bin"], "model"),
+    (["plan", f"{T}/blob.json"], "model"),
+    (["plan", f"{T}/notjson.json"], "model"),
+    (["plan", f"{T}/list.json"], "model"),
+    (["plan", f"{T}/adir"], "model"),
+    (["plan", *GPT, "--nodes", "-1"], "cluster.nodes"),
+    (["plan", *GPT, "--top", "0"], "search.top"),
+    (["plan", *GPT, "--max-mbs", "-3"], "search.max_micro_batch_size"),
+    (["plan", *GPT, "--spare-nodes", "-1"], "spare_nodes"),
+    (["plan", *GPT, "--global-batch", "-8"], "training.global_batch_size"),
+    (["plan", *GPT, "--nodes", "abc"], "--nodes"),
+    (["plan", *GPT, "--bogus"], "--bogus"),
+    (["plan"], "model"),
+    (["plan", *GPT, "--cluster", f"{T}/blob.json"], "cluster"),
+    (["plan", *GPT, "--cluster", f"{T}/missing.json"], "cluster"),
+    (["plan", *GPT, "--profile", f"{T}/blob.bin"], "profile"),
+    (["plan", *GPT, "--profile", f"{T}/missing.json"], "profile"),
+    (["plan", *GPT, "--failures-per-gpu-hour", "-1"], "failures_per_gpu_hour"),
+    (["plan", *GPT, "--json", "--csv"], "csv"),
+    (["plan", *GPT, "--fabric", "torus"], "cluster.fabric"),
+    (["compare", *GPT], "--layout"),
+    (["compare", *GPT, "--layout", "tp=0"], "layout[0].tp"),
+    (["compare", *GPT, "--layout", "zero=9"], "layout[0].zero_stage"),
+    (["compare", *GPT, "--layout", "tp"], "layout"),
+    (["compare", *GPT, "--layout", "tp=1,tp=2"], "layout[0].tp"),
+    (["compare", *GPT, "--layout", "vpp=2,pp=1"], "layout[0]"),
+    (["plan", *GPT, "--fix", "zero=1,zero_stage=2"], "fix.zero_stage"),
+    (["compare", f"{T}/blob.bin", "--layout", "tp=1"], "model"),
+    (["launch", f"{T}/blob.bin"], "plan"),
+    (["launch", f"{T}/blob.json"], "plan"),
+    (["launch", f"{T}/notjson.json"], "plan"),
+    (["launch", f"{T}/missing.json"], "plan"),
+    (["launch", f"{T}/adir"], "plan"),
+    (["launch", f"{T}/plans.json", "--out", f"{T}/existing.txt"], "out"),
+    (["launch", f"{T}/plans.json", "--steps", "-5"], "steps"),
+    (["launch", f"{T}/plans.json", "--warmup", "-1"], "warmup"),
+    (["launch", f"{T}/plans.json", "--pick", "9"], "pick"),
+    (["launch", f"{T}/plans.json", "--format", "mpi"], "format"),
+    (["validate", f"{T}/blob.bin"], "plan"),
+    (["validate", f"{T}/missing.json"], "plan"),
+    (["validate", f"{T}/plans.json", "--steps", "0"], "steps"),
+    (["validate", f"{T}/plans.json", "--warmup", "-2"], "warmup"),
+    (["validate", f"{T}/plans.json", "--timeout", "-1"], "timeout"),
+    (["validate", f"{T}/plans.json", "--out", f"{T}/nodir/report.json"], "out"),
+    (["validate", f"{T}/plans.json", "--out", f"{T}/adir"], "out"),
+    (["validate", f"{T}/plans.json", "--store", f"{T}/blob.bin"], "store"),
+    (["validate", f"{T}/plans.json", "--store", f"{T}/nodir/s.sqlite"], "store"),
+    (["validate", f"{T}/plans.json", "--proxy", "whole"], "proxy"),
+    (["validate", f"{T}/plans.json", "--layers", "0", "--proxy", "rank-slice"], "layers"),
+    (["topology", "dgx-h100:2", "--out", f"{T}/nodir/g.json"], "out"),
+    (["topology", "dgx-h100:0"], "cluster.nodes"),
+    (["topology", "nope:2"], "cluster.preset"),
+    (["topology", f"{T}/blob.json"], "cluster"),
+    (["profile", "--out", f"{T}/nodir/p.json"], "out"),
+    (["profile", "--out", f"{T}/adir"], "out"),
+    (["profile", "--max-procs", "0", "--out", f"{T}/p.json"], "max_procs"),
+    (["calibrate", f"{T}/blob.bin"], "reports"),
+    (["calibrate", f"{T}/missing.json"], "reports"),
+    (["calibrate", "--holdout", "2"], "holdout"),
+    (["calibrate", f"{T}/blob.bin", "--out", f"{T}/nodir/c.json"], "out"),
+    (["serve", "--port", "0"], "port"),
+    (["serve", "--workers", "0"], "workers"),
+    (["serve", "--port", "http"], "--port"),
+    (["presets", "--json", "extra"], "extra"),
+    (["nonsense"], "nonsense"),
+]
+
+
+@pytest.mark.parametrize("args,names", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_bad_input_is_one_line_exit_2(files, capsys, args, names):
+    code, out, err = run(capsys, *[a.replace(T, str(files)) for a in args])
+    assert code == 2, (out, err)
+    assert "Traceback" not in err + out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert names in lines[0], err
+
+
+FIX_CASES = [
+    # --fix on llama3-70b (64 heads, 8 kv heads, 80 layers), 2 x DGX H100 (16 GPUs), global batch 64
+    ("tp=3", "fix.tp=3: tp must divide the 64 attention heads and 8 kv heads; valid: 1, 2, 4, 8"),
+    ("tp=0", "fix.tp=0: must be a positive integer"),
+    ("zero=4", "fix.zero_stage=4: valid: 0, 1, 2, 3"),
+    ("tp=8,pp=2,dp=2", "tp x pp x dp = 32 must equal the 16 GPUs"),
+    ("pp=1,vpp=4", "need pp > 1"),
+    ("shard=3", "fix.shard=3: shard must divide dp"),
+    ("nmb=7", "fix.num_microbatches=7"),
+    ("zero=3,shard=1", "fix.shard=1"),
+    ("tp=1,sp=1", "fix.sequence_parallel"),
+    ("pp=3", "fix.pp=3"),
+    ("tp=16", "fix.tp=16"),
+    ("mbs=128", "fix.micro_batch_size=128"),
+    ("recompute=some", "fix.recompute='some': valid: none, selective, full"),
+    ("schedule=zb", "fix.schedule='zb'"),
+    ("vpp=0", "fix.virtual_stages=0"),
+]
+
+
+@pytest.mark.parametrize("fix,expect", FIX_CASES, ids=[f for f, _ in FIX_CASES])
+def test_impossible_fix_is_refused_before_searching(capsys, fix, expect):
+    code, out, err = run(capsys, "plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096",
+                         "--global-batch", "64", "--fix", fix)
+    assert code == 2 and not out, (out, err)
+    assert len(err.strip().splitlines()) == 1 and expect in err, err
+
+
+def test_possible_fix_values_still_search(capsys):
+    """The check refuses only what no searched layout has: a schedule or vpp the search picks
+    for itself, or a value that needs another field the search is free to choose, still plans."""
+    for fix in ("schedule=interleaved_1f1b", "vpp=2", "shard=2", "nmb=16", "tp=4,pp=2", "sp=1"):
+        code, out, err = run(capsys, "plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len",
+                             "4096", "--global-batch", "64", "--fix", fix, "--top", "1", "--json")
+        assert code == 0, (fix, err)
+        assert json.loads(out)["plans"], fix
+
+
+def test_no_layout_fits_exits_1_naming_the_smallest_peak(capsys):
+    code, out, err = run(capsys, "plan", "llama3-70b", "--cluster", "dgx-h100", "--seq-len", "8192",
+                         "--global-batch", "64", "--json")
+    assert code == 1
+    assert json.loads(out)["plans"] == []
+    assert "no layout fits: the smallest predicted peak is" in err and "GiB of 79.6 GiB per GPU (tp=" in err
+    assert "more GPUs" in err
+
+
+def test_scripts_end_to_end(tmp_path):
+    """The installed entry point as a user runs it: a binary model file and a launch into an
+    existing file, both refused with one line and exit 2."""
+    blob = tmp_path / "m.json"
+    blob.write_bytes(BINARY)
+    for args in (["plan", str(blob)], ["compare", "tiny-gpt", "--layout", "tp=3"]):
+        r = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_api_refuses_impossible_fix_and_layouts_with_422(tmp_path):
+    """The service shares the one validation: a real `berth serve` answers 422 naming the field."""
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "store.sqlite")}
+    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        base = {"model": "llama3-70b", "training": {"seq_len": 4096, "global_batch_size": 64},
+                "cluster": {"preset": "dgx-h100", "nodes": 2}}
+        for fix in ({"tp": 3}, "tp=3", {"zero_stage": 4}, "tp=8,pp=2,dp=2"):
+            r = httpx.post(url + "/v1/plans", json={**base, "search": {"fix": fix}}, timeout=60)
+            assert r.status_code == 422, (fix, r.text)
+            assert "fix" in r.json()["detail"][0]["loc"], r.text
+        r = httpx.post(url + "/v1/plans", json={**base, "search": {"fix": "tp=3"}}, timeout=60)
+        assert "valid: 1, 2, 4, 8" in r.text
+        r = httpx.post(url + "/v1/compare", json={**base, "layouts": ["tp=8", {"tp": 3}]}, timeout=60)
+        assert r.status_code == 422, r.text
+        loc = r.json()["detail"][0]["loc"]
+        assert "tp" in loc and any("layout[1]" in str(x) for x in loc), r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -1,0 +1,164 @@
+"""Every command the README shows, run as written (in order, in one scratch directory, as a user
+pasting them would), so the README cannot drift from what berth does.
+
+A few commands are skipped, each with its reason (SKIP); a few are shrunk where the README's
+size would make CI slow, keeping the command itself (REWRITES): validations run 1 step, and the
+rescore scores a slice of the saved measurements. `berth profile` takes minutes, so the profile
+it would write is the one the accuracy benchmark measured on this kind of machine."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from executor.profile import PROFILE_FORMAT
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MEASUREMENTS = ROOT / "benchmarks" / "results" / "accuracy-vm-measurements.json"
+
+SKIP = {  # a command's first words -> why the test does not run it
+    "python3 -m venv": "creates the virtualenv this test runs in",
+    ".venv/bin/pip install": "installs the package this test runs from",
+    "pip install": "installs the package this test runs from",
+    ".venv/bin/ruff check": "CI runs the linter itself",
+    ".venv/bin/python -m pytest": "the test suite itself",
+    "berth serve": "starts a server that runs until stopped (tests/test_api.py serves the API over HTTP)",
+    "curl": "needs the server `berth serve` starts",
+    "docker": "needs a Docker daemon",
+    "berth profile": "measures this machine for minutes (tests/test_profiles.py runs `berth profile --quick`); "
+                     "the profile it writes is stood in by one the accuracy benchmark measured",
+    "python -m benchmarks.accuracy": "measures every layout for about 35 minutes",  # the bare run, not --rescore
+}
+
+
+def _closed(text: str) -> bool:
+    try:
+        shlex.split(text, comments=True)
+    except ValueError:  # an open quote: the command goes on on the next line
+        return False
+    return True
+
+
+def _readme_commands() -> list[tuple[int, str]]:
+    """(line number, command) of every command in the README's ```bash blocks: continuation lines
+    joined, `a && b` split, comments dropped."""
+    out, block, start = [], None, 0
+    lines = README.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.strip().startswith("```"):
+            block = line.strip() == "```bash" if block is None else None
+            i += 1
+            continue
+        if block:
+            start = i + 1
+            text = line
+            while text.rstrip().endswith("\\") or not _closed(text):
+                i += 1
+                text = (text.rstrip()[:-1] if text.rstrip().endswith("\\") else text) + " " + lines[i].strip()
+            text = re.sub(r"\s+#\s.*$", "", text).strip()  # trailing comment
+            if text and not text.startswith("#"):
+                out += [(start, part.strip()) for part in text.split(" && ")]
+        i += 1
+    return out
+
+
+COMMANDS = _readme_commands()
+
+
+def _skip_reason(cmd: str) -> str | None:
+    if cmd.startswith("python -m benchmarks.accuracy") and "--rescore" in cmd:
+        return None
+    return next((why for prefix, why in SKIP.items() if cmd.startswith(prefix)), None)
+
+
+def _rewrite(cmd: str, work: Path) -> str:
+    """The README's command made CI-sized (see the module docstring); everything else as written."""
+    cmd = cmd.replace(".venv/bin/berth ", "berth ")
+    if cmd.startswith("berth validate"):
+        cmd = re.sub(r"--steps \d+", "", re.sub(r"--warmup \d+", "", cmd)) + " --steps 1 --warmup 0"
+    if "--rescore" in cmd:
+        cmd = cmd.replace(str(MEASUREMENTS.relative_to(ROOT)), str(work / "measurements-slice.json"))
+    return cmd
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """The scratch directory: the example clusters, an HF config at path/to/config.json, a
+    profile and a slice of the saved accuracy measurements."""
+    w = tmp_path_factory.mktemp("readme")
+    (w / "examples").symlink_to(ROOT / "examples")
+    (w / "path" / "to").mkdir(parents=True)
+    (w / "path" / "to" / "config.json").write_text(json.dumps({  # Llama 3 8B's config.json
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "hidden_act": "silu", "tie_word_embeddings": False,
+        "max_position_embeddings": 8192, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}))
+    saved = json.loads(MEASUREMENTS.read_text())
+    (w / "my-machine.json").write_text(json.dumps({"format": PROFILE_FORMAT, **saved["runs"][0]["profile"]}))
+    run = saved["runs"][0]
+    keep = 16
+    sliced = {**run, "layouts": run["layouts"][:keep], "results": [p[:keep] for p in run["results"]]}
+    (w / "measurements-slice.json").write_text(json.dumps({**saved, "runs": [sliced]}))
+    return w
+
+
+def _check_output(cmd: str, out: str, work: Path) -> None:
+    """The shape the README promises for each kind of command."""
+    words = shlex.split(cmd.split(">")[0])
+    target = cmd.split(">")[1].strip() if ">" in cmd else None
+    if target:
+        data = json.loads((work / target).read_text())
+        assert data.get("plans"), f"{target} holds no plan"
+        return
+    if "--json" in words:
+        data = json.loads(out)
+        assert data.get("plans") or data.get("candidates") or data.get("measured"), out[:300]
+    elif "--csv" in words:
+        rows = list(csv.DictReader(io.StringIO(out)))
+        assert rows and {"tp", "pp", "dp", "tokens_per_s"} <= set(rows[0])
+    elif words[:2] == ["berth", "plan"]:
+        assert "tokens/s" in out and "searched" in out and "placement of #1" in out
+    elif words[:2] == ["berth", "compare"]:
+        assert "candidates" in out and "best searched layout" in out
+    elif words[:2] == ["berth", "launch"]:
+        assert "launch of" in out and "wrote" in out
+    elif words[:2] == ["berth", "topology"]:
+        assert "fast domains" in out and (work / words[words.index("--out") + 1]).is_file()
+    elif words[:2] == ["berth", "validate"]:
+        assert "stored in" in out
+    elif words[:2] == ["berth", "calibrate"]:
+        assert "calibration on" in out and (work / words[words.index("--out") + 1]).is_file()
+    elif "--rescore" in words:
+        assert "calibrated_cross_validated" in out and "not saved" in out
+
+
+def test_readme_has_commands():
+    kinds = {c.split()[1] for _, c in COMMANDS if c.startswith("berth ")}
+    assert {"plan", "compare", "launch", "validate", "topology", "calibrate"} <= kinds
+
+
+@pytest.mark.parametrize("line,cmd", COMMANDS, ids=[f"L{n}:{c[:50]}" for n, c in COMMANDS])
+def test_readme_command(work, line, cmd):
+    why = _skip_reason(cmd)
+    if why:
+        pytest.skip(why)
+    run = _rewrite(cmd, work)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": str(ROOT), "COLUMNS": "100", "BERTH_STORE_PATH": str(work / "default-store.sqlite")}
+    r = subprocess.run(["bash", "-c", run], cwd=work, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, f"README line {line}: {cmd}\n{r.stderr[-2000:]}"
+    assert "Traceback" not in r.stderr
+    _check_output(run, r.stdout, work)
+    assert (ROOT / "benchmarks" / "results").is_dir()
