@@ -3,6 +3,7 @@ them all with the vectorized cost model, mask the infeasible with a reason, keep
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -288,8 +289,13 @@ def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
         memory_breakdown_bytes={k: float(v[i]) for k, v in ev.memory_breakdown_bytes.items()},
         model_flops_per_step=float(ev.model_flops_per_step),
         hardware_flops_per_step=float(ev.hardware_flops_per_step[i]),
-        goodput=GoodputPrediction(**ev.goodput.at(i), **{k: float(v[i]) for k, v in ev.cost.items()}),
+        goodput=GoodputPrediction(**ev.goodput.at(i), **{k: _finite(float(v[i])) for k, v in ev.cost.items()}),
     )
+
+
+def _finite(x: float) -> float | None:
+    """A cost or energy per useful token is undefined (None, JSON null) when nothing useful is left."""
+    return x if math.isfinite(x) else None
 
 
 def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int, detail: bool = True) -> Plan:

@@ -147,7 +147,7 @@ BAD = [
     ({"training": {"global_batch_size": 8}}, "seq_len", "required"),
     ({"cluster": {"preset": "dgx-h100", "nodes": 10**9}}, "nodes", ""),
     ({"cluster": {"preset": "dgx-h100", "nodes": 16384}}, "cluster", "more than this server plans for"),
-    ({"cluster": {"preset": "warp-drive"}}, "preset", "unknown preset"),
+    ({"cluster": {"preset": "warp-drive"}}, "preset", "dgx-h100"),  # the error lists the catalog
     ({"model": {"num_layers": 10**7, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
                 "vocab_size": 100}}, "num_layers", ""),
     ({"model": {"num_layers": 2, "hidden_size": 100, "num_attention_heads": 3, "ffn_hidden_size": 256,
