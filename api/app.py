@@ -19,14 +19,17 @@ import contextlib
 import hmac
 import importlib.util
 import json
+import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -224,7 +227,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if kind != b"application/json" and not kind.endswith(b"+json"):
+        has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        if has_body and kind != b"application/json" and not kind.endswith(b"+json"):
             shown = kind.decode("latin-1")[:100] or "none"
             return await _json({"detail": f"content type {shown!r}: send application/json"}, 415)(
                 scope, receive, send)
@@ -267,11 +271,92 @@ def _heavy(cluster_req: Any) -> bool:
     """Whether building this cluster may take seconds (see HEAVY_CLUSTER_GPUS)."""
     if isinstance(cluster_req, GraphCluster):
         g = cluster_req.graph
-        return sum(len(g.get(k) or ()) if isinstance(g.get(k), list) else 0 for k in ("nodes", "links")) > \
-            HEAVY_GRAPH_ELEMENTS
+        return sum(len(g[k]) for k in ("nodes", "links") if isinstance(g.get(k), list)) > HEAVY_GRAPH_ELEMENTS
     if cluster_req.preset == LOCAL:
         return False
     return load_server(cluster_req.preset).gpus_per_node * cluster_req.nodes > HEAVY_CLUSTER_GPUS
+
+
+def build_cluster(cluster_req: PresetCluster | GraphCluster, max_gpus: int) -> ClusterSpec:
+    """The cluster of a request (a preset of the catalog, `local`, or an inline graph), refused
+    when it has more than `max_gpus` GPUs, counted before the graph is built."""
+    def too_big(gpus: int) -> None:
+        if gpus > max_gpus:
+            raise BerthError("cluster", gpus, f"{gpus:,} GPUs is more than this server plans for ({max_gpus:,})")
+
+    if isinstance(cluster_req, GraphCluster):
+        nodes = cluster_req.graph.get("nodes")
+        if isinstance(nodes, list):
+            too_big(sum(1 for n in nodes if isinstance(n, dict) and n.get("kind") == "gpu"))
+        cluster = cluster_from_node_link(cluster_req.graph, cluster_req.name)
+    else:
+        if cluster_req.preset != LOCAL:
+            too_big(load_server(cluster_req.preset).gpus_per_node * cluster_req.nodes)
+        cluster = make_cluster(cluster_req.preset, cluster_req.nodes, cluster_req.devices_per_node,
+                               fabric=cluster_req.fabric, nodes_per_leaf=cluster_req.nodes_per_leaf,
+                               oversubscription=cluster_req.oversubscription, allow_files=False)
+    too_big(cluster.world_size)
+    return cluster
+
+
+class Builds:
+    """Large clusters are built in one child process: seconds of pure-Python graph work whose
+    full garbage collections (about 0.4 s for 65,536 GPUs) would pause every thread of the server,
+    the event loop included. The child has its own interpreter lock and collector, and is killed
+    when the request that asked gives up (a thread could not be stopped). At most `queue` builds
+    wait beyond the running one; more get 429."""
+
+    def __init__(self, queue: int):
+        self.limit = 1 + queue
+        self.pending = 0
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            return self._pool
+
+    def _done(self, _: Any) -> None:
+        with self._lock:
+            self.pending -= 1
+
+    async def run(self, cluster_req: Any, max_gpus: int) -> ClusterSpec:
+        with self._lock:
+            if self.pending >= self.limit:
+                raise _busy(429, f"the server is busy ({self.limit} large clusters being built or queued); retry "
+                            f"after {RETRY_AFTER_S} s")
+            self.pending += 1
+        pool = self._executor()
+        try:
+            future = pool.submit(build_cluster, cluster_req, max_gpus)
+        except BrokenProcessPool:
+            self._done(None)
+            self.kill(pool)
+            raise _busy(503, "the cluster builder restarted; retry") from None
+        future.add_done_callback(self._done)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.cancel():
+                self.kill(pool)  # running: the child is ended, not left to finish
+            raise
+        except BrokenProcessPool:
+            raise _busy(503, "the cluster builder was restarted (another build ran over its budget); retry") \
+                from None
+
+    def kill(self, pool: ProcessPoolExecutor | None = None) -> None:
+        with self._lock:
+            pool = pool or self._pool
+            if pool is None:
+                return
+            if self._pool is pool:
+                self._pool = None
+        for proc in list(getattr(pool, "_processes", {}).values()):  # the executor keeps its children here
+            with contextlib.suppress(Exception):
+                proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -282,20 +367,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     store.fail_unfinished_jobs("the server stopped before this validation finished")
     searches = Workers("search", settings.max_concurrent_searches, settings.max_queued_requests)
     light = Workers("light", LIGHT_THREADS, settings.max_queued_requests)
-    builds = Workers("build", 1, BUILD_QUEUE)
+    builds = Builds(BUILD_QUEUE)
     io = Workers("store", STORE_THREADS, settings.max_queued_requests)
     validations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="berth-validate")
     jobs = {"open": 0}
     jobs_lock = threading.Lock()
+    run_dirs: set[str] = set()  # temp dirs of running validations, removed on shutdown too
     server_names()  # the catalog, read once at startup (the names are also the schema's enum)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        for pool in (searches, light, builds, io):
+        for pool in (searches, light, io):
             pool.shutdown()
+        builds.kill()
         validations.shutdown(wait=False, cancel_futures=True)
         _kill_children()  # a running validation's torchrun does not outlive the server
+        for run_dir in list(run_dirs):
+            shutil.rmtree(run_dir, ignore_errors=True)
 
     app = FastAPI(title="berth", version=__version__, lifespan=lifespan,
                   description="Parallelism-layout planner for training large transformers.")
@@ -321,39 +410,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             detail.append(item)
         return _json({"detail": detail}, 422)
 
-    def resolve(model_ref, training_req, cluster_req, ops=None) -> tuple[Any, Any, ClusterSpec]:
-        model = load_model(model_ref, allow_files=False)
-
-        def too_big(gpus: int) -> None:
-            if gpus > settings.max_gpus:
-                raise BerthError("cluster", gpus, f"{gpus:,} GPUs is more than this server plans for "
-                                 f"({settings.max_gpus:,})")
-
-        if isinstance(cluster_req, GraphCluster):
-            nodes = cluster_req.graph.get("nodes")
-            if isinstance(nodes, list):  # counted before the graph is built
-                too_big(sum(1 for n in nodes if isinstance(n, dict) and n.get("kind") == "gpu"))
-            cluster = cluster_from_node_link(cluster_req.graph, cluster_req.name)
-        else:
-            if cluster_req.preset != LOCAL:  # checked before the graph is built
-                too_big(load_server(cluster_req.preset).gpus_per_node * cluster_req.nodes)
-            cluster = make_cluster(cluster_req.preset, cluster_req.nodes, cluster_req.devices_per_node,
-                                   fabric=cluster_req.fabric, nodes_per_leaf=cluster_req.nodes_per_leaf,
-                                   oversubscription=cluster_req.oversubscription, allow_files=False)
-        too_big(cluster.world_size)
+    def resolve(req, cluster: ClusterSpec | None) -> tuple[Any, Any, ClusterSpec]:
+        model = load_model(req.model, allow_files=False)
+        if cluster is None:
+            cluster = build_cluster(req.cluster, settings.max_gpus)
+        ops = req.operations
         if ops is not None:
             gbps = ops.storage_write_gbps_per_gpu
             cluster = with_operations(cluster, ops.failures_per_gpu_hour, gbps * 1e9 if gbps else None,
                                       ops.price_per_gpu_hour)
-        fields = training_req.model_dump()
+        fields = req.training.model_dump()
         fields["precision"] = fields["precision"] or default_precision(cluster)
         return model, make_training(**fields), cluster
 
     async def resolved(req, cancel: threading.Event):
-        """Model, training and cluster, built in a worker thread (the one build thread for a large
-        cluster; `local` asks nvidia-smi there too), never on the event loop."""
-        pool = builds if isinstance(req.cluster, GraphCluster | PresetCluster) and _heavy(req.cluster) else light
-        return await pool.run(lambda: resolve(req.model, req.training, req.cluster, req.operations), cancel)
+        """Model, training and cluster, built in a worker thread (`local` asks nvidia-smi there),
+        a large cluster in the build process; never on the event loop."""
+        built = await builds.run(req.cluster, settings.max_gpus) if _heavy(req.cluster) else None
+        return await light.run(lambda: resolve(req, built), cancel)
 
     async def within_budget(work):
         """Run `work(deadline, cancel)` under the one budget of this request: everything it awaits
@@ -498,11 +572,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             store.update_job(job_id, "running")
             with tempfile.TemporaryDirectory(prefix="berth-validate-") as run_dir:  # removed afterwards
+                run_dirs.add(run_dir)
                 if req.proxy:
                     report = validate_proxy(chosen, layers=req.layers, steps=req.steps, warmup=req.warmup,
                                             store=store, run_dir=run_dir)
                 else:
                     report = validate(chosen, steps=req.steps, warmup=req.warmup, store=store, run_dir=run_dir)
+                run_dirs.discard(run_dir)
             store.update_job(job_id, "done" if report.status == "ok" else "failed", report_id=report.id,
                              message=report.message)
         except BerthError as err:

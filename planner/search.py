@@ -160,9 +160,10 @@ def _block(struct: np.ndarray, inner: np.ndarray) -> Candidates:
                       order=s[:, 7], zero=o[:, 0], shard=o[:, 1], recompute=o[:, 2], sp=o[:, 3])
 
 
-def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int = CHUNK) -> Iterator[Candidates]:
-    """The candidates of `groups` in order, `chunk` at a time (the last one shorter): at most about
-    two chunks are ever built at once."""
+def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> Iterator[Candidates]:
+    """The candidates of `groups` in order, `chunk` (default CHUNK) at a time, the last one shorter:
+    at most about two chunks are ever built at once."""
+    chunk = chunk or CHUNK
     pending: list[Candidates] = []
     size = 0
     for struct, inner in groups:
