@@ -302,9 +302,10 @@ def build_cluster(cluster_req: PresetCluster | GraphCluster, max_gpus: int) -> C
 class Builds:
     """Large clusters are built in one child process: seconds of pure-Python graph work whose
     full garbage collections (about 0.4 s for 65,536 GPUs) would pause every thread of the server,
-    the event loop included. The child has its own interpreter lock and collector, and is killed
-    when the request that asked gives up (a thread could not be stopped). At most `queue` builds
-    wait beyond the running one; more get 429."""
+    the event loop included. The child has its own interpreter lock and collector; a build whose
+    request gave up finishes there (into the child's preset cache) but holds no thread of the
+    server, and the child is killed with the server. At most `queue` builds wait beyond the
+    running one; more get 429."""
 
     def __init__(self, queue: int):
         self.limit = 1 + queue
@@ -339,12 +340,11 @@ class Builds:
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            if not future.cancel():
-                self.kill(pool)  # running: the child is ended, not left to finish
-            raise
+            future.cancel()  # a build still queued never starts; a running one finishes in the child and
+            raise  # stays in its cache (the child is one process: at most one build runs at a time)
         except BrokenProcessPool:
-            raise _busy(503, "the cluster builder was restarted (another build ran over its budget); retry") \
-                from None
+            self.kill(pool)
+            raise _busy(503, "the cluster builder stopped; retry") from None
 
     def kill(self, pool: ProcessPoolExecutor | None = None) -> None:
         with self._lock:

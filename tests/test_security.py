@@ -396,7 +396,8 @@ def test_full_queue_is_a_fast_429_with_retry_after(tmp_path):
             t0 = time.perf_counter()
             r = httpx.post(s.url + "/v1/plans", json={**SLOW_BODY, "search": {"top": 2}}, timeout=60)
             took = time.perf_counter() - t0
-            assert r.status_code == 429 and r.headers["retry-after"] and took < 0.5, (r.status_code, took)
+            # at once, not after the 20 s budget (building the cluster first takes most of this)
+            assert r.status_code == 429 and r.headers["retry-after"] and took < 2.0, (r.status_code, took)
             assert slow.result().status_code == 200
     finally:
         s.stop()
