@@ -125,7 +125,10 @@ async def client(host: str, port: int, stop_at: float, latencies: list[float], e
 
 
 def _summary(latencies: list[float], errors: list[str], wall: float) -> dict:
-    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [latencies[0] if latencies else 0.0] * 99
+    if len(latencies) > 1:
+        q = statistics.quantiles(latencies, n=100, method="inclusive")
+    else:
+        q = [latencies[0] if latencies else 0.0] * 99
     return {"requests": len(latencies), "errors": len(errors), "error_samples": errors[:5],
             "requests_per_s": len(latencies) / wall, "p50_ms": q[49] * 1e3, "p90_ms": q[89] * 1e3,
             "p99_ms": q[98] * 1e3, "max_ms": max(latencies, default=0.0) * 1e3, "wall_s": wall}
