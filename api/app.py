@@ -398,7 +398,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(ValidationError)
     async def spec_error(_: Request, err: ValidationError) -> Response:
-        return _unprocessable(from_validation_error(err, "body"))
+        return _unprocessable(from_validation_error(err))
 
     @app.exception_handler(RequestValidationError)
     async def request_error(_: Request, err: RequestValidationError) -> Response:

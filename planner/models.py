@@ -4,6 +4,7 @@ config.json (a file or an already-parsed dict)."""
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from planner.errors import BerthError, from_validation_error
-from planner.specs import ModelSpec
+from planner.specs import MAX_NAME_LEN, ModelSpec
 
 PRESETS_FILE = Path(__file__).parent / "model_presets.json"
 
@@ -48,7 +49,12 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True) -> ModelSpec
         raise BerthError("model", ref, f"cannot parse file: {err}") from None
     if not isinstance(data, dict):
         raise BerthError("model", ref, "file must hold one object")
-    data.setdefault("name", path.stem if "model_type" not in data else data.get("_name_or_path", path.stem))
+    stem = re.sub(r"[^A-Za-z0-9_.+-]", "-", path.stem)[:MAX_NAME_LEN] or "model"  # a file's name: made safe
+    if "model_type" in data:
+        if not data.get("_name_or_path") and not data.get("name"):
+            data["_name_or_path"] = stem
+    else:
+        data.setdefault("name", stem)
     return model_from_dict(data, source="model")
 
 
