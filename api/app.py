@@ -21,14 +21,17 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
+import sqlite3
+import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime
 from pathlib import Path
@@ -95,9 +98,15 @@ COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
 HEAVY_CLUSTER_GPUS = 4096
 HEAVY_GRAPH_ELEMENTS = 5000
 BUILD_QUEUE = 2  # heavy builds waiting beyond the one running: more get 429
-STORE_THREADS = 4  # SQLite calls at once (each waits at most the request budget for a lock)
-LIGHT_THREADS = 4  # resolving cached clusters, cache hits, launch files
+STORE_THREADS = 2  # SQLite reads at once (each waits at most the request budget for a lock)
+LIGHT_THREADS = 2  # resolving cached clusters, cache hits, launch files (CPU work: 2 cores on CI)
+# The event loop waits for the interpreter lock behind every busy worker thread, up to one switch
+# interval each (5 ms by default): at 1 ms a /healthz behind 4 busy threads waits ~4 ms, not 20.
+SWITCH_INTERVAL_S = 0.001
 RETRY_AFTER_S = 1
+STORE_GRACE_S = 0.25  # how long a reply waits for its row (a WAL commit takes ~1 ms when the lock is free)
+MAX_PENDING_WRITES = 2000  # answers waiting for a locked store: at most ~80 MB of distinct 37 KB answers
+WRITE_BATCH = 256  # rows per transaction
 
 
 def _now() -> str:
@@ -359,6 +368,76 @@ class Builds:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+class Writer:
+    """The one thread that writes answers to SQLite, in order, many per transaction. A request
+    waits for its own row up to STORE_GRACE_S: a commit takes milliseconds, so normally the answer
+    is on disk before the reply goes out. When another process holds the write lock longer, the
+    reply goes out anyway and the row is written as soon as the lock is free; until then the
+    answer is served from memory (GET, launch, validate). At most `max_pending` answers wait
+    (bounded memory); beyond that the request is 503 with Retry-After."""
+
+    def __init__(self, store: Store, max_pending: int):
+        self.store, self.max_pending = store, max_pending
+        self.pending: dict[str, tuple[str, str, str]] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="berth-store-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, plan_id: str, created: str, kind: str, answer: str) -> Future:
+        with self._lock:
+            if len(self.pending) >= self.max_pending:
+                raise _busy(503, f"the store is not accepting writes ({len(self.pending)} answers waiting for "
+                            "it); retry later")
+            self.pending[plan_id] = (created, kind, answer)
+        done: Future = Future()
+        self._queue.put((plan_id, created, kind, answer, done))
+        return done
+
+    def get(self, plan_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            item = self.pending.get(plan_id)
+        if item is None:
+            return None
+        created, kind, answer = item
+        head = json.dumps({"id": plan_id, "created": created})[:-1]
+        return {"kind": kind, "response": json.loads(head + "," + answer[1:])}
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            if batch[0] is None:
+                return
+            while len(batch) < WRITE_BATCH:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                batch.append(item)
+            while True:
+                try:
+                    self.store.add_answers([item[:4] for item in batch])
+                    break
+                except sqlite3.OperationalError:  # locked by someone else: wait for it, keep the rows
+                    if self._stop.wait(0.05):
+                        return
+            with self._lock:
+                for item in batch:
+                    self.pending.pop(item[0], None)
+            for item in batch:
+                item[4].set_result(None)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Write what is waiting (within `timeout_s`), then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        self._stop.set()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     budget = settings.request_timeout_s
@@ -369,6 +448,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     light = Workers("light", LIGHT_THREADS, settings.max_queued_requests)
     builds = Builds(BUILD_QUEUE)
     io = Workers("store", STORE_THREADS, settings.max_queued_requests)
+    writer = Writer(store, MAX_PENDING_WRITES)
     validations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="berth-validate")
     jobs = {"open": 0}
     jobs_lock = threading.Lock()
@@ -377,10 +457,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         yield
         for pool in (searches, light, io):
             pool.shutdown()
         builds.kill()
+        writer.stop()
         validations.shutdown(wait=False, cancel_futures=True)
         _kill_children()  # a running validation's torchrun does not outlive the server
         for run_dir in list(run_dirs):
@@ -443,7 +525,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                         "(search.fix) or retry") from None
 
     async def stored(plan_id: str, cancel: threading.Event | None = None) -> dict[str, Any] | None:
-        return await io.run(lambda: store.get_plan(plan_id), cancel)
+        return writer.get(plan_id) or await io.run(lambda: store.get_plan(plan_id), cancel)
+
+    async def keep(plan_id: str, created: str, kind: str, answer: str) -> None:
+        """Hand the answer to the writer; wait for its row up to STORE_GRACE_S."""
+        done = writer.submit(plan_id, created, kind, answer)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), STORE_GRACE_S)
 
     @app.get("/healthz", response_model=Health, tags=["service"])
     async def healthz() -> Health:
@@ -464,7 +552,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
             answer = await searches.run(search, cancel)
             plan_id, created = uuid.uuid4().hex, _now()
-            await io.run(lambda: store.add_answer(plan_id, created, "plan", answer), cancel)
+            await keep(plan_id, created, "plan", answer)
             head = json.dumps({"id": plan_id, "created": created})[:-1]
             return Response(content=head + "," + answer[1:], media_type="application/json")
 
@@ -486,7 +574,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
             answer = await searches.run(score, cancel)
             plan_id, created = uuid.uuid4().hex, _now()
-            await io.run(lambda: store.add_answer(plan_id, created, "compare", answer), cancel)
+            await keep(plan_id, created, "compare", answer)
             head = json.dumps({"id": plan_id, "created": created})[:-1]
             return Response(content=head + "," + answer[1:], media_type="application/json")
 

@@ -151,15 +151,21 @@ class Store:
     def add_answer(self, plan_id: str, created: str, kind: str, answer: str) -> str:
         """Store an answer (JSON object text without id and created) under a new id; the text is
         stored once however many ids point at it."""
-        digest = hashlib.sha256(answer.encode()).hexdigest()
+        self.add_answers([(plan_id, created, kind, answer)])
+        return plan_id
+
+    def add_answers(self, items: list[tuple[str, str, str, str]]) -> None:
+        """Several (id, created, kind, answer) in one transaction."""
         with self._connect() as db:
-            db.execute("INSERT OR IGNORE INTO answers VALUES (?, ?, ?)", (digest, answer, len(answer)))
-            db.execute("INSERT INTO plan_refs VALUES (?, ?, ?, ?)", (plan_id, created, kind, digest))
-        self._inserts += 1
-        if self._inserts % PRUNE_EVERY == 0:
+            for plan_id, created, kind, answer in items:
+                digest = hashlib.sha256(answer.encode()).hexdigest()
+                db.execute("INSERT OR IGNORE INTO answers VALUES (?, ?, ?)", (digest, answer, len(answer)))
+                db.execute("INSERT INTO plan_refs VALUES (?, ?, ?, ?)", (plan_id, created, kind, digest))
+        before = self._inserts
+        self._inserts += len(items)
+        if self._inserts // PRUNE_EVERY != before // PRUNE_EVERY:
             with contextlib.suppress(sqlite3.OperationalError):  # busy: the next check prunes
                 self.prune()
-        return plan_id
 
     def prune(self) -> int:
         """Drop ids past the retention limits (oldest first) and answers nothing points at; the

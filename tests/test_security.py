@@ -294,11 +294,25 @@ def test_healthz_stays_fast_under_a_held_lock_and_a_huge_cluster(tmp_path):
         time.sleep(0.5)
         stop.set()
         poller.join()
-        for r, took in answers:
+        (huge1, t1), (normal1, t2), (huge2, t3), (normal2, t4) = answers
+        for r, took in ((huge1, t1), (huge2, t3)):  # the cluster cannot be built within the budget
             assert r.status_code in (429, 503), r.text[:300]
             assert r.headers.get("retry-after") and took < budget + 1.5, (r.status_code, took)
             assert "budget" in r.json()["detail"] or "busy" in r.json()["detail"]
+        for r, took in ((normal1, t2), (normal2, t4)):  # answered; the row waits for the lock
+            assert r.status_code == 200 and took < budget + 1.5, (r.status_code, took, r.text[:300])
+            assert httpx.get(f"{s.url}/v1/plans/{r.json()['id']}").json() == r.json()
         assert len(health) > 20 and max(health) < 0.2, sorted(health)[-5:]
+        lock.execute("ROLLBACK")  # the lock is free: the waiting rows reach the file
+        deadline = time.monotonic() + 10
+        ids = {normal1.json()["id"], normal2.json()["id"]}
+        while time.monotonic() < deadline:
+            with sqlite3.connect(tmp_path / "store.sqlite", timeout=5) as db:
+                if {r[0] for r in db.execute("SELECT id FROM plan_refs")} >= ids:
+                    break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the answers given while the store was locked were never written")
     finally:
         lock.close()
         s.stop()
