@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from hardware_profiles import server_names
 from hardware_profiles.schema import LinkProfile, Precision
 from planner.specs import (
     DEFAULT_MEMORY_HEADROOM,
@@ -16,14 +17,26 @@ from planner.specs import (
     MAX_NODES,
     MAX_SEQ_LEN,
     Framework,
+    ImageName,
     Plan,
     SearchSpec,
     ValidationReport,
 )
+from planner.topology import LOCAL
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Requests are strict: no bool or text for a number, no NaN or Infinity, no unknown field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+# The cluster presets a request may name: the catalog shipped with the package, fixed when the
+# service starts (an enum in the OpenAPI schema). A request never names a file on the server.
+PRESETS: tuple[str, ...] = (*server_names(), LOCAL)
+PresetName = Literal[PRESETS]  # type: ignore[valid-type]
+PlanId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+SpecText = Annotated[str, Field(min_length=1, max_length=512)]  # "tp=8,pp=2": a layout in the CLI's syntax
 
 
 class TrainingRequest(Body):
@@ -37,8 +50,8 @@ class TrainingRequest(Body):
 
 
 class PresetCluster(Body):
-    preset: str = Field(min_length=1, max_length=100, examples=["dgx-h100"],
-                        description="a cluster preset, or 'local' (the server's own machine)")
+    preset: PresetName = Field(examples=["dgx-h100"], description="a cluster preset, or 'local' (the server's own "
+                               "machine)")
     nodes: int = Field(default=1, gt=0, le=MAX_NODES)
     devices_per_node: int | None = Field(default=None, gt=0, le=MAX_GPUS_PER_NODE,
                                          description="with preset 'local' only")
@@ -49,7 +62,7 @@ class PresetCluster(Body):
 
 class GraphCluster(Body):
     graph: dict[str, Any] = Field(description='networkx node-link: {"nodes": [...], "links": [...]}')
-    name: str = Field(default="graph", min_length=1, max_length=100)
+    name: str = Field(default="graph", min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")
 
 
 class OperationsRequest(Body):
@@ -62,7 +75,7 @@ class OperationsRequest(Body):
 
 class SearchRequest(Body):
     top: int = Field(default=5, gt=0, le=100)
-    fix: str | dict[str, int | str | bool] = Field(default_factory=dict, examples=["tp=8", {"tp": 8}])
+    fix: SpecText | dict[str, int | SpecText | bool] = Field(default_factory=dict, examples=["tp=8", {"tp": 8}])
     max_micro_batch_size: int | None = Field(default=None, gt=0, le=1024)
     objective: Literal["throughput", "goodput", "cost"] = "throughput"
     fallback: bool = Field(default=False, description="also plan the best layout with one node lost")
@@ -82,7 +95,7 @@ ClusterRequest = Annotated[
     Annotated[PresetCluster, Tag("preset")] | Annotated[GraphCluster, Tag("graph")],
     Discriminator(_cluster_kind),
 ]
-ModelRef = str | dict[str, Any]
+ModelRef = Annotated[str, Field(min_length=1, max_length=64)] | dict[str, Any]
 MODEL_DESCRIPTION = "a preset name, a ModelSpec object, or a Hugging Face config.json object"
 
 
@@ -99,7 +112,7 @@ class CompareRequest(Body):
     training: TrainingRequest
     cluster: ClusterRequest
     operations: OperationsRequest = Field(default_factory=OperationsRequest)
-    layouts: list[str | dict[str, int | str | bool]] = Field(min_length=1, max_length=64,
+    layouts: list[SpecText | dict[str, int | SpecText | bool]] = Field(min_length=1, max_length=64,
                                                              examples=[["tp=8,pp=2", {"tp": 8, "zero_stage": 3}]])
     memory_headroom: float = Field(default=DEFAULT_MEMORY_HEADROOM, ge=0, le=MAX_MEMORY_HEADROOM,
                                    description=SearchSpec.model_fields["memory_headroom"].description)
@@ -123,12 +136,12 @@ class CompareResponse(BaseModel):
 
 
 class LaunchRequest(Body):
-    plan_id: str = Field(min_length=1, max_length=64)
+    plan_id: PlanId
     pick: int = Field(default=1, ge=1, le=1000, description="which plan of the stored answer (1 = first)")
     format: Literal["torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan"]
     steps: int = Field(default=20, ge=1, le=100000)
     warmup: int = Field(default=3, ge=0, le=1000)
-    image: str = Field(default="berth-executor:latest", min_length=1, max_length=200)
+    image: ImageName = "berth-executor:latest"
 
 
 class LaunchResponse(BaseModel):
@@ -138,7 +151,7 @@ class LaunchResponse(BaseModel):
 
 
 class ValidationRequest(Body):
-    plan_id: str = Field(min_length=1, max_length=64)
+    plan_id: PlanId
     pick: int = Field(default=1, ge=1, le=1000, description="which plan of the stored answer (1 = first)")
     steps: int = Field(default=5, ge=1, le=200)
     warmup: int = Field(default=2, ge=0, le=50)

@@ -1,8 +1,9 @@
-"""Service settings, from the environment (prefix BERTH_), e.g. BERTH_STORE_PATH=/data/berth.sqlite."""
+"""Service settings, from the environment (prefix BERTH_), e.g. BERTH_STORE_PATH=/data/berth.sqlite.
+Every queue, store and connection is bounded; the README's "REST service" section lists them."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -12,8 +13,25 @@ class Settings(BaseSettings):
     store_path: str | None = Field(default=None, description="SQLite file; default ~/.local/share/berth/berth.sqlite")
     max_gpus: int = Field(default=65_536, gt=0, description="largest cluster a request may plan for")
     max_candidates: int = Field(default=2_000_000, gt=0, description="most layouts one search may score")
-    request_timeout_s: float = Field(default=10.0, gt=0, description="time budget of one search or compare")
+    request_timeout_s: float = Field(default=10.0, gt=0, description="time budget of one whole request")
     max_concurrent_searches: int = Field(default=2, gt=0, description="searches running at once (CPU-bound)")
+    max_queued_requests: int = Field(default=16, ge=0, description="requests waiting for a worker thread; "
+                                     "beyond that 429 with Retry-After at once")
     max_body_bytes: int = Field(default=1_048_576, gt=0, description="largest request body")
+    store_max_plans: int = Field(default=1_000_000, gt=0, description="plan ids kept (oldest dropped first)")
+    store_max_bytes: int = Field(default=1 << 30, gt=0, description="distinct answers' JSON kept, in bytes")
+    store_retention_days: float | None = Field(default=None, gt=0, description="drop plan ids older than this")
     validation_enabled: bool = Field(default=False, description="allow POST /v1/validations (runs the executor)")
-    api_key: str | None = Field(default=None, description="required in X-API-Key for validations when set")
+    api_key: str | None = Field(default=None, description="required in X-API-Key for validations")
+    max_queued_validations: int = Field(default=4, gt=0, description="validations queued or running; beyond 429")
+    timeout_keep_alive_s: float = Field(default=5.0, gt=0, description="idle keep-alive connections closed after")
+    header_timeout_s: float = Field(default=10.0, gt=0, description="a request's headers (and body) must arrive "
+                                    "within this; slower connections are closed")
+    limit_concurrency: int = Field(default=256, gt=0, description="connections and tasks at once; beyond 503")
+    max_header_bytes: int = Field(default=16_384, gt=0, description="largest request head (h11)")
+
+    @model_validator(mode="after")
+    def _key_for_validations(self) -> Settings:
+        if self.validation_enabled and not self.api_key:
+            raise ValueError("BERTH_VALIDATION_ENABLED=1 needs BERTH_API_KEY: validations run code on this host")
+        return self

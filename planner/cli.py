@@ -541,13 +541,13 @@ def serve_cmd(
     workers: Annotated[int, typer.Option("--workers", help="uvicorn worker processes")] = 1,
 ) -> None:
     """Serve the REST API (settings from BERTH_* environment variables; docs at /docs)."""
-    import uvicorn
+    from api.server import serve
 
     if not 1 <= port <= 65535:
         raise BerthError("port", port, "must be in 1..65535")
     if workers < 1:
         raise BerthError("workers", workers, "must be at least 1")
-    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info")
+    serve(host, port, workers)
 
 
 def _load_plan(path: str, pick: int):

@@ -14,6 +14,9 @@ class BerthError(ValueError):
         self.field, self.value, self.problem = field, value, problem
         super().__init__(f"{field}={_short(value)}: {problem}")
 
+    def __reduce__(self):  # crosses process boundaries (the service builds large clusters in a child)
+        return (type(self), (self.field, self.value, self.problem))
+
     def to_dict(self) -> dict[str, Any]:
         return {"field": self.field, "value": _jsonable(self.value), "problem": self.problem}
 

@@ -20,11 +20,14 @@ torchtitan/config/job_config.py (Training, Parallelism, ActivationCheckpoint).
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from planner.errors import BerthError
-from planner.specs import Plan
+from planner.specs import ImageName, Plan
 
 FORMATS = ("torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan")
 DEFAULT_PORT = 29500
@@ -79,14 +82,40 @@ def artifacts(plan: Plan, fmt: str, plan_file: str = "plan.json", steps: int = 2
     if plan.prediction is None or plan.infeasible_reason:
         raise BerthError("plan", plan.layout.short(), f"not launchable: {plan.infeasible_reason or 'no prediction'}")
     if fmt in ("torchrun", "slurm", "kubernetes"):
+        try:
+            _IMAGE.validate_python(image)
+        except ValidationError as err:
+            raise BerthError("image", image, err.errors()[0]["msg"]) from None
         run = _Run(plan, plan_file, steps, warmup, port)
         return {"torchrun": run.torchrun_scripts, "slurm": run.sbatch, "kubernetes": lambda: run.pytorchjob(image)}[
             fmt]()
     return {"megatron": megatron_args, "deepspeed": deepspeed_config, "torchtitan": torchtitan_toml}[fmt](plan)
 
 
+_IMAGE = TypeAdapter(ImageName)
+
+
+def _comment(value: object) -> str:
+    """A value shown in a script comment: on one line whatever it holds (a newline would end the
+    comment and start a command)."""
+    return str(value).encode("unicode_escape").decode("ascii")
+
+
+def _job_name(name: str) -> str:
+    """A Slurm job name (read by sbatch from its #SBATCH line, not by a shell): safe characters only."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", name)[:64]
+
+
+def _k8s_name(name: str) -> str:
+    """An RFC 1123 label (Kubernetes object names): lower-case letters, digits and '-', at most 63
+    characters with room for the '-plan' suffix, starting and ending with an alphanumeric."""
+    label = re.sub(r"[^a-z0-9-]+", "-", f"berth-{name}".lower())[:50].strip("-")
+    return label or "berth"
+
+
 class _Run:
-    """A torchrun launch of the bundled executor for this plan."""
+    """A torchrun launch of the bundled executor for this plan. Every value that reaches a shell
+    is quoted with shlex.quote, whatever the spec's own validation already allowed."""
 
     def __init__(self, plan: Plan, plan_file: str, steps: int, warmup: int, port: int):
         self.plan, self.plan_file, self.steps, self.warmup, self.port = plan, plan_file, steps, warmup, port
@@ -106,17 +135,20 @@ class _Run:
         files = {}
         for n in range(self.nodes):
             args = ["torchrun", f"--nnodes={self.nodes}", f"--nproc-per-node={self.per_node}", f"--node-rank={n}",
-                    "--rdzv-backend=static", f"--master-addr=${{MASTER_ADDR:-{self._master()}}}",
-                    f"--master-port=${{MASTER_PORT:-{self.port}}}", *self.worker_args()]
+                    "--rdzv-backend=static"]
+            worker = " ".join(shlex.quote(a) for a in args)
             files[f"node{n}.sh"] = "\n".join([
                 "#!/bin/sh",
-                f"# berth launch (torchrun): node {n} of {self.nodes}, host {self.hosts[n]}; ranks "
+                f"# berth launch (torchrun): node {n} of {self.nodes}, host {_comment(self.hosts[n])}; ranks "
                 f"{n * self.per_node}..{(n + 1) * self.per_node - 1} (plan placement: rank = node x "
-                f"{self.per_node} + local GPU, axis order {self.plan.layout.axis_order})",
+                f"{self.per_node} + local GPU, axis order {_comment(self.plan.layout.axis_order)})",
                 "# run from a checkout of berth with the plan file beside it; node 0 writes report.json",
                 "set -e",
-                *(f"export {k}={v}" for k, v in self.env.items()),
-                " ".join(a if a.startswith("--master") else shlex.quote(a) for a in args), ""])
+                *(f"export {k}={shlex.quote(v)}" for k, v in self.env.items()),
+                f'if [ -z "${{MASTER_ADDR:-}}" ]; then MASTER_ADDR={shlex.quote(self._master())}; fi',
+                f'if [ -z "${{MASTER_PORT:-}}" ]; then MASTER_PORT={int(self.port)}; fi',
+                f'{worker} --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" '
+                + " ".join(shlex.quote(a) for a in self.worker_args()), ""])
         files[self.plan_file] = json.dumps([self.plan.model_dump(mode="json")])
         return files
 
@@ -124,27 +156,28 @@ class _Run:
         return "127.0.0.1" if self.nodes == 1 else self.hosts[0]
 
     def sbatch(self) -> dict[str, str]:
-        exports = " ".join(f"{k}={v}" for k, v in self.env.items())
+        exports = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
+        # the inner shell expands SLURM_NODEID (per task) and MASTER_ADDR (exported below)
         torchrun = " ".join(["torchrun", f"--nnodes={self.nodes}", f"--nproc-per-node={self.per_node}",
-                             "--node-rank=$SLURM_NODEID", "--rdzv-backend=static", "--master-addr=$MASTER_ADDR",
-                             f"--master-port={self.port}", *map(shlex.quote, self.worker_args())])
+                             '--node-rank="$SLURM_NODEID"', "--rdzv-backend=static", '--master-addr="$MASTER_ADDR"',
+                             f"--master-port={int(self.port)}", *map(shlex.quote, self.worker_args())])
         gpu = "" if self.plan.cluster.device.kind == "cpu" else f"#SBATCH --gpus-per-node={self.per_node}\n"
         script = (
             "#!/bin/bash\n"
-            f"#SBATCH --job-name=berth-{self.plan.model.name}\n"
+            f"#SBATCH --job-name=berth-{_job_name(self.plan.model.name)}\n"
             f"#SBATCH --nodes={self.nodes}\n"
             "#SBATCH --ntasks-per-node=1\n"
             f"{gpu}"
             "#SBATCH --exclusive\n"
-            f"# plan: {self.plan.layout.short()}; SLURM_NODEID n runs ranks n x {self.per_node} + local GPU, "
-            "the plan's rank map (nodes in the allocation's sorted order)\n"
+            f"# plan: {_comment(self.plan.layout.short())}; SLURM_NODEID n runs ranks n x {self.per_node} + local "
+            "GPU, the plan's rank map (nodes in the allocation's sorted order)\n"
             "set -euo pipefail\n"
             "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\n"
-            f"srun --kill-on-bad-exit=1 env {exports} bash -c '{torchrun}'\n")
+            f"srun --kill-on-bad-exit=1 env {exports} bash -c {shlex.quote(torchrun)}\n")
         return {"berth.sbatch": script, self.plan_file: json.dumps([self.plan.model_dump(mode="json")])}
 
     def pytorchjob(self, image: str) -> dict[str, str]:
-        name = f"berth-{self.plan.model.name}".lower().replace(".", "-").replace("_", "-")[:50]
+        name = _k8s_name(self.plan.model.name)
         env = [{"name": k, "value": v} for k, v in self.env.items()]
         container = {
             "name": "pytorch", "image": image, "workingDir": "/app",

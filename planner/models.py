@@ -4,6 +4,7 @@ config.json (a file or an already-parsed dict)."""
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from planner.errors import BerthError, from_validation_error
-from planner.specs import ModelSpec
+from planner.specs import MAX_NAME_LEN, ModelSpec
 
 PRESETS_FILE = Path(__file__).parent / "model_presets.json"
 
@@ -61,7 +62,12 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True) -> ModelSpec
         raise BerthError("model", ref, f"not JSON: {err.msg} at line {err.lineno}") from None
     if not isinstance(data, dict):
         raise BerthError("model", ref, "file must hold one object")
-    data.setdefault("name", path.stem if "model_type" not in data else data.get("_name_or_path", path.stem))
+    stem = re.sub(r"[^A-Za-z0-9_.+-]", "-", path.stem)[:MAX_NAME_LEN] or "model"  # a file's name: made safe
+    if "model_type" in data:
+        if not data.get("_name_or_path") and not data.get("name"):
+            data["_name_or_path"] = stem
+    else:
+        data.setdefault("name", stem)
     return model_from_dict(data, source="model")
 
 
@@ -69,7 +75,7 @@ def model_from_dict(data: dict[str, Any], source: str = "model") -> ModelSpec:
     if "model_type" in data:
         return from_hf_config(data, source)
     try:
-        return ModelSpec.model_validate(data)
+        return ModelSpec.model_validate(data, strict=True)  # no bool or text as a number
     except ValidationError as err:
         raise from_validation_error(err, source) from None
 
@@ -143,20 +149,41 @@ def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
         supported = ", ".join(sorted(_HF_FAMILIES))
         raise BerthError(f"{source}.model_type", model_type,
                          f"config lacks {', '.join(missing)} (supported model types: {supported})")
+    for key in (k for k in keys if k and cfg.get(k) is not None):  # no bool, float or text as a count
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int):
+            raise BerthError(f"{source}.{key}", cfg[key], "must be an integer")
     layers, hidden, heads, kv, ffn, vocab = (cfg.get(k) if k else None for k in keys)
     if ffn is None:
         ffn = 4 * hidden if isinstance(hidden, int) else None
-    act = str(cfg.get("hidden_act", cfg.get("activation_function", ""))).lower()
+    act_key = "hidden_act" if "hidden_act" in cfg else "activation_function"
+    act = cfg.get(act_key, "")
+    if not isinstance(act, str):
+        raise BerthError(f"{source}.{act_key}", act, "must be a string (an activation name)")
+    act = act.lower()
     mlp = family["mlp"] if not act else ("swiglu" if act in ("silu", "swish", "swiglu") else "gelu")
+    drop_key = "attention_dropout" if "attention_dropout" in cfg else "attn_pdrop"
+    dropout = cfg.get(drop_key) or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout <= 1.0:
+        raise BerthError(f"{source}.{drop_key}", dropout, "must be a number in [0, 1]")
+    tied = cfg.get("tie_word_embeddings", family["tied"])
+    if not isinstance(tied, bool):
+        raise BerthError(f"{source}.tie_word_embeddings", tied, "must be true or false")
+    name_key = next((k for k in ("_name_or_path", "name") if cfg.get(k)), None)
     fields = {
-        "name": str(cfg.get("_name_or_path") or cfg.get("name") or model_type or "hf-model"),
+        "name": cfg[name_key] if name_key else (model_type if isinstance(model_type, str) else "hf-model"),
         "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
         "num_kv_heads": kv, "ffn_hidden_size": ffn, "vocab_size": vocab, "mlp": mlp,
-        "norm": family["norm"],
-        "tied_embeddings": bool(cfg.get("tie_word_embeddings", family["tied"])),
-        "dropout": float(cfg.get("attention_dropout", cfg.get("attn_pdrop", 0.0)) or 0.0) > 0.0,
+        "norm": family["norm"], "tied_embeddings": tied, "dropout": dropout > 0.0,
     }
     try:
-        return ModelSpec.model_validate(fields)
+        return ModelSpec.model_validate(fields, strict=True)
     except ValidationError as err:
+        # name the key the user wrote, not ours
+        hf_key = dict(zip(("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
+                           "vocab_size"), keys, strict=True)) | {"name": name_key or "model_type"}
+        loc = err.errors()[0].get("loc", ())
+        field = hf_key.get(str(loc[0])) if loc else None
+        if field:
+            first = err.errors()[0]
+            raise BerthError(f"{source}.{field}", first.get("input"), first.get("msg", "invalid")) from None
         raise from_validation_error(err, source) from None

@@ -4,6 +4,7 @@ JSON contract they both print."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -13,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from hardware_profiles import UnknownProfileError, load_profile_file, load_server
+from hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
 from planner.errors import BerthError, from_validation_error
 from planner.graphs import cluster_graph, to_node_link
 from planner.layouts import check_layout, parse_spec
@@ -81,10 +82,17 @@ def preset_graph(servers: list[str], fabric: str = "rails", nodes_per_leaf: int 
 
 def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = None,
                  profile: str | None = None, fabric: str = "rails", nodes_per_leaf: int | None = None,
-                 oversubscription: float = 1.0) -> ClusterSpec:
+                 oversubscription: float = 1.0, allow_files: bool = True) -> ClusterSpec:
     """A preset for `nodes` servers (on a rail or fat-tree fabric), a node-link graph file
     (`*.json`), or `local`: this machine (its GPUs, or CPU worker processes). A `berth profile`
-    file replaces the device (and, for `local`, the links) by measured ones."""
+    file replaces the device (and, for `local`, the links) by measured ones. The service passes
+    allow_files=False: then only the preset catalog's names are accepted and no path is opened."""
+    if not allow_files:
+        if profile is not None:
+            raise BerthError("profile", profile, "a request cannot name a file on the server")
+        if cluster != LOCAL and cluster not in server_names():
+            raise BerthError("cluster.preset", cluster, f"unknown preset; known: {', '.join(server_names())}, "
+                             f"{LOCAL}; or give the cluster as an inline graph")
     measured = load_profile(profile)
     if cluster == LOCAL:
         if nodes != 1:
@@ -182,12 +190,13 @@ def cached_plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, 
 
 
 def plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec,
-         max_candidates: int | None = None, deadline: float | None = None) -> SearchResult:
+         max_candidates: int | None = None, deadline: float | None = None,
+         cancel: threading.Event | None = None) -> SearchResult:
     key = _cache_key(model, training, cluster, spec, max_candidates)
     cached = PLAN_CACHE.get(key)
     if cached is not None:
         return cached
-    result = search(model, training, cluster, spec, max_candidates, deadline)
+    result = search(model, training, cluster, spec, max_candidates, deadline, cancel)
     PLAN_CACHE.put(key, result)
     return result
 
@@ -278,8 +287,26 @@ def plans_text(result: SearchResult) -> str:
     """`plans_json` as compact JSON text, serialized once per result: the service answers a
     repeated question from the plan cache, and the plans' dump is most of its work."""
     if not result.serialized:
-        result.serialized.append(json.dumps(plans_json(result), separators=(",", ":")))
+        result.serialized.append(json_text(plans_json(result)))
     return result.serialized[0]
+
+
+def json_text(value: Any) -> str:
+    """Compact, strictly valid JSON: a non-finite float (never valid JSON) becomes null."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), separators=(",", ":"), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def compare_json(candidates: list[Plan], best: SearchResult | None) -> dict[str, Any]:

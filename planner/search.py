@@ -3,8 +3,11 @@ them all with the vectorized cost model, mask the infeasible with a reason, keep
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import product
 
@@ -39,7 +42,12 @@ from planner.specs import (
     TrainingSpec,
 )
 
-CHUNK = 1 << 18  # candidates scored per vectorized batch (bounds peak memory)
+# Memory of one search is bounded: candidates are generated and scored in chunks, and only each
+# chunk's best rows are kept. evaluate() peaks at about 700 bytes per candidate (tracemalloc, gpt-1t
+# on 384 DGX A100 nodes, a 262,144-row chunk) plus 96 bytes of candidate columns (12 int64).
+BYTES_PER_CANDIDATE = 800
+SEARCH_CHUNK_BYTES = 128 << 20  # the cap on one chunk's working memory
+CHUNK = SEARCH_CHUNK_BYTES // BYTES_PER_CANDIDATE  # candidates scored per vectorized batch
 
 
 @dataclass(frozen=True)
@@ -105,8 +113,14 @@ def _inner_options(dp: int, tp: int) -> np.ndarray:
     return np.asarray(opts, dtype=np.int64)
 
 
-def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
-                         search: SearchSpec) -> Candidates:
+_STRUCT_COLUMNS = ("tp", "pp", "dp", "mbs", "nmb", "schedule", "vpp", "order")  # _structural_rows' columns
+_INNER_COLUMNS = ("zero", "shard", "recompute", "sp")  # _inner_options' columns
+
+
+def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+            search: SearchSpec) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(structural rows, inner options) per group, search.fix applied to each side: the candidates
+    are every row of a group times every option of it, so they are counted before any is built."""
     rows = _structural_rows(model, training, cluster.world_size, search.max_micro_batch_size)
     if rows.shape[0] == 0:
         raise BerthError(
@@ -115,20 +129,96 @@ def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: Clus
             f"tp must divide {model.num_attention_heads} heads and {model.kv_heads} kv heads; "
             f"pp must divide {model.num_layers} layers)",
         )
-    parts = []
+    if search.fix:
+        check_values(search.fix, "fix")
+    out = _group_tables(rows, _fix_codes(search.fix))
+    if not out and search.fix:
+        _refuse_empty_fix(rows, search.fix, model, training, cluster)
+    return out
+
+
+def _group_tables(rows: np.ndarray, codes: dict[str, int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(structural rows, inner options) of each (dp, tp > 1) group with the fixed codes applied."""
     groups: dict[tuple[int, bool], list[int]] = {}
     for i, (tp, _, dp, *_rest) in enumerate(rows):
         groups.setdefault((int(dp), int(tp) > 1), []).append(i)
+    out = []
     for (dp, has_tp), idx in groups.items():
         struct = rows[np.asarray(idx)]
         inner = _inner_options(dp, 2 if has_tp else 1)
-        s = np.repeat(struct, len(inner), axis=0)
-        o = np.tile(inner, (len(struct), 1))
-        parts.append(Candidates(tp=s[:, 0], pp=s[:, 1], dp=s[:, 2], mbs=s[:, 3], nmb=s[:, 4],
-                                schedule=s[:, 5], vpp=s[:, 6], order=s[:, 7], zero=o[:, 0], shard=o[:, 1],
-                                recompute=o[:, 2], sp=o[:, 3]))
-    cands = Candidates.concat(parts)
-    return _apply_fix(cands, search.fix, model, training, cluster)
+        struct = struct[_matches(struct, _STRUCT_COLUMNS, codes)]
+        inner = inner[_matches(inner, _INNER_COLUMNS, codes)]
+        if len(struct) and len(inner):
+            out.append((struct, inner))
+    return out
+
+
+_CODES = {"recompute": RECOMPUTE_CHOICES, "schedule": SCHEDULE_CHOICES, "axis_order": AXIS_ORDER_CHOICES}
+
+
+def _refuse_empty_fix(rows: np.ndarray, fix: dict, model: ModelSpec, training: TrainingSpec,
+                      cluster: ClusterSpec) -> None:
+    """Raise the refusal of the first fixed key that leaves no candidate (keys applied in the order
+    given), with the values the candidates left by the keys before it have: never an empty search."""
+    keys = list(fix)
+    for n, key in enumerate(keys):
+        column = _FIX_COLUMNS[key]
+        present: set[int] = set()
+        for struct, inner in _group_tables(rows, _fix_codes({k: fix[k] for k in keys[:n]})):
+            table, columns = (struct, _STRUCT_COLUMNS) if column in _STRUCT_COLUMNS else (inner, _INNER_COLUMNS)
+            present.update(np.unique(table[:, columns.index(column)]).tolist())
+        if _fix_codes({key: fix[key]})[column] not in present:
+            values = sorted(present)
+            valid = [_CODES[key][v] for v in values] if key in _CODES else values
+            raise refuse_fix(fix, key, valid, model, training, cluster)
+
+
+def _matches(table: np.ndarray, columns: tuple[str, ...], codes: dict[str, int]) -> np.ndarray:
+    keep = np.ones(len(table), dtype=bool)
+    for j, name in enumerate(columns):
+        if name in codes:
+            keep &= table[:, j] == codes[name]
+    return keep
+
+
+def count_candidates(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, search: SearchSpec) -> int:
+    """How many layouts `search` would score, computed without enumerating them."""
+    return sum(len(struct) * len(inner) for struct, inner in _groups(model, training, cluster, search))
+
+
+def _block(struct: np.ndarray, inner: np.ndarray) -> Candidates:
+    s = np.repeat(struct, len(inner), axis=0)
+    o = np.tile(inner, (len(struct), 1))
+    return Candidates(tp=s[:, 0], pp=s[:, 1], dp=s[:, 2], mbs=s[:, 3], nmb=s[:, 4], schedule=s[:, 5], vpp=s[:, 6],
+                      order=s[:, 7], zero=o[:, 0], shard=o[:, 1], recompute=o[:, 2], sp=o[:, 3])
+
+
+def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> Iterator[Candidates]:
+    """The candidates of `groups` in order, `chunk` (default CHUNK) at a time, the last one shorter:
+    at most about two chunks are ever built at once."""
+    chunk = chunk or CHUNK
+    pending: list[Candidates] = []
+    size = 0
+    for struct, inner in groups:
+        step = max(1, chunk // len(inner))
+        for start in range(0, len(struct), step):
+            block = _block(struct[start:start + step], inner)
+            pending.append(block)
+            size += len(block)
+            while size >= chunk:
+                joined = Candidates.concat(pending) if len(pending) > 1 else pending[0]
+                yield joined.take(np.arange(chunk))
+                rest = joined.take(np.arange(chunk, len(joined)))
+                pending, size = ([rest], len(rest)) if len(rest) else ([], 0)
+    if size:
+        yield Candidates.concat(pending) if len(pending) > 1 else pending[0]
+
+
+def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+                         search: SearchSpec) -> Candidates:
+    """Every candidate of the search at once (tests and small searches; `search` streams them)."""
+    return Candidates.concat([_block(struct, inner) for struct, inner in _groups(model, training, cluster, search)]
+                             or [_block(np.zeros((0, 8), np.int64), np.zeros((1, 4), np.int64))])
 
 
 _FIX_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stage": "zero",
@@ -136,28 +226,24 @@ _FIX_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stag
                 "recompute": "recompute", "schedule": "schedule", "sequence_parallel": "sp", "axis_order": "order"}
 
 
-_CODES = {"recompute": RECOMPUTE_CHOICES, "schedule": SCHEDULE_CHOICES, "axis_order": AXIS_ORDER_CHOICES}
-
-
-def _apply_fix(c: Candidates, fix: dict, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> Candidates:
-    """The candidates with the fixed values; a value no candidate has is refused (a BerthError
-    with the broken rule and the values that would do), never an empty search."""
-    if not fix:
-        return c
-    check_values(fix, "fix")
-    keep = np.ones(len(c), dtype=bool)
+def _fix_codes(fix: dict) -> dict[str, int]:
+    """search.fix as column -> code."""
+    codes = {}
     for key, value in fix.items():
-        column = getattr(c, _FIX_COLUMNS[key])
-        code = _CODES[key].index(value) if key in _CODES else int(value)
-        now = keep & (column == code)
-        if not now.any():
-            present = np.unique(column[keep]).tolist()
-            valid = [_CODES[key][v] for v in present] if key in _CODES else present
-            if key == "sequence_parallel":
-                valid = [int(v) for v in valid]
-            raise refuse_fix(fix, key, valid, model, training, cluster)
-        keep = now
-    return c.take(np.flatnonzero(keep))
+        if key == "recompute":
+            if value not in RECOMPUTE_CHOICES:
+                raise BerthError("fix.recompute", value, f"use one of {RECOMPUTE_CHOICES}")
+            value = RECOMPUTE_CHOICES.index(value)
+        elif key == "schedule":
+            if value not in SCHEDULE_CHOICES:
+                raise BerthError("fix.schedule", value, f"use one of {SCHEDULE_CHOICES}")
+            value = SCHEDULE_CHOICES.index(value)
+        elif key == "axis_order":
+            if value not in AXIS_ORDER_CHOICES:
+                raise BerthError("fix.axis_order", value, f"use one of {AXIS_ORDER_CHOICES}")
+            value = AXIS_ORDER_CHOICES.index(value)
+        codes[_FIX_COLUMNS[key]] = int(value)
+    return codes
 
 
 def objective_value(ev: Evaluation, objective: str = "throughput") -> np.ndarray:
@@ -176,25 +262,30 @@ def rank_order(ev: Evaluation, c: Candidates, objective: str = "throughput") -> 
 
 
 class SearchTimeout(RuntimeError):
-    """The search ran past its deadline (checked between chunks, so it stops within one chunk)."""
+    """The search ran past its deadline or was cancelled (checked between chunks, so it stops
+    within one chunk)."""
 
 
 def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec,
-           max_candidates: int | None = None, deadline: float | None = None) -> SearchResult:
+           max_candidates: int | None = None, deadline: float | None = None,
+           cancel: threading.Event | None = None) -> SearchResult:
     """Score every candidate layout and keep the `spec.top` best. `max_candidates` refuses a
-    search larger than that (BerthError); `deadline` (time.monotonic) stops one that runs late."""
-    cands = enumerate_candidates(model, training, cluster, spec)
-    if max_candidates is not None and len(cands) > max_candidates:
-        raise BerthError("search", len(cands), f"{len(cands):,} layouts to score, more than this server's limit "
+    search larger than that (BerthError, counted before any candidate is built); `deadline`
+    (time.monotonic) and `cancel` stop one that runs late or whose caller gave up."""
+    groups = _groups(model, training, cluster, spec)
+    total = sum(len(struct) * len(inner) for struct, inner in groups)
+    if max_candidates is not None and total > max_candidates:
+        raise BerthError("search", total, f"{total:,} layouts to score, more than this server's limit "
                          f"{max_candidates:,}; narrow the search with search.fix (e.g. tp=8)")
     best: list[tuple[Candidates, Evaluation, np.ndarray]] = []
     reasons: Counter[int] = Counter()
-    feasible = 0
+    feasible = done = 0
     closest: tuple[str, float] | None = None
-    for start in range(0, len(cands), CHUNK):
+    for part in iter_candidates(groups):
+        if cancel is not None and cancel.is_set():
+            raise SearchTimeout(f"search cancelled after {done:,} of {total:,} layouts")
         if deadline is not None and time.monotonic() > deadline:
-            raise SearchTimeout(f"search stopped after {start:,} of {len(cands):,} layouts: over its time budget")
-        part = cands.take(slice(start, min(start + CHUNK, len(cands))))  # views, no copy
+            raise SearchTimeout(f"search stopped after {done:,} of {total:,} layouts: over its time budget")
         ev = evaluate(model, training, cluster, part, spec.memory_headroom)
         codes, counts = np.unique(ev.reason, return_counts=True)
         reasons.update(dict(zip(codes.tolist(), counts.tolist(), strict=True)))
@@ -205,7 +296,12 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
                 closest = (part.layout(j).short(), float(ev.peak_memory_bytes[j]))
         order = rank_order(ev, part, spec.objective)
         feasible += len(order)
-        best.append((part, ev, order[: spec.top * len(AXIS_ORDER_CHOICES)]))
+        done += len(part)
+        # keep only this chunk's best rows (scored again on their own: evaluate is row-wise), so
+        # memory stays one chunk whatever the search's size
+        top = part.take(order[: spec.top * len(AXIS_ORDER_CHOICES)])
+        del ev, part
+        best.append((top, evaluate(model, training, cluster, top, spec.memory_headroom), np.arange(len(top))))
     merged = [(float(objective_value(ev, spec.objective)[i]), k, int(i)) for k, (_, ev, top) in enumerate(best)
               for i in top]
     merged.sort(key=lambda t: -t[0])
@@ -216,7 +312,7 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
             seen.add(key)
             plans.append(make_plan(model, training, cluster, best[k][0], best[k][1], i, detail=not plans))
     rejected = {REASONS[code][0]: n for code, n in sorted(reasons.items()) if code != VALID}
-    return SearchResult(plans=plans, searched=len(cands), feasible=feasible, rejected=rejected,
+    return SearchResult(plans=plans, searched=total, feasible=feasible, rejected=rejected,
                         closest=closest if not plans else None)
 
 
@@ -234,8 +330,13 @@ def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
         memory_breakdown_bytes={k: float(v[i]) for k, v in ev.memory_breakdown_bytes.items()},
         model_flops_per_step=float(ev.model_flops_per_step),
         hardware_flops_per_step=float(ev.hardware_flops_per_step[i]),
-        goodput=GoodputPrediction(**ev.goodput.at(i), **{k: float(v[i]) for k, v in ev.cost.items()}),
+        goodput=GoodputPrediction(**ev.goodput.at(i), **{k: _finite(float(v[i])) for k, v in ev.cost.items()}),
     )
+
+
+def _finite(x: float) -> float | None:
+    """A cost or energy per useful token is undefined (None, JSON null) when nothing useful is left."""
+    return x if math.isfinite(x) else None
 
 
 def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int, detail: bool = True) -> Plan:
@@ -289,4 +390,5 @@ def predict_layouts(model: ModelSpec, training: TrainingSpec, cluster: ClusterSp
     return [make_plan(model, training, cluster, c, ev, i) for i in range(len(layouts))]
 
 
-__all__ = ["SearchResult", "SearchTimeout", "divisors", "enumerate_candidates", "predict_layouts", "search"]
+__all__ = ["SearchResult", "SearchTimeout", "count_candidates", "divisors", "enumerate_candidates", "iter_candidates",
+           "predict_layouts", "search"]

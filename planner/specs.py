@@ -7,9 +7,9 @@ Units are SI base units and carried in field names.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError, model_validator
 
 from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
 
@@ -34,6 +34,32 @@ MAX_NODES = 1 << 16
 MAX_GPUS_PER_NODE = 1024
 
 
+# Names that reach generated scripts and manifests (sbatch job names, torchrun's --master-addr,
+# container images, Kubernetes object names) are checked here, once: letters, digits and . _ - /
+# : + @ only (no whitespace, quotes, $, backticks, ; or newlines), bounded length. Launch files
+# still shell-quote every value (planner/launch.py): the two defences do not rely on each other.
+MAX_NAME_LEN = 128  # Hugging Face repo ids ("org/name") are at most 96 characters
+MAX_IMAGE_LEN = 255  # OCI image references: registry host, path, tag (Docker caps a tag at 128)
+ModelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./][A-Za-z0-9_./:+@-]*$", min_length=1,
+                                             max_length=MAX_NAME_LEN)]
+HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*$", min_length=1,
+                                            max_length=253)]  # RFC 1123 host names, IPv4/IPv6 addresses
+ImageName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./:@-]*$", min_length=1,
+                                             max_length=MAX_IMAGE_LEN)]
+LabelText = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]*$", max_length=256)]  # one printable line
+_HOST = TypeAdapter(HostName)
+
+
+def check_host(value: Any) -> str | None:
+    """None when `value` is a valid host name, else what is wrong (graph parsers name the field)."""
+    try:
+        _HOST.validate_python(value)
+    except ValidationError as err:
+        return "a host name: letters, digits and . _ - : only, at most 253 characters" + (
+            "" if isinstance(value, str) else f" ({err.errors()[0]['msg']})")
+    return None
+
+
 class Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -41,7 +67,7 @@ class Spec(BaseModel):
 class ModelSpec(Spec):
     """A decoder-only transformer's shape (Megatron/Llama family)."""
 
-    name: str = "custom"
+    name: ModelName = "custom"
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
     hidden_size: int = Field(gt=0, le=MAX_HIDDEN)
     num_attention_heads: int = Field(gt=0, le=MAX_HEADS)
@@ -154,7 +180,7 @@ class ClusterSpec(Spec):
     node and a fabric between them. Presets and graphs (`topology.py`, `hierarchy.py`) also give
     `fabric`, the full hierarchy of fast domains; without it the hierarchy is node, then cluster."""
 
-    name: str
+    name: LabelText
     nodes: int = Field(gt=0, le=MAX_NODES)
     gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE)
     device: DeviceProfile
@@ -168,7 +194,8 @@ class ClusterSpec(Spec):
     devices: dict[str, int] = Field(default_factory=dict,
                                     description="GPUs per device profile, when the cluster mixes several")
     notes: tuple[str, ...] = ()
-    hosts: tuple[str, ...] = Field(default=(), description="host name of each node (graph clusters), in node order")
+    hosts: tuple[HostName, ...] = Field(default=(), description="host name of each node (graph clusters), in node "
+                                        "order")
     # Failures and checkpoints (cost_models/goodput.py). Defaults from Meta's Llama 3 pre-training
     # (Dubey et al. 2024, "The Llama 3 Herd of Models", Sec. 3.3): 419 unexpected interruptions in
     # 54 days on 16,384 H100 GPUs = 1.97e-5 per GPU-hour; the Tectonic filesystem sustained 2 TB/s

@@ -9,21 +9,43 @@ any crash or restart of the process; an OS crash or power cut may drop the last 
 
 The file: the `path` given, else $BERTH_STORE_PATH, else $XDG_DATA_HOME/berth/berth.sqlite
 (~/.local/share/berth/berth.sqlite).
+
+Plan answers are stored once per content: `answers` holds each distinct answer text under its
+SHA-256, `plan_refs` one small row per id handed out (a repeated question costs a pointer, not
+another copy). `max_plans`, `max_bytes` and `retention_days` bound the store: the oldest ids and
+the answers no id points at any more are dropped (checked every PRUNE_EVERY inserts).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import sqlite3
 import threading
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from planner.specs import ValidationReport
 
 BUSY_TIMEOUT_S = 30.0
+PRUNE_EVERY = 64  # inserts between retention checks (a check is two indexed queries)
 SCHEMA = """
+CREATE TABLE IF NOT EXISTS answers (
+    hash TEXT PRIMARY KEY,
+    body TEXT NOT NULL,
+    size INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS plan_refs (
+    id TEXT PRIMARY KEY,
+    created TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    answer TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS plan_refs_created ON plan_refs (created);
+CREATE INDEX IF NOT EXISTS plan_refs_answer ON plan_refs (answer);
 CREATE TABLE IF NOT EXISTS plans (
     id TEXT PRIMARY KEY,
     created TEXT NOT NULL,
@@ -99,9 +121,13 @@ def read_validations(path: str | Path | None = None, status: str | None = None) 
 
 
 class Store:
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, busy_timeout_s: float = BUSY_TIMEOUT_S,
+                 max_plans: int | None = None, max_bytes: int | None = None, retention_days: float | None = None):
         self.path = Path(path) if path else default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.busy_timeout_s = busy_timeout_s
+        self.max_plans, self.max_bytes, self.retention_days = max_plans, max_bytes, retention_days
+        self._inserts = 0
         self._local = threading.local()
         with self._connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
@@ -112,9 +138,9 @@ class Store:
         db = getattr(self._local, "db", None)
         if db is not None:
             return db
-        db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
+        db = sqlite3.connect(self.path, timeout=self.busy_timeout_s)
         self._local.db = db
-        db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
         # WAL + NORMAL: a commit survives the process (and a crash or restart of it); only an OS
         # crash or power cut can drop the last commits, never corrupt the file.
         db.execute("PRAGMA synchronous = NORMAL")
@@ -160,9 +186,62 @@ class Store:
             db.execute("INSERT INTO plans VALUES (?, ?, ?)", (plan_id, created, text))
         return plan_id
 
+    def add_answer(self, plan_id: str, created: str, kind: str, answer: str) -> str:
+        """Store an answer (JSON object text without id and created) under a new id; the text is
+        stored once however many ids point at it."""
+        self.add_answers([(plan_id, created, kind, answer)])
+        return plan_id
+
+    def add_answers(self, items: list[tuple[str, str, str, str]]) -> None:
+        """Several (id, created, kind, answer) in one transaction."""
+        with self._connect() as db:
+            for plan_id, created, kind, answer in items:
+                digest = hashlib.sha256(answer.encode()).hexdigest()
+                db.execute("INSERT OR IGNORE INTO answers VALUES (?, ?, ?)", (digest, answer, len(answer)))
+                db.execute("INSERT INTO plan_refs VALUES (?, ?, ?, ?)", (plan_id, created, kind, digest))
+        before = self._inserts
+        self._inserts += len(items)
+        if self._inserts // PRUNE_EVERY != before // PRUNE_EVERY:
+            with contextlib.suppress(sqlite3.OperationalError):  # busy: the next check prunes
+                self.prune()
+
+    def prune(self) -> int:
+        """Drop ids past the retention limits (oldest first) and answers nothing points at; the
+        number of ids dropped."""
+        dropped = 0
+        with self._connect() as db:
+            if self.retention_days is not None:
+                cutoff = (datetime.now(UTC) - timedelta(days=self.retention_days)).isoformat()
+                dropped += db.execute("DELETE FROM plan_refs WHERE created < ?", (cutoff,)).rowcount
+            if self.max_plans is not None:
+                (count,) = db.execute("SELECT COUNT(*) FROM plan_refs").fetchone()
+                if count > self.max_plans:
+                    dropped += db.execute("DELETE FROM plan_refs WHERE id IN (SELECT id FROM plan_refs ORDER BY "
+                                          "created LIMIT ?)", (count - self.max_plans,)).rowcount
+            db.execute("DELETE FROM answers WHERE hash NOT IN (SELECT answer FROM plan_refs)")
+            while self.max_bytes is not None:
+                (size,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM answers").fetchone()
+                if size <= self.max_bytes:
+                    break
+                # the oldest answer goes with every id that points at it
+                (oldest,) = db.execute("SELECT answer FROM plan_refs ORDER BY created LIMIT 1").fetchone()
+                dropped += db.execute("DELETE FROM plan_refs WHERE answer = ?", (oldest,)).rowcount
+                db.execute("DELETE FROM answers WHERE hash = ?", (oldest,))
+        return dropped
+
+    def stored_bytes(self) -> int:
+        with self._connect() as db:
+            return int(db.execute("SELECT COALESCE(SUM(size), 0) FROM answers").fetchone()[0])
+
     def get_plan(self, plan_id: str) -> dict[str, Any] | None:
         with self._connect() as db:
-            row = db.execute("SELECT body FROM plans WHERE id = ?", (plan_id,)).fetchone()
+            row = db.execute("SELECT r.created, r.kind, a.body FROM plan_refs r JOIN answers a ON a.hash = r.answer "
+                             "WHERE r.id = ?", (plan_id,)).fetchone()
+            if row is not None:
+                created, kind, answer = row
+                head = json.dumps({"id": plan_id, "created": created})[:-1]
+                return {"kind": kind, "response": json.loads(head + ("," + answer[1:] if answer != "{}" else "}"))}
+            row = db.execute("SELECT body FROM plans WHERE id = ?", (plan_id,)).fetchone()  # stored before answers
         return json.loads(row[0]) if row else None
 
     def add_job(self, job_id: str, created: str, plan_id: str, request: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from hardware_profiles.schema import DeviceProfile, ServerProfile
 from planner.errors import BerthError
 from planner.graphs import check_fabric, cluster_graph
 from planner.hierarchy import GRAPH_LINK_EFFICIENCY, derive_levels, gpu_order
-from planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec
+from planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, check_host
 
 
 def cluster_from_preset(preset: str, nodes: int, fabric: str = "rails", nodes_per_leaf: int | None = None,
@@ -220,6 +220,8 @@ def graph_from_node_link(data: Any, field: str = "cluster.graph") -> nx.Graph:
                                  f"unknown device; known: {', '.join(sorted(known))}")
             if not isinstance(n.get("host"), str) or not n["host"]:
                 raise BerthError(f"{where}.host", n.get("host"), "a GPU needs the host (server) it sits in")
+            if (problem := check_host(n["host"])) is not None:
+                raise BerthError(f"{where}.host", n["host"], f"must be {problem}")
         g.add_node(n["id"], **{k: v for k, v in n.items() if k != "id"})
     for i, e in enumerate(links):
         where = f"{field}.links[{i}]"

@@ -147,7 +147,7 @@ BAD = [
     ({"training": {"global_batch_size": 8}}, "seq_len", "required"),
     ({"cluster": {"preset": "dgx-h100", "nodes": 10**9}}, "nodes", ""),
     ({"cluster": {"preset": "dgx-h100", "nodes": 16384}}, "cluster", "more than this server plans for"),
-    ({"cluster": {"preset": "warp-drive"}}, "preset", "unknown preset"),
+    ({"cluster": {"preset": "warp-drive"}}, "preset", "dgx-h100"),  # the error lists the catalog
     ({"model": {"num_layers": 10**7, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
                 "vocab_size": 100}}, "num_layers", ""),
     ({"model": {"num_layers": 2, "hidden_size": 100, "num_attention_heads": 3, "ffn_hidden_size": 256,
@@ -262,5 +262,10 @@ def test_validation_runs_in_background_with_api_key(tmp_path):
 def test_schemathesis_finds_no_server_error_or_schema_violation(server, tmp_path):
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json", "--max-examples", "30",
            "--exclude-checks", "positive_data_acceptance", "--seed", "1", "--report-dir", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    checked = tmp_path / "strict-json.log"
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",  # adds the strict_json check
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+           "STRICT_JSON_CHECKED": str(checked)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-5000:]
+    assert len(checked.read_text().split()) > 100  # the strict JSON check ran on the responses

@@ -166,9 +166,9 @@ def test_cluster_launchers_cover_every_node():
                         sequence_parallel=True, recompute="full"))
     scripts = artifacts(p, "torchrun")
     assert sorted(k for k in scripts if k.endswith(".sh")) == ["node0.sh", "node1.sh", "node2.sh", "node3.sh"]
-    assert "--node-rank=3" in scripts["node3.sh"] and "--master-addr=${MASTER_ADDR:-n0}" in scripts["node3.sh"]
+    assert "--node-rank=3" in scripts["node3.sh"] and "MASTER_ADDR=n0;" in scripts["node3.sh"]
     sbatch = artifacts(p, "slurm")["berth.sbatch"]
-    assert "#SBATCH --nodes=4" in sbatch and "--node-rank=$SLURM_NODEID" in sbatch and "--gpus-per-node=8" in sbatch
+    assert "#SBATCH --nodes=4" in sbatch and '--node-rank="$SLURM_NODEID"' in sbatch and "--gpus-per-node=8" in sbatch
     job = json.loads(artifacts(p, "kubernetes")["pytorchjob.yaml"])
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert job["kind"] == "PyTorchJob" and replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 3
