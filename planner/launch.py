@@ -542,7 +542,9 @@ def berth_plan() -> Trainer.Config:
         hf_assets_path=_required("BERTH_HF_ASSETS"),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=_required("BERTH_DATASET")),
         training=TrainingConfig(local_batch_size={local}, global_batch_size={t.global_batch_size}, \
-seq_len=SEQ_LEN, mixed_precision_param="{param}"),
+seq_len=SEQ_LEN, mixed_precision_param="{param}",
+                                # torchtitan 0.3 captures CUDA graphs unless told not to; they refuse pp > 1
+                                disable_cuda_graphs={x.pp > 1}),
         parallelism=ParallelismConfig({", ".join(f"{k}={v!r}" for k, v in parallelism.items())}),
         activation_checkpoint={ac},
     )
