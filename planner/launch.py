@@ -255,7 +255,8 @@ def _header(fmt: str, plan: Plan) -> list[str]:
 
 
 # What a user must still supply, per engine: (placeholder, what it is). Artifacts reference them as ${NAME} and
-# fail with the description when one is unset (never a silent default).
+# fail with the description when one is unset (never a silent default). Descriptions hold no quote characters:
+# they sit inside "${NAME:?description}".
 MEGATRON_INPUTS = {
     "MEGATRON_LM": "a Megatron-LM checkout at the targeted version (pretrain_gpt.py is run from it)",
     "TOKENIZER_MODEL": "the tokenizer (a Hugging Face name or directory) whose vocabulary the plan assumes",
@@ -432,8 +433,8 @@ def deepspeed_config(plan: Plan) -> dict[str, str]:
 
 TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 TORCHTITAN_INPUTS = {
-    "BERTH_HF_ASSETS": "the directory with the model's Hugging Face tokenizer files (torchtitan's hf_assets_path)",
-    "BERTH_DATASET": "a dataset name torchtitan's HuggingFaceTextDataLoader knows (e.g. c4)",
+    "BERTH_HF_ASSETS": "the directory with the Hugging Face tokenizer files of the model (torchtitan hf_assets_path)",
+    "BERTH_DATASET": "a dataset name the torchtitan HuggingFaceTextDataLoader knows (e.g. c4)",
 }
 
 
