@@ -422,8 +422,9 @@ def deepspeed_config(plan: Plan) -> dict[str, str]:
                      "(the activation_checkpointing section only tunes it; nothing in the config turns it on)")
     if x.tp > 1:
         notes.append(f"# - tp {x.tp}: AutoTP shards a Hugging Face-style model (tensor_parallel.autotp_size); pass "
-                     f"mpu=deepspeed.utils.groups after deepspeed.utils.groups._init_tp_mesh_device({x.tp}) so the "
-                     f"batch check counts dp = {x.dp} data-parallel ranks, not all {x.world_size}")
+                     "deepspeed.initialize an mpu (model parallel unit, as in the AutoTP training tutorial) whose "
+                     f"get_data_parallel_world_size() is {x.dp}: without one DeepSpeedConfig counts all "
+                     f"{x.world_size} ranks as data parallel and its batch check fails (runtime/config.py:458-471)")
     notes += ['set -euo pipefail', ': "${TRAIN_SCRIPT:?set TRAIN_SCRIPT to your DeepSpeed training script '
               '(it must call deepspeed.initialize with config=ds_config.json)}"',
               f"deepspeed --num_nodes {nodes} --num_gpus {per_node} \"$TRAIN_SCRIPT\" --deepspeed "
