@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, Candidates
-from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from planner.specs import AXIS_ORDER_CHOICES, ClusterSpec, ModelSpec, TrainingSpec
 
 VALID = 0
 REASONS: tuple[tuple[str, str], ...] = (
@@ -26,12 +26,16 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("sequence_parallel_needs_tp", "sequence_parallel needs tp > 1"),
     ("too_few_microbatches", "1F1B schedules need num_microbatches >= pp"),
     ("microbatches_not_multiple_of_pp", "interleaved_1f1b needs num_microbatches divisible by pp"),
+    ("megatron_cannot_express", "framework megatron: Megatron-LM runs no GPipe, orders axes tp-dp-pp or tp-pp-dp, "
+     "and ZeRO-2/3 (Megatron FSDP) shard over all of dp (planner/launch.py refuses the rest)"),
     ("out_of_memory", "predicted peak memory exceeds the device memory"),
     ("memory_tight", "predicted peak memory is within the memory headroom of the device memory"),
 )
 REASON_CODES = {name: i for i, (name, _) in enumerate(REASONS)}
 OUT_OF_MEMORY = REASON_CODES["out_of_memory"]
 MEMORY_TIGHT = REASON_CODES["memory_tight"]  # fits, but closer to the capacity than the search's memory headroom
+# the axis orders Megatron-LM has: its default, and --use-tp-pp-dp-mapping
+MEGATRON_ORDERS = [AXIS_ORDER_CHOICES.index("tp-dp-pp"), AXIS_ORDER_CHOICES.index("tp-pp-dp")]
 
 
 def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> list:
@@ -52,6 +56,10 @@ def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cl
         (c.sp > 0) & (c.tp == 1),
         one_f_one_b & (c.nmb < c.pp),
         (c.schedule == SCHEDULE_INTERLEAVED) & (c.nmb % c.pp != 0),
+        # the vectorized form of planner/launch.py _megatron_refusal (tests/test_launch.py checks they agree)
+        (training.framework == "megatron") & (((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1))
+                                              | ~np.isin(c.order, MEGATRON_ORDERS)
+                                              | ((c.zero >= 2) & (c.shard < c.dp))),
     ]
     return rules
 

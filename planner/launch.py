@@ -5,16 +5,18 @@
   (`Plan.placement.rank_map`: node = rank // gpus_per_node), GPUs in local order;
 - slurm: an sbatch script (one task per node, node rank from SLURM_NODEID);
 - kubernetes: a Kubeflow PyTorchJob (Master + Workers, torchrun reads the PET_* variables the
-  training operator sets);
-- megatron: Megatron-LM `pretrain_gpt.py` arguments; deepspeed: a DeepSpeed config JSON;
-  torchtitan: a torchtitan job TOML.
+  training operator sets); the Master writes report.json onto a PersistentVolumeClaim (report-pvc.yaml),
+  read back through report-reader.yaml;
+- megatron: Megatron-LM pretrain_gpt.py arguments and a torchrun launch; deepspeed: a DeepSpeed config
+  JSON and the launch notes; torchtitan: a torchtitan 0.3 configuration module (--module/--config) and
+  its launch.
 
-Every layout field maps to exactly one key of a format (FIELD_KEYS lists them, the tests check
-each against the engine's own names). A layout a format cannot express is refused with the
-reason (LaunchRefused), never approximated. Names were read from the engines' sources:
-Megatron-LM megatron/training/arguments.py (_add_distributed_args, _add_training_args),
-DeepSpeed deepspeed/runtime/constants.py, zero/config.py and pipe config, torchtitan
-torchtitan/config/job_config.py (Training, Parallelism, ActivationCheckpoint).
+Each engine format targets one engine version (ENGINE_VERSIONS, stated in every artifact), carries the
+whole model shape, and names what a user must still supply (tokenizer, data) as placeholders that stop
+the launch with their description when unset. Every layout field maps to exactly one key of a format
+(FIELD_SOURCES: the key and the engine file and line it was read from). A layout a format cannot express
+is refused with the reason (LaunchRefused), never approximated. tests/test_engines.py loads the artifacts
+with the engines' own parsers.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ DEFAULT_PORT = 29500
 # the Dockerfile built with --build-arg WITH_TORCH=1 (CPU torch); GPU clusters need an image whose
 # torch is a CUDA build (pass it with --image)
 DEFAULT_IMAGE = "berth-executor:latest"
+# Kubernetes: where the Master mounts the report claim, and the image of the pod that reads it back
+REPORT_DIR = "/berth-report"
+REPORT_READER_IMAGE = "busybox:1.36"
 
 
 class LaunchRefused(BerthError):
@@ -43,36 +48,92 @@ class LaunchRefused(BerthError):
         super().__init__("format", fmt, f"cannot express this layout: {reason}")
 
 
-# layout field -> the one key it becomes, per engine format
-FIELD_KEYS: dict[str, dict[str, str]] = {
-    "megatron": {
-        "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-        "dp": "(derived by Megatron: world size / (tp x pp))", "shard": "--num-distributed-optimizer-instances",
-        "zero_stage": "--use-distributed-optimizer", "recompute": "--recompute-granularity",
-        "micro_batch_size": "--micro-batch-size", "num_microbatches": "--global-batch-size",
-        "virtual_stages": "--num-layers-per-virtual-pipeline-stage", "schedule": "(1F1B; interleaved when "
-        "--num-layers-per-virtual-pipeline-stage is set)", "sequence_parallel": "--sequence-parallel",
-        "axis_order": "--use-tp-pp-dp-mapping",
-    },
-    "deepspeed": {
-        "tp": "tensor_parallel.autotp_size", "pp": "pipeline.stages", "dp": "(derived: world size / (tp x pp))",
-        "shard": "zero_optimization.mics_shard_size", "zero_stage": "zero_optimization.stage",
-        "recompute": "activation_checkpointing.number_checkpoints",
-        "micro_batch_size": "train_micro_batch_size_per_gpu", "num_microbatches": "gradient_accumulation_steps",
-        "virtual_stages": "(none: refused above 1)", "schedule": "(DeepSpeed's 1F1B TrainSchedule)",
-        "sequence_parallel": "(none: refused)", "axis_order": "(pipe-data-model topology: tp-dp-pp only)",
-    },
-    "torchtitan": {
-        "tp": "parallelism.tensor_parallel_degree", "pp": "parallelism.pipeline_parallel_degree",
-        "dp": "parallelism.data_parallel_replicate_degree", "shard": "parallelism.data_parallel_shard_degree",
-        "zero_stage": "parallelism.fsdp_reshard_after_forward", "recompute": "activation_checkpoint.mode",
-        "micro_batch_size": "parallelism.pipeline_parallel_microbatch_size",
-        "num_microbatches": "training.batch_size", "virtual_stages": "parallelism.pipeline_parallel_layers_per_stage",
-        "schedule": "parallelism.pipeline_parallel_schedule", "sequence_parallel": "(always on with tp)",
-        "axis_order": "(mesh pp, dp_replicate, dp_shard, tp: tp-dp-pp only)",
-    },
+# The engine version each format targets (stated in every artifact and the README) and where its option names
+# were read (the engine's own files; line numbers at that version).
+ENGINE_VERSIONS = {
+    "megatron": "Megatron-LM main @ d98e8a6 (2026-08-22, megatron-core 0.20.0)",
+    "deepspeed": "DeepSpeed 0.19.8",
+    "torchtitan": "torchtitan 0.3.0",
 }
 
+# layout field -> (the one key it becomes, where the engine defines that key), per engine format. A key in
+# parentheses is not an option: the engine derives it, or the format refuses the values it cannot express.
+# Megatron paths are in Megatron-LM (arguments are generated from these dataclass fields by
+# megatron/training/argument_utils.py; flags with add_argument are in megatron/training/arguments.py); DeepSpeed
+# paths in the deepspeed package; torchtitan paths in the torchtitan package.
+FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
+    "megatron": {
+        "tp": ("--tensor-model-parallel-size", "megatron/core/model_parallel_config.py:55"),
+        "pp": ("--pipeline-model-parallel-size", "megatron/core/model_parallel_config.py:83"),
+        "dp": ("(derived by Megatron: world size / (tp x pp))", "megatron/core/parallel_state.py"),
+        "shard": ("--num-distributed-optimizer-instances",
+                  "megatron/core/distributed/distributed_data_parallel_config.py:34"),
+        "zero_stage": ("--use-distributed-optimizer (1); --use-megatron-fsdp --data-parallel-sharding-strategy "
+                       "optim_grads (2) / optim_grads_params (3)",
+                       "megatron/training/arguments.py:3156,3190; validate_args 1118-1169"),
+        "recompute": ("--recompute-granularity", "megatron/core/transformer/transformer_config.py:532"),
+        "micro_batch_size": ("--micro-batch-size", "megatron/training/config/training_config.py:11"),
+        "num_microbatches": ("--global-batch-size (num_microbatches = global / (micro x dp))",
+                             "megatron/training/config/training_config.py:15; "
+                             "megatron/core/num_microbatches_calculator.py:388"),
+        "virtual_stages": ("--num-layers-per-virtual-pipeline-stage (vpp = layers / pp / this)",
+                           "megatron/training/arguments.py:3114; validate_args 953-977"),
+        "schedule": ("(1F1B; interleaved when --num-layers-per-virtual-pipeline-stage is set)",
+                     "megatron/core/pipeline_parallel/schedules.py"),
+        "sequence_parallel": ("--sequence-parallel", "megatron/core/model_parallel_config.py:94"),
+        "axis_order": ("--use-tp-pp-dp-mapping", "megatron/training/config/common_config.py:105"),
+    },
+    "deepspeed": {
+        "tp": ("tensor_parallel.autotp_size", "deepspeed/runtime/tensor_parallel/config.py:45"),
+        "pp": ("(PipelineModule(num_stages=pp) in the training script: the config's pipeline section sets no "
+               "stage count)", "deepspeed/runtime/pipe/module.py:125"),
+        "dp": ("(derived: world size / (tp x pp); the batch check divides by mpu.get_data_parallel_world_size())",
+               "deepspeed/runtime/config.py:458-463"),
+        "shard": ("(none: refused below dp; MiCS was removed)", "deepspeed/runtime/config.py:119"),
+        "zero_stage": ("zero_optimization.stage", "deepspeed/runtime/zero/config.py:95"),
+        "recompute": ("(deepspeed.checkpointing.checkpoint in the model, or PipelineModule("
+                      "activation_checkpoint_interval=1); the config's activation_checkpointing section only tunes "
+                      "it)", "deepspeed/runtime/pipe/module.py:134"),
+        "micro_batch_size": ("train_micro_batch_size_per_gpu", "deepspeed/runtime/constants.py:59"),
+        "num_microbatches": ("gradient_accumulation_steps", "deepspeed/runtime/constants.py:71"),
+        "virtual_stages": ("(none: refused above 1)", "deepspeed/runtime/pipe/schedule.py"),
+        "schedule": ("(DeepSpeed's 1F1B TrainSchedule)", "deepspeed/runtime/pipe/schedule.py"),
+        "sequence_parallel": ("(none: refused)", "deepspeed/runtime/config.py"),
+        "axis_order": ("(pipe-data-model topology: tp-dp-pp only)", "deepspeed/runtime/pipe/topology.py"),
+    },
+    "torchtitan": {
+        "tp": ("parallelism.tensor_parallel_degree", "torchtitan/config/configs.py:157"),
+        "pp": ("parallelism.pipeline_parallel_degree", "torchtitan/config/configs.py:174"),
+        "dp": ("parallelism.data_parallel_replicate_degree", "torchtitan/config/configs.py:113"),
+        "shard": ("parallelism.data_parallel_shard_degree", "torchtitan/config/configs.py:124"),
+        "zero_stage": ("parallelism.fsdp_reshard_after_forward", "torchtitan/config/configs.py:136"),
+        "recompute": ("activation_checkpoint (FullAC / SelectiveAC / None)",
+                      "torchtitan/trainer.py:108; torchtitan/distributed/activation_checkpoint.py:332"),
+        "micro_batch_size": ("parallelism.pipeline_parallel_microbatch_size (pp > 1) / training.local_batch_size",
+                             "torchtitan/config/configs.py:226,37"),
+        "num_microbatches": ("training.global_batch_size (accumulation = global / (local x dp))",
+                             "torchtitan/config/configs.py:43; torchtitan/trainer.py:415-433"),
+        "virtual_stages": ("parallelism.pipeline_parallel_layers_per_stage",
+                           "torchtitan/config/configs.py:203; torchtitan/distributed/pipeline_parallel.py:199-264"),
+        "schedule": ("parallelism.pipeline_parallel_schedule", "torchtitan/config/configs.py:210"),
+        "sequence_parallel": ("parallelism.enable_sequence_parallel", "torchtitan/config/configs.py:160"),
+        "axis_order": ("(mesh pp, dp_replicate, dp_shard, tp: tp-dp-pp only)",
+                       "torchtitan/distributed/parallel_dims.py"),
+    },
+}
+# layout field -> the one key it becomes, per engine format
+FIELD_KEYS: dict[str, dict[str, str]] = {fmt: {f: key for f, (key, _) in keys.items()}
+                                         for fmt, keys in FIELD_SOURCES.items()}
+
+# Pipeline split arithmetic, per engine (what the artifacts set so that each engine builds the plan's stages):
+# - Megatron: vpp = (num_layers [+1 with --account-for-embedding-in-pipeline-split] [+1 with
+#   --account-for-loss-in-pipeline-split]) / pp / --num-layers-per-virtual-pipeline-stage (arguments.py:953-977);
+#   berth sets neither account flag, so each virtual stage holds layers / (pp x vpp) decoder layers.
+# - torchtitan: stages = ceil((num_layers + first_stage_less_layers + last_stage_less_layers) / layers_per_stage)
+#   (pipeline_parallel.py _get_pipeline_metadata): the embedding and the output count as layers (1 each by
+#   default). berth sets both to 0 and layers_per_stage = layers / (pp x vpp), so torchtitan builds pp x vpp
+#   stages of equal layers, the embedding with the first and norm + output with the last (as the plan costs them).
+# - DeepSpeed: PipelineModule(num_stages=pp, partition_method="uniform") balances layer counts (module.py).
 
 def artifacts(plan: Plan, fmt: str, plan_file: str = "plan.json", steps: int = 20, warmup: int = 3,
               image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT) -> dict[str, str]:
@@ -89,7 +150,7 @@ def artifacts(plan: Plan, fmt: str, plan_file: str = "plan.json", steps: int = 2
         run = _Run(plan, plan_file, steps, warmup, port)
         return {"torchrun": run.torchrun_scripts, "slurm": run.sbatch, "kubernetes": lambda: run.pytorchjob(image)}[
             fmt]()
-    return {"megatron": megatron_args, "deepspeed": deepspeed_config, "torchtitan": torchtitan_toml}[fmt](plan)
+    return {"megatron": megatron_args, "deepspeed": deepspeed_config, "torchtitan": torchtitan_config}[fmt](plan)
 
 
 _IMAGE = TypeAdapter(ImageName)
@@ -188,29 +249,76 @@ class _Run:
             container["resources"] = {"limits": {"nvidia.com/gpu": self.per_node}}
         pod = {"spec": {"containers": [container],
                         "volumes": [{"name": "plan", "configMap": {"name": f"{name}-plan"}}]}}
-        replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
+        # rank 0 (the Master) writes the report onto a PersistentVolumeClaim that outlives the pod; only the
+        # Master mounts it (a ReadWriteOnce claim attaches to one node)
+        master = json.loads(json.dumps(pod))
+        master_container = master["spec"]["containers"][0]
+        master_container["command"] = [REPORT_DIR + "/report.json" if a == "report.json" else a
+                                       for a in master_container["command"]]
+        master_container["volumeMounts"].append({"name": "report", "mountPath": REPORT_DIR})
+        master["spec"]["volumes"].append({"name": "report", "persistentVolumeClaim": {"claimName": f"{name}-report"}})
+        replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": master}}
         if self.nodes > 1:
             replicas["Worker"] = {"replicas": self.nodes - 1, "restartPolicy": "OnFailure", "template": pod}
         job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
                "spec": {"nprocPerNode": str(self.per_node), "pytorchReplicaSpecs": replicas}}
         config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-plan"},
                       "data": {"plan.json": json.dumps([self.plan.model_dump(mode="json")])}}
+        claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": f"{name}-report"},
+                 "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "16Mi"}}}}
+        # a pod that mounts the claim after the job, to copy the report out: see the README (Launch a plan)
+        reader = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-report-reader"},
+                  "spec": {"restartPolicy": "Never",
+                           "containers": [{"name": "reader", "image": REPORT_READER_IMAGE,
+                                           "command": ["sleep", "3600"],
+                                           "volumeMounts": [{"name": "report", "mountPath": REPORT_DIR}]}],
+                           "volumes": [{"name": "report",
+                                        "persistentVolumeClaim": {"claimName": f"{name}-report"}}]}}
         # JSON is YAML: kubectl apply -f takes either
         return {"pytorchjob.yaml": json.dumps(job, indent=2) + "\n",
-                "plan-configmap.yaml": json.dumps(config_map) + "\n"}
+                "plan-configmap.yaml": json.dumps(config_map) + "\n",
+                "report-pvc.yaml": json.dumps(claim, indent=2) + "\n",
+                "report-reader.yaml": json.dumps(reader, indent=2) + "\n"}
+
+
+def _header(fmt: str, plan: Plan) -> list[str]:
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", plan.model.name)  # a comment line in shell and Python: no quotes, no newline
+    return [f"# berth plan {plan.layout.short()} for {name}: {fmt} artifact for {ENGINE_VERSIONS[fmt]}"]
+
+
+# What a user must still supply, per engine: (placeholder, what it is). Artifacts reference them as ${NAME} and
+# fail with the description when one is unset (never a silent default). Descriptions hold no quote characters:
+# they sit inside "${NAME:?description}".
+MEGATRON_INPUTS = {
+    "MEGATRON_LM": "a Megatron-LM checkout at the targeted version (pretrain_gpt.py is run from it)",
+    "TOKENIZER_MODEL": "the tokenizer (a Hugging Face name or directory) whose vocabulary the plan assumes",
+    "DATA_PATH": "the Megatron indexed dataset prefix (tools/preprocess_data.py output, without .bin/.idx)",
+}
+
+
+def _megatron_refusal(x) -> str | None:
+    """Why Megatron cannot express the layout, or None."""
+    if x.pp > 1 and x.schedule == "gpipe":
+        return "schedule gpipe: Megatron runs 1F1B or interleaved 1F1B"
+    if x.axis_order not in ("tp-dp-pp", "tp-pp-dp"):
+        return f"axis_order {x.axis_order}: Megatron orders tp-dp-pp or (--use-tp-pp-dp-mapping) tp-pp-dp"
+    if x.zero_stage >= 2 and x.shard < x.dp:
+        return (f"zero_stage {x.zero_stage} with shard {x.shard} < dp {x.dp}: Megatron FSDP's hybrid mode shards "
+                "over its own outer data-parallel groups, which berth does not map (use shard = dp)")
+    return None
 
 
 def megatron_args(plan: Plan) -> dict[str, str]:
-    """Megatron-LM pretrain_gpt.py arguments for the layout (and the model shape it needs)."""
+    """Megatron-LM pretrain_gpt.py arguments for the layout and the whole model shape, and a torchrun launch.
+
+    ZeRO-1 is the distributed optimizer; ZeRO-2/3 are Megatron FSDP with sharding strategy optim_grads /
+    optim_grads_params (validate_args makes the distributed optimizer and needs --ckpt-format fsdp_dtensor).
+    """
     x, m, t = plan.layout, plan.model, plan.training
-    if x.zero_stage >= 2:
-        raise LaunchRefused("megatron", f"zero_stage {x.zero_stage}: Megatron's distributed optimizer shards "
-                            "optimizer state only (ZeRO-1)")
-    if x.pp > 1 and x.schedule == "gpipe":
-        raise LaunchRefused("megatron", "schedule gpipe: Megatron runs 1F1B or interleaved 1F1B")
-    if x.axis_order not in ("tp-dp-pp", "tp-pp-dp"):
-        raise LaunchRefused("megatron", f"axis_order {x.axis_order}: Megatron orders tp-dp-pp or "
-                            "(--use-tp-pp-dp-mapping) tp-pp-dp")
+    reason = _megatron_refusal(x)
+    if reason:
+        raise LaunchRefused("megatron", reason)
+    fsdp = x.zero_stage >= 2
     args: list[tuple[str, object]] = [
         ("--tensor-model-parallel-size", x.tp), ("--pipeline-model-parallel-size", x.pp),
         ("--micro-batch-size", x.micro_batch_size), ("--global-batch-size", t.global_batch_size)]
@@ -226,101 +334,269 @@ def megatron_args(plan: Plan) -> dict[str, str]:
         args.append(("--use-distributed-optimizer", None))
         if x.shard < x.dp:
             args.append(("--num-distributed-optimizer-instances", x.dp // x.shard))
+    elif fsdp:
+        args += [("--use-megatron-fsdp", None), ("--use-distributed-optimizer", None),
+                 ("--data-parallel-sharding-strategy", "optim_grads" if x.zero_stage == 2 else "optim_grads_params"),
+                 ("--ckpt-format", "fsdp_dtensor")]
     if x.axis_order == "tp-pp-dp":
         args.append(("--use-tp-pp-dp-mapping", None))
+    # the whole model shape: berth's models are decoder-only with rotary positions and no linear biases
+    # (the parameter count planner/specs.py uses); the rotary base is the model's, not the plan's
     args += [("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size),
              ("--num-attention-heads", m.num_attention_heads), ("--seq-length", t.seq_len),
-             ("--max-position-embeddings", t.seq_len)]
+             ("--max-position-embeddings", t.seq_len), ("--position-embedding-type", "rope"),
+             ("--disable-bias-linear", None)]
     if t.precision != "fp32":
         args.append((f"--{t.precision}", None))
     if m.kv_heads != m.num_attention_heads:
         args += [("--group-query-attention", None), ("--num-query-groups", m.kv_heads)]
     if m.mlp == "swiglu":
         args.append(("--swiglu", None))
-    if m.norm == "rmsnorm":
-        args.append(("--normalization", "RMSNorm"))
+    args.append(("--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"))
     if not m.tied_embeddings:
         args.append(("--untie-embeddings-and-output-weights", None))
     if t.flash_attention:
-        args.append(("--use-flash-attn", None))
-    text = " \\\n".join(flag if value is None else f"{flag} {value}" for flag, value in args)
-    return {"megatron-args.txt": f"# berth plan {x.short()}: arguments for Megatron-LM pretrain_gpt.py\n{text}\n"}
+        args.append(("--attention-backend", "flash"))
+    args += [("--tokenizer-type", "HuggingFaceTokenizer"), ("--tokenizer-model", "${TOKENIZER_MODEL}"),
+             ("--data-path", "${DATA_PATH}")]
+    lines = [f"{flag} {value}" if value is not None else flag for flag, value in args]
+    notes = [
+        *_header("megatron", plan),
+        f"# whole model shape included (vocabulary {m.vocab_size}: the tokenizer's must match); the rotary base is "
+        "Megatron's default 10000: add --rotary-base for your model (Llama 3: 500000)",
+        "# still to supply: " + "; ".join(f"${{{k}}}: {v}" for k, v in MEGATRON_INPUTS.items() if k != "MEGATRON_LM"),
+    ]
+    env = []  # the launch script's environment; megatron-args.txt states it in a comment
+    if x.tp > 1 and not fsdp:
+        env.append("export CUDA_DEVICE_MAX_CONNECTIONS=1  # tp > 1: Megatron's validate_args requires it "
+                   "(before Blackwell) so tensor-parallel communication overlaps in order")
+    elif x.tp > 1:
+        env.append("unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron FSDP asserts it is not 1 (validate_args)")
+    c = plan.cluster
+    nodes = max(1, x.world_size // c.gpus_per_node)
+    per_node = min(x.world_size, c.gpus_per_node)
+    script = "\n".join([
+        "#!/bin/bash", *_header("megatron", plan), notes[1], "# run on every node with NODE_RANK set (0 .. "
+        f"{nodes - 1}), MASTER_ADDR the first node", "set -euo pipefail",
+        *(f': "${{{k}:?set {k} to {v}}}"' for k, v in MEGATRON_INPUTS.items()),
+        *env,
+        f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank=\"${{NODE_RANK:-0}}\" "
+        f"--master-addr=\"${{MASTER_ADDR:-127.0.0.1}}\" --master-port=\"${{MASTER_PORT:-{DEFAULT_PORT}}}\" \\",
+        "    \"$MEGATRON_LM/pretrain_gpt.py\" \\",
+        " \\\n".join("    " + line.replace("${", "\"${").replace("}", "}\"") for line in lines), ""])
+    return {"megatron-args.txt": "\n".join([*notes, *(f"# environment: {e}" for e in env), " \\\n".join(lines)])
+            + "\n",
+            "megatron-launch.sh": script}
+
+
+def _deepspeed_refusal(x) -> str | None:
+    """Why DeepSpeed 0.19 cannot express the layout, or None."""
+    if x.sequence_parallel:
+        return ("sequence_parallel: DeepSpeed has no Megatron-style sequence parallelism (Ulysses splits "
+                "attention heads, a different scheme)")
+    if x.pp > 1 and x.schedule != "1f1b":
+        return f"schedule {x.schedule}: DeepSpeed's pipeline engine runs 1F1B only"
+    if x.recompute == "selective":
+        return "recompute selective: DeepSpeed checkpoints whole layers"
+    if x.axis_order != "tp-dp-pp":
+        return f"axis_order {x.axis_order}: DeepSpeed's topology is pipe-data-model (tp-dp-pp)"
+    if x.pp > 1 and x.zero_stage >= 2:
+        return (f"zero_stage {x.zero_stage} with pp > 1: DeepSpeed's pipeline engine asserts ZeRO-2 and ZeRO-3 "
+                "are incompatible with pipeline parallelism")
+    if x.pp > 1 and x.tp > 1:
+        return ("tp > 1 with pp > 1: AutoTP (tensor_parallel.autotp_size) shards Hugging Face-style models, not "
+                "a PipelineModule; DeepSpeed's 3D parallelism needs a Megatron-style mpu")
+    if x.zero_stage > 0 and x.shard < x.dp:
+        return (f"shard {x.shard} < dp {x.dp}: DeepSpeed 0.19 removed MiCS (zero_optimization.mics_shard_size), "
+                "its sharding over sub-groups; hpZ (zero_hpz_partition_size) only adds a secondary weight copy "
+                "and still shards gradients and optimizer state over all dp ranks")
+    return None
 
 
 def deepspeed_config(plan: Plan) -> dict[str, str]:
-    """A DeepSpeed config JSON for the layout."""
+    """A DeepSpeed config JSON for the layout, and the launch notes (what the training script must do)."""
     x, t, m = plan.layout, plan.training, plan.model
-    if x.sequence_parallel:
-        raise LaunchRefused("deepspeed", "sequence_parallel: DeepSpeed's config has no Megatron-style sequence "
-                            "parallelism (Ulysses is a different scheme)")
-    if x.pp > 1 and x.schedule != "1f1b":
-        raise LaunchRefused("deepspeed", f"schedule {x.schedule}: DeepSpeed's pipeline engine runs 1F1B only")
-    if x.recompute == "selective":
-        raise LaunchRefused("deepspeed", "recompute selective: DeepSpeed checkpoints whole layers")
-    if x.axis_order != "tp-dp-pp":
-        raise LaunchRefused("deepspeed", f"axis_order {x.axis_order}: DeepSpeed's topology is pipe-data-model "
-                            "(tp-dp-pp)")
-    if x.pp > 1 and x.zero_stage >= 2:
-        raise LaunchRefused("deepspeed", f"zero_stage {x.zero_stage} with pp > 1: DeepSpeed's pipeline engine "
-                            "supports ZeRO-1 only")
-    if 0 < x.shard < x.dp and x.zero_stage != 3:
-        raise LaunchRefused("deepspeed", f"shard {x.shard} < dp {x.dp} with zero {x.zero_stage}: DeepSpeed "
-                            "shards over a sub-group (MiCS) with ZeRO-3 only")
+    reason = _deepspeed_refusal(x)
+    if reason:
+        raise LaunchRefused("deepspeed", reason)
     config: dict[str, Any] = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": x.micro_batch_size,
         "gradient_accumulation_steps": x.num_microbatches,
         "zero_optimization": {"stage": x.zero_stage},
     }
-    if x.zero_stage == 3 and x.shard < x.dp:
-        config["zero_optimization"]["mics_shard_size"] = x.shard
     if t.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif t.precision == "fp16":
         config["fp16"] = {"enabled": True}
-    if x.pp > 1:
-        config["pipeline"] = {"stages": x.pp, "partition": "uniform"}
     if x.tp > 1:
         config["tensor_parallel"] = {"autotp_size": x.tp}
     if x.recompute == "full":
-        config["activation_checkpointing"] = {"partition_activations": False,
-                                              "number_checkpoints": m.num_layers // x.pp}
-    return {"ds_config.json": json.dumps(config, indent=2) + "\n"}
+        config["activation_checkpointing"] = {"partition_activations": False}
+    c = plan.cluster
+    nodes = max(1, x.world_size // c.gpus_per_node)
+    per_node = min(x.world_size, c.gpus_per_node)
+    notes = [
+        "#!/bin/bash", *_header("deepspeed", plan),
+        f"# ds_config.json holds the batch ({t.global_batch_size} = micro {x.micro_batch_size} x accumulation "
+        f"{x.num_microbatches} x dp {x.dp}), ZeRO stage {x.zero_stage} and precision {t.precision}; the rest of "
+        "the plan is in the training script:",
+        f"# - the model: {m.num_layers} layers, hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, "
+        f"{m.num_attention_heads} heads ({m.kv_heads} kv), vocabulary {m.vocab_size}, sequence {t.seq_len}",
+    ]
+    if x.pp > 1:
+        notes.append(f"# - pp {x.pp}: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={x.pp}, "
+                     "partition_method='uniform'"
+                     + (", activation_checkpoint_interval=1)" if x.recompute == "full" else ")")
+                     + " and train with engine.train_batch() (the config's pipeline section sets no stages)")
+    if x.recompute == "full" and x.pp == 1:
+        notes.append("# - recompute full: wrap each decoder layer's forward in deepspeed.checkpointing.checkpoint "
+                     "(the activation_checkpointing section only tunes it; nothing in the config turns it on)")
+    if x.tp > 1:
+        notes.append(f"# - tp {x.tp}: AutoTP shards a Hugging Face-style model (tensor_parallel.autotp_size); pass "
+                     "deepspeed.initialize an mpu (model parallel unit, as in the AutoTP training tutorial) whose "
+                     f"get_data_parallel_world_size() is {x.dp}: without one DeepSpeedConfig counts all "
+                     f"{x.world_size} ranks as data parallel and its batch check fails (runtime/config.py:458-471)")
+    notes += ['set -euo pipefail', ': "${TRAIN_SCRIPT:?set TRAIN_SCRIPT to your DeepSpeed training script '
+              '(it must call deepspeed.initialize with config=ds_config.json)}"',
+              f"deepspeed --num_nodes {nodes} --num_gpus {per_node} \"$TRAIN_SCRIPT\" --deepspeed "
+              "--deepspeed_config ds_config.json", ""]
+    return {"ds_config.json": json.dumps(config, indent=2) + "\n", "deepspeed-launch.sh": "\n".join(notes)}
 
 
 TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
+TORCHTITAN_INPUTS = {
+    "BERTH_HF_ASSETS": "the directory with the Hugging Face tokenizer files of the model (torchtitan hf_assets_path)",
+    "BERTH_DATASET": "a dataset name the torchtitan HuggingFaceTextDataLoader knows (e.g. c4)",
+}
 
 
-def torchtitan_toml(plan: Plan) -> dict[str, str]:
-    """A torchtitan job config TOML for the layout."""
-    x, t, m = plan.layout, plan.training, plan.model
-    if x.tp > 1 and not x.sequence_parallel:
-        raise LaunchRefused("torchtitan", "tp without sequence_parallel: torchtitan's tensor parallelism always "
-                            "shards the norms over the sequence")
+def _torchtitan_refusal(x, model, training) -> str | None:
+    """Why torchtitan 0.3 cannot express the layout (or the model), or None."""
+    if model.mlp != "swiglu" or model.norm != "rmsnorm" or model.tied_embeddings:
+        return (f"model {model.name} ({model.mlp}, {model.norm}, tied {model.tied_embeddings}): torchtitan's "
+                "Llama 3 builder is SwiGLU with RMSNorm and an untied output")
     if x.zero_stage == 1:
-        raise LaunchRefused("torchtitan", "zero_stage 1: FSDP2 shards gradients with optimizer state (use 2)")
-    if x.pp == 1 and x.num_microbatches > 1:
-        raise LaunchRefused("torchtitan", f"num_microbatches {x.num_microbatches} without pp: this torchtitan "
-                            "config has no gradient accumulation outside the pipeline")
+        return "zero_stage 1: FSDP2 shards gradients with optimizer state (use 2)"
     if x.axis_order != "tp-dp-pp":
-        raise LaunchRefused("torchtitan", f"axis_order {x.axis_order}: torchtitan's mesh is pp, dp, tp (tp-dp-pp)")
-    if t.precision == "fp16":
-        raise LaunchRefused("torchtitan", "precision fp16: torchtitan trains in bfloat16 or float32")
+        return f"axis_order {x.axis_order}: torchtitan's mesh is pp, dp, tp (tp-dp-pp)"
+    if training.precision == "fp16":
+        return "precision fp16: torchtitan trains in bfloat16 or float32"
+    return None
+
+
+def torchtitan_config(plan: Plan) -> dict[str, str]:
+    """A torchtitan 0.3 configuration: a Python module whose function returns the Trainer.Config (torchtitan 0.3
+    selects a job with --module/--config; TOML job files are gone), and the torchrun launch."""
+    x, t, m = plan.layout, plan.training, plan.model
+    reason = _torchtitan_refusal(x, m, t)
+    if reason:
+        raise LaunchRefused("torchtitan", reason)
     shard = x.shard if x.zero_stage else 1
-    param = "bfloat16" if t.precision == "bf16" else "float32"
-    lines = ["# berth plan " + x.short(), "[training]", f"batch_size = {x.micro_batch_size * x.num_microbatches}",
-             f"seq_len = {t.seq_len}", f'mixed_precision_param = "{param}"',
-             "", "[parallelism]", f"data_parallel_replicate_degree = {x.dp // shard}",
-             f"data_parallel_shard_degree = {shard}", f"tensor_parallel_degree = {x.tp}",
-             f"pipeline_parallel_degree = {x.pp}"]
+    local = x.micro_batch_size * (x.num_microbatches if x.pp > 1 else 1)
+    parallelism = {
+        "data_parallel_replicate_degree": x.dp // shard, "data_parallel_shard_degree": shard,
+        "tensor_parallel_degree": x.tp, "enable_sequence_parallel": x.sequence_parallel,
+        "pipeline_parallel_degree": x.pp}
     if x.zero_stage >= 2:
-        lines.append(f'fsdp_reshard_after_forward = "{"always" if x.zero_stage == 3 else "never"}"')
+        parallelism["fsdp_reshard_after_forward"] = "always" if x.zero_stage == 3 else "never"
     if x.pp > 1:
-        lines += [f'pipeline_parallel_schedule = "{TORCHTITAN_SCHEDULES[x.schedule]}"',
-                  f"pipeline_parallel_microbatch_size = {x.micro_batch_size}"]
-        if x.virtual_stages > 1:
-            lines.append(f"pipeline_parallel_layers_per_stage = {m.num_layers // (x.pp * x.virtual_stages)}")
-    lines += ["", "[activation_checkpoint]", f'mode = "{x.recompute}"']
-    if x.recompute == "selective":
-        lines.append('selective_ac_option = "op"')
-    return {"torchtitan.toml": "\n".join(lines) + "\n"}
+        parallelism.update(pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[x.schedule],
+                           pipeline_parallel_microbatch_size=x.micro_batch_size,
+                           pipeline_parallel_layers_per_stage=m.num_layers // (x.pp * x.virtual_stages),
+                           pipeline_parallel_first_stage_less_layers=0, pipeline_parallel_last_stage_less_layers=0)
+    ac = {"none": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[x.recompute]
+    param = "bfloat16" if t.precision == "bf16" else "float32"
+    py = f'''{_header("torchtitan", plan)[0]}
+"""torchtitan 0.3 job configuration. Run:
+
+    PYTHONPATH=$PWD:$PYTHONPATH torchrun --nproc-per-node=G ... -m torchtitan.train --module berth_torchtitan \\
+        --config berth_plan
+
+Still to supply (read from the environment when the config is built; an unset one stops with its description):
+{chr(10).join(f"    {k}: {v}" for k, v in TORCHTITAN_INPUTS.items())}
+Pipeline split: torchtitan counts the embedding and the output as layers (first/last_stage_less_layers, 1 each by
+default); both are 0 here and layers_per_stage = {m.num_layers} / (pp {x.pp} x vpp {x.virtual_stages}), so it builds
+the plan's {x.pp * x.virtual_stages} stage(s) of equal layers.
+"""
+
+import os
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.config_utils import decoder_vocab_size
+from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init,
+                                      parallelize_llama)
+from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.trainer import Trainer
+
+SHAPE = dict(n_layers={m.num_layers}, dim={m.hidden_size}, n_heads={m.num_attention_heads}, \
+n_kv_heads={m.kv_heads}, hidden_dim={m.ffn_hidden_size}, vocab_size={m.vocab_size})
+SEQ_LEN = {t.seq_len}
+INPUTS = {TORCHTITAN_INPUTS!r}
+
+
+def _required(name):
+    value = os.environ.get(name)
+    if not value:
+        raise SystemExit(f"berth_torchtitan: set {{name}} to {{INPUTS[name]}}")
+    return value
+
+
+def model_spec():
+    s = SHAPE
+    # rotary base: the model's (Llama 3: 500000); the plan does not depend on it
+    rope = ComplexRoPE.Config(dim=s["dim"] // s["n_heads"], max_seq_len=SEQ_LEN, theta=500000)
+    model = Llama3Model.Config(
+        dim=s["dim"], vocab_size=s["vocab_size"],
+        tok_embeddings=Embedding.Config(num_embeddings=s["vocab_size"], embedding_dim=s["dim"],
+                                        param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=s["dim"], param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab_size"],
+                              param_init=_output_linear_init(s["dim"])),
+        layers=_build_llama3_layers(n_layers=s["n_layers"], dim=s["dim"], n_heads=s["n_heads"],
+                                    n_kv_heads=s["n_kv_heads"], hidden_dim=s["hidden_dim"], rope=rope,
+                                    attn_backend="{"flex" if t.flash_attention else "sdpa"}"))
+    return ModelSpec(name="llama3", flavor="berth", model=model, parallelize_fn=parallelize_llama,
+                     pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
+                     state_dict_adapter=Llama3StateDictAdapter)
+
+
+def berth_plan() -> Trainer.Config:
+    spec = model_spec()
+    return Trainer.Config(
+        model_spec=spec,
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
+        hf_assets_path=_required("BERTH_HF_ASSETS"),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset=_required("BERTH_DATASET")),
+        training=TrainingConfig(local_batch_size={local}, global_batch_size={t.global_batch_size}, \
+seq_len=SEQ_LEN, mixed_precision_param="{param}",
+                                # torchtitan 0.3 captures CUDA graphs unless told not to; they refuse pp > 1
+                                disable_cuda_graphs={x.pp > 1}),
+        parallelism=ParallelismConfig({", ".join(f"{k}={v!r}" for k, v in parallelism.items())}),
+        activation_checkpoint={ac},
+    )
+'''
+    c = plan.cluster
+    nodes = max(1, x.world_size // c.gpus_per_node)
+    per_node = min(x.world_size, c.gpus_per_node)
+    launch = "\n".join([
+        "#!/bin/bash", *_header("torchtitan", plan),
+        "# run on every node with NODE_RANK set, beside berth_torchtitan.py",
+        "set -euo pipefail", *(f': "${{{k}:?set {k} to {v}}}"' for k, v in TORCHTITAN_INPUTS.items()),
+        'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
+        f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank=\"${{NODE_RANK:-0}}\" "
+        f"--master-addr=\"${{MASTER_ADDR:-127.0.0.1}}\" --master-port=\"${{MASTER_PORT:-{DEFAULT_PORT}}}\" "
+        "-m torchtitan.train --module berth_torchtitan --config berth_plan", ""])
+    return {"berth_torchtitan.py": py, "torchtitan-launch.sh": launch}
+
+
+ENGINE_REFUSALS = {"megatron": lambda p: _megatron_refusal(p.layout),
+                   "deepspeed": lambda p: _deepspeed_refusal(p.layout),
+                   "torchtitan": lambda p: _torchtitan_refusal(p.layout, p.model, p.training)}

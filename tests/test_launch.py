@@ -1,5 +1,6 @@
 """Launch artifacts, goodput, cost and fallback plans."""
 
+import ast
 import json
 import math
 import os
@@ -7,13 +8,20 @@ import shutil
 import socket
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from cost_models.goodput import daly_interval_s, useful_fraction
-from planner.launch import FIELD_KEYS, FORMATS, LaunchRefused, artifacts
+from planner.launch import (
+    ENGINE_REFUSALS,
+    ENGINE_VERSIONS,
+    FIELD_KEYS,
+    FIELD_SOURCES,
+    FORMATS,
+    LaunchRefused,
+    artifacts,
+)
 from planner.models import load_model
 from planner.planning import fallback, make_search, plan, with_operations
 from planner.search import predict_layouts, search
@@ -22,32 +30,25 @@ from planner.topology import cluster_from_preset
 
 BERTH = [sys.executable, "-m", "planner.cli"]
 
-# Argument names read from Megatron-LM megatron/training/arguments.py (_add_network_size_args,
-# _add_training_args, _add_distributed_args, _add_mixed_precision_args) and from DeepSpeed's
-# deepspeed/runtime/constants.py and zero/config.py, torchtitan's torchtitan/config/job_config.py
-# (the engines' own sources; see planner/launch.py).
+# Argument names read from Megatron-LM (main @ d98e8a6): megatron/training/arguments.py and the config
+# dataclasses its arguments are generated from; DeepSpeed 0.19.8's deepspeed/runtime/constants.py,
+# zero/config.py, tensor_parallel/config.py (the engines' own sources; see planner/launch.py FIELD_SOURCES).
+# tests/test_engines.py loads the artifacts with the engines' parsers themselves.
 MEGATRON_ARGS = {
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
     "--sequence-parallel", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
     "--micro-batch-size", "--global-batch-size", "--use-distributed-optimizer",
-    "--num-distributed-optimizer-instances", "--use-tp-pp-dp-mapping", "--num-layers", "--hidden-size",
+    "--num-distributed-optimizer-instances", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+    "--ckpt-format", "--use-tp-pp-dp-mapping", "--num-layers", "--hidden-size",
     "--ffn-hidden-size", "--num-attention-heads", "--seq-length", "--max-position-embeddings", "--bf16", "--fp16",
-    "--group-query-attention", "--num-query-groups", "--swiglu", "--normalization",
-    "--untie-embeddings-and-output-weights", "--use-flash-attn",
+    "--group-query-attention", "--num-query-groups", "--swiglu", "--normalization", "--position-embedding-type",
+    "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--attention-backend", "--tokenizer-type",
+    "--tokenizer-model", "--data-path",
 }
 DEEPSPEED_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
-    "zero_optimization.stage", "zero_optimization.mics_shard_size", "bf16", "bf16.enabled", "fp16", "fp16.enabled",
-    "pipeline", "pipeline.stages", "pipeline.partition", "tensor_parallel", "tensor_parallel.autotp_size",
-    "activation_checkpointing", "activation_checkpointing.partition_activations",
-    "activation_checkpointing.number_checkpoints",
-}
-TORCHTITAN_KEYS = {
-    "training": {"batch_size", "seq_len", "mixed_precision_param"},
-    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
-                    "pipeline_parallel_degree", "fsdp_reshard_after_forward", "pipeline_parallel_schedule",
-                    "pipeline_parallel_microbatch_size", "pipeline_parallel_layers_per_stage"},
-    "activation_checkpoint": {"mode", "selective_ac_option"},
+    "zero_optimization.stage", "bf16", "bf16.enabled", "fp16", "fp16.enabled", "tensor_parallel",
+    "tensor_parallel.autotp_size", "activation_checkpointing", "activation_checkpointing.partition_activations",
 }
 
 
@@ -76,8 +77,10 @@ def _flat(d, prefix=""):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.short())
 def test_megatron_arguments_are_megatrons_own(layout):
-    text = artifacts(plan_for(layout), "megatron")["megatron-args.txt"]
-    flags = [w for w in text.split() if w.startswith("--")]
+    files = artifacts(plan_for(layout), "megatron")
+    text = files["megatron-args.txt"]
+    args = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    flags = [w for w in args.split() if w.startswith("--")]
     assert set(flags) <= MEGATRON_ARGS and len(flags) == len(set(flags))
     assert f"--tensor-model-parallel-size {layout.tp}" in text
     assert f"--micro-batch-size {layout.micro_batch_size}" in text
@@ -86,44 +89,59 @@ def test_megatron_arguments_are_megatrons_own(layout):
     assert ("--num-distributed-optimizer-instances" in flags) == (layout.zero_stage == 1 and layout.shard < layout.dp)
     if layout.virtual_stages > 1:
         assert f"--num-layers-per-virtual-pipeline-stage {80 // (layout.pp * layout.virtual_stages)}" in text
+    # tp > 1 without Megatron FSDP: the launch sets what validate_args asserts
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in files["megatron-launch.sh"]
+    assert ENGINE_VERSIONS["megatron"] in text and ENGINE_VERSIONS["megatron"] in files["megatron-launch.sh"]
 
 
-def test_deepspeed_and_torchtitan_configs_use_their_schema_names():
+def test_engine_artifacts_stop_on_a_missing_placeholder(tmp_path):
+    """What the user must supply stops the launch with its description when unset (run by bash itself)."""
+    p = plan_for(Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=2, num_microbatches=4), "llama3-8b", 1)
+    for fmt, script, var in [("megatron", "megatron-launch.sh", "TOKENIZER_MODEL"),
+                             ("deepspeed", "deepspeed-launch.sh", "TRAIN_SCRIPT"),
+                             ("torchtitan", "torchtitan-launch.sh", "BERTH_DATASET")]:
+        (tmp_path / script).write_text(artifacts(p, fmt)[script])
+        env = {"PATH": os.environ["PATH"], "MEGATRON_LM": str(tmp_path), "DATA_PATH": "d", "BERTH_HF_ASSETS": "a"}
+        r = subprocess.run(["bash", str(tmp_path / script)], env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and f"{var}: set {var} to " in r.stderr, (fmt, r.stderr)
+
+
+def test_deepspeed_config_and_torchtitan_module_use_their_schema_names():
     ds = json.loads(artifacts(plan_for(Layout(pp=2, dp=16, zero_stage=1, shard=16, micro_batch_size=1,
                                                 num_microbatches=4, recompute="full"), "llama3-8b"),
                               "deepspeed")["ds_config.json"])
     assert set(_flat(ds)) <= DEEPSPEED_KEYS
-    assert ds["train_batch_size"] == 64 and ds["gradient_accumulation_steps"] == 4 and ds["pipeline"]["stages"] == 2
-    hybrid = json.loads(artifacts(plan_for(Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2), "llama3-8b"),
-                                  "deepspeed")["ds_config.json"])
-    assert hybrid["zero_optimization"] == {"stage": 3, "mics_shard_size": 8}
-    toml = tomllib.loads(artifacts(plan_for(Layout(tp=8, pp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=1,
-                                                   num_microbatches=32, schedule="interleaved_1f1b",
-                                                   virtual_stages=2, sequence_parallel=True, recompute="selective")),
-                                   "torchtitan")["torchtitan.toml"])
-    for section, keys in toml.items():
-        assert set(keys) <= TORCHTITAN_KEYS[section]
-    p = toml["parallelism"]
+    assert ds["train_batch_size"] == 64 and ds["gradient_accumulation_steps"] == 4
+    files = artifacts(plan_for(Layout(tp=8, pp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=1,
+                                      num_microbatches=32, schedule="interleaved_1f1b", virtual_stages=2,
+                                      sequence_parallel=True, recompute="selective")), "torchtitan")
+    module = ast.parse(files["berth_torchtitan.py"])
+    calls = {n.func.id: {k.arg: ast.literal_eval(k.value) for k in n.keywords if isinstance(k.value, ast.Constant)}
+             for n in ast.walk(module) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    p = calls["ParallelismConfig"]
     assert (p["tensor_parallel_degree"], p["pipeline_parallel_degree"], p["data_parallel_shard_degree"],
             p["data_parallel_replicate_degree"]) == (8, 2, 2, 1)
+    # torchtitan counts embedding and output as layers unless told not to: 80 / (2 x 2) = 20 per stage, 4 stages
     assert p["pipeline_parallel_schedule"] == "Interleaved1F1B" and p["pipeline_parallel_layers_per_stage"] == 20
-    assert toml["training"]["batch_size"] == 32 and toml["activation_checkpoint"]["mode"] == "selective"
+    assert p["pipeline_parallel_first_stage_less_layers"] == p["pipeline_parallel_last_stage_less_layers"] == 0
+    assert calls["TrainingConfig"]["local_batch_size"] == 32 and calls["TrainingConfig"]["global_batch_size"] == 64
 
 
-def test_every_layout_field_maps_to_exactly_one_key():
+def test_every_layout_field_maps_to_exactly_one_key_with_its_source():
     for fmt, keys in FIELD_KEYS.items():
         assert set(keys) == set(LAYOUT_FIELDS), fmt
         real = [k for k in keys.values() if not k.startswith("(")]
         assert len(real) == len(set(real)), fmt
+        assert all(src for _, src in FIELD_SOURCES[fmt].values()), fmt
 
 
 @pytest.mark.parametrize("fmt, layout, words", [
-    ("megatron", Layout(dp=32, zero_stage=3, shard=32, micro_batch_size=2), "zero_stage 3"),
+    ("megatron", Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2), "shard 8 < dp 32"),
     ("megatron", Layout(tp=8, pp=4, num_microbatches=64, schedule="gpipe", recompute="full"), "gpipe"),
     ("megatron", Layout(tp=8, dp=4, num_microbatches=16, axis_order="dp-tp-pp"), "axis_order"),
     ("deepspeed", Layout(tp=8, dp=4, num_microbatches=16, sequence_parallel=True), "sequence_parallel"),
     ("deepspeed", Layout(tp=8, pp=4, num_microbatches=64, schedule="interleaved_1f1b", virtual_stages=2), "1F1B"),
-    ("torchtitan", Layout(tp=8, dp=4, num_microbatches=16), "sequence_parallel"),
+    ("deepspeed", Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2), "removed MiCS"),
     ("torchtitan", Layout(dp=32, zero_stage=1, shard=32, micro_batch_size=2, recompute="full"), "zero_stage 1"),
 ])
 def test_a_layout_a_format_cannot_express_is_refused_with_the_reason(fmt, layout, words):
@@ -131,6 +149,52 @@ def test_a_layout_a_format_cannot_express_is_refused_with_the_reason(fmt, layout
     assert plan.prediction.fits, plan.infeasible_reason
     with pytest.raises(LaunchRefused, match=words):
         artifacts(plan, fmt)
+
+
+@pytest.mark.parametrize("fmt, layout", [
+    ("megatron", Layout(dp=32, zero_stage=3, shard=32, micro_batch_size=2)),  # Megatron FSDP
+    ("megatron", Layout(dp=32, zero_stage=2, shard=32, micro_batch_size=2)),
+    ("deepspeed", Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),  # ZeRO-0 with dp > 1
+    ("torchtitan", Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),  # tp without sp
+    ("torchtitan", Layout(dp=32, zero_stage=2, shard=32, micro_batch_size=1, num_microbatches=2)),  # accumulation
+])
+def test_layouts_the_engine_version_can_express_are_not_refused(fmt, layout):
+    plan = plan_for(layout, "llama3-8b")
+    assert plan.prediction.fits, plan.infeasible_reason
+    assert artifacts(plan, fmt)
+
+
+def test_framework_megatron_search_rejects_exactly_what_the_megatron_launch_refuses():
+    model, cluster = load_model("llama3-8b"), cluster_from_preset("dgx-h100", 4)
+    layouts = [Layout(dp=32, zero_stage=z, shard=s, micro_batch_size=2) for z in (1, 2, 3) for s in (8, 32)]
+    layouts += [Layout(tp=4, pp=2, dp=4, num_microbatches=16, schedule=sch, axis_order=order)
+                for sch in ("gpipe", "1f1b") for order in ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "pp-tp-dp")]
+    for framework in ("megatron", "pytorch"):
+        training = TrainingSpec(seq_len=4096, global_batch_size=64, framework=framework)
+        for p in predict_layouts(model, training, cluster, layouts):
+            searched_out = (p.infeasible_reason or "").startswith("megatron_cannot_express")
+            refused = ENGINE_REFUSALS["megatron"](p) is not None
+            assert searched_out == (refused and framework == "megatron"), (framework, p.layout.short())
+
+
+def test_kubernetes_report_lands_on_a_volume_that_outlives_the_pod():
+    p = plan_for(Layout(tp=8, pp=2, dp=2, zero_stage=1, shard=2, micro_batch_size=1, num_microbatches=32,
+                        sequence_parallel=True, recompute="full"))
+    files = artifacts(p, "kubernetes")
+    job, claim = json.loads(files["pytorchjob.yaml"]), json.loads(files["report-pvc.yaml"])
+    reader = json.loads(files["report-reader.yaml"])
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    c = master["containers"][0]
+    report = c["command"][c["command"].index("--report") + 1]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "report")
+    assert report == mount["mountPath"] + "/report.json"
+    volume = next(v for v in master["volumes"] if v["name"] == "report")
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert reader["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    # workers never mount the (ReadWriteOnce) claim
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert all(v["name"] != "report" for v in worker["volumes"])
 
 
 def _free_port() -> int:

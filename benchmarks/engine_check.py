@@ -1,0 +1,369 @@
+"""Load berth's launch artifacts with the engines' own parsers and report what each accepted.
+
+    python -m benchmarks.engine_check [--megatron-dir PATH] [--json]
+
+For a representative plan set (the README's launch cases, searched, and hand-picked layouts covering pp,
+interleaved vpp, ZeRO 0-3, hybrid sharding, sequence parallelism, recompute, gradient accumulation), every
+engine format is generated and loaded by the engine itself:
+
+- DeepSpeed (the `engines` extra): `deepspeed.runtime.config.DeepSpeedConfig` with a one-process gloo group and
+  an mpu whose data-parallel size comes from DeepSpeed's own `PipeModelDataParallelTopology` (as its
+  PipelineParallelGrid computes it), so the batch check `train_batch = micro x accumulation x dp` runs for real;
+- torchtitan (the `engines` extra): `ConfigManager().parse_args(["--module", ..., "--config", ...])` on the
+  generated configuration module, `ParallelDims.from_config` for the world size, and the pipeline split
+  functions `_get_pipeline_metadata` / `_generate_llm_fqn_per_model_part`;
+- Megatron-LM (a checkout named by --megatron-dir or BERTH_MEGATRON_DIR): `parse_args` and `validate_args`
+  in a subprocess, with WORLD_SIZE set to the plan's and the CUDA_DEVICE_MAX_CONNECTIONS its launch sets.
+
+Stand-ins, each for a GPU-only piece the parsers never call: torchtitan 0.3.0's Triton kernels module for MoE
+expert-parallel dispatch (`torchtitan.distributed.minimal_async_ep.kernels`, imported at module level, needs
+triton, which CPU torch lacks) when triton is absent; DeepSpeed's shared-memory allreduce op, which its CPU
+accelerator JIT-compiles (minutes) on every process-group set-up; Megatron's `get_device_arch_version`
+(a torch.cuda query), answered 9 (Hopper, where tp > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1).
+
+Nothing is fetched: the engines are the installed packages and the checkout given. Each loader returns the
+parsed values in one vocabulary (tp, pp, vpp, dp, shard, zero, micro/global batch, accumulation, recompute,
+sp, precision, seq_len) for tests/test_engines.py to compare with the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+from planner.launch import ENGINE_VERSIONS, LaunchRefused, artifacts
+from planner.models import load_model
+from planner.search import predict_layouts, search
+from planner.specs import Layout, Plan, SearchSpec, TrainingSpec
+from planner.topology import cluster_from_preset
+
+ENGINES = ("megatron", "deepspeed", "torchtitan")
+# (model, dgx-h100 nodes, seq_len, global batch): the README's launch example and its other llama cases
+README_CASES = [("llama3-70b", 4, 4096, 64), ("llama3-70b", 8, 8192, 256), ("llama3-8b", 1, 4096, 64),
+                ("llama3-8b", 4, 4096, 64)]
+# (model, nodes, global batch, layout): what the searched plans may not cover
+LAYOUT_CASES = [
+    ("llama3-8b", 4, 64, Layout(pp=4, dp=8, zero_stage=1, shard=8, micro_batch_size=1, num_microbatches=8,
+                                recompute="full")),
+    ("llama3-70b", 4, 64, Layout(tp=8, pp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=1, num_microbatches=32,
+                                 schedule="interleaved_1f1b", virtual_stages=2, sequence_parallel=True,
+                                 recompute="selective")),
+    ("llama3-70b", 4, 64, Layout(tp=8, pp=4, dp=1, micro_batch_size=1, num_microbatches=64,
+                                 schedule="interleaved_1f1b", virtual_stages=5, sequence_parallel=True,
+                                 recompute="full")),
+    ("llama3-70b", 4, 64, Layout(tp=4, pp=4, dp=2, zero_stage=1, shard=1, micro_batch_size=1, num_microbatches=32,
+                                 axis_order="tp-pp-dp", recompute="full")),
+    ("llama3-8b", 4, 64, Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),
+    ("llama3-8b", 4, 64, Layout(tp=4, dp=8, zero_stage=2, shard=8, micro_batch_size=2, num_microbatches=4,
+                                sequence_parallel=True)),
+    ("llama3-8b", 4, 64, Layout(dp=32, zero_stage=1, shard=32, micro_batch_size=1, num_microbatches=2,
+                                recompute="full")),
+    ("llama3-8b", 4, 64, Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2)),
+    ("llama3-8b", 1, 64, Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=2, num_microbatches=4,
+                                recompute="full")),
+]
+
+
+def plan_set() -> list[tuple[str, Plan]]:
+    """(name, plan): the top plan of each README case (framework pytorch and megatron) and the layout cases."""
+    out = []
+    for model, nodes, seq, batch in README_CASES:
+        for framework in ("pytorch", "megatron"):
+            training = TrainingSpec(seq_len=seq, global_batch_size=batch, framework=framework)
+            (p,) = search(load_model(model), training, cluster_from_preset("dgx-h100", nodes), SearchSpec(top=1)).plans
+            out.append((f"{model}-{nodes}n-{framework}-top1", p))
+    for model, nodes, batch, layout in LAYOUT_CASES:
+        (p,) = predict_layouts(load_model(model), TrainingSpec(seq_len=4096, global_batch_size=batch),
+                               cluster_from_preset("dgx-h100", nodes), [layout])
+        out.append((f"{model}-{nodes}n-{layout.short()}", p))
+    return out
+
+
+def available(engine: str) -> str | None:
+    """None when the engine can be checked here, else why not."""
+    if engine == "megatron":
+        d = os.environ.get("BERTH_MEGATRON_DIR")
+        if not d:
+            return "BERTH_MEGATRON_DIR is not set (a Megatron-LM checkout to run its parse_args/validate_args)"
+        if not (Path(d) / "megatron" / "training" / "arguments.py").is_file():
+            return f"BERTH_MEGATRON_DIR={d} has no megatron/training/arguments.py"
+        return None
+    if importlib.util.find_spec(engine) is None:
+        return f"{engine} is not installed (pip install -e '.[engines]')"
+    return None
+
+
+# --- DeepSpeed ----------------------------------------------------------------------------------------------
+
+def _deepspeed_comm():
+    """A one-process gloo group for deepspeed.comm, without the shared-memory allreduce op its CPU accelerator
+    would JIT-compile (the config parser never calls it)."""
+    import deepspeed.comm as dist
+    import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm.torch as an attribute is torch itself)
+
+    if dist.is_initialized():
+        return dist
+    # stand-in: TorchBackend checks for None and skips the op
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    return dist
+
+
+def load_deepspeed(plan: Plan, files: dict[str, str]) -> dict[str, Any]:
+    """ds_config.json through DeepSpeedConfig; dp from DeepSpeed's topology for the plan's world size."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    _deepspeed_comm()
+    x = plan.layout
+    world = plan.cluster.world_size
+    topo = PipeModelDataParallelTopology(num_pp=x.pp, num_mp=x.tp, num_dp=world // (x.pp * x.tp))
+
+    class Mpu:  # what PipelineParallelGrid (pp) or deepspeed.utils.groups (AutoTP) answers
+        @staticmethod
+        def get_data_parallel_world_size():
+            return topo.get_dim("data")
+
+    c = DeepSpeedConfig(json.loads(files["ds_config.json"]), mpu=Mpu())
+    precision = "bf16" if c.bfloat16_config.enabled else "fp16" if c.float16_config.enabled else "fp32"
+    return {"tp": max(1, c.tensor_parallel_config.autotp_size), "dp": int(c.world_size),
+            "zero": int(c.zero_optimization_stage), "micro_batch": c.train_micro_batch_size_per_gpu,
+            "global_batch": c.train_batch_size, "accumulation": c.gradient_accumulation_steps,
+            "precision": precision, "world": topo.world_size()}
+
+
+# --- torchtitan ---------------------------------------------------------------------------------------------
+
+TRITON_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def _torchtitan_importable():
+    """torchtitan 0.3.0 imports Triton kernels (MoE expert-parallel dispatch) at module level; CPU torch has no
+    triton, so that one module is replaced by kernels that raise if ever launched."""
+    if importlib.util.find_spec("triton") is not None or TRITON_KERNELS in sys.modules:
+        return
+    stand_in = types.ModuleType(TRITON_KERNELS)
+
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def kernel(*args, **kwargs):
+            raise RuntimeError(f"{TRITON_KERNELS}.{name}: a Triton GPU kernel, not available on this machine")
+        return kernel
+
+    stand_in.__getattr__ = __getattr__
+    sys.modules[TRITON_KERNELS] = stand_in
+
+
+def load_torchtitan(plan: Plan, files: dict[str, str], workdir: Path) -> dict[str, Any]:
+    """berth_torchtitan.py through torchtitan's ConfigManager (--module/--config), ParallelDims and its stage
+    split."""
+    _torchtitan_importable()
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part, _get_pipeline_metadata
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "berth_torchtitan.py").write_text(files["berth_torchtitan.py"])
+    env = {"BERTH_HF_ASSETS": str(workdir), "BERTH_DATASET": "c4_test"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    sys.path.insert(0, str(workdir))
+    sys.modules.pop("berth_torchtitan", None)
+    try:
+        c = ConfigManager().parse_args(["--module", "berth_torchtitan", "--config", "berth_plan"])
+    finally:
+        sys.path.remove(str(workdir))
+        sys.modules.pop("berth_torchtitan", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    p, t = c.parallelism, c.training
+    dims = ParallelDims.from_config(p, plan.cluster.world_size)
+    stages, layers_in = 1, []
+    if p.pipeline_parallel_degree > 1:
+        n, layers, first, last = _get_pipeline_metadata(dims, p, c.model_spec.model)
+        parts = _generate_llm_fqn_per_model_part(n, layers, first, last)
+        stages = len(parts)
+        layers_in = [sum(m.startswith("layers.") for m in part) for part in parts]
+        assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "lm_head"], parts
+    dp = dims.dp_replicate * dims.dp_shard
+    zero = {"always": 3, "never": 2, "default": 0}[p.fsdp_reshard_after_forward] if dims.dp_shard > 1 else 0
+    recompute = {FullAC.Config: "full", SelectiveAC.Config: "selective", type(None): "none"}[
+        type(c.activation_checkpoint)]
+    model = c.model_spec.model
+    return {
+        "tp": dims.tp, "pp": dims.pp, "vpp": stages // dims.pp, "dp": dp, "shard": dims.dp_shard, "zero": zero,
+        "micro_batch": p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size,
+        "global_batch": t.global_batch_size,
+        # torchtitan/trainer.py:430: accumulation = global / (local batch x data-parallel degree)
+        "accumulation": t.global_batch_size // (t.local_batch_size * dp),
+        "pipeline_microbatches": t.local_batch_size // p.pipeline_parallel_microbatch_size if dims.pp > 1 else 1,
+        "schedule": get_schedule_class(p.pipeline_parallel_schedule).__name__ if dims.pp > 1 else None,
+        "layers_per_stage": layers_in, "recompute": recompute,
+        "sp": dims.tp > 1 and p.enable_sequence_parallel,
+        "precision": "bf16" if t.mixed_precision_param == "bfloat16" else "fp32", "seq_len": t.seq_len,
+        "world": dims.world_size, "num_layers": len(model.layers), "hidden": model.dim,
+        "vocab": model.vocab_size,
+    }
+
+
+# --- Megatron-LM --------------------------------------------------------------------------------------------
+
+_MEGATRON_RUNNER = r"""
+import json, os, shlex, sys
+jobs = json.loads(sys.stdin.read())
+sys.path.insert(0, os.environ["BERTH_MEGATRON_DIR"])
+try:
+    import megatron.training.arguments as A
+except Exception as e:  # an import the checkout needs and this machine lacks
+    print(json.dumps({"import_error": f"{type(e).__name__}: {e}"}))
+    sys.exit(0)
+A.get_device_arch_version = lambda: 9  # stand-in for the torch.cuda query: Hopper
+out = []
+for job in jobs:
+    os.environ.update(WORLD_SIZE=str(job["world"]), RANK="0", LOCAL_RANK="0")
+    os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    os.environ.update(job["env"])
+    sys.argv = ["pretrain_gpt.py", *job["argv"]]
+    try:
+        args = A.parse_args()
+        A.validate_args(args, {})
+    except BaseException as e:
+        out.append({"error": f"{type(e).__name__}: {e}"})
+        continue
+    out.append({k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v))
+                for k, v in vars(args).items()})
+print(json.dumps(out))
+"""
+
+PLACEHOLDER_VALUES = {"${TOKENIZER_MODEL}": "meta-llama/Llama-3.1-8B", "${DATA_PATH}": "/data/tokens_text_document"}
+
+
+def megatron_job(plan: Plan, files: dict[str, str]) -> dict[str, Any]:
+    """The argv (placeholders filled) and environment megatron-launch.sh gives pretrain_gpt.py."""
+    import shlex
+
+    text = "\n".join(line for line in files["megatron-args.txt"].splitlines() if not line.startswith("#"))
+    for k, v in PLACEHOLDER_VALUES.items():
+        text = text.replace(k, v)
+    env = {}
+    for line in files["megatron-launch.sh"].splitlines():
+        if line.startswith("export "):
+            k, v = line.split()[1].split("=", 1)
+            env[k] = v
+    return {"argv": shlex.split(text.replace("\\\n", " ")), "env": env, "world": plan.cluster.world_size}
+
+
+def run_megatron(jobs: list[dict[str, Any]], megatron_dir: str) -> list[dict[str, Any]] | str:
+    """Megatron's parse_args + validate_args on each job, in one subprocess; or why it could not run."""
+    r = subprocess.run([sys.executable, "-c", _MEGATRON_RUNNER], input=json.dumps(jobs), capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "BERTH_MEGATRON_DIR": megatron_dir})
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("[", "{"))]
+    if r.returncode or not lines:
+        return f"the Megatron runner failed (rc {r.returncode}): {r.stderr[-2000:]}"
+    result = json.loads(lines[-1])
+    if isinstance(result, dict):
+        return result["import_error"]
+    return result
+
+
+def megatron_values(args: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's parsed arguments in the common vocabulary."""
+    dp = args["data_parallel_size"]
+    fsdp = args.get("use_megatron_fsdp")
+    zero = ({"optim_grads": 2, "optim_grads_params": 3}[args["data_parallel_sharding_strategy"]] if fsdp
+            else 1 if args["use_distributed_optimizer"] else 0)
+    precision = "bf16" if args["bf16"] else "fp16" if args["fp16"] else "fp32"
+    return {
+        "tp": args["tensor_model_parallel_size"], "pp": args["pipeline_model_parallel_size"],
+        "vpp": args["virtual_pipeline_model_parallel_size"] or 1, "dp": dp, "zero": zero,
+        "shard": dp // args["num_distributed_optimizer_instances"] if zero else 1,
+        "micro_batch": args["micro_batch_size"], "global_batch": args["global_batch_size"],
+        "accumulation": args["global_batch_size"] // (args["micro_batch_size"] * dp),
+        "recompute": args["recompute_granularity"] or "none", "sp": args["sequence_parallel"],
+        "precision": precision, "seq_len": args["seq_length"], "num_layers": args["num_layers"],
+        "hidden": args["hidden_size"], "ffn": args["ffn_hidden_size"], "heads": args["num_attention_heads"],
+        "kv_heads": args["num_query_groups"] if args["group_query_attention"] else args["num_attention_heads"],
+        "rope": args["position_embedding_type"] == "rope", "bias": args["add_bias_linear"],
+        "swiglu": args["swiglu"], "norm": args["normalization"], "untied": args["untie_embeddings_and_output_weights"],
+        "tp_pp_dp": args["use_tp_pp_dp_mapping"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--megatron-dir", help="a Megatron-LM checkout (default: $BERTH_MEGATRON_DIR)")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    a = ap.parse_args(argv)
+    if a.megatron_dir:
+        os.environ["BERTH_MEGATRON_DIR"] = a.megatron_dir
+    plans = plan_set()
+    rows: list[dict[str, Any]] = []
+    skipped = {e: available(e) for e in ENGINES}
+    jobs, job_rows = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, plan) in enumerate(plans):
+            for engine in ENGINES:
+                row = {"plan": name, "engine": engine, "version": ENGINE_VERSIONS[engine]}
+                rows.append(row)
+                try:
+                    files = artifacts(plan, engine)
+                except LaunchRefused as e:
+                    row.update(status="refused", detail=str(e))
+                    continue
+                if skipped[engine]:
+                    row.update(status="not checked", detail=skipped[engine])
+                    continue
+                try:
+                    if engine == "deepspeed":
+                        row.update(status="accepted", parsed=load_deepspeed(plan, files))
+                    elif engine == "torchtitan":
+                        row.update(status="accepted", parsed=load_torchtitan(plan, files, Path(tmp) / str(i)))
+                    else:
+                        jobs.append(megatron_job(plan, files))
+                        job_rows.append(row)
+                except Exception as e:  # the engine rejected the artifact: that is the finding
+                    row.update(status="rejected", detail=f"{type(e).__name__}: {e}")
+    if jobs:
+        result = run_megatron(jobs, os.environ["BERTH_MEGATRON_DIR"])
+        for row, r in zip(job_rows, result if isinstance(result, list) else [None] * len(jobs), strict=True):
+            if r is None:
+                row.update(status="not checked", detail=result)
+            elif "error" in r:
+                row.update(status="rejected", detail=r["error"])
+            else:
+                row.update(status="accepted", parsed=megatron_values(r))
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            print(f"{r['plan']:<70} {r['engine']:<10} {r['status']:<11} {r.get('detail', '')[:110]}")
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("accepted", "refused", "rejected", "not checked")}
+        print(f"{len(plans)} plans x {len(ENGINES)} engines: {counts}; versions: {ENGINE_VERSIONS}")
+    return 1 if any(r["status"] == "rejected" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
