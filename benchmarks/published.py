@@ -165,7 +165,7 @@ def _cluster(row: dict, compute_stack: str | None = None) -> ClusterSpec:
     non-GEMM layer work and optimizer step the run's engine has, when it is not the one
     TrainingSpec.framework selects (memory still follows TrainingSpec.framework)."""
     device, preset = _device_for(row["gpu_type"])
-    if compute_stack and compute_stack in device.frameworks:
+    if compute_stack and compute_stack in getattr(device, "frameworks", {}):
         stacks = {**device.frameworks, "pytorch": device.frameworks[compute_stack]}
         device = device.model_copy(update={"frameworks": stacks})
     per_node = row.get("gpus_per_node") or GPUS_PER_NODE_DEFAULT

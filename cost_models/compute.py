@@ -190,10 +190,9 @@ def layer_rest_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile
       ffn_bytes x tokens x ffn/tp (x 1/2 for GELU)                  SiLU(gate) * up (or GELU),
       weight_bytes x layer parameters / tp                          fp32 -> bf16 weight casts
           forward, the bf16 weight gradient's cast and accumulation into fp32 .grad backward,
-    plus dropout passes where the model has dropout. A tensor-parallel layer adds the device's
-    tp_kernel_overhead_s per kernel (DTensor; 0 unless calibrated).
-    The dispatch is the entry's dispatch_s per pass plus, for a tensor-parallel layer, the
-    device's tp_kernel_overhead_s per kernel (DTensor; 0 unless calibrated).
+    plus dropout passes where the model has dropout. The dispatch is the entry's dispatch_s per
+    pass plus, for a tensor-parallel layer, the device's tp_kernel_overhead_s per kernel (DTensor;
+    0 unless calibrated).
     Without an entry: the legacy elementwise passes, and kernel overhead as dispatch; backward 2x."""
     fw = _framework(device, training)
     tp_extra = kernel_overhead_forward_s(device, tp) - device.kernels_per_layer_fwd * device.kernel_overhead_s
