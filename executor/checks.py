@@ -6,6 +6,7 @@ from __future__ import annotations
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
 PROGRESS_PREFIX = "BERTH_PROGRESS "  # rank 0's per-step line, read by `berth validate` for its progress display
+REQUIRE_GPU_ENV = "BERTH_REQUIRE_GPU"  # `berth validate` sets it to 1 for a GPU plan: no CPU stand-in
 
 
 class UnsupportedLayout(ValueError):

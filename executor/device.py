@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from executor.checks import REQUIRE_GPU_ENV
+
 _READY: set[int] = set()
 
 
@@ -34,9 +36,12 @@ def init_cuda(device: torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def rank_device(local_rank: int | None = None, need_gpu: bool = False) -> torch.device:
+def rank_device(local_rank: int | None = None, need_gpu: bool | None = None) -> torch.device:
     """This process's device: cuda:LOCAL_RANK (initialised) when CUDA is wanted, else the CPU.
-    `need_gpu`: the plan is for GPUs, so running it on the CPU would measure the wrong machine."""
+    `need_gpu` (default: $BERTH_REQUIRE_GPU=1, which `berth validate` sets for a GPU plan): running
+    on the CPU would measure the wrong machine, so it is an error."""
+    if need_gpu is None:
+        need_gpu = os.environ.get(REQUIRE_GPU_ENV) == "1"
     if not cuda_wanted():
         if need_gpu:
             raise RuntimeError("the plan is for GPUs but torch sees no CUDA device (torch "

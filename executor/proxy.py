@@ -131,7 +131,7 @@ def main() -> None:
     plan = Plan.model_validate(json.loads(Path(args.plan).read_text()))
     x, spec, training = plan.layout, plan.model, plan.training
     try:
-        device = rank_device(0, need_gpu=plan.cluster.device.kind == "gpu")
+        device = rank_device(0)
     except RuntimeError as err:
         from executor.worker import _error_record
 

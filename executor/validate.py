@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from executor.checks import PROGRESS_PREFIX, UnsupportedLayout, check_layout
+from executor.checks import PROGRESS_PREFIX, REQUIRE_GPU_ENV, UnsupportedLayout, check_layout
 from planner import __version__
 from planner.errors import BerthError, from_validation_error
 from planner.specs import Metrics, Plan, ValidationReport
@@ -321,6 +321,8 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if plan.cluster.device.kind == "cpu":
         env["BERTH_DEVICE"] = "cpu"
+    else:
+        env[REQUIRE_GPU_ENV] = "1"  # a GPU plan is measured on a GPU or not at all
     deadline = timeout_s or STARTUP_BUDGET_S + STEP_BUDGET_FACTOR * (predicted.step_time_s or 10.0) * (steps + warmup)
     started = time.perf_counter()
     rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "proxy.stderr")
@@ -391,6 +393,8 @@ def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: 
            "BERTH_RUN_DIR": str(work)}
     if plan.cluster.device.kind == "cpu":
         env["BERTH_DEVICE"] = "cpu"
+    else:
+        env[REQUIRE_GPU_ENV] = "1"  # a GPU plan is measured on a GPU or not at all
     deadline = timeout_s or _watchdog_s(plan, steps + warmup)
     started = time.perf_counter()
     rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "torchrun.stderr")

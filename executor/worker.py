@@ -73,7 +73,7 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        device = rank_device(need_gpu=any(p.cluster.device.kind == "gpu" for p in plans))
+        device = rank_device()
     except RuntimeError as err:
         Path(f"{args.out}.rank{rank}.error.json").write_text(json.dumps(_error_record(err, torch.device("cpu"))))
         raise
