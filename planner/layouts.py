@@ -222,8 +222,9 @@ def refuse_fix(fix: dict[str, Any], key: str, valid: list, model: ModelSpec, tra
         layout = complete_layout(fix, training, cluster.world_size, "fix")
         problems = layout_problems(layout, model, training, cluster, set(fix))
         # a rule that reads only given fields is broken whatever the search picks for the rest
-        whole = [w for n, w in problems if key in RULE_FIELDS[n] and set(RULE_FIELDS[n]) <= set(fix)]
-        partial = [w for n, w in problems if key in RULE_FIELDS[n]]
+        fields = {n: RULE_FIELDS.get(n, LAYOUT_FIELDS) for n, _ in problems}
+        whole = [w for n, w in problems if key in fields[n] and set(fields[n]) <= set(fix)]
+        partial = [w for n, w in problems if key in fields[n]]
         why = "; ".join(dict.fromkeys(whole)) or (partial[0] if partial else "")
     except BerthError:
         pass

@@ -84,17 +84,39 @@ def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None =
                 width: int = 200) -> Table:
     """One row per plan; under NARROW columns the layout is one compact cell (tp8 pp2 dp4 z1/4
     mbs1x16 rc-sel 1f1b sp) so the table fits 80 columns."""
-    narrow = width < NARROW
+    if width < NARROW:
+        return _narrow_plans_table(plans, title, best_tokens_per_s)
     t = Table(title=title, header_style="bold")
-    layout_cols = ("layout",) if narrow else LAYOUT_COLUMNS
-    for col in ("#", *layout_cols, *RESULT_COLUMNS):
-        t.add_column(col, justify="right" if col not in ("recompute", "schedule", "bottleneck", "layout") else "left",
-                     no_wrap=col != "layout")
+    for col in ("#", *LAYOUT_COLUMNS, *RESULT_COLUMNS):
+        t.add_column(col, justify="right" if col not in ("recompute", "schedule", "bottleneck") else "left",
+                     no_wrap=True)
     if best_tokens_per_s:
         t.add_column("vs best", justify="right")
     for i, p in enumerate(plans, 1):
-        cells = [_compact_layout(p)] if narrow else _layout_cells(p)
-        t.add_row(str(i), *cells, *_result_cells(p, best_tokens_per_s))
+        t.add_row(str(i), *_layout_cells(p), *_result_cells(p, best_tokens_per_s))
+    return t
+
+
+def _narrow_plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None) -> Table:
+    """The plan table in under 80 columns: the layout in one cell, no step time (tokens/s says
+    it; the breakdown below has it) and a misfit's GiB in red with bottleneck "memory"."""
+    from rich import box
+
+    t = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("#", "layout", "tokens/s", "MFU", "GiB", "bottleneck", *(("vs best",) if best_tokens_per_s else ())):
+        t.add_column(col, justify="left" if col in ("layout", "bottleneck") else "right", no_wrap=col != "layout",
+                     min_width=20 if col == "layout" else None)
+    for i, p in enumerate(plans, 1):
+        pr = p.prediction
+        if pr is None:
+            cells = ["-", "-", "-", (p.infeasible_reason or "").split(":")[0]]
+        else:
+            gib = f"{pr.peak_memory_bytes / GIB:.1f}"
+            cells = [f"{pr.tokens_per_s:,.0f}", f"{pr.mfu:.1%}", gib if pr.fits else f"[red]{gib}[/red]",
+                     pr.bottleneck]
+        if best_tokens_per_s:
+            cells.append(f"{pr.tokens_per_s / best_tokens_per_s - 1:+.1%}" if pr else "-")
+        t.add_row(str(i), _compact_layout(p), *cells)
     return t
 
 

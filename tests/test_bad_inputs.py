@@ -219,3 +219,46 @@ def test_api_refuses_impossible_fix_and_layouts_with_422(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_one_layout_check_agrees_with_the_search():
+    """The per-layout check and the search mask are the same rules: every layout the search
+    enumerates and its rules keep passes the check, and random layouts are refused exactly when the search's rules
+    reject them."""
+    import numpy as np
+
+    from cost_models.candidates import Candidates
+    from cost_models.validity import structural_reasons
+    from planner.errors import BerthError
+    from planner.layouts import check_layout
+    from planner.models import load_model
+    from planner.planning import make_cluster, make_training
+    from planner.search import enumerate_candidates
+    from planner.specs import Layout, SearchSpec
+
+    model, cluster = load_model("llama3-8b"), make_cluster("dgx-h100", 2)
+    training = make_training(seq_len=2048, global_batch_size=32)
+    c = enumerate_candidates(model, training, cluster, SearchSpec())
+    valid = np.flatnonzero(structural_reasons(c, model, training, cluster) == 0)
+    for i in np.random.default_rng(0).choice(valid, 200, replace=False):
+        check_layout(c.layout(int(i)).model_dump(), model, training, cluster)
+    rng = np.random.default_rng(1)
+    refused = 0
+    for _ in range(300):
+        values = {"tp": int(rng.choice([1, 2, 3, 4, 8, 16])), "pp": int(rng.choice([1, 2, 4, 5])),
+                  "dp": int(rng.choice([1, 2, 4, 8])), "micro_batch_size": int(rng.choice([1, 2, 3])),
+                  "num_microbatches": int(rng.choice([1, 2, 4, 16])), "zero_stage": int(rng.integers(0, 4)),
+                  "shard": int(rng.choice([1, 2, 3])), "virtual_stages": int(rng.choice([1, 2])),
+                  "sequence_parallel": bool(rng.integers(0, 2)),
+                  "schedule": str(rng.choice(["gpipe", "1f1b", "interleaved_1f1b"]))}
+        layout = Layout(**values)
+        rule = int(structural_reasons(Candidates.from_layouts([layout]), model, training, cluster)[0])
+        try:
+            check_layout(values, model, training, cluster)
+            ok = True
+        except BerthError:
+            ok, refused = False, refused + 1
+        # pp = 1 runs every schedule alike, so gpipe there is checked as 1f1b
+        if not (values["pp"] == 1 and values["schedule"] == "gpipe"):
+            assert ok == (rule == 0), (values, rule)
+    assert 0 < refused < 300
