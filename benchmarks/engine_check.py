@@ -114,15 +114,34 @@ def _deepspeed_comm():
         return dist
     # stand-in: TorchBackend checks for None and skips the op
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:  # the variables are read here only: the caller's environment is left as it was
+        dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    finally:
+        _restore(saved)
     return dist
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def release() -> None:
+    """End the one-process group the DeepSpeed check started (tests call it when done)."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def load_deepspeed(plan: Plan, files: dict[str, str]) -> dict[str, Any]:
@@ -194,11 +213,7 @@ def load_torchtitan(plan: Plan, files: dict[str, str], workdir: Path) -> dict[st
     finally:
         sys.path.remove(str(workdir))
         sys.modules.pop("berth_torchtitan", None)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
+        _restore(saved)
     p, t = c.parallelism, c.training
     dims = ParallelDims.from_config(p, plan.cluster.world_size)
     stages, layers_in = 1, []
@@ -346,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                         job_rows.append(row)
                 except Exception as e:  # the engine rejected the artifact: that is the finding
                     row.update(status="rejected", detail=f"{type(e).__name__}: {e}")
+    release()
     if jobs:
         result = run_megatron(jobs, os.environ["BERTH_MEGATRON_DIR"])
         for row, r in zip(job_rows, result if isinstance(result, list) else [None] * len(jobs), strict=True):

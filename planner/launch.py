@@ -482,6 +482,9 @@ def _torchtitan_refusal(x, model, training) -> str | None:
         return f"axis_order {x.axis_order}: torchtitan's mesh is pp, dp, tp (tp-dp-pp)"
     if training.precision == "fp16":
         return "precision fp16: torchtitan trains in bfloat16 or float32"
+    if not training.flash_attention:
+        return ("flash_attention false: torchtitan 0.3 language models attend with FlexAttention or varlen only "
+                "(sdpa removed: torchtitan/models/common/config_utils.py:97)")
     return None
 
 
@@ -562,7 +565,7 @@ def model_spec():
                               param_init=_output_linear_init(s["dim"])),
         layers=_build_llama3_layers(n_layers=s["n_layers"], dim=s["dim"], n_heads=s["n_heads"],
                                     n_kv_heads=s["n_kv_heads"], hidden_dim=s["hidden_dim"], rope=rope,
-                                    attn_backend="{"flex" if t.flash_attention else "sdpa"}"))
+                                    attn_backend="flex"))
     return ModelSpec(name="llama3", flavor="berth", model=model, parallelize_fn=parallelize_llama,
                      pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
                      state_dict_adapter=Llama3StateDictAdapter)

@@ -16,6 +16,12 @@ PLANS = ec.plan_set()
 IDS = [name for name, _ in PLANS]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_group_at_most():
+    yield
+    ec.release()  # the DeepSpeed check's one-process gloo group ends with this module
+
+
 def _files(plan, engine):
     try:
         return artifacts(plan, engine)

@@ -164,6 +164,15 @@ def test_layouts_the_engine_version_can_express_are_not_refused(fmt, layout):
     assert artifacts(plan, fmt)
 
 
+def test_torchtitan_refuses_attention_without_flash():
+    (p,) = predict_layouts(load_model("llama3-8b"), TrainingSpec(seq_len=4096, global_batch_size=64,
+                                                                  flash_attention=False),
+                           cluster_from_preset("dgx-h100", 1), [Layout(dp=8, zero_stage=3, shard=8,
+                                                                       micro_batch_size=1, num_microbatches=8)])
+    with pytest.raises(LaunchRefused, match="sdpa removed"):
+        artifacts(p, "torchtitan")
+
+
 def test_framework_megatron_search_rejects_exactly_what_the_megatron_launch_refuses():
     model, cluster = load_model("llama3-8b"), cluster_from_preset("dgx-h100", 4)
     layouts = [Layout(dp=32, zero_stage=z, shard=s, micro_batch_size=2) for z in (1, 2, 3) for s in (8, 32)]
