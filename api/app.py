@@ -67,6 +67,7 @@ from planner.errors import BerthError, from_validation_error
 from planner.launch import artifacts
 from planner.models import load_model, presets
 from planner.planning import (
+    cached_plan,
     compare,
     compare_json,
     default_precision,
@@ -505,11 +506,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         fields["precision"] = fields["precision"] or default_precision(cluster)
         return model, make_training(**fields), cluster
 
-    async def resolved(req, cancel: threading.Event):
+    async def resolved(req, cancel: threading.Event, then: Callable | None = None):
         """Model, training and cluster, built in a worker thread (`local` asks nvidia-smi there),
-        a large cluster in the build process; never on the event loop."""
+        a large cluster in the build process; never on the event loop. `then(model, training,
+        cluster)` runs in the same thread and its result is returned too."""
         built = await builds.run(req.cluster, settings.max_gpus) if _heavy(req.cluster) else None
-        return await light.run(lambda: resolve(req, built), cancel)
+
+        def work():
+            specs = resolve(req, built)
+            return (*specs, then(*specs)) if then else specs
+
+        return await light.run(work, cancel)
 
     async def within_budget(work):
         """Run `work(deadline, cancel)` under the one budget of this request: everything it awaits
@@ -539,19 +546,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/plans", response_model=PlanResponse, tags=["plans"], responses=COMMON_ERRORS)
     async def create_plan(req: PlanRequest) -> Response:
+        spec = make_search(top=req.search.top, fix=req.search.fix, objective=req.search.objective,
+                           max_micro_batch_size=req.search.max_micro_batch_size,
+                           memory_headroom=req.search.memory_headroom)
+
+        def cached(model, training, cluster) -> str | None:
+            """A repeated question's answer, without waiting for a search thread."""
+            result = cached_plan(model, training, cluster, spec, settings.max_candidates)
+            return plans_text(result) if result is not None and not req.search.fallback else None
+
         async def work(deadline: float, cancel: threading.Event) -> Response:
-            model, training, cluster = await resolved(req, cancel)
-            spec = make_search(top=req.search.top, fix=req.search.fix, objective=req.search.objective,
-                               max_micro_batch_size=req.search.max_micro_batch_size,
-                               memory_headroom=req.search.memory_headroom)
+            model, training, cluster, answer = await resolved(req, cancel, cached)
 
             def search() -> str:
                 result = plan(model, training, cluster, spec, settings.max_candidates, deadline, cancel)
                 if req.search.fallback:
-                    result = with_fallback(result, spec)
+                    result = with_fallback(result, spec, deadline, cancel)
                 return plans_text(result)
 
-            answer = await searches.run(search, cancel)
+            if answer is None:
+                answer = await searches.run(search, cancel)
             plan_id, created = uuid.uuid4().hex, _now()
             await keep(plan_id, created, "plan", answer)
             head = json.dumps({"id": plan_id, "created": created})[:-1]

@@ -15,7 +15,7 @@ class Settings(BaseSettings):
     max_candidates: int = Field(default=2_000_000, gt=0, description="most layouts one search may score")
     request_timeout_s: float = Field(default=10.0, gt=0, description="time budget of one whole request")
     max_concurrent_searches: int = Field(default=2, gt=0, description="searches running at once (CPU-bound)")
-    max_queued_requests: int = Field(default=16, ge=0, description="requests waiting for a worker thread; "
+    max_queued_requests: int = Field(default=64, ge=0, description="requests waiting for a worker thread; "
                                      "beyond that 429 with Retry-After at once")
     max_body_bytes: int = Field(default=1_048_576, gt=0, description="largest request body")
     store_max_plans: int = Field(default=1_000_000, gt=0, description="plan ids kept (oldest dropped first)")

@@ -232,7 +232,8 @@ def lose_nodes(cluster: ClusterSpec, lost: int) -> ClusterSpec:
                                       "name": f"{cluster.name} minus {lost} node{'s' if lost > 1 else ''}"})
 
 
-def fallback(chosen: Plan, spec: SearchSpec, lost: int = 1) -> Fallback | None:
+def fallback(chosen: Plan, spec: SearchSpec, lost: int = 1, deadline: float | None = None,
+             cancel: threading.Event | None = None) -> Fallback | None:
     """The best layout for the cluster with `lost` nodes gone (None when nothing fits there)."""
     cluster = lose_nodes(chosen.cluster, lost)
     training = chosen.training
@@ -243,7 +244,7 @@ def fallback(chosen: Plan, spec: SearchSpec, lost: int = 1) -> Fallback | None:
     for batch in batches[:8]:
         t = training.model_copy(update={"global_batch_size": batch})
         try:
-            result = plan(chosen.model, t, cluster, quick)
+            result = plan(chosen.model, t, cluster, quick, deadline=deadline, cancel=cancel)
         except BerthError:
             continue
         if not result.plans:
@@ -265,12 +266,14 @@ def fallback(chosen: Plan, spec: SearchSpec, lost: int = 1) -> Fallback | None:
     return None
 
 
-def with_fallback(result: SearchResult, spec: SearchSpec) -> SearchResult:
+def with_fallback(result: SearchResult, spec: SearchSpec, deadline: float | None = None,
+                  cancel: threading.Event | None = None) -> SearchResult:
     """The result with its best plan carrying the fallback for one node lost (unchanged when there
     is no plan or a single node); a new result, so a cached one and its serialized JSON stay as they are."""
     if not result.plans or result.plans[0].cluster.nodes < 2:
         return result
-    first = result.plans[0].model_copy(update={"fallback": fallback(result.plans[0], spec)})
+    first = result.plans[0].model_copy(update={"fallback": fallback(result.plans[0], spec, deadline=deadline,
+                                                                     cancel=cancel)})
     return replace(result, plans=[first, *result.plans[1:]], serialized=[])
 
 

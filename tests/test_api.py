@@ -31,7 +31,7 @@ class Server:
         full = {**os.environ, "BERTH_STORE_PATH": str(store), **{f"BERTH_{k.upper()}": str(v) for k, v in env.items()}}
         self.proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(self.port)],
                                      env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90  # a loaded 2-core machine can take 30 s to import
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:

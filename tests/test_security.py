@@ -55,7 +55,7 @@ class Server:
                 **{f"BERTH_{k.upper()}": str(v) for k, v in env.items()}}
         self.proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(self.port)],
                                      env=full, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90  # a loaded 2-core machine can take 30 s to import
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
@@ -268,6 +268,8 @@ def test_healthz_stays_fast_under_a_held_lock_and_a_huge_cluster(tmp_path):
     s = Server(tmp_path / "store.sqlite", request_timeout_s=budget)
     lock = sqlite3.connect(tmp_path / "store.sqlite", timeout=1, isolation_level=None)
     try:
+        warm = httpx.post(s.url + "/v1/plans", json=PLAN_BODY, timeout=60)  # normal traffic: a known question
+        assert warm.status_code == 200
         lock.execute("BEGIN EXCLUSIVE")  # another process holds the write lock
         huge = {**PLAN_BODY, "cluster": {"preset": "dgx-h100", "nodes": 8191}}
         stop = threading.Event()
@@ -315,6 +317,36 @@ def test_healthz_stays_fast_under_a_held_lock_and_a_huge_cluster(tmp_path):
             pytest.fail("the answers given while the store was locked were never written")
     finally:
         lock.close()
+        s.stop()
+
+
+def test_nvidia_smi_runs_off_the_event_loop(tmp_path):
+    """`local` asks nvidia-smi (here a fake one on PATH that takes 1.5 s, as a busy driver does, and
+    names a GPU without a profile: the answer is a 422 naming it, after the call)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\nsleep 1.5\necho "NVIDIA Quasar QX9, 81559"\n')
+    smi.chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "BERTH_DEVICE": "gpu"}
+    s = Server(tmp_path / "store.sqlite", extra_env=env)
+    try:
+        body = {"model": "tiny-gpt", "training": {"seq_len": 128, "global_batch_size": 8},
+                "cluster": {"preset": "local"}, "search": {"top": 1}}
+        with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=s.url, timeout=5) as c:
+            c.get("/healthz")
+            asked = pool.submit(httpx.post, s.url + "/v1/plans", json=body, timeout=60)
+            health = []
+            while not asked.done():
+                t0 = time.perf_counter()
+                assert c.get("/healthz").status_code == 200
+                health.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+            r = asked.result()
+        assert r.status_code == 422 and "Quasar QX9" in r.text, r.text[:300]
+        # on the loop, nvidia-smi held /healthz for its whole 1.5 s
+        assert len(health) > 5 and max(health) < 0.5, sorted(health)[-3:]
+    finally:
         s.stop()
 
 
@@ -404,14 +436,16 @@ def test_full_queue_is_a_fast_429_with_retry_after(tmp_path):
     s = Server(tmp_path / "store.sqlite", max_concurrent_searches=1, max_queued_requests=0, request_timeout_s=20,
                extra_env={"BERTH_PLAN_CACHE_SIZE": "0"})
     try:
+        quick = {**SLOW_BODY, "search": {"top": 1, "fix": "tp=8,pp=16,zero=1,mbs=1,recompute=full"}}
+        assert httpx.post(s.url + "/v1/plans", json=quick, timeout=60).status_code == 200  # the cluster is built
         with ThreadPoolExecutor(1) as pool:
             slow = pool.submit(httpx.post, s.url + "/v1/plans", json=SLOW_BODY, timeout=60)
             time.sleep(0.5)  # the slow search holds the one worker
             t0 = time.perf_counter()
             r = httpx.post(s.url + "/v1/plans", json={**SLOW_BODY, "search": {"top": 2}}, timeout=60)
             took = time.perf_counter() - t0
-            # at once, not after the 20 s budget (building the cluster first takes most of this)
-            assert r.status_code == 429 and r.headers["retry-after"] and took < 2.0, (r.status_code, took)
+            # at once, not after the 20 s budget
+            assert r.status_code == 429 and r.headers["retry-after"] and took < 1.0, (r.status_code, took)
             assert slow.result().status_code == 200
     finally:
         s.stop()
