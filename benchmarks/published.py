@@ -95,6 +95,11 @@ class Skip(Exception):
     """A run berth cannot predict as published; the message says why."""
 
 
+
+def model_name(row: dict) -> str:
+    """The record's model name as a spec name (names are validated: no spaces, `planner/specs.py`)."""
+    return re.sub(r"[^A-Za-z0-9_./:+@-]+", "-", row["model_name"]).strip("-") or "published"
+
 def load_runs(reference: Path = REFERENCE) -> list[dict]:
     """Every record of both files; a clear error when the data are missing (CI has ../shared)."""
     rows = []
@@ -289,7 +294,7 @@ def _mosaicml(row: dict) -> Case:
         raise Skip(f"FSDP sharding strategy {strategy} not mapped")
     mbs, accum = row["micro_batch_size"], row["grad_accum_steps"]
     batch = dp * mbs * accum  # what a step ran (GBS = dp x mbs x accum for every row held)
-    model = ModelSpec(name=row["model_name"], num_layers=row["num_layers"], hidden_size=row["hidden_size"],
+    model = ModelSpec(name=model_name(row), num_layers=row["num_layers"], hidden_size=row["hidden_size"],
                       num_attention_heads=row["num_attention_heads"], num_kv_heads=row["num_kv_heads"],
                       ffn_hidden_size=row["ffn_hidden_size"], vocab_size=row["vocab_size"], mlp="gelu",
                       norm="layernorm", tied_embeddings=True, dropout=False)
@@ -339,7 +344,7 @@ def _torchtitan(row: dict) -> Case:
         if local % nmb:
             raise Skip(f"local batch {local} does not split into {nmb} pipeline micro-batches")
     batch = dp * local
-    model = ModelSpec(name=row["model_name"], num_layers=row["num_layers"], hidden_size=row["hidden_size"],
+    model = ModelSpec(name=model_name(row), num_layers=row["num_layers"], hidden_size=row["hidden_size"],
                       num_attention_heads=row["num_attention_heads"], num_kv_heads=row["num_kv_heads"],
                       ffn_hidden_size=row["ffn_hidden_size"], vocab_size=row["vocab_size"] or LLAMA3_VOCAB,
                       mlp="swiglu", norm="rmsnorm", tied_embeddings=False, dropout=False)
