@@ -340,7 +340,7 @@ def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> floa
     libraries outside the allocator, and the collective library's buffers when there are peers.
     The predicted peak (`peak_memory`) is the allocator's reserved peak, the figure
     `torch.cuda.max_memory_reserved` measures; it fits when it is at most this."""
-    outside = device.driver_reserved_bytes + device.framework_overhead_bytes
+    outside = device.driver_reserved_bytes + device.cuda_context_bytes
     if world_size > 1:
         outside += device.communicator_bytes
     return float(device.memory_bytes - outside)
@@ -407,6 +407,7 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
         "pipeline_buffers": chosen["pipeline_buffers"],
         "fragmentation": device.allocator_fragmentation_fraction * dynamic
         + device.allocator_transient_blocks * transient,
+        "framework": np.full_like(p, device.framework_overhead_bytes),
     }
 
 

@@ -12,7 +12,7 @@ TIME_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm",
 # cost_models/memory.py stage_memory_breakdown: every term is inside the caching allocator (their sum is
 # the predicted reserved peak); the CUDA context and the driver's share are taken off the capacity
 MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "logits",
-                "sharding_buffers", "pipeline_buffers", "fragmentation")
+                "sharding_buffers", "pipeline_buffers", "fragmentation", "framework")
 
 
 def _seconds(x: float) -> str:
