@@ -1,8 +1,13 @@
-"""Per-GPU memory of a pipeline stage, as a breakdown.
+"""Per-GPU memory of a pipeline stage, as a breakdown of what the caching allocator reserves.
 
-Model states follow Rajbhandari et al. 2020 (ZeRO), Sec. 3.1 and 5: (2 + 2 + K) bytes per
-parameter in mixed precision, with stage 1 sharding the K optimizer bytes, stage 2 also the
-gradients, stage 3 also the parameters, over the `shard` group.
+Model states follow what each training stack really holds, its precision recipe (RECIPE_*
+below, `precision_recipe`): the bundled executor's fp32 parameters under autocast (with the
+autocast cast cache), FSDP2 bf16 mixed precision (torchtitan), Megatron-LM's 16-bit parameters
+with fp32 main parameters, Adam state and persistent gradient buffer (Megatron-LM
+docs/source/api-guide/dist_optimizer: 18 bytes per parameter with bf16, 6 + 12/d with the
+distributed optimizer), or plain fp32; sharded as in Rajbhandari et al. 2020 (ZeRO), Sec. 3.1
+and 5: stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
+parameters, over the `shard` group.
 
 Activations follow Korthikanti et al. 2022, Sec. 4: per layer and micro-batch
 sbh(34 + 5as/h) bytes with 16-bit activations, split as sbh(10 + 24/t + 5as/(ht)) under tensor
@@ -33,8 +38,13 @@ never before the first backward of GPipe), and then unsharded for ZeRO 0-2 (accu
 before the once-per-step reduce: DDP no_sync, FSDP2 without gradient sync) and sharded for ZeRO-3
 (reduce-scattered every micro-batch, as the step-time model has it). PyTorch DDP's gradient
 buckets (the executor's wrapper for zero <= 1 when dp is the only axis) hold one unsharded
-gradient copy for the whole run on top of that. Megatron-LM's persistent gradient buffer, which
-exists for every layout, is not modelled for framework "megatron" (a known gap).
+gradient copy for the whole run on top of that; Megatron-LM's gradient buffer exists throughout.
+
+The peak is what `torch.cuda.max_memory_reserved` measures: the terms above plus the allocator's
+slack ("fragmentation": blocks the size of the step's largest short-lived tensor held reserved,
+`largest_transient_bytes`) and framework tensors. The capacity it must fit in
+(`allocator_capacity_bytes`) is the device memory less what the driver keeps, the CUDA context
+outside the allocator and NCCL's buffers. Checked on one H100 by benchmarks/memory_fidelity.py.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None =
         if pr is None:
             row = [str(i), *_layout_cells(p), "-", "-", "-", "-", "no", (p.infeasible_reason or "").split(":")[0]]
         else:
-            fits = "yes" if pr.fits else "[red]no[/red]"
+            tight = (p.infeasible_reason or "").startswith("memory_tight")
+            fits = "[yellow]tight[/yellow]" if tight else "yes" if pr.fits else "[red]no[/red]"
             note = pr.bottleneck if not p.infeasible_reason else p.infeasible_reason.split(":")[0]
             row = [str(i), *_layout_cells(p), _seconds(pr.step_time_s), f"{pr.tokens_per_s:,.0f}",
                    f"{pr.mfu:.1%}", f"{pr.peak_memory_bytes / GIB:.1f}", fits, note]

@@ -341,3 +341,20 @@ def test_a_tight_plan_is_never_ranked_and_says_why():
     result = plan(m, t, cluster, make_search(top=50, memory_headroom=headroom))
     assert result.rejected.get("memory_tight", 0) >= 1
     assert all(p.prediction.peak_memory_bytes <= capacity * (1 - headroom) for p in result.plans)
+
+
+def test_memory_headroom_is_validated_where_it_enters():
+    """A headroom outside 0..0.5 is a clear error naming the field (CLI exit 2, API 422)."""
+    from api.schemas import SearchRequest
+    from planner.errors import BerthError
+    from planner.planning import compare, make_search
+    from planner.topology import cluster_from_preset
+
+    with pytest.raises(BerthError, match="memory_headroom"):
+        make_search(memory_headroom=0.9)
+    with pytest.raises(BerthError, match="memory_headroom"):
+        compare(gpt(), TrainingSpec(seq_len=2048, global_batch_size=8), cluster_from_preset("dgx-h100", 1),
+                ["tp=8"], memory_headroom=-0.1)
+    with pytest.raises(ValueError, match="memory_headroom"):
+        SearchRequest(memory_headroom=1.0)
+    assert make_search(memory_headroom=0.2).memory_headroom == 0.2
