@@ -4,7 +4,7 @@ Model states follow what each training stack really holds, its precision recipe 
 below, `precision_recipe`): the bundled executor's fp32 parameters under autocast (with the
 autocast cast cache), FSDP2 bf16 mixed precision (torchtitan), Megatron-LM's 16-bit parameters
 with fp32 main parameters, Adam state and persistent gradient buffer (Megatron-LM
-docs/source/api-guide/dist_optimizer: 18 bytes per parameter with bf16, 6 + 12/d with the
+docs/source/api-guide/dist_optimizer.md: 18 bytes per parameter with bf16, 6 + 12/d with the
 distributed optimizer), or plain fp32; sharded as in Rajbhandari et al. 2020 (ZeRO), Sec. 3.1
 and 5: stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 parameters, over the `shard` group.
@@ -246,12 +246,13 @@ def _autocast_layer_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
 
 def _op_sac_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
     """torchtitan's op-level selective activation checkpointing (activation_checkpoint.mode
-    "selective", selective_ac_option "op"; torchtitan/models/llama3/infra/parallelize.py
-    `_custom_policy`): each block is checkpointed with a policy that saves the outputs of the
-    attention kernel (output and log-sum-exp) and of every second matmul of the block (in call
-    order: wq, wk, wv, wo, w1, w3, w2 -> wq, wv, w1, w2 kept), and recomputes the rest. Stored per
-    layer: the block input (16-bit) and those outputs; q/k/v/w1/w3 outputs split by tp, wo/w2
-    outputs full width (sequence-split under sp)."""
+    "selective", selective_ac_option "op"; `_custom_policy` in
+    torchtitan/parallelisms/parallelize_llama.py at the benchmarked commit,
+    torchtitan/distributed/activation_checkpoint.py today): each block is checkpointed with a
+    policy that saves the outputs of the attention kernel (output and log-sum-exp) and of every
+    second matmul of the block (in call order: wq, wk, wv, wo, w1, w3, w2 -> wq, wv, w1, w2
+    kept), and recomputes the rest. Stored per layer: the block input (16-bit) and those
+    outputs; q/k/v/w1/w3 outputs split by tp, wo/w2 outputs full width (sequence-split under sp)."""
     e, s, h, f = training.bytes_per_element, training.seq_len, model.hidden_size, model.ffn_hidden_size
     a, g = model.num_attention_heads, model.kv_ratio
     tokens = b * s
