@@ -269,6 +269,19 @@ def _op_sac_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
     return tokens * (block_input + kept + attention_out + lse)
 
 
+def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, attention_s):
+    """Seconds one layer's selective recomputation costs, by what each stack recomputes
+    (`layer_activation_bytes`): the attention core (the executor, Megatron-LM), or under FSDP2
+    torchtitan's op-level policy, which keeps the attention output and recomputes every second
+    matmul (wk, wo, w3) and the elementwise work: that share of the matmul weights of the layer,
+    applied to the forward time outside attention."""
+    h, f, g = model.hidden_size, model.ffn_hidden_size, model.kv_ratio
+    weights = [h * h, h * h * g, h * h * g, h * h, h * f] + ([h * f] if model.mlp == "swiglu" else []) + [f * h]
+    share = sum(w for i, w in enumerate(weights) if i % 2 == 1) / sum(weights)
+    op_sac = share * np.maximum(np.asarray(fwd_s) - attention_s, 0.0)
+    return np.where(precision_recipe(training, c) == RECIPE_FSDP2, op_sac, attention_s)
+
+
 def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool):
     """(stored, working) activations of the stage: stored layers x in-flight micro-batches plus
     the embedding output on the first stage or the final norm input on the last; and (full

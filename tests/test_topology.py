@@ -49,9 +49,10 @@ def test_pcie_boxes_with_bridged_pairs_keep_tp_at_most_2():
     for name, nodes, batch in (("llama3-8b", 1, 64), ("llama3-70b", 4, 64)):
         model, training = load_model(name), TrainingSpec(seq_len=4096, global_batch_size=batch)
         assert best(model, training, cluster_from_preset("pcie-h100", nodes)).layout.tp <= 2
-    # the same model on NVSwitch nodes does use wider tp
+    # the same model on NVSwitch nodes does use wider tp (without sharding: under FSDP2, torchtitan's
+    # op-level selective recompute leaves tp 2 enough memory)
     assert best(load_model("llama3-70b"), TrainingSpec(seq_len=4096, global_batch_size=64),
-                cluster_from_preset("dgx-h100", 4)).layout.tp >= 4
+                cluster_from_preset("dgx-h100", 4), fix="zero=0").layout.tp >= 4
 
 
 def test_tp16_across_two_dgx_nodes_is_far_slower_than_tp8_inside_one():
@@ -126,8 +127,8 @@ def test_mixed_cluster_is_bounded_by_the_smallest_memory_and_paced_by_the_slowes
     assert c.device.memory_bytes == pytest.approx(40 * 2**30, rel=0.01)
     assert c.device.name == "a100-40g" and any("slowest" in n for n in c.notes)
     # a layout that fits 80 GB but not 40 GB is rejected on the mixed cluster
-    model, training = load_model("llama3-8b"), TrainingSpec(seq_len=4096, global_batch_size=32)
-    layout = Layout(tp=1, dp=32, zero_stage=1, shard=32, micro_batch_size=1, num_microbatches=1)
+    model, training = load_model("llama3-8b"), TrainingSpec(seq_len=4096, global_batch_size=64)
+    layout = Layout(tp=1, dp=32, zero_stage=3, shard=32, micro_batch_size=2, num_microbatches=1)
     (mixed,) = predict_layouts(model, training, c, [layout])
     (big,) = predict_layouts(model, training, cluster_from_preset("dgx-a100-80g", 4), [layout])
     assert big.prediction.fits and not mixed.prediction.fits
