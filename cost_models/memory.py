@@ -1,8 +1,13 @@
-"""Per-GPU memory of a pipeline stage, as a breakdown.
+"""Per-GPU memory of a pipeline stage, as a breakdown of what the caching allocator reserves.
 
-Model states follow Rajbhandari et al. 2020 (ZeRO), Sec. 3.1 and 5: (2 + 2 + K) bytes per
-parameter in mixed precision, with stage 1 sharding the K optimizer bytes, stage 2 also the
-gradients, stage 3 also the parameters, over the `shard` group.
+Model states follow what each training stack really holds, its precision recipe (RECIPE_*
+below, `precision_recipe`): the bundled executor's fp32 parameters under autocast (with the
+autocast cast cache), FSDP2 bf16 mixed precision (torchtitan), Megatron-LM's 16-bit parameters
+with fp32 main parameters, Adam state and persistent gradient buffer (Megatron-LM
+docs/source/api-guide/dist_optimizer.md: 18 bytes per parameter with bf16, 6 + 12/d with the
+distributed optimizer), or plain fp32; sharded as in Rajbhandari et al. 2020 (ZeRO), Sec. 3.1
+and 5: stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
+parameters, over the `shard` group.
 
 Activations follow Korthikanti et al. 2022, Sec. 4: per layer and micro-batch
 sbh(34 + 5as/h) bytes with 16-bit activations, split as sbh(10 + 24/t + 5as/(ht)) under tensor
@@ -33,8 +38,13 @@ never before the first backward of GPipe), and then unsharded for ZeRO 0-2 (accu
 before the once-per-step reduce: DDP no_sync, FSDP2 without gradient sync) and sharded for ZeRO-3
 (reduce-scattered every micro-batch, as the step-time model has it). PyTorch DDP's gradient
 buckets (the executor's wrapper for zero <= 1 when dp is the only axis) hold one unsharded
-gradient copy for the whole run on top of that. Megatron-LM's persistent gradient buffer, which
-exists for every layout, is not modelled for framework "megatron" (a known gap).
+gradient copy for the whole run on top of that; Megatron-LM's gradient buffer exists throughout.
+
+The peak is what `torch.cuda.max_memory_reserved` measures: the terms above plus the allocator's
+slack ("fragmentation": blocks the size of the step's largest short-lived tensor held reserved,
+`largest_transient_bytes`) and framework tensors. The capacity it must fit in
+(`allocator_capacity_bytes`) is the device memory less what the driver keeps, the CUDA context
+outside the allocator and NCCL's buffers. Checked on one H100 by benchmarks/memory_fidelity.py.
 """
 
 from __future__ import annotations
@@ -236,12 +246,13 @@ def _autocast_layer_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
 
 def _op_sac_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
     """torchtitan's op-level selective activation checkpointing (activation_checkpoint.mode
-    "selective", selective_ac_option "op"; torchtitan/models/llama3/infra/parallelize.py
-    `_custom_policy`): each block is checkpointed with a policy that saves the outputs of the
-    attention kernel (output and log-sum-exp) and of every second matmul of the block (in call
-    order: wq, wk, wv, wo, w1, w3, w2 -> wq, wv, w1, w2 kept), and recomputes the rest. Stored per
-    layer: the block input (16-bit) and those outputs; q/k/v/w1/w3 outputs split by tp, wo/w2
-    outputs full width (sequence-split under sp)."""
+    "selective", selective_ac_option "op"; `_custom_policy` in
+    torchtitan/parallelisms/parallelize_llama.py at the benchmarked commit,
+    torchtitan/distributed/activation_checkpoint.py today): each block is checkpointed with a
+    policy that saves the outputs of the attention kernel (output and log-sum-exp) and of every
+    second matmul of the block (in call order: wq, wk, wv, wo, w1, w3, w2 -> wq, wv, w1, w2
+    kept), and recomputes the rest. Stored per layer: the block input (16-bit) and those
+    outputs; q/k/v/w1/w3 outputs split by tp, wo/w2 outputs full width (sequence-split under sp)."""
     e, s, h, f = training.bytes_per_element, training.seq_len, model.hidden_size, model.ffn_hidden_size
     a, g = model.num_attention_heads, model.kv_ratio
     tokens = b * s
@@ -256,6 +267,19 @@ def _op_sac_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
     attention_out = e * h / tp
     block_input = e * h / hidden_split
     return tokens * (block_input + kept + attention_out + lse)
+
+
+def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, attention_s):
+    """Seconds one layer's selective recomputation costs, by what each stack recomputes
+    (`layer_activation_bytes`): the attention core (the executor, Megatron-LM), or under FSDP2
+    torchtitan's op-level policy, which keeps the attention output and recomputes every second
+    matmul (wk, wo, w3) and the elementwise work: that share of the matmul weights of the layer,
+    applied to the forward time outside attention."""
+    h, f, g = model.hidden_size, model.ffn_hidden_size, model.kv_ratio
+    weights = [h * h, h * h * g, h * h * g, h * h, h * f] + ([h * f] if model.mlp == "swiglu" else []) + [f * h]
+    share = sum(w for i, w in enumerate(weights) if i % 2 == 1) / sum(weights)
+    op_sac = share * np.maximum(np.asarray(fwd_s) - attention_s, 0.0)
+    return np.where(precision_recipe(training, c) == RECIPE_FSDP2, op_sac, attention_s)
 
 
 def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool):
@@ -340,7 +364,7 @@ def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> floa
     libraries outside the allocator, and the collective library's buffers when there are peers.
     The predicted peak (`peak_memory`) is the allocator's reserved peak, the figure
     `torch.cuda.max_memory_reserved` measures; it fits when it is at most this."""
-    outside = device.driver_reserved_bytes + device.framework_overhead_bytes
+    outside = device.driver_reserved_bytes + device.cuda_context_bytes
     if world_size > 1:
         outside += device.communicator_bytes
     return float(device.memory_bytes - outside)
@@ -407,6 +431,7 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
         "pipeline_buffers": chosen["pipeline_buffers"],
         "fragmentation": device.allocator_fragmentation_fraction * dynamic
         + device.allocator_transient_blocks * transient,
+        "framework": np.full_like(p, device.framework_overhead_bytes),
     }
 
 

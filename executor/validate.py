@@ -257,6 +257,8 @@ def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dic
     """The per-rank figures a rank-slice proxy measures, from the same cost model: the stage's
     compute (communication excluded) and memory, for a model `layers` deep per stage, with ZeRO
     capped at stage 1 (what the proxy holds). Returns metrics, breakdown, micro-batches in flight."""
+    import dataclasses
+
     import numpy as np
 
     from cost_models.candidates import Candidates
@@ -267,6 +269,8 @@ def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dic
     x = plan.layout
     model = plan.model.model_copy(update={"num_layers": layers * x.pp})
     c = Candidates.from_layouts([x.model_copy(update={"zero_stage": min(x.zero_stage, 1)})])
+    # one process without FSDP2: fp32 weights under autocast, the executor's own precision recipe
+    c = dataclasses.replace(c, dp=np.ones_like(c.dp))
     with np.errstate(divide="ignore", invalid="ignore"):
         comp = {k: float(v[0]) for k, v in stage_compute(model, plan.training, plan.cluster, c, first).items()}
         mem = {k: float(v[0]) for k, v in

@@ -125,6 +125,9 @@ class DeviceProfile(_Frozen):
     allocator_transient_blocks: float = Field(
         default=0.0, ge=0, le=4, description="blocks the size of the step's largest short-lived tensor (the fp32 "
         "logits of a micro-batch) that the caching allocator holds reserved beyond the allocated peak")
+    cuda_context_bytes: float = Field(
+        default=0.0, ge=0, description="memory a process uses outside the caching allocator (CUDA context, kernel "
+        "images, library handles); taken off the capacity, not added to the predicted (reserved) peak")
     driver_reserved_bytes: float = Field(
         default=0.0, ge=0, description="memory of `memory_bytes` no process can allocate (nvidia-smi's total less "
         "the total torch reports)")

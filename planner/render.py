@@ -12,7 +12,7 @@ TIME_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm",
 # cost_models/memory.py stage_memory_breakdown: every term is inside the caching allocator (their sum is
 # the predicted reserved peak); the CUDA context and the driver's share are taken off the capacity
 MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "logits",
-                "sharding_buffers", "pipeline_buffers", "fragmentation")
+                "sharding_buffers", "pipeline_buffers", "fragmentation", "framework")
 
 
 NARROW = 120  # below this many terminal columns the plan table stacks the layout into one cell
@@ -111,9 +111,11 @@ def _narrow_plans_table(plans: list[Plan], title: str, best_tokens_per_s: float 
         if pr is None:
             cells = ["-", "-", "-", (p.infeasible_reason or "").split(":")[0]]
         else:
+            tight = (p.infeasible_reason or "").startswith("memory_tight")
             gib = f"{pr.peak_memory_bytes / GIB:.1f}"
-            cells = [f"{pr.tokens_per_s:,.0f}", f"{pr.mfu:.1%}", gib if pr.fits else f"[red]{gib}[/red]",
-                     pr.bottleneck]
+            shown = f"[yellow]{gib} tight[/yellow]" if tight else gib if pr.fits else f"[red]{gib}[/red]"
+            note = pr.bottleneck if not p.infeasible_reason else p.infeasible_reason.split(":")[0]
+            cells = [f"{pr.tokens_per_s:,.0f}", f"{pr.mfu:.1%}", shown, note]
         if best_tokens_per_s:
             cells.append(f"{pr.tokens_per_s / best_tokens_per_s - 1:+.1%}" if pr else "-")
         t.add_row(str(i), _compact_layout(p), *cells)

@@ -44,7 +44,9 @@ def test_plan_fix_restricts_the_search():
 def test_framework_changes_sequence_parallel_memory_and_kernel_time():
     """DTensor sp (pytorch) keeps gathered activations Megatron-LM re-gathers: more memory. The
     framework's kernels (device profile `frameworks`) set the non-GEMM layer time: Megatron's fused
-    kernels are faster than eager PyTorch, with the same GEMMs and collectives."""
+    kernels are faster than eager PyTorch, with the same GEMMs and collectives. Memory follows each
+    stack's precision recipe (the executor's fp32 parameters under autocast, with its bf16 weight
+    cache; Megatron's 16-bit ones)."""
     def one(framework, layout):
         r = berth("compare", "llama3-8b", "--cluster", "dgx-h100", "--seq-len", "4096", "--global-batch", "32",
                   "--layout", layout, "--framework", framework, "--json")
@@ -56,12 +58,15 @@ def test_framework_changes_sequence_parallel_memory_and_kernel_time():
     assert mg["step_time_s"] < pt["step_time_s"]
     assert pt["time_breakdown_s"]["tp_comm"] == mg["time_breakdown_s"]["tp_comm"]
     pt, mg = one("pytorch", "tp=8,mbs=1"), one("megatron", "tp=8,mbs=1")
-    assert pt["memory_breakdown_bytes"] == mg["memory_breakdown_bytes"] and mg["step_time_s"] < pt["step_time_s"]
+    assert mg["step_time_s"] < pt["step_time_s"]
+    assert pt["memory_breakdown_bytes"]["autocast_copies"] > 0 == mg["memory_breakdown_bytes"]["autocast_copies"]
 
 
 def test_compare_keeps_misfits_with_reasons_and_refuses_impossible_layouts():
-    args = ("compare", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "8192",
-            "--global-batch", "64", "--layout", "tp=8,pp=2,recompute=full,mbs=1", "--layout", "tp=8,zero=3",
+    # Megatron bf16 holds 18 bytes per parameter without its distributed optimizer (16-bit weights,
+    # fp32 grad buffer, fp32 main weights + Adam), 6 + 12/dp with it (zero=1)
+    args = ("compare", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "4", "--seq-len", "8192",
+            "--global-batch", "64", "--layout", "tp=8,pp=2,zero=1,recompute=full,mbs=1", "--layout", "tp=8,zero=3",
             "--framework", "megatron")
     r = berth(*args, "--json")
     assert r.returncode == 0, r.stderr
@@ -72,9 +77,9 @@ def test_compare_keeps_misfits_with_reasons_and_refuses_impossible_layouts():
     assert cands[1]["infeasible_reason"].startswith("out_of_memory")
     assert cands[1]["prediction"]["fits"] is False
     assert out["gap_to_best"][0] <= 0.0 and out["gap_to_best"][1] is None
-    # a layout no cluster of 16 GPUs can run is refused before anything is predicted
+    # a layout no cluster of 32 GPUs can run is refused before anything is predicted
     for bad, field, why in (("tp=16", "layout[2].tp", "8 kv heads"), ("tp=3", "layout[2].tp", "valid: 1, 2, 4, 8"),
-                            ("tp=8,pp=2,dp=2", "layout[2].tp,pp,dp", "must equal the 16 GPUs")):
+                            ("tp=8,pp=2,dp=4", "layout[2].tp,pp,dp", "must equal the 32 GPUs")):
         r = berth(*args, "--layout", bad, "--json")
         assert r.returncode == 2 and field in r.stderr and why in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout

@@ -341,3 +341,38 @@ def test_a_tight_plan_is_never_ranked_and_says_why():
     result = plan(m, t, cluster, make_search(top=50, memory_headroom=headroom))
     assert result.rejected.get("memory_tight", 0) >= 1
     assert all(p.prediction.peak_memory_bytes <= capacity * (1 - headroom) for p in result.plans)
+
+
+def test_memory_headroom_is_validated_where_it_enters():
+    """A headroom outside 0..0.5 is a clear error naming the field (CLI exit 2, API 422)."""
+    from api.schemas import SearchRequest
+    from planner.errors import BerthError
+    from planner.planning import compare, make_search
+    from planner.topology import cluster_from_preset
+
+    with pytest.raises(BerthError, match="memory_headroom"):
+        make_search(memory_headroom=0.9)
+    with pytest.raises(BerthError, match="memory_headroom"):
+        compare(gpt(), TrainingSpec(seq_len=2048, global_batch_size=8), cluster_from_preset("dgx-h100", 1),
+                ["tp=8"], memory_headroom=-0.1)
+    with pytest.raises(ValueError, match="memory_headroom"):
+        SearchRequest(memory_headroom=1.0)
+    assert make_search(memory_headroom=0.2).memory_headroom == 0.2
+
+
+def test_rank_slice_proxy_is_predicted_with_the_recipe_it_runs():
+    """The rank-slice proxy (executor/proxy.py) runs one rank's slice in one process: fp32 weights
+    under autocast, no FSDP2, even for a layout whose full run would use FSDP2 (dp with tp)."""
+    from executor.validate import proxy_prediction
+    from planner.search import predict_layouts
+    from planner.specs import Layout
+    from planner.topology import cluster_from_preset
+
+    m = gpt(layers=4, hidden=1024, heads=8)
+    t = TrainingSpec(seq_len=1024, global_batch_size=8, precision="bf16")
+    (p,) = predict_layouts(m, t, cluster_from_preset("dgx-h100", 1),
+                           [Layout(tp=2, dp=4, zero_stage=1, shard=4, micro_batch_size=1, num_microbatches=2)],
+                           memory_headroom=0.0)
+    assert p.prediction.memory_breakdown_bytes["autocast_copies"] == 0.0  # the full run: FSDP2
+    _, breakdown, _ = proxy_prediction(p, 4, True)
+    assert breakdown["memory.autocast_copies"] > 0.0

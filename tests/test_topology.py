@@ -134,8 +134,8 @@ def test_mixed_cluster_is_bounded_by_the_smallest_memory_and_paced_by_the_slowes
     assert c.device.memory_bytes == pytest.approx(40 * 2**30, rel=0.01)
     assert c.device.name == "a100-40g" and any("slowest" in n for n in c.notes)
     # a layout that fits 80 GB but not 40 GB is rejected on the mixed cluster
-    model, training = load_model("llama3-8b"), TrainingSpec(seq_len=4096, global_batch_size=32)
-    layout = Layout(tp=1, dp=32, zero_stage=1, shard=32, micro_batch_size=1, num_microbatches=1)
+    model, training = load_model("llama3-8b"), TrainingSpec(seq_len=4096, global_batch_size=64)
+    layout = Layout(tp=1, dp=32, zero_stage=3, shard=32, micro_batch_size=2, num_microbatches=1)
     (mixed,) = predict_layouts(model, training, c, [layout])
     (big,) = predict_layouts(model, training, cluster_from_preset("dgx-a100-80g", 4), [layout])
     assert big.prediction.fits and not mixed.prediction.fits
