@@ -425,6 +425,43 @@ def square_matmul(gemm: list[dict]) -> dict | None:
 PEAK_AGREEMENT = 0.05  # the curve's top must be within 5 % of the square matmul, else the sweep is suspect
 
 
+def _median_ratio(measured: list[float], predicted) -> float:
+    return float(np.median(np.asarray(measured, dtype=float) / np.asarray(predicted, dtype=float)))
+
+
+def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: float) -> dict:
+    """The base profile's measured shape models (GEMM efficiency by (m, n, k), flash attention by
+    shape; cost_models/compute.py) moved to this GPU's level: each asymptote is multiplied by the
+    median ratio of what the sweep measured to what the model predicts at the same shapes (the
+    knees, which need thousands of timings to fit, stay the base fit's). Without the models (older
+    profiles) nothing changes: the legacy curve above is used."""
+    from cost_models.compute import attention_efficiency, gemm_efficiency
+
+    out: dict = {}
+    gemm = measurements["gemm"]
+    if base.gemm_shape is not None and gemm:
+        predicted = gemm_efficiency(base, *(np.asarray([g[x] for g in gemm], dtype=float) for x in "mnk"))
+        ratio = _median_ratio([g["flops_per_s"] / reference for g in gemm], predicted)
+        shape = base.gemm_shape
+        out["gemm_shape"] = shape.model_copy(update={"max_fraction": float(min(1.0, shape.max_fraction * ratio))})
+    attention = measurements["attention"]
+    if base.attention_shape is not None and attention:
+        passes = {}
+        for name, key in (("forward", "forward"), ("backward", "backward")):
+            model = getattr(base.attention_shape, name)
+            index = 0 if key == "forward" else 1
+            measured = [attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] / a[f"{key}_s"]
+                        / reference for a in attention]
+            predicted = [attention_efficiency(model, a["head_dim"], a["seq"], a["batch"] * a["heads"] * a["seq"])
+                         for a in attention]
+            ratio = _median_ratio(measured, predicted)
+            passes[name] = model.model_copy(update={
+                "max_fraction": float(min(1.0, model.max_fraction * ratio)),
+                "max_fraction_small_head": float(min(1.0, model.max_fraction_small_head * ratio))})
+        out["attention_shape"] = base.attention_shape.model_copy(update=passes)
+    return out
+
+
 def profile_fields(measurements: dict, base: DeviceProfile, precision: str) -> tuple[dict, dict, dict]:
     """The one place measured timings become DeviceProfile fields: (fields, sources, checks).
 
@@ -450,6 +487,7 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: str) -> t
     if gpu:
         fields.update(memory_bandwidth_bytes_per_s=base.memory_bandwidth_bytes_per_s,
                       memory_bandwidth_fraction=min(1.0, bandwidth / base.memory_bandwidth_bytes_per_s))
+        fields.update(shape_models_rescaled(measurements, base, reference))
     else:
         fields.update(memory_bandwidth_bytes_per_s=bandwidth, memory_bandwidth_fraction=1.0)
     checks: dict = {"best_gemm_flops_per_s": best, "reference_flops_per_s": reference}
@@ -480,17 +518,28 @@ def build_profile(device_type: str, measurements: dict, comm: dict[int, dict], m
     fields, measured_sources, checks = profile_fields(measurements, base, precision)
     when = datetime.now(UTC).date().isoformat()
     src = f"measured by `berth profile` on {machine['hostname']} ({when})"
-    device = DeviceProfile(
-        name=f"{base.name}-profiled", display_name=f"{base.display_name}, profiled on {machine['hostname']}",
-        kind=base.kind, memory_bytes=machine.get("gpu_memory_bytes") or base.memory_bytes,
-        kernels_per_layer_fwd=base.kernels_per_layer_fwd, framework_overhead_bytes=base.framework_overhead_bytes,
-        allocator_fragmentation_fraction=base.allocator_fragmentation_fraction, tdp_watts=base.tdp_watts,
-        tp_kernel_overhead_s=base.tp_kernel_overhead_s, **fields,
-        sources={k: f"{v}, {src}" for k, v in measured_sources.items()},
-        assumptions={k: v for k, v in base.assumptions.items()
-                     if k in ("memory_bytes", "framework_overhead_bytes", "allocator_fragmentation_fraction",
-                              "kernels_per_layer_fwd")},
-    )
+    measured = {k: f"{v}, {src}" for k, v in measured_sources.items()}
+    if device_type == "cuda":
+        # everything not measured (the frameworks' layer work, the allocator and driver memory, the
+        # shape models' knees, TDP) stays the base GPU profile's, with its sources
+        device = DeviceProfile.model_validate({
+            **base.model_dump(), **{k: v for k, v in fields.items()},
+            "name": f"{base.name}-profiled", "display_name": f"{base.display_name}, profiled on {machine['hostname']}",
+            # torch's total is nvidia-smi's less what the driver keeps, which the capacity takes off again
+            "memory_bytes": (machine["gpu_memory_bytes"] + base.driver_reserved_bytes
+                             if machine.get("gpu_memory_bytes") else base.memory_bytes),
+            "sources": {**base.sources, **measured}})
+    else:
+        device = DeviceProfile(
+            name=f"{base.name}-profiled", display_name=f"{base.display_name}, profiled on {machine['hostname']}",
+            kind=base.kind, memory_bytes=machine.get("gpu_memory_bytes") or base.memory_bytes,
+            kernels_per_layer_fwd=base.kernels_per_layer_fwd, framework_overhead_bytes=base.framework_overhead_bytes,
+            allocator_fragmentation_fraction=base.allocator_fragmentation_fraction, tdp_watts=base.tdp_watts,
+            tp_kernel_overhead_s=base.tp_kernel_overhead_s, **fields, sources=measured,
+            assumptions={k: v for k, v in base.assumptions.items()
+                         if k in ("memory_bytes", "framework_overhead_bytes", "allocator_fragmentation_fraction",
+                                  "kernels_per_layer_fwd")},
+        )
     server_base = load_server("local-cpu" if device_type == "cpu" else machine.get("server_base", "dgx-h100"))
     link = server_base.intra_node
     base_latency = server_base.collective_base_latency_s

@@ -127,7 +127,8 @@ def test_rank_slice_reports_constrain_compute_not_communication():
     assert "compute_scale" in fit.fitted and fit.values["compute_scale"] == pytest.approx(0.55, rel=0.05)
     for name in ("comm_scale", "comm_overlap_efficiency", "tp_kernel_overhead_s", "framework_overhead_bytes"):
         assert name not in fit.fitted and name in fit.not_fitted, name
-    assert fit.errors["fit_before"]["step_time_mape"] > 0.3 and fit.errors["fit_after"]["step_time_mape"] < 0.02
+    # compute_scale scales the GEMM and attention work, not the framework's dispatch: 0.55 moves the step by ~25 %
+    assert fit.errors["fit_before"]["step_time_mape"] > 0.15 and fit.errors["fit_after"]["step_time_mape"] < 0.02
 
 
 def test_cli_reads_a_real_store_and_refuses_bad_stores(tmp_path):

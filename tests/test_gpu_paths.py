@@ -15,7 +15,7 @@ import torch
 
 import executor.device
 from executor import profile as prof
-from hardware_profiles import load_device, load_server
+from hardware_profiles import DeviceProfile, load_device, load_server
 
 BERTH = [sys.executable, "-m", "planner.cli"]
 H100_LINE = "NVIDIA H100 80GB HBM3, 81559"
@@ -364,10 +364,40 @@ def test_gpu_profile_document_builds_with_measurements_kept(monkeypatch):
     machine = {"hostname": "gpu-box", "profile_base": "h100-sxm", "server_base": "dgx-h100",
                "gpu_memory_bytes": float(H100_BYTES), "gpus": 1}
     doc = prof.build_profile("cuda", meas, {}, machine)
-    assert doc["device"]["name"] == "h100-sxm-profiled" and doc["device"]["memory_bytes"] == H100_BYTES
+    base = load_device("h100-sxm")
+    assert doc["device"]["name"] == "h100-sxm-profiled"
+    assert doc["device"]["memory_bytes"] == H100_BYTES + base.driver_reserved_bytes  # torch's total + the driver's
     assert doc["measurements"]["gemm"] == meas["gemm"] and doc["measurements"]["attention"] == meas["attention"]
     assert doc["checks"]["peak_agrees"]
     path_doc = json.dumps(doc)
     from hardware_profiles import DeviceProfile
 
     assert DeviceProfile.model_validate(json.loads(path_doc)["device"]).peak_flops("bf16") == 989e12
+
+
+def test_gpu_profile_keeps_the_base_models_at_the_measured_level():
+    """A profiled GPU keeps what the sweep does not measure (the frameworks' layer work, the
+    allocator/driver memory, the shape models' knees) and moves the GEMM and attention asymptotes to
+    the level it measured: timings 0.9x the base model's efficiency give 0.9x its asymptotes."""
+    from cost_models.compute import attention_efficiency, gemm_efficiency
+
+    base = load_device("h100-sxm")
+    rng = np.random.default_rng(6)
+    meas = _synthetic_measurements(lambda m, n, k: 0.9 * float(gemm_efficiency(base, m, n, k)), 1.0, 3.0e12, rng,
+                                   noise=0.0)
+    for a in meas["attention"]:
+        f, bw = prof.attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])
+        rows = a["batch"] * a["heads"] * a["seq"]
+        fwd, bwd = base.attention_shape.forward, base.attention_shape.backward
+        a["forward_s"] = f / (0.8 * 989e12 * float(attention_efficiency(fwd, 128, a["seq"], rows)))
+        a["backward_s"] = bw / (0.8 * 989e12 * float(attention_efficiency(bwd, 128, a["seq"], rows)))
+    machine = {"hostname": "gpu-box", "profile_base": "h100-sxm", "server_base": "dgx-h100",
+               "gpu_memory_bytes": float(H100_BYTES), "gpus": 1}
+    dev = DeviceProfile.model_validate(prof.build_profile("cuda", meas, {}, machine)["device"])
+    assert dev.gemm_shape.max_fraction == pytest.approx(0.9 * base.gemm_shape.max_fraction, rel=1e-6)
+    assert dev.gemm_shape.k_knee == base.gemm_shape.k_knee
+    for name in ("forward", "backward"):
+        assert getattr(dev.attention_shape, name).max_fraction == pytest.approx(
+            0.8 * getattr(base.attention_shape, name).max_fraction, rel=1e-6)
+    assert dev.frameworks == base.frameworks and dev.driver_reserved_bytes == base.driver_reserved_bytes
+    assert dev.allocator_transient_blocks == base.allocator_transient_blocks

@@ -41,6 +41,10 @@ SKIP = {  # a command's first words -> why the test does not run it
 }
 
 
+GPU_BLOCK = "# on a machine with an NVIDIA GPU"  # a README block's first line: its commands need a GPU
+GPU_PREFIX = "GPU: "
+
+
 def _closed(text: str) -> bool:
     try:
         shlex.split(text, comments=True)
@@ -52,13 +56,14 @@ def _closed(text: str) -> bool:
 def _readme_commands() -> list[tuple[int, str]]:
     """(line number, command) of every command in the README's ```bash blocks: continuation lines
     joined, `a && b` split, comments dropped."""
-    out, block, start = [], None, 0
+    out, block, start, gpu_block = [], None, 0, False
     lines = README.read_text().splitlines()
     i = 0
     while i < len(lines):
         line = lines[i]
         if line.strip().startswith("```"):
             block = line.strip() == "```bash" if block is None else None
+            gpu_block = block and i + 1 < len(lines) and lines[i + 1].strip() == GPU_BLOCK
             i += 1
             continue
         if block:
@@ -69,7 +74,8 @@ def _readme_commands() -> list[tuple[int, str]]:
                 text = (text.rstrip()[:-1] if text.rstrip().endswith("\\") else text) + " " + lines[i].strip()
             text = re.sub(r"\s+#\s.*$", "", text).strip()  # trailing comment
             if text and not text.startswith("#"):
-                out += [(start, part.strip()) for part in text.split(" && ")]
+                prefix = GPU_PREFIX if gpu_block else ""
+                out += [(start, prefix + part.strip()) for part in text.split(" && ")]
         i += 1
     return out
 
@@ -78,6 +84,10 @@ COMMANDS = _readme_commands()
 
 
 def _skip_reason(cmd: str) -> str | None:
+    if cmd.startswith(GPU_PREFIX):
+        return ("needs an NVIDIA GPU: tests/test_gpu_paths.py plans, compares and validates on `--cluster local` "
+                "with a fake nvidia-smi, and tests/test_gpu_validation_script.py runs the GPU evidence script's "
+                "commands on CPU workers")
     if cmd.startswith("python -m benchmarks.accuracy") and "--rescore" in cmd:
         return None
     return next((why for prefix, why in SKIP.items() if cmd.startswith(prefix)), None)

@@ -297,10 +297,14 @@ def test_healthz_stays_fast_under_a_held_lock_and_a_huge_cluster(tmp_path):
         stop.set()
         poller.join()
         (huge1, t1), (normal1, t2), (huge2, t3), (normal2, t4) = answers
-        for r, took in ((huge1, t1), (huge2, t3)):  # the cluster cannot be built within the budget
-            assert r.status_code in (429, 503), r.text[:300]
-            assert r.headers.get("retry-after") and took < budget + 1.5, (r.status_code, took)
-            assert "budget" in r.json()["detail"] or "busy" in r.json()["detail"]
+        for r, took in ((huge1, t1), (huge2, t3)):  # a clear answer within the budget, never a stall
+            assert took < budget + 1.5, (r.status_code, took)
+            # presets on rails are derived from a 2-node graph (planner/topology.py), so the 65,528-GPU
+            # cluster may be built in time and its search refused (this batch does not split): 422
+            assert r.status_code in (422, 429, 503), r.text[:300]
+            if r.status_code != 422:
+                assert r.headers.get("retry-after")
+                assert "budget" in r.json()["detail"] or "busy" in r.json()["detail"]
         for r, took in ((normal1, t2), (normal2, t4)):  # answered; the row waits for the lock
             assert r.status_code == 200 and took < budget + 1.5, (r.status_code, took, r.text[:300])
             assert httpx.get(f"{s.url}/v1/plans/{r.json()['id']}").json() == r.json()
