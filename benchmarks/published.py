@@ -298,8 +298,9 @@ def _mosaicml(row: dict) -> Case:
                       num_attention_heads=row["num_attention_heads"], num_kv_heads=row["num_kv_heads"],
                       ffn_hidden_size=row["ffn_hidden_size"], vocab_size=row["vocab_size"], mlp="gelu",
                       norm="layernorm", tied_embeddings=True, dropout=False)
+    # llm-foundry's default loss is its fused cross-entropy on the 16-bit logits (no fp32 copy)
     training = TrainingSpec(seq_len=row["seq_len"], global_batch_size=batch, precision="bf16",
-                            flash_attention=True, framework="pytorch")
+                            flash_attention=True, framework="pytorch", cross_entropy="fused")
     recompute = "full" if row["activation_recompute"] == "full" else "none"
     layout = Layout(tp=1, pp=1, dp=dp, shard=shard, zero_stage=3, micro_batch_size=mbs, num_microbatches=accum,
                     recompute=recompute)
