@@ -544,6 +544,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def healthz() -> Health:
         return Health(status="ok", version=__version__, validation_enabled=settings.validation_enabled)
 
+    async def answered(answer: str, kind: str) -> Response:
+        """The answer (a JSON object's text) kept under a new id, and sent with its id and time."""
+        plan_id, created = uuid.uuid4().hex, _now()
+        await keep(plan_id, created, kind, answer)
+        head = json.dumps({"id": plan_id, "created": created})[:-1]
+        return Response(content=head + "," + answer[1:], media_type="application/json")
+
     @app.post("/v1/plans", response_model=PlanResponse, tags=["plans"], responses=COMMON_ERRORS)
     async def create_plan(req: PlanRequest) -> Response:
         spec = make_search(top=req.search.top, fix=req.search.fix, objective=req.search.objective,
@@ -566,10 +573,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
             if answer is None:
                 answer = await searches.run(search, cancel)
-            plan_id, created = uuid.uuid4().hex, _now()
-            await keep(plan_id, created, "plan", answer)
-            head = json.dumps({"id": plan_id, "created": created})[:-1]
-            return Response(content=head + "," + answer[1:], media_type="application/json")
+            return await answered(answer, "plan")
 
         return await within_budget(work)
 
@@ -587,11 +591,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     best = None
                 return json_text(compare_json(candidates, best))
 
-            answer = await searches.run(score, cancel)
-            plan_id, created = uuid.uuid4().hex, _now()
-            await keep(plan_id, created, "compare", answer)
-            head = json.dumps({"id": plan_id, "created": created})[:-1]
-            return Response(content=head + "," + answer[1:], media_type="application/json")
+            return await answered(await searches.run(score, cancel), "compare")
 
         return await within_budget(work)
 

@@ -132,8 +132,6 @@ def test_fsdp_throughput_trends(results):
         assert max(tps) / min(tps) < 1.15, (size, tps)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: the memory model over-predicts FSDP runs with large "
-                   "micro-batches (logits) and torchtitan's 8B; strict: remove the mark when it passes")
 def test_published_fsdp_layouts_fit(results):
     rows = _family(results, "mosaicml_llmfoundry", "torchtitan_bench_202412")
     misfits = [(r.case.id, round(r.peak_gib, 1)) for r in rows if not r.fits]
