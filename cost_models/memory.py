@@ -98,7 +98,6 @@ RECIPE_FSDP2 = 2
 # which Megatron sets for bf16) and 16-bit with fp16; with fp16 the optimizer step copies the
 # main gradients to fp32 (4 bytes on the optimizer's shard, at the step only).
 RECIPE_MEGATRON = 3
-RECIPE_NAMES = ("fp32", "fp32 parameters + autocast", "FSDP2 bf16 mixed precision", "Megatron mixed precision")
 
 
 def precision_recipe(training: TrainingSpec, c):

@@ -116,9 +116,10 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
         return pipelined_exposed_s(traffic, window, n, overlap)
 
     ddp = hidden(ar_dp, bwd_window_s)
-    zero12 = hidden(scatter + ar_replicate, bwd_window_s) + hidden(gather, fwd_window_s)
-    zero3_mb = hidden(gather, fwd_window_s) + hidden(gather + scatter, bwd_window_s)
-    zero3_last = hidden(gather, fwd_window_s) + hidden(gather + scatter + ar_replicate, bwd_window_s)
+    gather_fwd = hidden(gather, fwd_window_s)  # behind a forward: ZeRO-1/2's next step, ZeRO-3's micro-batch
+    zero12 = hidden(scatter + ar_replicate, bwd_window_s) + gather_fwd
+    zero3_mb = gather_fwd + hidden(gather + scatter, bwd_window_s)
+    zero3_last = gather_fwd + hidden(gather + scatter + ar_replicate, bwd_window_s)
     zero3 = (c.nmb - 1.0) * zero3_mb + zero3_last
     return np.where(c.zero == 0, ddp, np.where(c.zero <= 2, zero12, zero3))
 

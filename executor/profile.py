@@ -186,8 +186,10 @@ def measure_memory_bandwidth(device: torch.device, quick: bool) -> float:
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> tuple[float, float]:
     """(forward, backward) FLOPs of causal attention as FlashAttention counts them: 4 b h s^2 d / 2
     forward, 2.5x that backward (h100-microbench/attention.json counts the same)."""
-    fwd = 4.0 * batch * heads * seq * seq * head_dim * 0.5
-    return fwd, 2.5 * fwd
+    from cost_models.compute import ATTENTION_BACKWARD_FLOPS, CAUSAL_WORK_FRACTION
+
+    fwd = 4.0 * batch * heads * seq * seq * head_dim * CAUSAL_WORK_FRACTION
+    return fwd, ATTENTION_BACKWARD_FLOPS * fwd
 
 
 def attention_shapes(device_type: str, quick: bool) -> list[tuple[int, int, int, int]]:
@@ -447,10 +449,9 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
     attention = measurements["attention"]
     if base.attention_shape is not None and attention:
         passes = {}
-        for name, key in (("forward", "forward"), ("backward", "backward")):
+        for index, name in enumerate(("forward", "backward")):
             model = getattr(base.attention_shape, name)
-            index = 0 if key == "forward" else 1
-            measured = [attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] / a[f"{key}_s"]
+            measured = [attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] / a[f"{name}_s"]
                         / reference for a in attention]
             predicted = [attention_efficiency(model, a["head_dim"], a["seq"], a["batch"] * a["heads"] * a["seq"])
                          for a in attention]

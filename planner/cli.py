@@ -557,15 +557,9 @@ def _load_plan(path: str, pick: int):
     if not Path(path).is_file():
         raise BerthError("plan", path, "no such file" if not Path(path).exists() else "not a file")
     try:
-        Path(path).read_text()
+        return load_plan(path, pick)
     except UnicodeDecodeError:
         raise BerthError("plan", path, "not a text file (expected `berth plan --json` output)") from None
-    except OSError as err:
-        raise BerthError("plan", path, f"cannot read: {err.strerror}") from None
-    return load_plan(path, pick)
-
-
-SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 
 
 def _store_file(path: str | None) -> None:
@@ -576,11 +570,13 @@ def _store_file(path: str | None) -> None:
     if p.is_dir():
         raise BerthError("store", path, "is a directory; give a SQLite file path")
     if p.exists():
+        from planner.store import SQLITE_HEADER, file_header
+
         try:
-            head = p.read_bytes()[:16]
+            head = file_header(p)
         except OSError as err:
             raise BerthError("store", path, f"cannot read: {err.strerror}") from None
-        if head and head != SQLITE_MAGIC:
+        if head and head != SQLITE_HEADER:
             raise BerthError("store", path, "not a SQLite database")
     elif not p.parent.is_dir():
         raise BerthError("store", path, f"directory {str(p.parent)!r} does not exist")

@@ -127,7 +127,7 @@ RULE_FIELDS = {
 }
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
 
@@ -144,10 +144,10 @@ def _why(name: str, x: Layout, model: ModelSpec, training: TrainingSpec, world: 
             return f"tp x pp x dp = {x.tp * x.pp * x.dp} must equal the {world} GPUs"
         return f"tp x pp = {x.tp * x.pp} must divide the {world} GPUs"
     if name in ("tp_not_divide_heads", "tp_not_divide_kv_heads"):
-        valid = [d for d in _divisors(gcd(a, kv)) if world % d == 0]
+        valid = [d for d in divisors(gcd(a, kv)) if world % d == 0]
         return f"tp must divide the {a} attention heads and {kv} kv heads; valid: {_listing(valid)}"
     if name == "pp_not_divide_layers":
-        valid = [d for d in _divisors(L // x.virtual_stages if L % x.virtual_stages == 0 else 1)
+        valid = [d for d in divisors(L // x.virtual_stages if L % x.virtual_stages == 0 else 1)
                  if (world // x.tp) % d == 0]
         return (f"pp x virtual_stages = {x.pp * x.virtual_stages} must divide the {L} layers; "
                 f"valid pp (vpp={x.virtual_stages}): {_listing(valid)}")
@@ -156,7 +156,7 @@ def _why(name: str, x: Layout, model: ModelSpec, training: TrainingSpec, world: 
                 f"{x.num_microbatches} = {x.dp * x.micro_batch_size * x.num_microbatches} must equal the "
                 f"global batch {B}")
     if name == "shard_not_divide_dp":
-        return f"shard must divide dp = {x.dp}; valid: {_listing(_divisors(x.dp))}"
+        return f"shard must divide dp = {x.dp}; valid: {_listing(divisors(x.dp))}"
     if name == "shard_without_zero":
         return f"shard = {x.shard} > 1 needs zero >= 1 (sharding is what ZeRO does)"
     if name == "virtual_stages_need_interleaved":

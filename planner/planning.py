@@ -18,8 +18,8 @@ from hardware_profiles import UnknownProfileError, load_profile_file, load_serve
 from planner.errors import BerthError, from_validation_error
 from planner.graphs import cluster_graph, to_node_link
 from planner.layouts import check_layout, parse_spec
+from planner.layouts import divisors as search_divisors
 from planner.search import SearchResult, predict_layouts, search
-from planner.search import divisors as search_divisors
 from planner.specs import (
     DEFAULT_MEMORY_HEADROOM,
     MAX_MEMORY_HEADROOM,

@@ -24,7 +24,7 @@ from cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
 from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, REASONS, VALID
 from planner import __version__
 from planner.errors import BerthError
-from planner.layouts import check_values, refuse_fix
+from planner.layouts import check_values, divisors, refuse_fix
 from planner.placement import innermost_cluster, placement
 from planner.specs import (
     AXIS_ORDER_CHOICES,
@@ -58,11 +58,6 @@ class SearchResult:
     rejected: dict[str, int]
     serialized: list[str] = field(default_factory=list, compare=False, repr=False)  # memo of its JSON text
     closest: tuple[str, float] | None = field(default=None, compare=False)  # misfit with the smallest peak
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
 
 
 def axis_orders(tp: int, pp: int, dp: int) -> list[int]:
@@ -227,23 +222,8 @@ _FIX_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stag
 
 
 def _fix_codes(fix: dict) -> dict[str, int]:
-    """search.fix as column -> code."""
-    codes = {}
-    for key, value in fix.items():
-        if key == "recompute":
-            if value not in RECOMPUTE_CHOICES:
-                raise BerthError("fix.recompute", value, f"use one of {RECOMPUTE_CHOICES}")
-            value = RECOMPUTE_CHOICES.index(value)
-        elif key == "schedule":
-            if value not in SCHEDULE_CHOICES:
-                raise BerthError("fix.schedule", value, f"use one of {SCHEDULE_CHOICES}")
-            value = SCHEDULE_CHOICES.index(value)
-        elif key == "axis_order":
-            if value not in AXIS_ORDER_CHOICES:
-                raise BerthError("fix.axis_order", value, f"use one of {AXIS_ORDER_CHOICES}")
-            value = AXIS_ORDER_CHOICES.index(value)
-        codes[_FIX_COLUMNS[key]] = int(value)
-    return codes
+    """search.fix (its values checked by `planner.layouts.check_values`) as column -> code."""
+    return {_FIX_COLUMNS[key]: _CODES[key].index(value) if key in _CODES else int(value) for key, value in fix.items()}
 
 
 def objective_value(ev: Evaluation, objective: str = "throughput") -> np.ndarray:

@@ -82,7 +82,13 @@ def default_path() -> Path:
     return base / "berth" / "berth.sqlite"
 
 
-SQLITE_HEADER = b"SQLite format 3\x00"
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
+def file_header(path: Path) -> bytes:
+    """The first bytes of a file, as many as an SQLite header (raises OSError)."""
+    with path.open("rb") as f:
+        return f.read(len(SQLITE_HEADER))
 
 
 def read_validations(path: str | Path | None = None, status: str | None = None) -> list[ValidationReport]:
@@ -95,8 +101,7 @@ def read_validations(path: str | Path | None = None, status: str | None = None) 
     if not where.is_file():
         raise BerthError("store", str(where), "no such results store (`berth validate` writes one)")
     try:
-        with where.open("rb") as f:
-            header = f.read(len(SQLITE_HEADER))
+        header = file_header(where)
     except OSError as err:
         raise BerthError("store", str(where), f"cannot read: {err.strerror}") from None
     if header != SQLITE_HEADER:
@@ -178,13 +183,6 @@ class Store:
         with self._connect() as db:
             rows = db.execute(query, args).fetchall()
         return [ValidationReport.model_validate_json(r[0]) for r in rows]
-
-    def add_plan(self, plan_id: str, created: str, body: dict[str, Any] | str) -> str:
-        """Store a plan answer: a dict, or its JSON text when the caller already has it."""
-        text = body if isinstance(body, str) else json.dumps(body)
-        with self._connect() as db:
-            db.execute("INSERT INTO plans VALUES (?, ?, ?)", (plan_id, created, text))
-        return plan_id
 
     def add_answer(self, plan_id: str, created: str, kind: str, answer: str) -> str:
         """Store an answer (JSON object text without id and created) under a new id; the text is

@@ -3,7 +3,6 @@ disk, restarts, concurrency, limits, bad input, and a schemathesis run against /
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,42 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from berth_server import Server
 
 PLAN_BODY = {"model": "llama3-70b", "training": {"seq_len": 8192, "global_batch_size": 256},
              "cluster": {"preset": "dgx-h100", "nodes": 8}, "search": {"top": 3}}
 TINY_LOCAL = {"model": "tiny-gpt", "training": {"seq_len": 128, "global_batch_size": 8},
               "cluster": {"preset": "local", "devices_per_node": 2}, "search": {"top": 2, "fix": "dp=2,zero=0"}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, store, **env):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        full = {**os.environ, "BERTH_STORE_PATH": str(store), **{f"BERTH_{k.upper()}": str(v) for k, v in env.items()}}
-        self.proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(self.port)],
-                                     env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 90  # a loaded 2-core machine can take 30 s to import
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not start: " + self.proc.stderr.read().decode()[-2000:])
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from berth_server import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_BODY = {"model": "llama3-70b", "training": {"seq_len": 8192, "global_batch_size": 256},
@@ -39,43 +40,6 @@ def strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`berth serve` in its own process."""
-
-    def __init__(self, store, extra_env=None, **env):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        full = {**os.environ, "BERTH_STORE_PATH": str(store), **(extra_env or {}),
-                **{f"BERTH_{k.upper()}": str(v) for k, v in env.items()}}
-        self.proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(self.port)],
-                                     env=full, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 90  # a loaded 2-core machine can take 30 s to import
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not start: " + self.proc.stderr.read().decode()[-2000:])
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 class InProcessServer:
     """uvicorn serving create_app in a thread of this process, so that a test sees every file
     the service opens."""
@@ -86,7 +50,7 @@ class InProcessServer:
         from api.app import create_app
         from api.settings import Settings
 
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = create_app(Settings(store_path=str(store)))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -528,7 +492,7 @@ def test_slow_header_connections_are_closed(tmp_path):
 def test_validation_without_a_key_refuses_to_start(tmp_path):
     env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "s.sqlite"), "BERTH_VALIDATION_ENABLED": "1"}
     env.pop("BERTH_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(_free_port())], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(free_port())], env=env,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=30)
