@@ -73,6 +73,15 @@ H100_96GB_CLOCK_DERATE = (500 / 700) ** (1 / 3)
 # bundled executor keeps fp32 parameters under autocast) and step a fused AdamW: the device
 # profiles' "torchtitan" compute entry (cost_models/compute.py), not the executor's "pytorch" one.
 FSDP_BF16_STACK = "torchtitan"
+# MosaicML's MPT under Composer FSDP: its own stack entry (fused low-precision LayerNorm, fused
+# Wqkv, GELU, no rotary: benchmarks/op_census.py), and the attention kernel its A100 tables ran:
+# attn_impl "triton" (llm-foundry b2a43a147 submit_benchmarks.py default and mpt-*.yaml; the `gpu`
+# extra pinned flash-attn 1.0.x), FlashAttention v1 class.
+MOSAICML_STACK = "llmfoundry"
+# torchtitan's benchmark ran PyTorch nightly 1963fc8 (2024-12): F.scaled_dot_product_attention's flash
+# backend was FlashAttention-2 (FlashAttention-3 class kernels came to SDPA later).
+TORCHTITAN_ATTENTION = "flash2"
+MOSAICML_ATTENTION = "flash1"
 
 GIB = 2**30
 
@@ -300,7 +309,8 @@ def _mosaicml(row: dict) -> Case:
                       norm="layernorm", tied_embeddings=True, dropout=False)
     # llm-foundry's default loss is its fused cross-entropy on the 16-bit logits (no fp32 copy)
     training = TrainingSpec(seq_len=row["seq_len"], global_batch_size=batch, precision="bf16",
-                            flash_attention=True, framework="pytorch", cross_entropy="fused")
+                            flash_attention=True, attention_kernel=MOSAICML_ATTENTION, framework="pytorch",
+                            cross_entropy="fused")
     recompute = "full" if row["activation_recompute"] == "full" else "none"
     layout = Layout(tp=1, pp=1, dp=dp, shard=shard, zero_stage=3, micro_batch_size=mbs, num_microbatches=accum,
                     recompute=recompute)
@@ -316,7 +326,7 @@ def _mosaicml(row: dict) -> Case:
     notes = []
     if "DEFAULT" in (row["precision"] or ""):
         notes.append("amp_bf16 (FSDP mixed_precision=DEFAULT) reduces gradients in fp32: predicted with bf16 traffic")
-    return Case(row["id"], row["source_id"], model, training, _cluster(row, FSDP_BF16_STACK), layout, measured,
+    return Case(row["id"], row["source_id"], model, training, _cluster(row, MOSAICML_STACK), layout, measured,
                 "global batch tokens / (printed tokens/s per GPU x GPUs)", check, notes)
 
 
@@ -350,7 +360,7 @@ def _torchtitan(row: dict) -> Case:
                       ffn_hidden_size=row["ffn_hidden_size"], vocab_size=row["vocab_size"] or LLAMA3_VOCAB,
                       mlp="swiglu", norm="rmsnorm", tied_embeddings=False, dropout=False)
     training = TrainingSpec(seq_len=seq, global_batch_size=batch, precision="bf16", flash_attention=True,
-                            framework="pytorch")
+                            attention_kernel=TORCHTITAN_ATTENTION, framework="pytorch")
     layout = Layout(tp=tp, pp=pp, dp=dp, shard=shard if row["fsdp"] else 1, zero_stage=3 if row["fsdp"] else 0,
                     micro_batch_size=local // nmb, num_microbatches=nmb, virtual_stages=vpp, schedule=schedule,
                     recompute=row["activation_recompute"] or "none",

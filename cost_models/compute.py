@@ -133,7 +133,9 @@ def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DevicePro
     device's measured efficiency for the shape (attention.json, `enable_gqa` and MHA rows), or at
     the single attention_peak_fraction where the profile has no shape model. Unfused path
     (Megatron 2021-22): two batched GEMMs with k = head_dim over the full s x s matrix, plus the
-    softmax and dropout passes over b(a/tp)s^2 scores; backward 2x.
+    softmax and dropout passes over b(a/tp)s^2 scores; backward 2x. TrainingSpec.attention_kernel
+    names an older kernel than the measured one: its efficiency is scaled by
+    DeviceProfile.attention_kernel_scale.
     """
     s, a, d = training.seq_len, model.num_attention_heads, model.head_dim
     heads = b * a / tp
@@ -145,8 +147,9 @@ def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DevicePro
             fwd = flops / (peak * device.attention_peak_fraction)
             return fwd, BACKWARD_TO_FORWARD * fwd
         rows = heads * s
-        fwd = flops / (peak * attention_efficiency(shape.forward, d, s, rows))
-        bwd = ATTENTION_BACKWARD_FLOPS * flops / (peak * attention_efficiency(shape.backward, d, s, rows))
+        kernel = device.attention_kernel_scale(training.attention_kernel)
+        fwd = flops / (peak * kernel * attention_efficiency(shape.forward, d, s, rows))
+        bwd = ATTENTION_BACKWARD_FLOPS * flops / (peak * kernel * attention_efficiency(shape.backward, d, s, rows))
         return fwd, bwd
     gemms = gemm_time_s(device, training, s, s, d, batch=heads) + gemm_time_s(
         device, training, s, d, s, batch=heads

@@ -268,16 +268,18 @@ def _op_sac_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
     return tokens * (block_input + kept + attention_out + lse)
 
 
-def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, attention_s):
+def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, attention_s, gemm_fwd_s):
     """Seconds one layer's selective recomputation costs, by what each stack recomputes
     (`layer_activation_bytes`): the attention core (the executor, Megatron-LM), or under FSDP2
-    torchtitan's op-level policy, which keeps the attention output and recomputes every second
-    matmul (wk, wo, w3) and the elementwise work: that share of the matmul weights of the layer,
-    applied to the forward time outside attention."""
+    torchtitan's op-level policy, which keeps the attention output and every other matmul's output
+    and recomputes the rest: every second matmul (wk, wo, w3: that share of the layer's matmul
+    weights, applied to the forward GEMM time) and all the forward's other work (norms, rotary,
+    activation function, residual adds: the forward less its GEMMs and attention)."""
     h, f, g = model.hidden_size, model.ffn_hidden_size, model.kv_ratio
     weights = [h * h, h * h * g, h * h * g, h * h, h * f] + ([h * f] if model.mlp == "swiglu" else []) + [f * h]
     share = sum(w for i, w in enumerate(weights) if i % 2 == 1) / sum(weights)
-    op_sac = share * np.maximum(np.asarray(fwd_s) - attention_s, 0.0)
+    rest = np.maximum(np.asarray(fwd_s) - attention_s - gemm_fwd_s, 0.0)
+    op_sac = share * np.asarray(gemm_fwd_s) + rest
     return np.where(precision_recipe(training, c) == RECIPE_FSDP2, op_sac, attention_s)
 
 

@@ -135,12 +135,12 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     stride = c.strides()
 
     fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
+    gemm_fwd = compute.layer_gemm_forward_s(model, training, device, b, tp)
     act_bytes = e * b * s * h
     tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"])
-    recompute = np.where(
-        c.recompute == RECOMPUTE_FULL, fwd + tp_fwd,
-        np.where(c.recompute == RECOMPUTE_SELECTIVE, memory.selective_recompute_s(model, training, c, fwd, attn), 0.0)
-    )
+    selective = memory.selective_recompute_s(model, training, c, fwd, attn, gemm_fwd)
+    recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd + tp_fwd,
+                         np.where(c.recompute == RECOMPUTE_SELECTIVE, selective, 0.0))
     tp_layer = 2.0 * tp_fwd  # forward + backward
     # Embedding (vocab-parallel: one all-reduce) and LM head (one in backward).
     head = compute.lm_head_compute_s(model, training, device, b, tp)
@@ -225,7 +225,8 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     b, tp, pp = c.mbs.astype(float), c.tp.astype(float), c.pp.astype(float)
     layers = model.num_layers / pp
     fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
-    selective = memory.selective_recompute_s(model, training, c, fwd, attn)
+    gemm_fwd = compute.layer_gemm_forward_s(model, training, device, b, tp)
+    selective = memory.selective_recompute_s(model, training, c, fwd, attn, gemm_fwd)
     recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd,
                          np.where(c.recompute == RECOMPUTE_SELECTIVE, selective, 0.0))
     has_head = (pp == 1) | (not first)

@@ -70,6 +70,12 @@ class AttentionShapeModel(_Frozen):
     backward: AttentionPassModel
 
 
+# FlashAttention v1 (and its Triton port) against FlashAttention-2 on the same GPU: Dao 2023
+# (FlashAttention-2, abstract and Sec. 4.1): v1 reaches 25-40% of the A100's peak where v2 reaches
+# 50-73%, "around 2x" faster forward and backward.
+FLASH1_OVER_FLASH2 = 0.5
+
+
 class FrameworkCompute(_Frozen):
     """The work of one training stack's layer that is neither GEMM nor attention, per layer and
     micro-batch, and its optimizer step: what the framework's kernels (not the hardware) decide.
@@ -117,6 +123,10 @@ class DeviceProfile(_Frozen):
         default=None, description="GEMM efficiency by (m, n, k); when absent the `gemm` curve by min dim is used")
     attention_shape: AttentionShapeModel | None = Field(
         default=None, description="flash attention efficiency by shape; when absent attention_peak_fraction")
+    attention_kernel_speed: dict[Literal["flash2", "flash1"], float] = Field(
+        default_factory=dict, description="speed of an older fused attention kernel (TrainingSpec.attention_kernel) "
+        "as a multiple of the measured `sdpa` efficiency; absent: flash2 1.0 (the measured kernel is FlashAttention-2 "
+        "class) and flash1 half of flash2")
     frameworks: dict[str, FrameworkCompute] = Field(
         default_factory=dict, description="non-GEMM layer work per training stack (TrainingSpec.framework); when "
         "absent, memory-bound elementwise passes plus kernels_per_layer_fwd x kernel_overhead_s")
@@ -140,6 +150,13 @@ class DeviceProfile(_Frozen):
 
     def peak_flops(self, precision: Precision) -> float:
         return self.peak_flops_per_s.get(precision) or self.peak_flops_per_s["fp32"]
+
+    def attention_kernel_scale(self, kernel: str) -> float:
+        """Multiple of the measured attention efficiency that `kernel` (TrainingSpec.attention_kernel) reaches."""
+        if kernel == "sdpa":
+            return 1.0
+        flash2 = self.attention_kernel_speed.get("flash2", 1.0)
+        return flash2 if kernel == "flash2" else self.attention_kernel_speed.get("flash1", FLASH1_OVER_FLASH2 * flash2)
 
 
 class LinkProfile(_Frozen):

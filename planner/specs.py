@@ -138,6 +138,11 @@ class TrainingSpec(Spec):
     precision: Precision = "bf16"
     optimizer: Literal["adamw"] = "adamw"
     flash_attention: bool = True
+    attention_kernel: Literal["sdpa", "flash2", "flash1"] = Field(default="sdpa", description=(
+        "which fused attention kernel runs when flash_attention is on: 'sdpa' (today's PyTorch "
+        "scaled_dot_product_attention, what the device profile measured), 'flash2' (FlashAttention-2, e.g. PyTorch "
+        "of 2024 on Hopper) or 'flash1' (FlashAttention v1 and its Triton port, e.g. MosaicML llm-foundry's "
+        "attn_impl 'triton' of 2023); speeds in DeviceProfile.attention_kernel_speed"))
     framework: Framework = Field(default="pytorch", description=(
         "the training stack whose memory behaviour the prediction follows: 'pytorch' (DTensor tensor and "
         "sequence parallelism, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron' (Megatron-LM)"))

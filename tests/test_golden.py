@@ -77,17 +77,17 @@ def test_megatron_runs(results):
 # Families that do not meet issue 12's targets yet, and why (README, "Against real GPUs"). Strict:
 # the mark must go when the family meets the target.
 NOT_YET = {
-    "mosaicml_llmfoundry": "long sequences over-predicted (-41% at 65,536 tokens): llm-foundry's 2023-24 "
-                           "attention kernel ran well below the FA2-class kernels the H100 measured",
-    "torchtitan_bench_202412": "eager Llama 3.1 8B at 36% MFU on 500 W HBM2e H100s, predicted ~40% fast "
-                               "(power cap, op-level SAC, 2024 eager kernels; no measurement of that part)",
+    "mosaicml_llmfoundry": "median 4.8% but one run over: MPT-70B on 64 A100 40GB at seq 2048 is predicted 31% "
+                           "fast while the same model on 128 of them is within 8%",
+    "torchtitan_bench_202412": "eager Llama 3.1 8B at 36% MFU on 500 W HBM2e H100s, predicted ~22% fast after the "
+                               "op census and FlashAttention-2 (no measurement of that part or its power cap)",
 }
 # Today's level per family (median |error|, worst |error|): a change that makes a family worse fails.
 NO_REGRESSION = {
     "narayanan2021": (0.12, 0.20),
     "korthikanti2022": (0.12, 0.20),
-    "mosaicml_llmfoundry": (0.15, 0.50),
-    "torchtitan_bench_202412": (0.45, 0.45),
+    "mosaicml_llmfoundry": (0.07, 0.33),
+    "torchtitan_bench_202412": (0.25, 0.26),
 }
 
 
