@@ -145,7 +145,8 @@ class TorchtitanBlock(nn.Module):
         d = self.head_dim
         self.wq, self.wk = nn.Linear(h, heads * d, bias=False), nn.Linear(h, kv_heads * d, bias=False)
         self.wv, self.wo = nn.Linear(h, kv_heads * d, bias=False), nn.Linear(heads * d, h, bias=False)
-        self.w1, self.w2, self.w3 = nn.Linear(h, ffn, bias=False), nn.Linear(ffn, h, bias=False), nn.Linear(h, ffn, bias=False)
+        self.w1, self.w3 = nn.Linear(h, ffn, bias=False), nn.Linear(h, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, h, bias=False)
         self.attention_norm, self.ffn_norm = _TTNorm(h), _TTNorm(h)
         inv = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2).float() / d))
         freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
@@ -276,10 +277,10 @@ def run(write: bool = False) -> dict:
 def main(argv: list[str]) -> int:
     result = run(write="--write" in argv)
     for name, c in result["census"].items():
-        print(f"{name:<12} forward: {c['forward']['hidden_bytes']:6.1f} B/token/hidden, {c['forward']['ffn_bytes']:4.1f} "
-              f"B/token/ffn, {c['forward']['weight_bytes']:3.1f} B/param, {c['forward']['all_kernels']:3d} kernels;  "
-              f"backward: {c['backward']['hidden_bytes']:6.1f}, {c['backward']['ffn_bytes']:4.1f}, "
-              f"{c['backward']['weight_bytes']:3.1f}, {c['backward']['all_kernels']:3d} kernels")
+        f, b = c["forward"], c["backward"]
+        print(f"{name:<12} forward: {f['hidden_bytes']:6.1f} B/token/hidden, {f['ffn_bytes']:4.1f} B/token/ffn, "
+              f"{f['weight_bytes']:3.1f} B/param, {f['all_kernels']:3d} kernels;  backward: {b['hidden_bytes']:6.1f}, "
+              f"{b['ffn_bytes']:4.1f}, {b['weight_bytes']:3.1f}, {b['all_kernels']:3d} kernels")
     for device, entries in result["devices"].items():
         for name, entry in entries.items():
             print(f"  {device:<10} {name:<11} hidden {entry['hidden_bytes_fwd']}/{entry['hidden_bytes_bwd']} B, "
