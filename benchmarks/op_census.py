@@ -26,7 +26,8 @@ Derivation (`derive`): the torchtitan entry of each device = that device's execu
 executor's fitted bytes per counted byte carry over: same GPU, same kind of eager kernels), host
 dispatch by the ratio of kernel counts (GEMM and attention launches included). ffn bytes are the
 executor's (the census counts the same SwiGLU); weight bytes: none forward (bf16 parameters),
-6 per parameter backward (bf16 gradient to fp32 for FSDP2's fp32 reduce-scatter).
+6 per parameter backward (bf16 gradient to fp32 for FSDP2's fp32 reduce-scatter); the exposed share of
+the host/device overlap is the executor's.
 
 Run: `python -m benchmarks.op_census` prints the census and the derived values and saves
 benchmarks/results/op_census.json; `--write` also stores the derived entries in every device
@@ -59,7 +60,7 @@ NO_DATA = {"_unsafe_view", "detach", "alias", "ones_like"}  # views or the loss 
 TT_WEIGHT_BYTES_BWD = 6.0  # bf16 gradient cast to fp32 for the reduce-scatter (FSDP2 reduce_dtype fp32)
 ROPE_THETA = 500_000.0
 DERIVED = ("hidden_bytes_fwd", "hidden_bytes_bwd", "dispatch_fwd_s", "dispatch_bwd_s", "weight_bytes_fwd",
-           "weight_bytes_bwd")
+           "weight_bytes_bwd", "dispatch_exposed_fraction")
 
 
 class _Census(TorchDispatchMode):
@@ -244,7 +245,8 @@ def derive(executor_entry: dict, executor: dict, torchtitan: dict) -> dict:
             "hidden_bytes_bwd": round(executor_entry["hidden_bytes_bwd"] * ratio["backward"], 2),
             "dispatch_fwd_s": round(executor_entry["dispatch_fwd_s"] * kernels["forward"], 7),
             "dispatch_bwd_s": round(executor_entry["dispatch_bwd_s"] * kernels["backward"], 7),
-            "weight_bytes_fwd": 0.0, "weight_bytes_bwd": TT_WEIGHT_BYTES_BWD}
+            "weight_bytes_fwd": 0.0, "weight_bytes_bwd": TT_WEIGHT_BYTES_BWD,
+            "dispatch_exposed_fraction": executor_entry["dispatch_exposed_fraction"]}
 
 
 STACKS = {"torchtitan": torchtitan_census, "llmfoundry": mpt_census}  # derived entries, by profile key

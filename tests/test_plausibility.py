@@ -47,13 +47,10 @@ A100_1T = published_range(0.392, 0.563)
 OPEN_8B = pytest.mark.xfail(strict=True, reason="issue 12: 8B top plans ~53% MFU vs the published 36% "
                             "(500 W H100); open until a full 8B H100 step is measured")
 
-# GPT-3 175B on 1024 A100: with the memory model of issue 19 (FSDP2 holds 16 bytes per parameter over
-# the shard group), the top plan is tp=4 with ZeRO-3 over 256 ranks at ~57% MFU, its 3 x 87.5 GB of
-# gathers per micro-batch hidden behind the backward. No published 175B run reached that: Megatron's
-# 3D layouts 51.4%, DeepSpeed's 2021 ZeRO-3 46% at 384 GPUs and falling with scale. Open until the
-# data-parallel model is checked against a measured large FSDP run.
-OPEN_175B = pytest.mark.xfail(strict=True, reason="issue 12: GPT-3 175B's top plan (ZeRO-3 over 256 A100s) "
-                              "~57% MFU, above every published 175B run")
+# GPT-3 175B on 1024 A100: the top plan is tp=4 with ZeRO-3 over 256 ranks at 56.5% MFU, inside the
+# range only by its 10% optimism (the best published 175B run: Megatron's 51.4%; DeepSpeed's 2021
+# ZeRO-3 46% at 384 GPUs, falling with scale): its 3 x 87.5 GB of gathers per micro-batch are hidden
+# behind the backward. A guard against the prediction climbing further, not a settled case.
 
 CASES = [
     # model, cluster preset, nodes, seq, global batch, fabric options, MFU range of the top plans
@@ -61,7 +58,7 @@ CASES = [
     pytest.param("llama3-8b", "dgx-h100", 16, 8192, 256, {}, H100_8B, marks=OPEN_8B),  # torchtitan Table 3
     ("llama3-70b", "dgx-h100", 8, 8192, 256, {}, H100_70B),  # README, first example
     ("llama3-70b", "dgx-h100", 16, 4096, 64, FAT_TREE, H100_70B),  # README, fat tree
-    pytest.param("gpt3-175b", "dgx-a100-80g", 128, 2048, 1536, {}, A100_175B, marks=OPEN_175B),  # README, search_speed
+    ("gpt3-175b", "dgx-a100-80g", 128, 2048, 1536, {}, A100_175B),  # README, search_speed
     ("gpt-1t", "dgx-a100-80g", 384, 2048, 3072, {}, A100_1T),  # search_speed
     ("llama3.1-405b", "dgx-h100", 2048, 8192, 2048, {}, H100_405B),  # search_speed
 ]
