@@ -72,6 +72,12 @@ LAYOUT_CASES = [
     ("llama3-8b", 4, 64, Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2)),
     ("llama3-8b", 1, 64, Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=2, num_microbatches=4,
                                 recompute="full")),
+    # uneven pipeline stages (planner/stages.py): 32 layers on pp 3 (11, 11, 10), and 80 in 12 chunks (5, 7 x10, 5)
+    ("llama3-8b", 3, 64, Layout(tp=8, pp=3, dp=1, micro_batch_size=1, num_microbatches=64, sequence_parallel=True,
+                                recompute="selective")),
+    ("llama3-70b", 4, 64, Layout(tp=8, pp=4, dp=1, micro_batch_size=1, num_microbatches=64,
+                                 schedule="interleaved_1f1b", virtual_stages=3, sequence_parallel=True,
+                                 recompute="full")),
 ]
 
 

@@ -54,6 +54,7 @@ import numpy as np
 from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE
 from cost_models.pipeline import layers_in_flight, microbatches_in_flight
 from hardware_profiles.schema import DeviceProfile
+from planner import stages
 from planner.specs import ModelSpec, TrainingSpec
 
 FP32_BYTES = 4
@@ -111,20 +112,33 @@ def precision_recipe(training: TrainingSpec, c):
     return np.where(fsdp2, RECIPE_FSDP2, RECIPE_AUTOCAST)
 
 
-def stage_params(model: ModelSpec, pp, tp, first: bool):
+def stage_params(model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False):
     """Parameters on one rank of the first (or last) pipeline stage after the tp split.
 
+    The stage's decoder layers follow the split rule (planner/stages.py; `vpp` virtual stages).
     The first stage holds the input embedding, the last the LM head and final norm; with
     pp = 1 one stage holds both (a single matrix if the embeddings are tied). Megatron keeps a
-    copy of a tied embedding on the last stage when pp > 1.
+    copy of a tied embedding on the last stage when pp > 1. `middle`: a middle stage (its layers
+    only).
     """
+    first_layers, middle_layers, last_layers, _ = stages.stage_split(model.num_layers, pp, vpp)
+    if middle:
+        return np.asarray(middle_layers, dtype=float) * model.params_per_layer / tp
     pp = np.asarray(pp, dtype=float)
-    layers = model.num_layers / pp * model.params_per_layer / tp
+    layers = np.asarray(first_layers if first else last_layers, dtype=float) * model.params_per_layer / tp
     emb = model.embedding_params / tp
     head = np.where((pp == 1) & model.tied_embeddings, 0.0, emb) + model.final_norm_params
     if first:
         return layers + emb + np.where(pp == 1, head, 0.0)
     return layers + head + np.where(pp == 1, emb, 0.0)
+
+
+def largest_stage_params(model: ModelSpec, pp, tp, vpp=1):
+    """Parameters on one rank of the pipeline stage that holds the most: the first or the last (an
+    embedding or head more), or a middle one where the split gives it more layers (pp > 2)."""
+    ends = np.maximum(stage_params(model, pp, tp, True, vpp), stage_params(model, pp, tp, False, vpp))
+    mid = np.where(np.asarray(pp) > 2, stage_params(model, pp, tp, False, vpp, middle=True), 0.0)
+    return np.maximum(ends, mid)
 
 
 def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray]:
@@ -283,13 +297,17 @@ def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, at
     return np.where(precision_recipe(training, c) == RECIPE_FSDP2, op_sac, attention_s)
 
 
-def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool):
+def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool, layers=None):
     """(stored, working) activations of the stage: stored layers x in-flight micro-batches plus
     the embedding output on the first stage or the final norm input on the last; and (full
-    recompute) the one layer re-materialized during its backward."""
+    recompute) the one layer re-materialized during its backward. `layers`: the stage's decoder
+    layers (default: the first or last stage's by the split rule)."""
     per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute,
                                                    precision_recipe(training, c))
-    held = layers_in_flight(model.num_layers, c.pp, c.vpp, c.nmb, c.schedule, stage) * per_layer
+    if layers is None:
+        split = stages.stage_split(model.num_layers, c.pp, c.vpp)
+        layers = split[0] if first else split[2]
+    held = layers_in_flight(model.num_layers, c.pp, c.vpp, c.nmb, c.schedule, stage, layers) * per_layer
     working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     edge = boundary_bytes(model, training, c) * (inflight if first else 1.0)
@@ -372,18 +390,21 @@ def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> floa
 
 
 def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c, first: bool,
-                           buckets: bool = True):
+                           buckets: bool = True, middle: bool = False):
     """Breakdown (dict of arrays, bytes) of the first or the last pipeline stage at its peak
-    phase (module docstring). `buckets=False` leaves out the data-parallel gradient buckets (a
-    single-process proxy of one rank has none). Every term is inside the caching allocator: their
-    sum is the reserved peak."""
-    stage = 0.0 if first else np.asarray(c.pp, dtype=float) - 1.0
-    params = stage_params(model, c.pp, c.tp, first)
+    phase (module docstring); `middle`: the second stage (pp rank 1, the middle stage with the most
+    micro-batches in flight; its layers only). `buckets=False` leaves out the data-parallel gradient
+    buckets (a single-process proxy of one rank has none). Every term is inside the caching
+    allocator: their sum is the reserved peak."""
+    first = first and not middle
+    stage = 0.0 if first else 1.0 if middle else np.asarray(c.pp, dtype=float) - 1.0
+    params = stage_params(model, c.pp, c.tp, first, c.vpp, middle)
     st = model_state_bytes(training, params, c)
     p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
     unsharded = params * st["grad_element"]
-    stored, working = activation_bytes(model, training, c, stage, first)
-    holds_head = (np.asarray(c.pp) == 1) | (not first)
+    layers = stages.stage_split(model.num_layers, c.pp, c.vpp)[1] if middle else None
+    stored, working = activation_bytes(model, training, c, stage, first, layers)
+    holds_head = ((np.asarray(c.pp) == 1) | (not first)) & (not middle)
     # micro-batches past the head but not yet through their loss backward: all of them under GPipe
     loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.nmb, 1)
     logits = np.where(holds_head, logits_bytes(model, training, c.mbs, c.tp, loss_in_flight), 0.0)
@@ -437,14 +458,24 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
 
 
 def peak_memory(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c):
-    """Peak bytes per GPU (the worse of the first and last stage) and that stage's breakdown.
+    """Peak bytes per GPU (the worse of the first, the last and, with uneven stages, the second
+    stage) and that stage's breakdown.
 
-    Middle stages hold fewer in-flight micro-batches than the first and no embedding or head,
-    so they are never the peak."""
+    With an even split the middle stages hold fewer in-flight micro-batches than the first and no
+    embedding or head, so they are never the peak. With an uneven one (planner/stages.py) a middle
+    stage holds more layers than the first or last: the second stage, the middle one with the most
+    micro-batches in flight, is taken too."""
     first = stage_memory_breakdown(model, training, device, c, first=True)
     last = stage_memory_breakdown(model, training, device, c, first=False)
     total_first = sum(first.values())
     total_last = sum(last.values())
     use_first = total_first >= total_last
     breakdown = {k: np.where(use_first, first[k], last[k]) for k in first}
-    return np.maximum(total_first, total_last), breakdown
+    peak = np.maximum(total_first, total_last)
+    uneven = (np.asarray(c.pp) > 2) & (np.asarray(model.num_layers) % (np.asarray(c.pp) * np.asarray(c.vpp)) != 0)
+    if np.any(uneven):
+        mid = stage_memory_breakdown(model, training, device, c, first=False, middle=True)
+        use_mid = uneven & (sum(mid.values()) > peak)
+        breakdown = {k: np.where(use_mid, mid[k], breakdown[k]) for k in breakdown}
+        peak = np.where(use_mid, sum(mid.values()), peak)
+    return peak, breakdown

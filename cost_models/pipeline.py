@@ -17,12 +17,14 @@ import numpy as np
 from cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
 
 
-def layers_in_flight(num_layers: int, pp, vpp, nmb, schedule, stage):
-    """Layer-micro-batches whose activations stage `stage` holds at its peak."""
+def layers_in_flight(num_layers: int, pp, vpp, nmb, schedule, stage, stage_layers=None):
+    """Layer-micro-batches whose activations stage `stage` holds at its peak. `stage_layers`: the
+    decoder layers of that stage (planner/stages.py; default num_layers / pp, the even split); under
+    the interleaved schedule its in-flight chunks are counted at the stage's mean chunk size."""
     pp = np.asarray(pp, dtype=float)
     vpp = np.asarray(vpp, dtype=float)
     nmb = np.asarray(nmb, dtype=float)
-    per_stage = num_layers / pp
+    per_stage = num_layers / pp if stage_layers is None else np.asarray(stage_layers, dtype=float)
     gpipe = nmb * per_stage
     one_f_one_b = np.minimum(nmb, pp - stage) * per_stage
     chunks = np.minimum(nmb * vpp, (pp - stage - 1.0) * 2.0 + (vpp - 1.0) * pp + 1.0)

@@ -4,10 +4,12 @@ Per micro-batch, the slowest pipeline stage runs its layers' forward, backward a
 recomputation, the tensor-parallel collectives of each layer (exposed: Megatron does not
 overlap them, Shoeybi 2019), and its stage-to-stage sends. The pipeline runs m micro-batches at
 the pace of the slowest stage plus a fill/drain bubble of (p - 1)/v mean micro-batch times
-(Narayanan 2021). Data-parallel traffic (gradient reduction, ZeRO-3 parameter gathers) is issued
-layer by layer behind the forward or backward compute it overlaps (`_dp_times`); what a layer's
-traffic takes beyond its usable compute, and the first or last layer's share, is exposed. The
-optimizer step follows.
+(Narayanan 2021). Stage depths follow planner/stages.py: with an uneven split the first and last
+stages hold fewer layers and a middle stage (more layers, no embedding or head) can be the slowest.
+Data-parallel traffic (gradient reduction, ZeRO-3 parameter gathers) is issued layer by layer
+behind the forward or backward compute it overlaps (`_dp_times`); what a layer's traffic takes
+beyond its usable compute, and the first or last layer's share, is exposed. The optimizer step
+follows.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from cost_models import comm, compute, flops, goodput, memory
 from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
 from cost_models.pipeline import bubble_s
 from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
+from planner import stages
 from planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, TrainingSpec
 
 TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Shoeybi 2019, Fig. 4)
@@ -124,6 +127,27 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
     return np.where(c.zero == 0, ddp, np.where(c.zero <= 2, zero12, zero3))
 
 
+def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride):
+    """Exposed data-parallel time of the stage that takes longest: each rank reduces (and gathers) its
+    own stage's parameters behind its own layers' compute. With an even split the first or the last
+    stage (an embedding or head more, the same layers) is that stage; with an uneven one
+    (planner/stages.py) each of the first, a middle and the last stage is costed."""
+    n_first, n_middle, n_last = layers
+    pf = memory.stage_params(model, c.pp, c.tp, True, c.vpp)
+    pl = memory.stage_params(model, c.pp, c.tp, False, c.vpp)
+    even = (n_first == n_middle) & (n_last == n_middle)
+    if np.all(even):
+        return _dp_times(training, cluster, c, np.maximum(pf, pl), n_first * fwd, n_first * bwd_and_recompute,
+                         n_first, dp_stride)
+
+    def at(params, n):
+        return _dp_times(training, cluster, c, params, n * fwd, n * bwd_and_recompute, n, dp_stride)
+
+    pm = memory.stage_params(model, c.pp, c.tp, False, c.vpp, middle=True)
+    ends = np.maximum(at(pf, n_first), at(pl, n_last))
+    return np.maximum(ends, np.where(c.pp > 2, at(pm, n_middle), 0.0))
+
+
 def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates,
              memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Evaluation:
     """`memory_headroom`: a layout whose predicted peak is above (1 - headroom) of what the
@@ -131,7 +155,9 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     device = cluster.device
     e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
     b, tp, pp, vpp, nmb = c.mbs.astype(float), c.tp.astype(float), c.pp.astype(float), c.vpp, c.nmb
-    layers_per_stage = model.num_layers / pp
+    # decoder layers of the first, a middle and the last stage (planner/stages.py: L / pp each when even)
+    n_first, n_middle, n_last, _ = (np.asarray(a, dtype=float)
+                                    for a in stages.stage_split(model.num_layers, c.pp, c.vpp))
     stride = c.strides()
 
     fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
@@ -147,28 +173,34 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     edge_tp = comm.all_reduce_s(cluster, act_bytes, tp, stride["tp"])
     p2p = np.where(pp > 1, 2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"]), 0.0)
 
-    body_compute = layers_per_stage * (fwd + bwd)
-    body_recompute = layers_per_stage * recompute
-    body_tp = layers_per_stage * tp_layer
-    first = body_compute + body_recompute + body_tp + edge_tp + p2p + np.where(pp == 1, head + edge_tp, 0.0)
-    last = body_compute + body_recompute + body_tp + head + edge_tp + p2p + np.where(pp == 1, edge_tp, 0.0)
-    middle = body_compute + body_recompute + body_tp + p2p
-    slowest = np.maximum(first, last)
-    mean_mb = np.where(pp == 1, slowest, (first + last + (pp - 2.0) * middle) / pp)
+    def body(layers):
+        """(compute, recompute, tp collectives) of `layers` decoder layers for one micro-batch."""
+        return layers * (fwd + bwd), layers * recompute, layers * tp_layer
+
+    first_body, last_body, middle_body = body(n_first), body(n_last), body(n_middle)
+    first = sum(first_body) + edge_tp + p2p + np.where(pp == 1, head + edge_tp, 0.0)
+    last = sum(last_body) + head + edge_tp + p2p + np.where(pp == 1, edge_tp, 0.0)
+    middle = sum(middle_body) + p2p
+    # every stage runs each micro-batch at the pace of the slowest; with an even split a middle
+    # stage (no embedding, no head) never is; with an uneven one it can be (more layers)
     last_is_slowest = last >= first
+    middle_is_slowest = (pp > 2) & (middle > np.maximum(first, last))
+    slowest = np.where(middle_is_slowest, middle, np.maximum(first, last))
+    mean_mb = np.where(pp == 1, slowest, (first + last + (pp - 2.0) * middle) / pp)
 
     bubble = bubble_s(pp, vpp, mean_mb)
-    stage_params = np.maximum(memory.stage_params(model, pp, tp, True), memory.stage_params(model, pp, tp, False))
-    dp = _dp_times(training, cluster, c, stage_params, layers_per_stage * fwd,
-                   layers_per_stage * (bwd + recompute), layers_per_stage, stride["dp"])
-    local_params = stage_params / np.where(c.zero >= 1, c.shard, 1)
+    dp = _stage_dp_times(model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"])
+    local_params = memory.largest_stage_params(model, c.pp, c.tp, c.vpp) / np.where(c.zero >= 1, c.shard, 1)
     optimizer = compute.optimizer_step_s(device, training, local_params)
 
     edge_tp_twice = np.where(pp == 1, 2.0, 1.0) * edge_tp  # pp = 1: embedding and head together
+    # the breakdown is the slowest stage's
+    slow = [np.where(middle_is_slowest, m, np.where(last_is_slowest, la, f))
+            for f, m, la in zip(first_body, middle_body, last_body, strict=True)]
     time = {
-        "compute": nmb * (body_compute + np.where(last_is_slowest | (pp == 1), head, 0.0)),
-        "recompute": nmb * body_recompute,
-        "tp_comm": nmb * (body_tp + edge_tp_twice),
+        "compute": nmb * (slow[0] + np.where(~middle_is_slowest & (last_is_slowest | (pp == 1)), head, 0.0)),
+        "recompute": nmb * slow[1],
+        "tp_comm": nmb * (slow[2] + np.where(middle_is_slowest, 0.0, edge_tp_twice)),
         "pp_comm": nmb * p2p,
         "bubble": bubble,
         "dp_comm": dp,
@@ -223,7 +255,8 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     parameters. This is what a rank-slice proxy measures (executor/proxy.py)."""
     device = cluster.device
     b, tp, pp = c.mbs.astype(float), c.tp.astype(float), c.pp.astype(float)
-    layers = model.num_layers / pp
+    split = stages.stage_split(model.num_layers, c.pp, c.vpp)
+    layers = np.asarray(split[0] if first else split[2], dtype=float)
     fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
     gemm_fwd = compute.layer_gemm_forward_s(model, training, device, b, tp)
     selective = memory.selective_recompute_s(model, training, c, fwd, attn, gemm_fwd)
@@ -231,7 +264,7 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
                          np.where(c.recompute == RECOMPUTE_SELECTIVE, selective, 0.0))
     has_head = (pp == 1) | (not first)
     head = np.where(has_head, compute.lm_head_compute_s(model, training, device, b, tp), 0.0)
-    params = memory.stage_params(model, c.pp, c.tp, first)
+    params = memory.stage_params(model, c.pp, c.tp, first, c.vpp)
     local = params / np.where(c.zero >= 1, c.shard, 1)
     return {
         "forward_backward": c.nmb * (layers * (fwd + bwd) + head),

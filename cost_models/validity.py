@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, Candidates
+from planner import stages
 from planner.specs import AXIS_ORDER_CHOICES, ClusterSpec, ModelSpec, TrainingSpec
 
 VALID = 0
@@ -17,7 +18,8 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("world_size_mismatch", "tp x pp x dp must equal the number of GPUs"),
     ("tp_not_divide_heads", "tp must divide the attention heads"),
     ("tp_not_divide_kv_heads", "tp must divide the key/value heads"),
-    ("pp_not_divide_layers", "pp x virtual_stages must divide the layers"),
+    ("stage_without_layers", "the layer split over pp x virtual_stages leaves a pipeline stage without a layer "
+     "(planner/stages.py)"),
     ("batch_not_divisible", "dp x micro_batch_size x num_microbatches must equal the global batch"),
     ("shard_not_divide_dp", "shard must divide dp"),
     ("shard_without_zero", "shard > 1 needs zero_stage >= 1"),
@@ -47,7 +49,7 @@ def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cl
         c.tp * c.pp * c.dp != cluster.world_size,
         model.num_attention_heads % c.tp != 0,
         model.kv_heads % c.tp != 0,
-        model.num_layers % (c.pp * c.vpp) != 0,
+        ~stages.split(model.num_layers, c.pp, c.vpp)[3],
         c.dp * c.mbs * c.nmb != training.global_batch_size,
         c.dp % c.shard != 0,
         (c.zero == 0) & (c.shard > 1),

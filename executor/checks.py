@@ -3,6 +3,7 @@ before anything is launched, and the planner never imports torch)."""
 
 from __future__ import annotations
 
+from planner import stages
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
 PROGRESS_PREFIX = "BERTH_PROGRESS "  # rank 0's per-step line, read by `berth validate` for its progress display
@@ -25,9 +26,8 @@ def check_layout(spec: ModelSpec, training: TrainingSpec, layout: Layout, world:
         problems.append(f"tp={layout.tp} does not divide ffn {spec.ffn_hidden_size} or vocab {spec.vocab_size}")
     if layout.sequence_parallel and training.seq_len % layout.tp:
         problems.append(f"sequence parallel needs tp={layout.tp} to divide seq_len {training.seq_len}")
-    chunks = layout.pp * layout.virtual_stages
-    if spec.num_layers % chunks:
-        problems.append(f"pp x virtual_stages = {chunks} does not divide {spec.num_layers} layers")
+    if not stages.split(spec.num_layers, layout.pp, layout.virtual_stages)[3]:
+        problems.append(stages.why_invalid(spec.num_layers, layout.pp, layout.virtual_stages))
     if spec.tied_embeddings and (layout.pp > 1 or layout.tp > 1):
         problems.append("tied embeddings with tp or pp > 1 are not supported by the executor")
     if layout.dp % layout.shard:

@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from executor.checks import UnsupportedLayout, check_layout  # noqa: F401 (re-exported)
 from executor.model import Attention, Decoder, build_model, loss_fn
+from planner import stages
 from planner.placement import coordinates
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
@@ -111,13 +112,15 @@ def apply_recompute(model: Decoder, recompute: str) -> None:
         _selective(model)
 
 
-def pipeline_chunk(model: Decoder, chunk: int, chunks: int) -> Decoder:
-    """Model chunk `chunk` of `chunks`: its contiguous layers, the embedding on the first chunk,
-    the final norm and head on the last; names keep their global layer index."""
-    per = model.spec.num_layers // chunks
+def pipeline_chunk(model: Decoder, chunk: int, pp: int, vpp: int = 1) -> Decoder:
+    """Model chunk `chunk` of pp x vpp: its contiguous layers as the split rule gives them
+    (planner/stages.py: uneven when pp x vpp does not divide the layers), the embedding on the
+    first chunk, the final norm and head on the last; names keep their global layer index."""
+    chunks = pp * vpp
+    offsets = stages.chunk_offsets(model.spec.num_layers, pp, vpp)
     part = copy.deepcopy(model)
     for key in list(part.layers.keys()):
-        if not chunk * per <= int(key) < (chunk + 1) * per:
+        if not offsets[chunk] <= int(key) < offsets[chunk + 1]:
             del part.layers[key]
     if chunk > 0:
         part.tok_embeddings = None
@@ -213,7 +216,8 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
 
     chunks = layout.pp * layout.virtual_stages
     stage_ids = [coords.pp_rank + k * layout.pp for k in range(layout.virtual_stages)]
-    parts = [pipeline_chunk(model, i, chunks) for i in stage_ids] if layout.pp > 1 else [model]
+    parts = [pipeline_chunk(model, i, layout.pp, layout.virtual_stages) for i in stage_ids] if layout.pp > 1 \
+        else [model]
     del model
     for part in parts:
         if layout.tp > 1:
@@ -229,9 +233,9 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
         from torch.distributed.pipelining import PipelineStage
 
         group = mesh["pp"].get_group()
-        stages = [PipelineStage(part, i, chunks, device, group=group) for part, i in zip(parts, stage_ids, strict=True)]
+        pipe = [PipelineStage(part, i, chunks, device, group=group) for part, i in zip(parts, stage_ids, strict=True)]
         cls = _schedule_class(layout)
-        stage_arg = stages if layout.virtual_stages > 1 else stages[0]
+        stage_arg = pipe if layout.virtual_stages > 1 else pipe[0]
         schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn)
     return Prepared(parts, opt, schedule, executed_as)
 

@@ -34,7 +34,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from executor.checks import PROGRESS_PREFIX, REQUIRE_GPU_ENV, UnsupportedLayout, check_layout
-from planner import __version__
+from planner import __version__, stages
 from planner.errors import BerthError, from_validation_error
 from planner.specs import Metrics, Plan, ValidationReport
 from planner.store import Store
@@ -290,7 +290,8 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     """Run one rank's share of the plan in one process (executor/proxy.py) and compare it with
     the cost model's per-rank figures for that stage."""
     x = plan.layout
-    per_stage = plan.model.num_layers // x.pp
+    # the deepest stage's layers (planner/stages.py; every stage's when the split is even)
+    per_stage = max(int(n) for n in stages.stage_split(plan.model.num_layers, x.pp, x.virtual_stages)[:3])
     layers = per_stage if layers is None else layers
     if not 1 <= layers <= per_stage:
         raise BerthError("layers", layers, f"must be in 1..{per_stage} (the layers of one stage)")

@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from planner import stages
 from planner.errors import BerthError
 from planner.specs import ImageName, Plan
 
@@ -134,6 +135,29 @@ FIELD_KEYS: dict[str, dict[str, str]] = {fmt: {f: key for f, (key, _) in keys.it
 #   default). berth sets both to 0 and layers_per_stage = layers / (pp x vpp), so torchtitan builds pp x vpp
 #   stages of equal layers, the embedding with the first and norm + output with the last (as the plan costs them).
 # - DeepSpeed: PipelineModule(num_stages=pp, partition_method="uniform") balances layer counts (module.py).
+# Uneven stages (planner/stages.py: pp x vpp does not divide the layers; the middle chunks hold k, the first and
+# the last fewer) as each engine takes them (STAGE_SPLIT_SOURCES):
+# - Megatron, vpp = 1: --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers; TransformerConfig
+#   ("Uneven PP") checks that the rest divide evenly among the middle stages (k each). vpp > 1: Megatron's first/last
+#   counts apply to every chunk of the first/last rank, not to the first/last chunk, so the chunks are written as
+#   --pipeline-model-parallel-layout ("Et*f|(t*k|)*n,t*lL": E embedding, t a decoder layer, L the loss).
+# - torchtitan: layers_per_stage = k and first/last_stage_less_layers = k - first, k - last: its generator gives
+#   the first chunk k - (k - first) layers, the last k - (k - last), every other k, in ceil((L + both) / k) = pp x vpp
+#   chunks. Even splits keep both at 0 (the same numbers as before).
+# - DeepSpeed: refused (PipelineModule takes no per-stage counts; partition_method "uniform" puts the remainder on
+#   the first stages).
+STAGE_SPLIT_SOURCES = {
+    "megatron": ("--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers (vpp = 1); "
+                 "--pipeline-model-parallel-layout (vpp > 1)",
+                 "megatron/training/arguments.py:3095-3111; megatron/core/transformer/transformer_config.py:2241-2345; "
+                 "megatron/core/transformer/pipeline_parallel_layer_layout.py parse_str_to_list"),
+    "torchtitan": ("parallelism.pipeline_parallel_layers_per_stage with pipeline_parallel_first_stage_less_layers and "
+                   "pipeline_parallel_last_stage_less_layers",
+                   "torchtitan/config/configs.py (ParallelismConfig); torchtitan/distributed/pipeline_parallel.py "
+                   "_get_pipeline_metadata, _generate_llm_fqn_per_model_part"),
+    "deepspeed": ("(none: refused; PipelineModule partition_method has no per-stage counts)",
+                  "deepspeed/runtime/pipe/module.py _partition_layers; deepspeed/runtime/utils.py partition_uniform"),
+}
 
 def artifacts(plan: Plan, fmt: str, plan_file: str = "plan.json", steps: int = 20, warmup: int = 3,
               image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT) -> dict[str, str]:
@@ -308,6 +332,19 @@ def _megatron_refusal(x) -> str | None:
     return None
 
 
+def _megatron_stage_args(num_layers: int, pp: int, vpp: int) -> list[tuple[str, object]]:
+    """The pipeline split as Megatron arguments (STAGE_SPLIT_SOURCES): nothing for an even split without
+    virtual stages, --num-layers-per-virtual-pipeline-stage for an even interleaved one, the first and last
+    stage's layers for an uneven one, the whole chunk layout for an uneven interleaved one."""
+    if stages.is_even(num_layers, pp, vpp):
+        return [("--num-layers-per-virtual-pipeline-stage", num_layers // (pp * vpp))] if vpp > 1 else []
+    chunks = stages.chunk_layers(num_layers, pp, vpp)
+    if vpp == 1:
+        return [("--decoder-first-pipeline-num-layers", chunks[0]), ("--decoder-last-pipeline-num-layers", chunks[-1])]
+    middle = f"(t*{chunks[1]}|)*{len(chunks) - 2}," if len(chunks) > 2 else ""
+    return [("--pipeline-model-parallel-layout", f"Et*{chunks[0]}|{middle}t*{chunks[-1]}L")]
+
+
 def megatron_args(plan: Plan) -> dict[str, str]:
     """Megatron-LM pretrain_gpt.py arguments for the layout and the whole model shape, and a torchrun launch.
 
@@ -322,8 +359,7 @@ def megatron_args(plan: Plan) -> dict[str, str]:
     args: list[tuple[str, object]] = [
         ("--tensor-model-parallel-size", x.tp), ("--pipeline-model-parallel-size", x.pp),
         ("--micro-batch-size", x.micro_batch_size), ("--global-batch-size", t.global_batch_size)]
-    if x.virtual_stages > 1:
-        args.append(("--num-layers-per-virtual-pipeline-stage", m.num_layers // (x.pp * x.virtual_stages)))
+    args += _megatron_stage_args(m.num_layers, x.pp, x.virtual_stages)
     if x.sequence_parallel:
         args.append(("--sequence-parallel", None))
     if x.recompute != "none":
@@ -389,8 +425,13 @@ def megatron_args(plan: Plan) -> dict[str, str]:
             "megatron-launch.sh": script}
 
 
-def _deepspeed_refusal(x) -> str | None:
-    """Why DeepSpeed 0.19 cannot express the layout, or None."""
+def _deepspeed_refusal(x, num_layers: int | None = None) -> str | None:
+    """Why DeepSpeed 0.19 cannot express the layout (of a model `num_layers` deep), or None."""
+    if num_layers is not None and x.pp > 1 and not stages.is_even(num_layers, x.pp):
+        return (f"uneven pipeline stages ({num_layers} layers on pp {x.pp}: "
+                f"{', '.join(map(str, stages.stage_layers(num_layers, x.pp)))}): DeepSpeed's PipelineModule takes no "
+                "per-stage layer counts (partition_method 'uniform' puts the remainder on the first stages, "
+                "'parameters' and 'type:' balance weights), so it would not build the planned stages")
     if x.sequence_parallel:
         return ("sequence_parallel: DeepSpeed has no Megatron-style sequence parallelism (Ulysses splits "
                 "attention heads, a different scheme)")
@@ -416,7 +457,7 @@ def _deepspeed_refusal(x) -> str | None:
 def deepspeed_config(plan: Plan) -> dict[str, str]:
     """A DeepSpeed config JSON for the layout, and the launch notes (what the training script must do)."""
     x, t, m = plan.layout, plan.training, plan.model
-    reason = _deepspeed_refusal(x)
+    reason = _deepspeed_refusal(x, m.num_layers)
     if reason:
         raise LaunchRefused("deepspeed", reason)
     config: dict[str, Any] = {
@@ -488,6 +529,19 @@ def _torchtitan_refusal(x, model, training) -> str | None:
     return None
 
 
+def _torchtitan_split_note(num_layers: int, pp: int, vpp: int) -> str:
+    chunks = stages.chunk_layers(num_layers, pp, vpp)
+    if len(set(chunks)) == 1:
+        return (f"torchtitan counts the embedding and the output as layers\n(first/last_stage_less_layers, 1 each by "
+                f"default); both are 0 here and layers_per_stage = {num_layers} / (pp {pp} x vpp {vpp}), so it builds"
+                f"\nthe plan's {pp * vpp} stage(s) of equal layers.")
+    k = max(chunks)
+    return (f"{len(chunks)} stages of {chunks[0]}, {k} x{len(chunks) - 2}, {chunks[-1]} decoder layers\n"
+            f"(layers_per_stage = {k}; first/last_stage_less_layers = {k - chunks[0]}, {k - chunks[-1]}: "
+            "torchtitan's split gives those two stages that many\nlayers fewer), the embedding with the first and "
+            "norm + output with the last.")
+
+
 def torchtitan_config(plan: Plan) -> dict[str, str]:
     """A torchtitan 0.3 configuration: a Python module whose function returns the Trainer.Config (torchtitan 0.3
     selects a job with --module/--config; TOML job files are gone), and the torchrun launch."""
@@ -503,11 +557,14 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
         "pipeline_parallel_degree": x.pp}
     if x.zero_stage >= 2:
         parallelism["fsdp_reshard_after_forward"] = "always" if x.zero_stage == 3 else "never"
+    chunks = stages.chunk_layers(m.num_layers, x.pp, x.virtual_stages)
+    per_chunk = max(chunks)  # k: every middle chunk's layers (all of them when even)
     if x.pp > 1:
         parallelism.update(pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[x.schedule],
                            pipeline_parallel_microbatch_size=x.micro_batch_size,
-                           pipeline_parallel_layers_per_stage=m.num_layers // (x.pp * x.virtual_stages),
-                           pipeline_parallel_first_stage_less_layers=0, pipeline_parallel_last_stage_less_layers=0)
+                           pipeline_parallel_layers_per_stage=per_chunk,
+                           pipeline_parallel_first_stage_less_layers=per_chunk - chunks[0],
+                           pipeline_parallel_last_stage_less_layers=per_chunk - chunks[-1])
     ac = {"none": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[x.recompute]
     param = "bfloat16" if t.precision == "bf16" else "float32"
     py = f'''{_header("torchtitan", plan)[0]}
@@ -518,9 +575,7 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
 
 Still to supply (read from the environment when the config is built; an unset one stops with its description):
 {chr(10).join(f"    {k}: {v}" for k, v in TORCHTITAN_INPUTS.items())}
-Pipeline split: torchtitan counts the embedding and the output as layers (first/last_stage_less_layers, 1 each by
-default); both are 0 here and layers_per_stage = {m.num_layers} / (pp {x.pp} x vpp {x.virtual_stages}), so it builds
-the plan's {x.pp * x.virtual_stages} stage(s) of equal layers.
+Pipeline split (berth's rule, planner/stages.py): {_torchtitan_split_note(m.num_layers, x.pp, x.virtual_stages)}
 """
 
 import os
@@ -601,5 +656,5 @@ seq_len=SEQ_LEN, mixed_precision_param="{param}",
 
 
 ENGINE_REFUSALS = {"megatron": lambda p: _megatron_refusal(p.layout),
-                   "deepspeed": lambda p: _deepspeed_refusal(p.layout),
+                   "deepspeed": lambda p: _deepspeed_refusal(p.layout, p.model.num_layers),
                    "torchtitan": lambda p: _torchtitan_refusal(p.layout, p.model, p.training)}

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from planner import stages
 from planner.errors import BerthError, from_validation_error
 from planner.specs import (
     AXIS_ORDER_CHOICES,
@@ -115,7 +116,7 @@ RULE_FIELDS = {
     "world_size_mismatch": ("tp", "pp", "dp"),
     "tp_not_divide_heads": ("tp",),
     "tp_not_divide_kv_heads": ("tp",),
-    "pp_not_divide_layers": ("pp", "virtual_stages"),
+    "stage_without_layers": ("pp", "virtual_stages"),
     "batch_not_divisible": ("dp", "micro_batch_size", "num_microbatches"),
     "shard_not_divide_dp": ("shard", "dp"),
     "shard_without_zero": ("shard", "zero_stage"),
@@ -146,11 +147,9 @@ def _why(name: str, x: Layout, model: ModelSpec, training: TrainingSpec, world: 
     if name in ("tp_not_divide_heads", "tp_not_divide_kv_heads"):
         valid = [d for d in divisors(gcd(a, kv)) if world % d == 0]
         return f"tp must divide the {a} attention heads and {kv} kv heads; valid: {_listing(valid)}"
-    if name == "pp_not_divide_layers":
-        valid = [d for d in divisors(L // x.virtual_stages if L % x.virtual_stages == 0 else 1)
-                 if (world // x.tp) % d == 0]
-        return (f"pp x virtual_stages = {x.pp * x.virtual_stages} must divide the {L} layers; "
-                f"valid pp (vpp={x.virtual_stages}): {_listing(valid)}")
+    if name == "stage_without_layers":
+        valid = [d for d in divisors(world // x.tp) if stages.split(L, d, x.virtual_stages)[3]]
+        return f"{stages.why_invalid(L, x.pp, x.virtual_stages)}; valid pp (vpp={x.virtual_stages}): {_listing(valid)}"
     if name == "batch_not_divisible":
         return (f"dp x micro_batch_size x num_microbatches = {x.dp} x {x.micro_batch_size} x "
                 f"{x.num_microbatches} = {x.dp * x.micro_batch_size * x.num_microbatches} must equal the "

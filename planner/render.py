@@ -132,14 +132,28 @@ def plans_csv(plans: list[Plan], best_tokens_per_s: float | None = None) -> str:
     fields = ("tp", "pp", "dp", "shard", "zero_stage", "recompute", "micro_batch_size", "num_microbatches",
               "virtual_stages", "schedule", "sequence_parallel", "axis_order")
     pred = ("step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "bottleneck")
-    w.writerow(["rank", *fields, *pred, "vs_best", "infeasible_reason"])
+    w.writerow(["rank", *fields, "stage_layers", *pred, "vs_best", "infeasible_reason"])
     for i, p in enumerate(plans, 1):
         pr = p.prediction
         lay = [int(v) if isinstance(v, bool) else v for v in (getattr(p.layout, f) for f in fields)]
         vals = [getattr(pr, k) for k in pred] if pr else [""] * len(pred)
         gap = pr.tokens_per_s / best_tokens_per_s - 1 if pr and best_tokens_per_s else ""
-        w.writerow([i, *lay, *vals, gap, p.infeasible_reason or ""])
+        stages = " ".join(map(str, p.stage_layers)) if p.stage_layers else ""
+        w.writerow([i, *lay, stages, *vals, gap, p.infeasible_reason or ""])
     return buf.getvalue()
+
+
+def stage_text(p: Plan) -> str:
+    """Decoder layers per pipeline stage, runs folded: "7, 8 x14, 7" (planner/stages.py)."""
+    if not p.stage_layers:
+        return "-"
+    runs: list[list[int]] = []
+    for n in p.stage_layers:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ", ".join(f"{n} x{k}" if k > 1 else str(n) for n, k in runs)
 
 
 def breakdown_table(plans: list[Plan], title: str) -> Table:
@@ -147,6 +161,8 @@ def breakdown_table(plans: list[Plan], title: str) -> Table:
     t.add_column("term")
     for i, _ in enumerate(plans, 1):
         t.add_column(f"#{i}", justify="right")
+    if any(p.layout.pp > 1 for p in plans):
+        t.add_row("layers per stage", *[stage_text(p) if p.layout.pp > 1 else "-" for p in plans])
     for term in TIME_TERMS:
         t.add_row(f"time: {term}", *[_seconds(p.prediction.time_breakdown_s[term]) if p.prediction else "-"
                                      for p in plans])

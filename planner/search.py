@@ -22,7 +22,7 @@ from cost_models.candidates import (
 from cost_models.memory import allocator_capacity_bytes
 from cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
 from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, REASONS, VALID
-from planner import __version__
+from planner import __version__, stages
 from planner.errors import BerthError
 from planner.layouts import check_values, divisors, refuse_fix
 from planner.placement import innermost_cluster, placement
@@ -81,7 +81,7 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
         if a % tp or kv % tp:
             continue
         for pp in divisors(world // tp):
-            if L % pp:
+            if not stages.split(L, pp)[3]:
                 continue
             dp = world // (tp * pp)
             if B % dp:
@@ -89,8 +89,11 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
             if pp == 1:
                 schedules = [(SCHEDULE_1F1B, 1)]
             else:
+                # virtual stages: the divisors of a middle rank's layers, ceil(L / pp) (L / pp when pp
+                # divides L), whose chunk split is valid (planner/stages.py)
                 schedules = [(SCHEDULE_GPIPE, 1), (SCHEDULE_1F1B, 1)]
-                schedules += [(SCHEDULE_INTERLEAVED, v) for v in divisors(L // pp) if v > 1]
+                schedules += [(SCHEDULE_INTERLEAVED, v) for v in divisors(-(-L // pp))
+                              if v > 1 and stages.split(L, pp, v)[3]]
             orders = axis_orders(tp, pp, dp)
             for mbs in divisors(B // dp):
                 if max_mbs and mbs > max_mbs:
@@ -122,7 +125,7 @@ def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
             "training.global_batch_size", training.global_batch_size,
             f"no layout of {cluster.world_size} GPUs splits it (dp must divide the global batch; "
             f"tp must divide {model.num_attention_heads} heads and {model.kv_heads} kv heads; "
-            f"pp must divide {model.num_layers} layers)",
+            f"pp must leave each pipeline stage of the {model.num_layers} layers at least one)",
         )
     if search.fix:
         check_values(search.fix, "fix")
@@ -334,8 +337,16 @@ def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int, d
         layout=layout,
         prediction=prediction,
         infeasible_reason=_reason_text(code, ev, cluster, i),
+        stage_layers=_stage_layers(model, layout),
         placement=_placement(model, training, cluster, layout, prediction, detail) if prediction else None,
     )
+
+
+def _stage_layers(model: ModelSpec, layout: Layout) -> list[int] | None:
+    try:
+        return stages.stage_layers(model.num_layers, layout.pp, layout.virtual_stages)
+    except ValueError:
+        return None
 
 
 def _placement(model, training, cluster, layout: Layout, prediction: Prediction, detail: bool) -> Placement:

@@ -397,6 +397,10 @@ class Plan(Spec):
     layout: Layout
     prediction: Prediction | None
     infeasible_reason: str | None = None
+    stage_layers: list[int] | None = Field(
+        default=None, description="decoder layers on each pipeline stage (pp rank, its virtual stages summed), "
+        "first stage first: the split rule of planner/stages.py, uneven when pp x virtual_stages does not divide "
+        "the layers; null when the layout has no valid split")
     placement: Placement | None = None
     fallback: Fallback | None = None
 

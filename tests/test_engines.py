@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import engine_check as ec
 from planner.launch import ENGINE_VERSIONS, LaunchRefused, artifacts
+from planner.stages import chunk_layers
 
 PLANS = ec.plan_set()
 IDS = [name for name, _ in PLANS]
@@ -47,7 +48,8 @@ def test_deepspeed_config_parsed_by_deepspeed_equals_the_plan(name, plan):
     x = plan.layout
     cannot = (x.sequence_parallel or x.recompute == "selective" or x.axis_order != "tp-dp-pp"
               or (x.zero_stage and x.shard < x.dp)  # MiCS was removed in 0.19
-              or (x.pp > 1 and (x.schedule != "1f1b" or x.zero_stage >= 2 or x.tp > 1)))
+              or (x.pp > 1 and (x.schedule != "1f1b" or x.zero_stage >= 2 or x.tp > 1))
+              or plan.model.num_layers % x.pp)  # uneven stages: PipelineModule takes no per-stage counts
     if cannot:
         _refusal_is_stated(files, "deepspeed")
         return
@@ -83,7 +85,6 @@ def test_torchtitan_config_parsed_by_torchtitan_equals_the_plan(name, plan, tmp_
         return
     assert not isinstance(files, str), files
     got = ec.load_torchtitan(plan, files, tmp_path)
-    stages = x.pp * x.virtual_stages
     want = {**_common(plan, "torchtitan"), "pp": x.pp, "vpp": x.virtual_stages,
             "shard": x.shard if x.zero_stage else 1, "zero": x.zero_stage,
             # gradient accumulation without a pipeline: torchtitan accumulates through global_batch_size
@@ -91,8 +92,9 @@ def test_torchtitan_config_parsed_by_torchtitan_equals_the_plan(name, plan, tmp_
             "pipeline_microbatches": x.num_microbatches if x.pp > 1 else 1,
             "schedule": {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
                          "interleaved_1f1b": "ScheduleInterleaved1F1B"}[x.schedule] if x.pp > 1 else None,
-            # the embedding and the output ride with the first and last stage: equal decoder layers per stage
-            "layers_per_stage": [m.num_layers // stages] * stages if x.pp > 1 else [],
+            # the embedding and the output ride with the first and last stage; decoder layers per stage as
+            # berth's split rule gives them (equal when pp x vpp divides the layers)
+            "layers_per_stage": chunk_layers(m.num_layers, x.pp, x.virtual_stages) if x.pp > 1 else [],
             "recompute": x.recompute, "sp": x.sequence_parallel, "seq_len": t.seq_len,
             "world": plan.cluster.world_size, "num_layers": m.num_layers, "hidden": m.hidden_size,
             "vocab": m.vocab_size}

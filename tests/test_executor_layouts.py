@@ -124,3 +124,22 @@ def test_2d_layouts_on_four_processes_match_single_process(tmp_path, reference):
 
 def test_3d_layouts_on_eight_processes_match_single_process(tmp_path, reference):
     check(launch(tmp_path, EIGHT, 8), reference, 8)
+
+
+def test_uneven_pipeline_stages_match_single_process(tmp_path):
+    """Stages of unequal depth (planner/stages.py): a 7-layer tiny-gpt on pp = 2 holds 4 and 3 layers
+    (1F1B and GPipe), and with 2 virtual stages chunks of 2, 2, 2 and 1; each reproduces the
+    single-process losses of the same 7-layer model."""
+    from executor.model import build_model
+    from executor.parallel import pipeline_chunk
+
+    model = MODEL.model_copy(update={"num_layers": 7})
+    whole = build_model(model, 0)
+    held = [sorted(int(k) for k in pipeline_chunk(whole, i, 2, 2).layers) for i in range(4)]
+    assert held == [[0, 1], [2, 3], [4, 5], [6]]
+    assert [len(pipeline_chunk(whole, i, 2).layers) for i in range(2)] == [4, 3]
+    layouts = [Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b"),
+               Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="gpipe", recompute="full"),
+               Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)]
+    reference = run_steps(model, TRAINING, Layout(micro_batch_size=8), STEPS).losses
+    check(launch(tmp_path, layouts, 2, model=model), reference, 2)

@@ -153,3 +153,31 @@ def test_missing_reference_data_is_a_clear_error(tmp_path):
     this into a failure, not a skip)."""
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         load_runs(tmp_path)
+
+
+# Llama 3 405B as Meta trained it (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4): TP 8, CP 1,
+# PP 16, seq 8192, 16M tokens a batch (2048 sequences), BF16 on H100 (80 GB HBM3, 700 W, Grand Teton: 8 GPUs on
+# NVLink a server, 400 Gb/s RoCE per GPU): 430 TFLOP/s per GPU (43% MFU) on 8,192 GPUs (DP 64) and 400 (41%) on
+# 16,384 (DP 128); 126 layers on 16 stages, one layer fewer on the first and the last (Sec. 3.3.2). Predicted
+# with `berth plan llama3.1-405b --fix tp=8,pp=16` on dgx-h100 (its best plan; Meta's schedule details beyond
+# Table 4 are not all published). Meta's figures include work berth leaves out (data loading, logging, stragglers
+# at 16K GPUs) and berth's best plan need not be Meta's: 15% either way, inside issue 12's 30% worst case.
+LLAMA3_405B_META = [(1024, 430.0), (2048, 400.0)]  # (dgx-h100 nodes, TFLOP/s per GPU)
+LLAMA3_405B_TOLERANCE = 0.15  # predicted 399 and 359 (-7% and -10%) when added
+
+
+@pytest.mark.parametrize("nodes, tflops", LLAMA3_405B_META, ids=["8192gpu", "16384gpu"])
+def test_llama3_405b_as_meta_trained_it(nodes, tflops):
+    from planner.models import load_model
+    from planner.search import search
+    from planner.specs import SearchSpec, TrainingSpec
+    from planner.topology import cluster_from_preset
+
+    cluster = cluster_from_preset("dgx-h100", nodes)
+    result = search(load_model("llama3.1-405b"), TrainingSpec(seq_len=8192, global_batch_size=2048), cluster,
+                    SearchSpec(top=1, fix={"tp": 8, "pp": 16}))
+    (best,) = result.plans
+    assert best.stage_layers == [7, *[8] * 14, 7] and best.layout.dp == cluster.world_size // 128
+    pr = best.prediction
+    predicted = pr.model_flops_per_step / pr.step_time_s / cluster.world_size / 1e12
+    assert predicted == pytest.approx(tflops, rel=LLAMA3_405B_TOLERANCE), (best.layout.short(), predicted)

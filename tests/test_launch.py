@@ -43,7 +43,8 @@ MEGATRON_ARGS = {
     "--ffn-hidden-size", "--num-attention-heads", "--seq-length", "--max-position-embeddings", "--bf16", "--fp16",
     "--group-query-attention", "--num-query-groups", "--swiglu", "--normalization", "--position-embedding-type",
     "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--attention-backend", "--tokenizer-type",
-    "--tokenizer-model", "--data-path",
+    "--tokenizer-model", "--data-path", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+    "--pipeline-model-parallel-layout",
 }
 DEEPSPEED_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
@@ -94,6 +95,50 @@ def test_megatron_arguments_are_megatrons_own(layout):
     # tp > 1 without Megatron FSDP: the launch sets what validate_args asserts
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in files["megatron-launch.sh"]
     assert ENGINE_VERSIONS["megatron"] in text and ENGINE_VERSIONS["megatron"] in files["megatron-launch.sh"]
+
+
+def _megatron_flags(files):
+    text = "\n".join(line for line in files["megatron-args.txt"].splitlines() if not line.startswith("#"))
+    words = text.replace("\\\n", " ").split()
+    return {w: (words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else None)
+            for i, w in enumerate(words) if w.startswith("--")}
+
+
+def test_uneven_stages_in_each_engines_terms():
+    """32 layers on pp 3 (11, 11, 10) and 80 layers in 4 x 3 chunks (5, 7 x10, 5): Megatron's first/last stage
+    counts (its "Uneven PP" check: the rest divide evenly among the middle stages) or its chunk layout,
+    torchtitan's layers_per_stage with first/last_stage_less_layers, DeepSpeed refused."""
+    p = plan_for(Layout(tp=8, pp=3, dp=1, micro_batch_size=1, num_microbatches=64, sequence_parallel=True,
+                        recompute="selective"), "llama3-8b", nodes=3)
+    assert p.stage_layers == [11, 11, 10] and p.prediction.fits
+    flags = _megatron_flags(artifacts(p, "megatron"))
+    assert set(flags) <= MEGATRON_ARGS
+    first, last = int(flags["--decoder-first-pipeline-num-layers"]), int(flags["--decoder-last-pipeline-num-layers"])
+    assert (first, last) == (11, 10) and first > 0 and last > 0 and (32 - first - last) % (3 - 2) == 0
+    assert "--num-layers-per-virtual-pipeline-stage" not in flags
+    module = ast.parse(artifacts(p, "torchtitan")["berth_torchtitan.py"])
+    (par,) = [{k.arg: ast.literal_eval(k.value) for k in n.keywords} for n in ast.walk(module)
+              if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"]
+    assert (par["pipeline_parallel_layers_per_stage"], par["pipeline_parallel_first_stage_less_layers"],
+            par["pipeline_parallel_last_stage_less_layers"]) == (11, 0, 1)
+    ds = plan_for(Layout(pp=3, dp=8, zero_stage=1, shard=8, micro_batch_size=1, num_microbatches=8,
+                         recompute="full"), "llama3-8b", nodes=3)
+    with pytest.raises(LaunchRefused, match="uneven pipeline stages .* 11, 11, 10"):
+        artifacts(ds, "deepspeed")
+
+    chunked = plan_for(Layout(tp=8, pp=4, dp=1, micro_batch_size=1, num_microbatches=64, schedule="interleaved_1f1b",
+                              virtual_stages=3, sequence_parallel=True, recompute="full"))
+    assert chunked.stage_layers == [19, 21, 21, 19]
+    flags = _megatron_flags(artifacts(chunked, "megatron"))
+    # E embedding, t a decoder layer, L the loss; "|" ends a chunk (megatron/core/transformer/
+    # pipeline_parallel_layer_layout.py); the first/last counts would shorten every chunk of a rank
+    assert flags["--pipeline-model-parallel-layout"] == "Et*5|(t*7|)*10,t*5L"
+    assert not {"--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers"} & set(flags)
+    module = ast.parse(artifacts(chunked, "torchtitan")["berth_torchtitan.py"])
+    (par,) = [{k.arg: ast.literal_eval(k.value) for k in n.keywords} for n in ast.walk(module)
+              if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"]
+    assert (par["pipeline_parallel_layers_per_stage"], par["pipeline_parallel_first_stage_less_layers"],
+            par["pipeline_parallel_last_stage_less_layers"]) == (7, 2, 2)
 
 
 def test_engine_artifacts_stop_on_a_missing_placeholder(tmp_path):
@@ -303,7 +348,13 @@ def test_fallback_with_one_node_lost_keeps_the_batch_or_says_what_changes():
     keep = plan(model, TrainingSpec(seq_len=4096, global_batch_size=96), cluster_from_preset("dgx-h100", 4), spec)
     fb = fallback(keep.plans[0], spec)
     assert fb.world_size == 24 and fb.global_batch_size == 96 and fb.layout.world_size == 24
-    change = plan(model, TrainingSpec(seq_len=8192, global_batch_size=256), cluster_from_preset("dgx-h100", 8), spec)
+    # 56 GPUs = 7 x 8: with uneven pipeline stages (planner/stages.py) pp = 7 splits 70B's 80 layers (10, 12 x5,
+    # 10), so the batch of 256 is kept; a 4-layer model has no pp of 7 and no dp of 7 divides 256
+    kept = plan(model, TrainingSpec(seq_len=8192, global_batch_size=256), cluster_from_preset("dgx-h100", 8), spec)
+    fb = fallback(kept.plans[0], spec)
+    assert fb.world_size == 56 and fb.global_batch_size == 256 and fb.layout.pp % 7 == 0
+    change = plan(load_model("tiny-gpt"), TrainingSpec(seq_len=8192, global_batch_size=256),
+                  cluster_from_preset("dgx-h100", 8), spec)
     fb = fallback(change.plans[0], spec)
     assert fb.world_size == 56 and fb.global_batch_size != 256
     assert any("global batch" in c and "256" in c for c in fb.changes)

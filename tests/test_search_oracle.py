@@ -37,6 +37,21 @@ def distinct_orders(tp, pp, dp):
     return out
 
 
+def uneven_split_ok(L, pp, vpp):
+    """The stage rule written out (planner/stages.py): pp x vpp chunks; the middle ones hold
+    ceil(L / chunks), the first and last give up the missing layers (the last the larger half) and
+    must keep one each; the search tries the vpp that split a middle rank's ceil(L / pp) layers
+    into equal chunks."""
+    chunks = pp * vpp
+    if -(-L // pp) % vpp:
+        return False
+    if chunks == 1:
+        return True
+    k = -(-L // chunks)
+    missing = chunks * k - L
+    return k - missing // 2 >= 1 and k - (missing + 1) // 2 >= 1
+
+
 def brute_force(model, training, cluster):
     world, L, B = cluster.world_size, model.num_layers, training.global_batch_size
     layouts = []
@@ -46,7 +61,7 @@ def brute_force(model, training, cluster):
                 continue
             dp = world // (tp * pp)
             for vpp in range(1, L + 1):
-                if L % (pp * vpp):
+                if not uneven_split_ok(L, pp, vpp):
                     continue
                 for schedule in SCHEDULE_CHOICES:
                     if pp == 1 and schedule != "1f1b":

@@ -1,0 +1,111 @@
+"""Decoder layers per pipeline stage: the one rule berth applies, used by the cost model
+(cost_models/step.py, memory.py), the validity rules (cost_models/validity.py), the search
+(planner/search.py), the executor (executor/parallel.py, checks.py) and the launch artifacts
+(planner/launch.py).
+
+The rule. pp ranks with v virtual stages each cut the model into S = pp x v chunks, in model order
+(chunk c runs on pp rank c mod pp: the interleaved order of Megatron-LM and of
+torch.distributed.pipelining). When S divides the L decoder layers every chunk holds L / S. Otherwise
+every chunk but the first and the last holds k = ceil(L / S) and the first and the last give up the
+r = S k - L layers that are missing: the last chunk ceil(r / 2), the first floor(r / 2). A split that
+would leave the first or the last chunk without a decoder layer (S > L among them) is refused
+(`split`'s `valid`; validity reason `stage_without_layers`).
+
+Why this split:
+- the slowest stage sets the step (every stage runs each micro-batch at the pace of the slowest) and
+  the largest sets the memory: no split gives its largest chunk fewer than ceil(L / S) layers, and
+  this one gives that to every middle chunk and less to the two ends;
+- the ends carry more than their layers: the first the embedding (a lookup, but under 1F1B the most
+  micro-batches in flight), the last the final norm, the LM head and the loss (2 h V FLOPs per token
+  forward, a large share of a layer when the vocabulary is large, and the logits in memory), so the
+  last gives up the larger half;
+- it is the split Meta trained Llama 3 405B with: 126 layers on PP 16, "we reduce one Transformer
+  layer each from the first and the last stages" (The Llama 3 Herd of Models, 2024, Sec. 3.3.2;
+  Table 4: TP 8, CP 1, PP 16): 7, 8 x 14, 7 here;
+- every engine berth launches builds it as such:
+  Megatron-LM (main @ d98e8a6) `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`
+  for v = 1; TransformerConfig.__post_init__ ("Uneven PP") requires the remaining layers to divide
+  evenly among the middle stages, which they do (k each); for v > 1 its first/last counts apply to
+  every chunk of the first/last rank, so the chunk split is written as `--pipeline-model-parallel-layout`
+  (megatron/core/transformer/pipeline_parallel_layer_layout.py);
+  torchtitan (torchtitan/distributed/pipeline_parallel.py `_get_pipeline_metadata`,
+  `_generate_llm_fqn_per_model_part`): S = ceil((L + first_less + last_less) / layers_per_stage)
+  chunks of layers_per_stage effective layers, the first holding first_less and the last last_less
+  fewer; `pipeline_parallel_layers_per_stage = k` with `first/last_stage_less_layers = k - first,
+  k - last` gives exactly these chunks;
+  torch.distributed.pipelining (the bundled executor): any split;
+  DeepSpeed's PipelineModule partitions by its own method (`uniform` puts the remainder on the
+  first stages), so planner/launch.py refuses uneven stages for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def split(num_layers, pp, vpp=1):
+    """(first, middle, last, valid) decoder layers of the first, every middle and the last chunk
+    (virtual stage) for L = `num_layers` over pp x vpp chunks (module docstring): int64 arrays
+    broadcast over the inputs. With one chunk all three are L. `valid` is False where the first or
+    the last chunk would hold no layer."""
+    L = np.asarray(num_layers, dtype=np.int64)
+    chunks = np.asarray(pp, dtype=np.int64) * np.asarray(vpp, dtype=np.int64)
+    k = -(-L // chunks)  # ceil(L / S): every middle chunk
+    missing = chunks * k - L
+    first = np.where(chunks == 1, L, k - missing // 2)
+    last = np.where(chunks == 1, L, k - (missing + 1) // 2)
+    middle = np.where(chunks == 1, L, k)
+    return first, middle, last, (first >= 1) & (last >= 1)
+
+
+def stage_split(num_layers, pp, vpp=1):
+    """(first, middle, last, valid) decoder layers of the first, every middle and the last pipeline
+    rank (a rank holds vpp chunks: the first rank chunk 0 and vpp - 1 middle chunks, the last rank
+    vpp - 1 middle chunks and the last chunk); with pp = 1 all three are L."""
+    first, middle, last, valid = split(num_layers, pp, vpp)
+    v = np.asarray(vpp, dtype=np.int64)
+    one = np.asarray(pp) == 1
+    L = np.asarray(num_layers, dtype=np.int64)
+    return (np.where(one, L, first + (v - 1) * middle), np.where(one, L, v * middle),
+            np.where(one, L, last + (v - 1) * middle), valid)
+
+
+def is_even(num_layers: int, pp: int, vpp: int = 1) -> bool:
+    return num_layers % (pp * vpp) == 0
+
+
+def chunk_layers(num_layers: int, pp: int, vpp: int = 1) -> list[int]:
+    """Decoder layers of each of the pp x vpp chunks in model order; ValueError when the split
+    leaves the first or the last chunk without a layer."""
+    first, middle, last, valid = (int(a) for a in split(num_layers, pp, vpp))
+    chunks = pp * vpp
+    if not valid:
+        raise ValueError(why_invalid(num_layers, pp, vpp))
+    if chunks == 1:
+        return [num_layers]
+    return [first, *[middle] * (chunks - 2), last]
+
+
+def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[int]:
+    """Decoder layers of each pipeline rank (the sum of its vpp chunks), rank 0 first."""
+    chunks = chunk_layers(num_layers, pp, vpp)
+    return [sum(chunks[r::pp]) for r in range(pp)]
+
+
+def chunk_offsets(num_layers: int, pp: int, vpp: int = 1) -> list[int]:
+    """The first global layer index of each chunk, and L at the end (len pp x vpp + 1)."""
+    out = [0]
+    for n in chunk_layers(num_layers, pp, vpp):
+        out.append(out[-1] + n)
+    return out
+
+
+def why_invalid(num_layers: int, pp: int, vpp: int = 1) -> str:
+    chunks = pp * vpp
+    first, middle, last, _ = (int(a) for a in split(num_layers, pp, vpp))
+    if chunks > num_layers:
+        return (f"pp x virtual_stages = {chunks} chunks for {num_layers} layers: a pipeline stage would hold "
+                "no layer")
+    return (f"{num_layers} layers over pp x virtual_stages = {chunks} chunks: the middle chunks hold "
+            f"{middle} each (ceil({num_layers}/{chunks})) and the first and last would hold {first} and {last}; "
+            "a stage without a decoder layer is refused")

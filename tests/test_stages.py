@@ -1,0 +1,131 @@
+"""Uneven pipeline stages (planner/stages.py): the split rule, its validity, and how the cost model
+weighs stages of unequal depth (the slowest stage sets the step, the largest the memory)."""
+
+import numpy as np
+import pytest
+
+from cost_models import memory
+from cost_models.candidates import Candidates
+from cost_models.step import evaluate
+from cost_models.validity import REASON_CODES
+from planner import stages
+from planner.errors import BerthError
+from planner.layouts import check_layout
+from planner.models import load_model
+from planner.search import predict_layouts, search
+from planner.specs import Layout, SearchSpec, TrainingSpec
+from planner.topology import cluster_from_preset
+
+
+def test_the_rule_by_hand():
+    # Llama 3 405B on PP 16: one layer fewer on the first and the last stage (Llama 3 paper, Sec. 3.3.2)
+    assert stages.stage_layers(126, 16) == [7, *[8] * 14, 7]
+    assert stages.chunk_layers(126, 16, 2) == [3, *[4] * 30, 3]
+    assert stages.stage_layers(126, 16, 2) == [7, *[8] * 14, 7]
+    assert stages.chunk_layers(80, 4, 3) == [5, *[7] * 10, 5]
+    assert stages.chunk_layers(7, 2) == [4, 3]  # an odd remainder: the last (LM head, loss) gives it up
+    assert stages.chunk_layers(80, 4, 5) == [4] * 20 and stages.chunk_layers(1, 1) == [1]  # even: as before
+    assert stages.chunk_offsets(7, 2, 2) == [0, 2, 4, 6, 7]
+    for L, pp, vpp in [(4, 8, 1), (5, 4, 1), (126, 16, 3), (2, 2, 2)]:  # a stage would hold no layer
+        assert not stages.split(L, pp, vpp)[3]
+        with pytest.raises(ValueError, match="no layer|without a decoder layer"):
+            stages.chunk_layers(L, pp, vpp)
+
+
+def test_vectorized_split_agrees_with_the_lists():
+    L, pp, vpp = np.meshgrid(np.arange(1, 41), np.arange(1, 17), np.arange(1, 5), indexing="ij")
+    first, middle, last, valid = stages.split(L, pp, vpp)
+    f_stage, m_stage, l_stage, _ = stages.stage_split(L, pp, vpp)
+    for i in np.ndindex(L.shape):
+        n, p, v = int(L[i]), int(pp[i]), int(vpp[i])
+        if not valid[i]:
+            assert p * v > 1
+            continue
+        chunks = stages.chunk_layers(n, p, v)
+        ranks = stages.stage_layers(n, p, v)
+        assert sum(chunks) == n and min(chunks) >= 1 and len(chunks) == p * v
+        assert max(chunks) == -(-n // (p * v))  # no split gives its largest chunk fewer layers
+        assert (chunks[0], chunks[-1]) == (first[i], last[i]) and set(chunks[1:-1]) <= {middle[i]}
+        assert (ranks[0], ranks[-1]) == (f_stage[i], l_stage[i]) and set(ranks[1:-1]) <= {m_stage[i]}
+        if n % (p * v) == 0:
+            assert len(set(chunks)) == 1
+
+
+def test_validity_keeps_uneven_splits_and_refuses_empty_stages():
+    model, training = load_model("tiny-gpt"), TrainingSpec(seq_len=256, global_batch_size=16)
+    cluster = cluster_from_preset("dgx-a100-80g", 1)
+    c = Candidates.from_layouts([Layout(pp=4, dp=2, num_microbatches=8, micro_batch_size=1),
+                                 Layout(pp=8, num_microbatches=16, micro_batch_size=1),
+                                 Layout(pp=2, dp=4, num_microbatches=4, micro_batch_size=1,
+                                        schedule="interleaved_1f1b", virtual_stages=3)])
+    with np.errstate(all="ignore"):
+        reason = evaluate(model.model_copy(update={"num_layers": 6}), training, cluster, c).reason
+    # 6 layers: pp 4 -> 1, 2, 2, 1; pp 8 > 6 layers; 2 x 3 chunks of 1 are even
+    assert reason.tolist() == [0, REASON_CODES["stage_without_layers"], 0]
+    with pytest.raises(BerthError, match=r"layout.pp.*8 chunks for 4 layers.*valid pp \(vpp=1\): 1, 2, 4"):
+        check_layout({"pp": 8, "num_microbatches": 16}, model, training, cluster)
+
+
+def _one(model, training, cluster, layout):
+    with np.errstate(all="ignore"):
+        return evaluate(model, training, cluster, Candidates.from_layouts([layout]))
+
+
+def test_the_slowest_stage_sets_the_step():
+    """7 layers on pp 2 (4, 3) against 8 (4, 4), tp 1: the 4-layer first stage is slowest in the first
+    (its 3-layer last stage holds a small head), the last stage (4 layers and the head) in the second, so
+    their compute differs by the head alone; the first stage's parameters are the same."""
+    base = load_model("tiny-gpt")
+    training = TrainingSpec(seq_len=256, global_batch_size=16, precision="fp32")
+    cluster = cluster_from_preset("dgx-a100-80g", 1)
+    layout = Layout(pp=2, dp=4, micro_batch_size=1, num_microbatches=4)
+    seven, eight = (_one(base.model_copy(update={"num_layers": n}), training, cluster, layout) for n in (7, 8))
+    c = Candidates.from_layouts([layout])
+    from cost_models import compute
+
+    head = float(compute.lm_head_compute_s(base, training, cluster.device, np.array([1.0]), np.array([1.0]))[0])
+    diff = eight.time_breakdown_s["compute"][0] - seven.time_breakdown_s["compute"][0]
+    assert diff == pytest.approx(4 * head, rel=1e-9)
+    first7 = memory.stage_params(base.model_copy(update={"num_layers": 7}), c.pp, c.tp, True, c.vpp)
+    first8 = memory.stage_params(base.model_copy(update={"num_layers": 8}), c.pp, c.tp, True, c.vpp)
+    assert first7[0] == first8[0]
+    assert seven.step_time_s[0] < eight.step_time_s[0]
+
+
+def test_a_middle_stage_with_more_layers_is_costed():
+    """Llama 3.1 405B on PP 16 (7, 8 x14, 7): a middle stage's 8 layers outweigh the last stage's 7 and the
+    LM head, so the step's compute is 8 layers a micro-batch, as the same shape with 128 layers (8 on every
+    stage) has less the head; the second stage holds 15 micro-batches of 8 layers under 1F1B, more than
+    the first's 16 of 7, and sets the activation memory."""
+    model = load_model("llama3.1-405b")
+    training = TrainingSpec(seq_len=8192, global_batch_size=2048)
+    cluster = cluster_from_preset("dgx-h100", 2048)
+    layout = Layout(tp=8, pp=16, dp=128, zero_stage=1, shard=128, micro_batch_size=1, num_microbatches=16,
+                    sequence_parallel=True, recompute="selective")
+    uneven = _one(model, training, cluster, layout)
+    even = _one(model.model_copy(update={"num_layers": 128}), training, cluster, layout)
+    from cost_models import compute
+
+    b, tp = np.array([1.0]), np.array([8.0])
+    head = float(compute.lm_head_compute_s(model, training, cluster.device, b, tp)[0])
+    diff = even.time_breakdown_s["compute"][0] - uneven.time_breakdown_s["compute"][0]
+    assert diff == pytest.approx(16 * head, rel=1e-9)
+    c = Candidates.from_layouts([layout])
+    second = memory.stage_memory_breakdown(model, training, cluster.device, c, first=False, middle=True)
+    first = memory.stage_memory_breakdown(model, training, cluster.device, c, first=True)
+    assert second["activations"][0] > first["activations"][0]
+    assert uneven.peak_memory_bytes[0] == pytest.approx(sum(v[0] for v in second.values()))
+    assert uneven.memory_breakdown_bytes["activations"][0] == second["activations"][0]
+
+
+def test_405b_pp16_is_searchable_and_launch_ready():
+    """`berth plan llama3.1-405b --fix tp=8,pp=16` (Meta's layout): plans, each with its stage sizes."""
+    model = load_model("llama3.1-405b")
+    result = search(model, TrainingSpec(seq_len=8192, global_batch_size=2048), cluster_from_preset("dgx-h100", 2048),
+                    SearchSpec(top=3, fix={"tp": 8, "pp": 16}))
+    assert result.plans and result.feasible > 0
+    for p in result.plans:
+        assert (p.layout.tp, p.layout.pp) == (8, 16) and p.stage_layers == [7, *[8] * 14, 7]
+    (p,) = predict_layouts(model, TrainingSpec(seq_len=8192, global_batch_size=2048),
+                           cluster_from_preset("dgx-h100", 2048), [result.plans[0].layout])
+    assert p.stage_layers == [7, *[8] * 14, 7] and p.prediction.step_time_s == result.plans[0].prediction.step_time_s
