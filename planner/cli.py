@@ -341,13 +341,16 @@ def validate_cmd(
                                                "(default: all of one stage)")] = None,
     stage: Annotated[str | None, typer.Option("--stage", help="with --proxy: first or last pipeline stage "
                                               "(default: the one predicted to hold more memory)")] = None,
+    trace: Annotated[str | None, typer.Option("--trace", help="write a Chrome/Perfetto trace of one more step "
+                                              "per rank into this directory (torch.profiler)")] = None,
     as_json: Json = False,
 ) -> None:
-    """Run a plan on this machine with torch.distributed and compare measured with predicted."""
+    """Run a plan on this machine with torch.distributed and compare measured with predicted, term
+    by term (`berth report` renders a saved report)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from executor.validate import validate, validate_proxy
-    from planner.render import validation_table
+    from planner.render import measured_terms_table, validation_table
     from planner.store import Store
 
     _at_least("steps", steps, 1)
@@ -362,6 +365,10 @@ def validate_cmd(
         raise BerthError("proxy", proxy, "the only proxy is rank-slice")
     if proxy is None and (layers is not None or stage is not None):
         raise BerthError("layers" if layers is not None else "stage", layers or stage, "applies to --proxy rank-slice")
+    if proxy and trace:
+        raise BerthError("trace", trace, "traces are written by full runs, not by --proxy rank-slice")
+    if trace and Path(trace).exists() and not Path(trace).is_dir():
+        raise BerthError("trace", trace, "exists and is not a directory")
     db = Store(store)
     err = Console(stderr=True)
     total = steps + warmup
@@ -380,11 +387,15 @@ def validate_cmd(
                                     out=out, on_progress=progress, timeout_s=timeout)
         else:
             report = validate(chosen, steps=steps, warmup=warmup, store=db, out=out, on_progress=progress,
-                              oversubscribe=oversubscribe, timeout_s=timeout)
+                              oversubscribe=oversubscribe, timeout_s=timeout, trace_dir=trace)
     if as_json:
         print(report.model_dump_json())
     else:
         console.print(validation_table(report))
+        if report.breakdown is not None:
+            console.print(measured_terms_table(report))
+        if report.traces:
+            console.print("traces (chrome://tracing or https://ui.perfetto.dev):\n  " + "\n  ".join(report.traces))
         if report.mode == "rank-slice":
             console.print("rank-slice proxy: the step time above is one rank's compute (no communication, no "
                           "bubble). Not checked:\n  - " + "\n  - ".join(report.checks["not_checked"]))
@@ -393,6 +404,61 @@ def validate_cmd(
     if report.status != "ok":
         Console(stderr=True).print(f"[red]{report.status}:[/red] {report.message}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+@app.command("report")
+def report_cmd(
+    report_file: Annotated[str, typer.Argument(help="a ValidationReport JSON (`berth validate --out`)")],
+    png: Annotated[str | None, typer.Option("--png", help="also save the per-rank timeline of one step and the "
+                                            "predicted-vs-measured chart as PNG files in this directory "
+                                            "(needs matplotlib: the `plot` extra)")] = None,
+) -> None:
+    """Show a validation report: predicted beside measured, term by term, with the largest error
+    named; the traces it lists; with --png the timeline ("comb") and the bar chart."""
+    from pydantic import ValidationError
+
+    from planner.errors import from_validation_error
+    from planner.render import measured_memory_table, measured_terms_table, validation_table
+    from planner.specs import ValidationReport
+
+    path = Path(report_file)
+    if not path.is_file():
+        raise BerthError("report", report_file, "no such file" if not path.exists() else "not a file")
+    try:
+        report = ValidationReport.model_validate_json(path.read_text())
+    except UnicodeDecodeError:
+        raise BerthError("report", report_file, "not a text file (expected a ValidationReport JSON)") from None
+    except ValidationError as err:
+        raise from_validation_error(err, "report") from None
+    if png is not None:
+        from planner.plots import EXTRA, have_matplotlib
+
+        if not have_matplotlib():
+            raise BerthError("png", png, f"needs matplotlib: pip install 'berth[{EXTRA}]'")
+        if report.breakdown is None:
+            raise BerthError("png", png, "the report has no measured breakdown to draw")
+        if Path(png).exists() and not Path(png).is_dir():
+            raise BerthError("png", png, "exists and is not a directory")
+    console.print(validation_table(report))
+    if report.breakdown is None:
+        console.print("no measured breakdown in this report (a failed run, a rank-slice proxy, or a report from "
+                      "before berth measured step terms)")
+    else:
+        b = report.breakdown
+        console.print(measured_terms_table(report))
+        console.print(f"largest error: {b.largest_error_term} ({b.largest_error_rule}); clock: {b.method}")
+        console.print(measured_memory_table(report))
+        console.print(b.memory_note, style="dim")
+    if report.traces:
+        console.print("traces (chrome://tracing or https://ui.perfetto.dev):\n  " + "\n  ".join(report.traces))
+    if png is not None:
+        from planner.plots import terms_png, timeline_png
+
+        out = Path(png)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = report.id[:8]
+        written = [timeline_png(report, out / f"{stem}-timeline.png"), terms_png(report, out / f"{stem}-terms.png")]
+        console.print("written: " + ", ".join(str(p) for p in written))
 
 
 @app.command("launch")
