@@ -541,6 +541,8 @@ def calibrate_cmd(
     seed: Annotated[int, typer.Option("--seed", help="seed of the held-out split")] = 0,
     params: Annotated[str | None, typer.Option("--params", help="comma-separated parameters to fit (default: "
                                                "every one the reports determine)")] = None,
+    terms: Annotated[bool, typer.Option("--terms/--step-only", help="fit to the step terms full runs measured "
+                                        "(compute, communication, optimizer...) as well as to step totals")] = True,
 ) -> None:
     """Fit the cost model's named efficiency parameters to validation reports (scipy least_squares)
     and print the error on the fitted reports and on those held out, with each fitted value's
@@ -572,7 +574,7 @@ def calibrate_cmd(
     if device:
         loaded = [r for r in loaded if r.plan.cluster.device.name == device]
     names = tuple(n.strip() for n in params.split(",") if n.strip()) if params else None
-    fit = calibrate(loaded, holdout=holdout, seed=seed, names=names)
+    fit = calibrate(loaded, holdout=holdout, seed=seed, names=names, terms=terms)
     kinds = ", ".join(f"{v} {k}" for k, v in fit.kinds.items() if v)
     t = Table(title=f"calibration on {len(fit.fit_ids)} reports ({len(fit.held_out_ids)} held out; {kinds})")
     for col in ("parameter", "before", "after", "± std. error", "95% interval"):
@@ -585,6 +587,19 @@ def calibrate_cmd(
         else:
             t.add_row(name, f"{fit.initial[name]:.4g}", "not fitted", "", fit.not_fitted.get(name, ""))
     console.print(t)
+    if fit.term_residuals:
+        console.print("measured step terms in the fit: " + ", ".join(f"{k} {v}" for k, v in fit.term_residuals.items())
+                      + " (besides every report's step total and peak memory)")
+    else:
+        console.print("no measured step terms in the fit: " + ("--step-only" if not terms else
+                      "the reports carry no breakdown (validated before berth measured terms)")
+                      + "; the time parameters are fitted to step totals")
+    for name in fit.fitted:
+        touched = fit.touched.get(name, {})
+        if not touched:
+            continue
+        console.print(f"  {name} touched: " + ", ".join(
+            f"{term} ({n} measured)" if n else f"{term} (step total only)" for term, n in touched.items()))
     e = Table(title="errors (fractions)")
     for col in ("reports", "step-time MAPE", "worst", "memory MAPE", "worst"):
         e.add_column(col, justify="left" if col == "reports" else "right")
