@@ -1,7 +1,7 @@
 """torchrun entry point: run the layouts of a plan file and write what every rank measured.
 
     python -m torch.distributed.run --standalone --nproc-per-node=N -m executor.worker \
-        --plans plans.json --steps 3 --warmup 2 --out result.json
+        --plans plans.json --steps 3 --warmup 2 --out result.json [--trace DIR]
 
 `plans.json` holds a list of Plan objects (all with the same world size); several layouts share
 one launch because starting torchrun costs seconds. Rank 0 prints one `BERTH_PROGRESS {json}`
@@ -9,6 +9,11 @@ line per step (what `berth validate` reads for its progress display) and writes 
 at the end. A rank that fails writes `<out>.rank<R>.error.json` (the exception, and for an
 out-of-memory the device's memory) and re-raises, so torchrun tears the group down; success is
 judged from the result file, not the exit code (reference "Traps").
+
+Each rank's entry also holds where its timed steps went: the mean exclusive seconds per measured
+region (`regions_s`, executor/timing.py; executor/breakdown.py maps them onto the predicted terms),
+the timeline of its median step, the model-state bytes it holds, and with --trace the path of its
+Chrome trace of one more step.
 """
 
 from __future__ import annotations

@@ -674,7 +674,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = app(args=argv, prog_name="berth", standalone_mode=False)
     except BerthError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        from rich.markup import escape
+
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")  # a message may hold brackets: berth[plot]
         sys.exit(2)
     except NoArgsIsHelpError as err:
         print(err.ctx.get_help() if err.ctx else "berth --help")
