@@ -404,7 +404,7 @@ def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int =
     fit = Fit(values=values, initial=initial, fit_ids=[r.id for r in fit_set], held_out_ids=[r.id for r in held],
               cluster=fitted, fitted=list(chosen), not_fitted=not_fitted, kinds=kinds,
               uncertainty=uncertainty(list(chosen), result.x, result.jac, result.fun),
-              touched=touched_terms(fit_set, initial, list(chosen), planned_terms, used), term_residuals=used)
+              touched=touched_terms(fit_set, initial, list(chosen), used), term_residuals=used)
     fit.errors = {"fit_before": errors(fit_set), "fit_after": errors(fit_set, values)}
     if held:
         fit.errors.update({"held_out_before": errors(held), "held_out_after": errors(held, values)})
@@ -415,12 +415,13 @@ TOUCH_TOLERANCE = 1e-6  # a relative change of a predicted term below this is no
 
 
 def touched_terms(reports: list[ValidationReport], initial: dict[str, float], names: list[str],
-                  planned: np.ndarray, used: dict[str, int]) -> dict[str, dict[str, int]]:
+                  used: dict[str, int]) -> dict[str, dict[str, int]]:
     """For each parameter, the step terms whose prediction it moves on these reports (a 10 %
-    change of the parameter, in its fitted coordinate), each with the number of measured terms of
-    that kind that entered the fit (0: moved, but only the step total constrained it)."""
+    change of the parameter, in its fitted coordinate, from the initial values), each with the
+    number of measured terms of that kind that entered the fit (0: moved, but only the step total
+    constrained it)."""
     out: dict[str, dict[str, int]] = {}
-    base = np.nan_to_num(planned)
+    base = np.nan_to_num(predict_with_terms(reports, initial)[2])
     for name in names:
         lo, hi = _bounds([name])
         x = _encode(name, initial[name])
