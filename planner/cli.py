@@ -418,7 +418,7 @@ def report_cmd(
     from pydantic import ValidationError
 
     from planner.errors import from_validation_error
-    from planner.render import measured_memory_table, measured_terms_table, validation_table
+    from planner.render import measured_memory_table, measured_regions_line, measured_terms_table, validation_table
     from planner.specs import ValidationReport
 
     path = Path(report_file)
@@ -446,6 +446,7 @@ def report_cmd(
     else:
         b = report.breakdown
         console.print(measured_terms_table(report))
+        console.print(measured_regions_line(report), highlight=False)
         console.print(f"largest error: {b.largest_error_term} ({b.largest_error_rule}); clock: {b.method}")
         console.print(measured_memory_table(report))
         console.print(b.memory_note, style="dim")

@@ -317,3 +317,13 @@ def measured_memory_table(report: ValidationReport) -> Table:
         t.add_row(term, _mib(row.predicted_bytes), _mib(row.measured_bytes), err,
                   style="bold" if term == "total" else None)
     return t
+
+
+def measured_regions_line(report: ValidationReport) -> str:
+    """The shown rank's measured regions (each collective kind apart), largest first."""
+    b = report.breakdown
+    rank = next((r for r in report.per_rank if r.get("rank") == b.rank and r.get("regions_s")), None)
+    if rank is None:
+        return ""
+    regions = sorted(rank["regions_s"].items(), key=lambda kv: -kv[1])
+    return f"regions of rank {b.rank} (ms per step): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in regions)
