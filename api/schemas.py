@@ -165,7 +165,10 @@ class ValidationJob(BaseModel):
     plan_id: str
     status: Literal["queued", "running", "done", "failed"]
     message: str | None = None
-    report: ValidationReport | None = None
+    report: ValidationReport | None = Field(
+        default=None, description="predicted vs measured; `report.breakdown` puts the measured step terms beside "
+        "the predicted time_breakdown_s and memory_breakdown_bytes and names the term with the largest error "
+        "(None in reports made before berth measured terms, which still load)")
 
 
 class ModelInfo(BaseModel):

@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from executor import timing
 from executor.checks import UnsupportedLayout, check_layout  # noqa: F401 (re-exported)
 from executor.model import Attention, Decoder, build_model, loss_fn
 from planner import stages
@@ -97,16 +98,18 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
 
 
 def _selective(module: nn.Module) -> None:
-    """Re-run the attention core (scores, softmax, context) in backward (Korthikanti 2022)."""
+    """Re-run the attention core (scores, softmax, context) in backward (Korthikanti 2022); the
+    re-run is timed as `recompute` (executor/timing.py)."""
     for sub in module.modules():
         if isinstance(sub, Attention):
-            core = sub.core
+            core = timing.recomputed(sub.core)
             sub.core = lambda q, k, v, _core=core: checkpoint(_core, q, k, v, use_reentrant=False)
 
 
 def apply_recompute(model: Decoder, recompute: str) -> None:
     if recompute == "full":
         for key, block in list(model.layers.items()):
+            block.forward = timing.recomputed(block.forward)  # the re-run in backward is timed as recompute
             model.layers[key] = checkpoint_wrapper(block)
     elif recompute == "selective":
         _selective(model)
@@ -273,10 +276,15 @@ def _run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, 
     for mb in range(nmb):
         # ZeRO-3 reduce-scatters every micro-batch (sharded accumulation, as the cost model has it);
         # ZeRO 0-2 accumulate unsharded and reduce once
-        _set_sync(model, mb == nmb - 1 or layout.zero_stage >= 3)
+        sync = mb == nmb - 1 or layout.zero_stage >= 3
+        _set_sync(model, sync)
         rows = slice(mb * mbs, (mb + 1) * mbs)
-        loss = loss_fn(model(tokens[rows]), targets[rows]) / nmb
-        loss.backward()
+        with timing.span("forward"):
+            loss = loss_fn(model(tokens[rows]), targets[rows]) / nmb
+        with timing.span("backward"):
+            loss.backward()
+            if sync and isinstance(model, DistributedDataParallel):
+                timing.tail("dp_all_reduce")  # from the last gradient to here: waiting for the buckets
         loss = loss.detach()
         total += loss.full_tensor() if isinstance(loss, DTensor) else loss
     return total

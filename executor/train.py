@@ -1,23 +1,38 @@
-"""Run a layout's training steps on this rank and measure them (time per step, peak memory).
+"""Run a layout's training steps on this rank and measure them (time per step, where each step's
+time went, peak memory, and with `trace_dir` a profiler trace of one more step).
 
 Every rank takes its data-parallel slice of the same seeded global batch; the tp ranks of a dp
 rank see the same rows; the first pipeline stage reads the tokens and the last the targets.
+
+Each step is timed region by region (executor/timing.py; the regions map onto the predicted
+terms in executor/breakdown.py). With `trace_dir`, one extra step after the timed ones (not in
+the losses or step times) runs under torch.profiler with the regions as `berth:<region>` ranges
+and is written as a Chrome/Perfetto trace, `<trace_dir>/rank<R>.trace.json`.
+
+Test hook: `optimizer_delay_s` makes the rank sleep that long inside its optimizer step, every
+step: a known slowdown of one term. executor.worker sets it from $BERTH_TEST_SLOW_OPTIMIZER
+("RANK:SECONDS" or "RANK:SECONDS:PLAN", PLAN numbered from 1 in the worker's plan file), which
+only the tests set, to check that the report names the slowed term (tests/test_breakdown.py).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from executor import timing
 from executor.device import init_cuda
 from executor.model import synthetic_batch
-from executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
+from executor.parallel import MESH_DIMS, Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
+from planner.placement import coordinates
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
 TRAIN_MARK = "berth.train_start"
@@ -32,6 +47,10 @@ class StepRecord:
     memory_method: str = ""
     collective_s_per_step: float | None = None  # CPU: gloo work in the profiled steps, per step
     executed_as: list[str] = field(default_factory=list)
+    step_timings: list[timing.StepTiming] = field(default_factory=list)  # per step: exclusive time per region
+    timing_method: str = ""
+    model_state_bytes: dict[str, float] = field(default_factory=dict)  # at the end of the last step
+    trace_file: str | None = None
 
 
 class PeakMemory:
@@ -146,9 +165,11 @@ def peak_allocated(allocations: list[tuple[int, int, int]], since: int) -> float
 
 def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: int, seed: int = 0,
               warmup: int = 0, device: torch.device | None = None,
-              on_step: Callable[[int, float, float], None] | None = None) -> StepRecord:
+              on_step: Callable[[int, float, float], None] | None = None,
+              trace_dir: str | None = None, optimizer_delay_s: float = 0.0) -> StepRecord:
     """Train warmup + steps steps. Returns the global-batch mean loss and the wall time of every
-    step (warm-up included; callers drop the first `warmup`) and this rank's peak memory."""
+    step (warm-up included; callers drop the first `warmup`), where each step's time went, this
+    rank's peak memory and model-state bytes, and with `trace_dir` the trace of one more step."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = device or torch.device("cpu")
@@ -161,9 +182,10 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
     per_rank = layout.micro_batch_size * layout.num_microbatches
     autocast = training.precision != "fp32"  # bf16/fp16 autocast on CUDA and CPU alike; fp32 runs as is
     dtype = torch.bfloat16 if training.precision == "bf16" else torch.float16
-    record = StepRecord(executed_as=prepared.executed_as, memory_method=memory.method)
-    memory.mark()
-    for step in range(warmup + steps):
+    timer = timing.StepTimer(timing.CudaEventClock() if device.type == "cuda" else timing.WallClock())
+    record = StepRecord(executed_as=prepared.executed_as, memory_method=memory.method, timing_method=timer.clock.name)
+
+    def one_step(step: int) -> tuple[float, timing.StepTiming, torch.Tensor | None]:
         tokens, targets = synthetic_batch(spec, training.global_batch_size, training.seq_len, seed, step)
         mine = slice(coords.dp_rank * per_rank, (coords.dp_rank + 1) * per_rank)
         tokens, targets = tokens[mine].to(device), targets[mine].to(device)
@@ -172,21 +194,55 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
+        timer.begin()
         prepared.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype, enabled=autocast):
             local = run_microbatches(prepared, layout, tokens, targets, coords)
-        prepared.optimizer.step()
+        with timing.span("optimizer"):
+            prepared.optimizer.step()
+            if optimizer_delay_s:
+                time.sleep(optimizer_delay_s)  # the test hook (module docstring)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
-        if step + 1 == MEMORY_STEPS:
-            memory.stop()
-        record.step_times_s.append(elapsed)
-        record.losses.append(world_loss(local, layout, device))
-        if on_step is not None:
-            on_step(step, record.losses[-1], elapsed)
-    memory.stop()
+        return elapsed, timer.end(), local
+
+    ddp = isinstance(prepared.modules[0], DistributedDataParallel)
+    axes = {"pp": "pp", "replicate": "dp", "shard": "dp", "tp": "tp"}
+    groups = {mesh.get_group(d).group_name: axes[d] for d in MESH_DIMS} if mesh is not None else {}
+    with timing.instrument(timer, coordinates(layout) if world > 1 else None, prepared.modules,
+                           prepared.schedule, ddp=ddp, groups=groups):
+        memory.mark()
+        for step in range(warmup + steps):
+            elapsed, spent, local = one_step(step)
+            if step + 1 == MEMORY_STEPS:
+                memory.stop()
+            record.step_times_s.append(elapsed)
+            record.step_timings.append(spent)
+            record.losses.append(world_loss(local, layout, device))
+            if on_step is not None:
+                on_step(step, record.losses[-1], elapsed)
+        memory.stop()
+        record.model_state_bytes = timing.model_state_bytes(prepared.modules, prepared.optimizer)
+        if trace_dir:
+            record.trace_file = _trace_step(one_step, warmup + steps, timer, device, trace_dir, rank)
     record.peak_memory_bytes = memory.peak
     if memory.collective_s is not None:
         record.collective_s_per_step = memory.collective_s / min(MEMORY_STEPS, warmup + steps)
     return record
+
+
+def _trace_step(one_step: Callable, step: int, timer: timing.StepTimer, device: torch.device, trace_dir: str,
+                rank: int) -> str:
+    """One more step under torch.profiler, its regions as ranges; the Chrome trace's path."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    path = os.path.join(trace_dir, f"rank{rank}.trace.json")
+    os.makedirs(trace_dir, exist_ok=True)
+    timer.annotate = True
+    try:
+        with profile(activities=activities) as prof, record_function(f"berth:step {step}"):
+            one_step(step)
+    finally:
+        timer.annotate = False
+    prof.export_chrome_trace(path)
+    return os.path.abspath(path)

@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from executor.breakdown import compare, terms_from_regions
 from executor.checks import PROGRESS_PREFIX, REQUIRE_GPU_ENV, UnsupportedLayout, check_layout
 from planner import __version__, stages
 from planner.errors import BerthError, from_validation_error
@@ -227,11 +228,19 @@ def measured_metrics(plan: Plan, result: dict[str, Any]) -> tuple[Metrics, dict[
         "step_times_s": per_step,
         "spread": {"min": min(per_step), "median": median, "max": max(per_step),
                    "stdev": statistics.stdev(per_step) if len(per_step) > 1 else 0.0},
-        "per_rank": [{"rank": r["rank"], "step_time_median_s": statistics.median(r["step_times_s"][warm:]),
-                      "peak_memory_bytes": r["peak_memory_bytes"],
-                      "collective_s_per_step": r.get("collective_s_per_step")} for r in ranks],
+        "per_rank": [_rank_entry(r, warm) for r in ranks],
     }
     return metrics, extra
+
+
+def _rank_entry(r: dict[str, Any], warm: int) -> dict[str, Any]:
+    entry = {"rank": r["rank"], "step_time_median_s": statistics.median(r["step_times_s"][warm:]),
+             "peak_memory_bytes": r["peak_memory_bytes"], "collective_s_per_step": r.get("collective_s_per_step")}
+    if r.get("regions_s") is not None:  # what this rank's steps went to (executor/breakdown.py)
+        entry.update({"step_time_mean_s": r["step_time_mean_s"], "terms_s": terms_from_regions(r["regions_s"]),
+                      "regions_s": r["regions_s"], "model_state_bytes": r.get("model_state_bytes"),
+                      "timeline": r.get("timeline"), "trace_file": r.get("trace_file")})
+    return entry
 
 
 PROXY_CHECKS = {
@@ -372,15 +381,19 @@ def report_from_result(plan: Plan, result: dict[str, Any], data: dict[str, Any],
                  "backend": result["backend"], "wall_time_s": wall_s},
         measured=measured, relative_error=relative_errors(predicted, measured),
         step_time_spread_s=extra["spread"], step_times_s=extra["step_times_s"], losses=result["losses"],
-        per_rank=extra["per_rank"], memory_method=result["memory_method"], executed_as=result["executed_as"])
+        per_rank=extra["per_rank"], memory_method=result["memory_method"], executed_as=result["executed_as"],
+        breakdown=compare(plan.prediction, result["ranks"], result.get("timing_method", "")),
+        traces=[r["trace_file"] for r in result["ranks"] if r.get("trace_file")])
 
 
 def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: Store | None = None,
              out: str | Path | None = None, on_progress: Progress | None = None, oversubscribe: bool = False,
              timeout_s: float | None = None, collective_timeout_s: float = 60.0,
-             run_dir: str | Path | None = None) -> ValidationReport:
+             run_dir: str | Path | None = None, trace_dir: str | Path | None = None) -> ValidationReport:
     """Check, launch, measure and report. Failures come back as a report with status failed or
-    did_not_fit (and are stored); bad input raises BerthError before anything starts."""
+    did_not_fit (and are stored); bad input raises BerthError before anything starts.
+    `trace_dir`: one more step per rank runs under torch.profiler and is written there as a
+    Chrome/Perfetto trace (rank<R>.trace.json), listed in the report's `traces`."""
     if steps < 1:
         raise BerthError("steps", steps, "must be at least 1")
     if warmup < 0:
@@ -394,13 +407,20 @@ def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "executor.worker", "--plans", str(work / "plans.json"), "--steps", str(steps),
            "--warmup", str(warmup), "--seed", str(seed), "--out", str(result_path)]
+    if trace_dir is not None:
+        trace = Path(trace_dir).resolve()
+        try:
+            trace.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise BerthError("trace", str(trace_dir), f"cannot create the directory: {err.strerror}") from None
+        cmd += ["--trace", str(trace)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BERTH_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
            "BERTH_RUN_DIR": str(work)}
     if plan.cluster.device.kind == "cpu":
         env["BERTH_DEVICE"] = "cpu"
     else:
         env[REQUIRE_GPU_ENV] = "1"  # a GPU plan is measured on a GPU or not at all
-    deadline = timeout_s or _watchdog_s(plan, steps + warmup)
+    deadline = timeout_s or _watchdog_s(plan, steps + warmup + (trace_dir is not None))
     started = time.perf_counter()
     rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "torchrun.stderr")
     predicted = predicted_metrics(plan)

@@ -16,8 +16,14 @@ spec the reports were planned for (so the fitted result is an ordinary profile):
 Residuals are log(predicted / measured) of step time and of peak memory for every report whose
 run succeeded: full runs (predicted as the plan) and rank-slice proxies (predicted as the proxy
 is, `executor.validate.proxy_prediction`: one stage's compute and memory, no communication, no
-memory outside the allocator). `scipy.optimize.least_squares` with bounds minimizes them.
-Reports can be held out of the fit and scored after it.
+memory outside the allocator). Full runs that measured their step terms (`breakdown`, executor/
+breakdown.py) add one residual per measured term, log(predicted term / measured term), for each
+term of at least TERM_FLOOR_SHARE of the step that is predicted: the compute scale is then fitted
+from the measured compute, the communication parameters from the measured communication, the
+memory bandwidth from the optimizer step, not all from one step total. The fit says which terms
+each fitted parameter touched (`Fit.touched`: the terms whose prediction it moves, with how many
+measured terms of each entered the fit). `scipy.optimize.least_squares` with bounds minimizes
+them. Reports can be held out of the fit and scored after it.
 
 Only what the reports determine is fitted (`identifiable`): each parameter needs reports of the
 kind that exercises it (KINDS_NEEDED), its column of the Jacobian at the start must not be
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import least_squares
 
+from executor.breakdown import TERMS
 from hardware_profiles.schema import ServerProfile
 from planner.errors import BerthError
 from planner.search import predict_layouts
@@ -126,9 +133,17 @@ def predict(reports: list[ValidationReport], values: dict[str, float] | None = N
     """Predicted (step time, peak memory) of each report on its own cluster with these parameter
     `values` (None: as planned). Full runs of one model, training and cluster are scored in one
     vectorized call; a rank-slice proxy as the proxy ran (`proxy_prediction`)."""
+    times, mems, _ = predict_with_terms(reports, values)
+    return times, mems
+
+
+def predict_with_terms(reports: list[ValidationReport], values: dict[str, float] | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`predict`, and the predicted step terms (reports x TERMS; NaN for a rank-slice proxy)."""
     from executor.validate import proxy_prediction  # torch-free: the parent side of `berth validate`
 
     times, mems = np.zeros(len(reports)), np.zeros(len(reports))
+    terms = np.full((len(reports), len(TERMS)), np.nan)
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(reports):
         if r.mode == "rank-slice":
@@ -148,7 +163,28 @@ def predict(reports: list[ValidationReport], values: dict[str, float] | None = N
                 times[i], mems[i] = np.inf, np.inf
             else:
                 times[i], mems[i] = p.prediction.step_time_s, p.prediction.peak_memory_bytes
-    return times, mems
+                terms[i] = [p.prediction.time_breakdown_s.get(t, 0.0) for t in TERMS]
+    return times, mems, terms
+
+
+TERM_FLOOR_SHARE = 0.02  # a measured term under 2 % of its step is timing noise, not evidence for a parameter
+
+
+def measured_terms(reports: list[ValidationReport], predicted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(measured seconds per report and term, which of them enter the fit): a full run's measured
+    term of at least TERM_FLOOR_SHARE of its step whose prediction is positive."""
+    measured = np.full((len(reports), len(TERMS)), np.nan)
+    for i, r in enumerate(reports):
+        b = r.breakdown
+        if r.mode != "full" or b is None:
+            continue
+        for j, t in enumerate(TERMS):
+            row = b.terms.get(t)
+            if row is not None and row.measured_s is not None and row.measured_s >= TERM_FLOOR_SHARE * b.step_time_s:
+                measured[i, j] = row.measured_s
+    with np.errstate(invalid="ignore"):
+        use = np.isfinite(measured) & np.isfinite(predicted) & (predicted > 0)
+    return measured, use
 
 
 # what each parameter needs among the reports: a predicate on one report, and the words for it
@@ -258,6 +294,9 @@ class Fit:
     not_fitted: dict[str, str] = field(default_factory=dict)  # parameter -> which reports would determine it
     uncertainty: dict[str, dict] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
+    # fitted parameter -> {term whose prediction it moves: measured terms of that kind in the fit}
+    touched: dict[str, dict[str, int]] = field(default_factory=dict)
+    term_residuals: dict[str, int] = field(default_factory=dict)  # term -> measured terms that entered the fit
 
 
 def errors(reports: list[ValidationReport], values: dict[str, float] | None = None) -> dict[str, float]:
@@ -297,10 +336,11 @@ def report_kinds(reports: list[ValidationReport]) -> dict[str, int]:
 
 
 def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int = 0,
-              names: tuple[str, ...] | None = None) -> Fit:
+              names: tuple[str, ...] | None = None, terms: bool = True) -> Fit:
     """Fit the parameters the reports determine. `names`: fit exactly these (refused, naming the
     reports needed, when the reports do not determine them all); None: every parameter the
-    reports determine, the others kept at the profile's values."""
+    reports determine, the others kept at the profile's values. `terms`: also fit to the step
+    terms full runs measured (False: to step totals and memory only)."""
     reports = usable(reports)
     if not reports:
         raise BerthError("reports", 0, "no successful validation reports (full or rank-slice) to fit")
@@ -321,6 +361,10 @@ def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int =
     mt = np.array([r.measured.step_time_s for r in fit_set])
     mm = np.array([r.measured.peak_memory_bytes or np.nan for r in fit_set])
     has_mem = np.isfinite(mm)
+    planned_terms = predict_with_terms(fit_set)[2]
+    term_measured, use = measured_terms(fit_set, planned_terms)
+    if not terms:
+        use[:] = False
 
     def make_residuals(chosen):
         def values_of(x):
@@ -329,10 +373,12 @@ def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int =
             return v
 
         def residuals(x):
-            t, m = predict(fit_set, values_of(x))
+            t, m, pt = predict_with_terms(fit_set, values_of(x))
             rt = np.log(np.where(np.isfinite(t), t, 1e6) / mt)
             rm = np.log(np.where(np.isfinite(m[has_mem]), m[has_mem], 1e18) / mm[has_mem])
-            return np.concatenate([rt, rm])
+            p = pt[use]
+            rterm = np.log(np.where(np.isfinite(p) & (p > 0), p, 1e-12) / term_measured[use])
+            return np.concatenate([rt, rm, rterm])
         return residuals, values_of
 
     residuals, _ = make_residuals(candidates)
@@ -354,13 +400,38 @@ def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int =
                            ftol=FIT_TOLERANCE, xtol=FIT_TOLERANCE, gtol=FIT_TOLERANCE)
     values = values_of(result.x)
     fitted = apply(reports[0].plan.cluster, values)
+    used = {t: int(n) for t, n in zip(TERMS, use.sum(axis=0), strict=True) if n}
     fit = Fit(values=values, initial=initial, fit_ids=[r.id for r in fit_set], held_out_ids=[r.id for r in held],
               cluster=fitted, fitted=list(chosen), not_fitted=not_fitted, kinds=kinds,
-              uncertainty=uncertainty(list(chosen), result.x, result.jac, result.fun))
+              uncertainty=uncertainty(list(chosen), result.x, result.jac, result.fun),
+              touched=touched_terms(fit_set, initial, list(chosen), used), term_residuals=used)
     fit.errors = {"fit_before": errors(fit_set), "fit_after": errors(fit_set, values)}
     if held:
         fit.errors.update({"held_out_before": errors(held), "held_out_after": errors(held, values)})
     return fit
+
+
+TOUCH_TOLERANCE = 1e-6  # a relative change of a predicted term below this is no touch
+
+
+def touched_terms(reports: list[ValidationReport], initial: dict[str, float], names: list[str],
+                  used: dict[str, int]) -> dict[str, dict[str, int]]:
+    """For each parameter, the step terms whose prediction it moves on these reports (a 10 %
+    change of the parameter, in its fitted coordinate, from the initial values), each with the
+    number of measured terms of that kind that entered the fit (0: moved, but only the step total
+    constrained it)."""
+    out: dict[str, dict[str, int]] = {}
+    base = np.nan_to_num(predict_with_terms(reports, initial)[2])
+    for name in names:
+        lo, hi = _bounds([name])
+        x = _encode(name, initial[name])
+        step = 0.1 * max(1.0, abs(x))
+        x = x + step if x + step <= hi[0] else x - step
+        moved = np.nan_to_num(predict_with_terms(reports, {**initial, name: _decode(name, x)})[2])
+        change = np.abs(moved - base) / np.maximum(np.abs(base), 1e-30)
+        out[name] = {t: used.get(t, 0) for j, t in enumerate(TERMS)
+                     if np.any((change[:, j] > TOUCH_TOLERANCE) & (np.maximum(base[:, j], moved[:, j]) > 0))}
+    return out
 
 
 def profile_document(fit: Fit, source: str) -> dict:
@@ -379,4 +450,5 @@ def profile_document(fit: Fit, source: str) -> dict:
             "server": server.model_dump(mode="json"),
             "calibration": {"values": fit.values, "initial": fit.initial, "errors": fit.errors,
                             "fitted": fit.fitted, "not_fitted": fit.not_fitted, "uncertainty": fit.uncertainty,
-                            "report_kinds": fit.kinds, "fit_ids": fit.fit_ids, "held_out_ids": fit.held_out_ids}}
+                            "report_kinds": fit.kinds, "fit_ids": fit.fit_ids, "held_out_ids": fit.held_out_ids,
+                            "touched_terms": fit.touched, "term_residuals": fit.term_residuals}}

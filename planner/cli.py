@@ -341,13 +341,16 @@ def validate_cmd(
                                                "(default: all of one stage)")] = None,
     stage: Annotated[str | None, typer.Option("--stage", help="with --proxy: first or last pipeline stage "
                                               "(default: the one predicted to hold more memory)")] = None,
+    trace: Annotated[str | None, typer.Option("--trace", help="write a Chrome/Perfetto trace of one more step "
+                                              "per rank into this directory (torch.profiler)")] = None,
     as_json: Json = False,
 ) -> None:
-    """Run a plan on this machine with torch.distributed and compare measured with predicted."""
+    """Run a plan on this machine with torch.distributed and compare measured with predicted, term
+    by term (`berth report` renders a saved report)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from executor.validate import validate, validate_proxy
-    from planner.render import validation_table
+    from planner.render import measured_terms_table, validation_table
     from planner.store import Store
 
     _at_least("steps", steps, 1)
@@ -362,6 +365,10 @@ def validate_cmd(
         raise BerthError("proxy", proxy, "the only proxy is rank-slice")
     if proxy is None and (layers is not None or stage is not None):
         raise BerthError("layers" if layers is not None else "stage", layers or stage, "applies to --proxy rank-slice")
+    if proxy and trace:
+        raise BerthError("trace", trace, "traces are written by full runs, not by --proxy rank-slice")
+    if trace and Path(trace).exists() and not Path(trace).is_dir():
+        raise BerthError("trace", trace, "exists and is not a directory")
     db = Store(store)
     err = Console(stderr=True)
     total = steps + warmup
@@ -380,11 +387,15 @@ def validate_cmd(
                                     out=out, on_progress=progress, timeout_s=timeout)
         else:
             report = validate(chosen, steps=steps, warmup=warmup, store=db, out=out, on_progress=progress,
-                              oversubscribe=oversubscribe, timeout_s=timeout)
+                              oversubscribe=oversubscribe, timeout_s=timeout, trace_dir=trace)
     if as_json:
         print(report.model_dump_json())
     else:
         console.print(validation_table(report))
+        if report.breakdown is not None:
+            console.print(measured_terms_table(report))
+        if report.traces:
+            console.print("traces (chrome://tracing or https://ui.perfetto.dev):\n  " + "\n  ".join(report.traces))
         if report.mode == "rank-slice":
             console.print("rank-slice proxy: the step time above is one rank's compute (no communication, no "
                           "bubble). Not checked:\n  - " + "\n  - ".join(report.checks["not_checked"]))
@@ -393,6 +404,62 @@ def validate_cmd(
     if report.status != "ok":
         Console(stderr=True).print(f"[red]{report.status}:[/red] {report.message}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+@app.command("report")
+def report_cmd(
+    report_file: Annotated[str, typer.Argument(help="a ValidationReport JSON (`berth validate --out`)")],
+    png: Annotated[str | None, typer.Option("--png", help="also save the per-rank timeline of one step and the "
+                                            "predicted-vs-measured chart as PNG files in this directory "
+                                            "(needs matplotlib: the `plot` extra)")] = None,
+) -> None:
+    """Show a validation report: predicted beside measured, term by term, with the largest error
+    named; the traces it lists; with --png the timeline ("comb") and the bar chart."""
+    from pydantic import ValidationError
+
+    from planner.errors import from_validation_error
+    from planner.render import measured_memory_table, measured_regions_line, measured_terms_table, validation_table
+    from planner.specs import ValidationReport
+
+    path = Path(report_file)
+    if not path.is_file():
+        raise BerthError("report", report_file, "no such file" if not path.exists() else "not a file")
+    try:
+        report = ValidationReport.model_validate_json(path.read_text())
+    except UnicodeDecodeError:
+        raise BerthError("report", report_file, "not a text file (expected a ValidationReport JSON)") from None
+    except ValidationError as err:
+        raise from_validation_error(err, "report") from None
+    if png is not None:
+        from planner.plots import EXTRA, have_matplotlib
+
+        if not have_matplotlib():
+            raise BerthError("png", png, f"needs matplotlib: pip install 'berth[{EXTRA}]'")
+        if report.breakdown is None:
+            raise BerthError("png", png, "the report has no measured breakdown to draw")
+        if Path(png).exists() and not Path(png).is_dir():
+            raise BerthError("png", png, "exists and is not a directory")
+    console.print(validation_table(report))
+    if report.breakdown is None:
+        console.print("no measured breakdown in this report (a failed run, a rank-slice proxy, or a report from "
+                      "before berth measured step terms)")
+    else:
+        b = report.breakdown
+        console.print(measured_terms_table(report))
+        console.print(measured_regions_line(report), highlight=False)
+        console.print(f"largest error: {b.largest_error_term} ({b.largest_error_rule}); clock: {b.method}")
+        console.print(measured_memory_table(report))
+        console.print(b.memory_note, style="dim")
+    if report.traces:
+        console.print("traces (chrome://tracing or https://ui.perfetto.dev):\n  " + "\n  ".join(report.traces))
+    if png is not None:
+        from planner.plots import terms_png, timeline_png
+
+        out = Path(png)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = report.id[:8]
+        written = [timeline_png(report, out / f"{stem}-timeline.png"), terms_png(report, out / f"{stem}-terms.png")]
+        console.print("written: " + ", ".join(str(p) for p in written))
 
 
 @app.command("launch")
@@ -475,6 +542,8 @@ def calibrate_cmd(
     seed: Annotated[int, typer.Option("--seed", help="seed of the held-out split")] = 0,
     params: Annotated[str | None, typer.Option("--params", help="comma-separated parameters to fit (default: "
                                                "every one the reports determine)")] = None,
+    terms: Annotated[bool, typer.Option("--terms/--step-only", help="fit to the step terms full runs measured "
+                                        "(compute, communication, optimizer...) as well as to step totals")] = True,
 ) -> None:
     """Fit the cost model's named efficiency parameters to validation reports (scipy least_squares)
     and print the error on the fitted reports and on those held out, with each fitted value's
@@ -506,7 +575,7 @@ def calibrate_cmd(
     if device:
         loaded = [r for r in loaded if r.plan.cluster.device.name == device]
     names = tuple(n.strip() for n in params.split(",") if n.strip()) if params else None
-    fit = calibrate(loaded, holdout=holdout, seed=seed, names=names)
+    fit = calibrate(loaded, holdout=holdout, seed=seed, names=names, terms=terms)
     kinds = ", ".join(f"{v} {k}" for k, v in fit.kinds.items() if v)
     t = Table(title=f"calibration on {len(fit.fit_ids)} reports ({len(fit.held_out_ids)} held out; {kinds})")
     for col in ("parameter", "before", "after", "± std. error", "95% interval"):
@@ -519,6 +588,19 @@ def calibrate_cmd(
         else:
             t.add_row(name, f"{fit.initial[name]:.4g}", "not fitted", "", fit.not_fitted.get(name, ""))
     console.print(t)
+    if fit.term_residuals:
+        console.print("measured step terms in the fit: " + ", ".join(f"{k} {v}" for k, v in fit.term_residuals.items())
+                      + " (besides every report's step total and peak memory)")
+    else:
+        console.print("no measured step terms in the fit: " + ("--step-only" if not terms else
+                      "the reports carry no breakdown (validated before berth measured terms)")
+                      + "; the time parameters are fitted to step totals")
+    for name in fit.fitted:
+        touched = fit.touched.get(name, {})
+        if not touched:
+            continue
+        console.print(f"  {name} touched: " + ", ".join(
+            f"{term} ({n} measured)" if n else f"{term} (step total only)" for term, n in touched.items()))
     e = Table(title="errors (fractions)")
     for col in ("reports", "step-time MAPE", "worst", "memory MAPE", "worst"):
         e.add_column(col, justify="left" if col == "reports" else "right")
@@ -593,7 +675,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = app(args=argv, prog_name="berth", standalone_mode=False)
     except BerthError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        from rich.markup import escape
+
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")  # a message may hold brackets: berth[plot]
         sys.exit(2)
     except NoArgsIsHelpError as err:
         print(err.ctx.get_help() if err.ctx else "berth --help")

@@ -293,3 +293,53 @@ def goodput_table(plans: list[Plan], title: str) -> Table:
     for name, cell in rows:
         t.add_row(name, *[cell(g) if g else "-" for g in goods])
     return t
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f}"
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**20:,.1f}"
+
+
+def measured_terms_table(report: ValidationReport) -> Table:
+    """Predicted beside measured, term by term (report.breakdown), the largest error marked."""
+    b = report.breakdown
+    t = Table(title=f"step terms, rank {b.rank} (the rank that sets the step time; mean of {report.steps} timed steps)",
+              header_style="bold")
+    for col in ("term", "predicted ms", "measured ms", "error ms", "error"):
+        t.add_column(col, justify="left" if col == "term" else "right")
+    for term, row in b.terms.items():
+        mark = " <- largest error" if term == b.largest_error_term else ""
+        rel = f"{row.relative_error:+.0%}" if row.relative_error is not None else "-"
+        err = f"{row.error_s * 1e3:+.2f}" if row.error_s is not None else "-"
+        style = "bold red" if mark else None
+        t.add_row(term + mark, _ms(row.predicted_s), _ms(row.measured_s), err, rel, style=style)
+    t.add_row("other (untimed glue)", "", _ms(b.unattributed_s), "", "")
+    predicted = sum(r.predicted_s or 0.0 for r in b.terms.values())
+    t.add_row("step", _ms(predicted), _ms(b.step_time_s), f"{(b.step_time_s - predicted) * 1e3:+.2f}",
+              f"{b.step_time_s / predicted - 1:+.0%}" if predicted else "-", style="bold")
+    return t
+
+
+def measured_memory_table(report: ValidationReport) -> Table:
+    b = report.breakdown
+    t = Table(title=f"memory, rank {b.rank} (MiB)", header_style="bold")
+    for col in ("term", "predicted", "measured", "error"):
+        t.add_column(col, justify="left" if col == "term" else "right")
+    for term, row in b.memory.items():
+        err = f"{row.error_bytes / 2**20:+,.1f}" if row.error_bytes is not None else "-"
+        t.add_row(term, _mib(row.predicted_bytes), _mib(row.measured_bytes), err,
+                  style="bold" if term == "total" else None)
+    return t
+
+
+def measured_regions_line(report: ValidationReport) -> str:
+    """The shown rank's measured regions (each collective kind apart), largest first."""
+    b = report.breakdown
+    rank = next((r for r in report.per_rank if r.get("rank") == b.rank and r.get("regions_s")), None)
+    if rank is None:
+        return ""
+    regions = sorted(rank["regions_s"].items(), key=lambda kv: -kv[1])
+    return f"regions of rank {b.rank} (ms per step): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in regions)

@@ -417,6 +417,40 @@ class Metrics(Spec):
 ValidationStatus = Literal["ok", "failed", "did_not_fit"]
 
 
+class TermComparison(Spec):
+    """One predicted step term beside what was measured for it (executor/breakdown.py says how)."""
+
+    predicted_s: float | None = None
+    measured_s: float | None = Field(default=None, description="None: the run never entered this term's regions")
+    error_s: float | None = Field(default=None, description="measured - predicted (a term not seen counts as 0)")
+    relative_error: float | None = None
+    measured_by: str = ""
+
+
+class MemoryComparison(Spec):
+    predicted_bytes: float | None = None
+    measured_bytes: float | None = None
+    error_bytes: float | None = None
+    measured_by: str = ""
+
+
+class MeasuredBreakdown(Spec):
+    """Predicted `time_breakdown_s` and `memory_breakdown_bytes` beside what the executor measured,
+    term by term, for the rank that sets the step time (the largest mean step over the timed
+    steps). Measured seconds are means over the timed steps of that rank (means add up: the
+    terms plus `unattributed_s` are `step_time_s`)."""
+
+    rank: int
+    method: str = Field(description="the clock: host wall clock (CPU) or CUDA events")
+    step_time_s: float = Field(description="that rank's mean step over the timed steps")
+    terms: dict[str, TermComparison]
+    unattributed_s: float = Field(description="time of the step in no measured region (untimed glue)")
+    largest_error_term: str | None = None
+    largest_error_rule: str = ""
+    memory: dict[str, MemoryComparison] = Field(default_factory=dict)
+    memory_note: str = ""
+
+
 class ValidationReport(Spec):
     """What `berth validate` measured for a plan, next to what the plan predicted.
 
@@ -445,3 +479,7 @@ class ValidationReport(Spec):
     memory_method: str | None = None
     executed_as: list[str] = Field(default_factory=list)
     checks: dict[str, list[str]] = Field(default_factory=dict)
+    breakdown: MeasuredBreakdown | None = Field(default=None, description="predicted and measured step terms "
+                                                "(reports from before berth measured them have none)")
+    traces: list[str] = Field(default_factory=list, description="Chrome/Perfetto trace files of one step, one "
+                              "per rank (`berth validate --trace DIR`)")

@@ -225,6 +225,9 @@ def test_validation_runs_in_background_with_api_key(tmp_path):
             job = c.get(f"/v1/validations/{job['id']}", headers=key).json()
         assert job["status"] == "done", job
         assert job["report"]["measured"]["step_time_s"] > 0 and job["report"]["plan"]["layout"]["dp"] == 2
+        breakdown = job["report"]["breakdown"]  # the measured step terms, as `berth validate` reports them
+        assert breakdown["terms"]["compute"]["measured_s"] > 0 and breakdown["terms"]["dp_comm"]["measured_s"] > 0
+        assert breakdown["terms"]["tp_comm"]["measured_s"] is None and breakdown["largest_error_term"]
     finally:
         s.stop()
 

@@ -162,3 +162,44 @@ def test_cli_reads_a_real_store_and_refuses_bad_stores(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "store" in r.stderr
     assert not missing.exists()
+
+
+def _with_terms(reports_and_truth, noise=0.01, seed=0):
+    """Full-run reports whose breakdown measured every step term at its true value (with noise)."""
+    from planner.specs import MeasuredBreakdown
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (p, t) in enumerate(reports_and_truth):
+        terms = {k: v * (1 + noise * rng.standard_normal()) for k, v in t.prediction.time_breakdown_s.items()}
+        step = sum(terms.values())
+        bd = MeasuredBreakdown(rank=0, method="synthetic", step_time_s=step, unattributed_s=0.0, terms={
+            k: {"predicted_s": p.prediction.time_breakdown_s[k], "measured_s": v if v > 0 else None}
+            for k, v in terms.items()})
+        out.append(_report(i, p, step, t.prediction.peak_memory_bytes).model_copy(update={"breakdown": bd}))
+    return out
+
+
+def test_measured_terms_separate_compute_from_communication():
+    """Four runs of one ZeRO-3 layout: their step totals cannot tell a slower compute from slower
+    links (the two columns of the Jacobian are parallel), their measured compute and dp_comm
+    terms can; the fit says which terms each parameter touched."""
+    model = presets()["tiny-gpt"]
+    training = TrainingSpec(seq_len=256, global_batch_size=8, precision="fp32")
+    base = make_cluster("local", 1, 2)
+    truth = {**current_values(base), "compute_scale": 0.6, "comm_scale": 3.0}
+    layouts = [Layout(dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2)] * 4
+    planned = predict_layouts(model, training, base, layouts)
+    reports = _with_terms(zip(planned, predict_layouts(model, training, apply(base, truth), layouts), strict=True))
+    names = ("compute_scale", "comm_scale")
+    with pytest.raises(BerthError, match="comm_scale not separable from compute_scale"):
+        calibrate(reports, names=names, terms=False)
+    fit = calibrate(reports, names=names)
+    assert fit.values["compute_scale"] == pytest.approx(0.6, rel=0.03)
+    assert fit.values["comm_scale"] == pytest.approx(3.0, rel=0.03)
+    assert fit.term_residuals["compute"] == 4 and fit.term_residuals["dp_comm"] == 4
+    assert fit.touched["compute_scale"]["compute"] == 4
+    assert fit.touched["comm_scale"] == {"dp_comm": 4}
+    # the refusal rules are the same with terms: two reports determine one time parameter
+    with pytest.raises(BerthError, match="more reports with a measured time"):
+        calibrate(reports[:2], names=names)

@@ -9,6 +9,7 @@ it would write is the one the accuracy benchmark measured on this kind of machin
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -90,6 +91,8 @@ def _skip_reason(cmd: str) -> str | None:
                 "commands on CPU workers")
     if cmd.startswith("python -m benchmarks.accuracy") and "--rescore" in cmd:
         return None
+    if cmd.startswith("berth report") and "--png" in cmd and importlib.util.find_spec("matplotlib") is None:
+        return "needs matplotlib (the plot extra; tests/test_breakdown.py checks the exit 2 without it)"
     return next((why for prefix, why in SKIP.items() if cmd.startswith(prefix)), None)
 
 
@@ -148,6 +151,10 @@ def _check_output(cmd: str, out: str, work: Path) -> None:
         assert "fast domains" in out and (work / words[words.index("--out") + 1]).is_file()
     elif words[:2] == ["berth", "validate"]:
         assert "stored in" in out
+    elif words[:2] == ["berth", "report"]:
+        assert "step terms, rank" in out and "largest error:" in out and "trace.json" in out
+        if "--png" in words:
+            assert len(list((work / words[words.index("--png") + 1]).glob("*.png"))) == 2
     elif words[:2] == ["berth", "calibrate"]:
         assert "calibration on" in out and (work / words[words.index("--out") + 1]).is_file()
     elif "--rescore" in words:

@@ -37,9 +37,13 @@ def test_validate_two_cpu_processes_writes_report_and_stores_it(tmp_path):
     plans = plan_file(tmp_path)
     store, out = tmp_path / "store.sqlite", tmp_path / "report.json"
     r = berth("validate", str(plans), "--steps", "3", "--warmup", "2", "--store", str(store), "--out", str(out),
-              "--json")
+              "--trace", str(tmp_path / "traces"), "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
+    # --trace: one Chrome trace per rank, listed in the report; the measured terms beside the predicted
+    assert sorted(report["traces"]) == [str(tmp_path / "traces" / f"rank{i}.trace.json") for i in (0, 1)]
+    assert all(json.loads(Path(t).read_text())["traceEvents"] for t in report["traces"])
+    assert report["breakdown"]["terms"]["compute"]["measured_s"] > 0 and report["breakdown"]["largest_error_term"]
     assert report["status"] == "ok" and json.loads(out.read_text())["id"] == report["id"]
     for key in ("step_time_s", "tokens_per_s", "peak_memory_bytes", "loss"):
         assert report["measured"][key] > 0 and report["predicted"][key] > 0
@@ -69,6 +73,8 @@ def test_bad_plans_are_refused_before_launch(tmp_path):
     assert r.returncode == 2 and "plan.layout" in r.stderr and "tp=3" in r.stderr
     r = berth("validate", str(bad), "--pick", "99", timeout=60)
     assert r.returncode == 2 and "pick=99" in r.stderr
+    r = berth("validate", str(big), "--proxy", "rank-slice", "--trace", str(tmp_path / "t"), timeout=60)
+    assert r.returncode == 2 and "trace" in r.stderr and not (tmp_path / "t").exists()
     assert not (tmp_path / "s.sqlite").exists() or Store(tmp_path / "s.sqlite").validations() == []
 
 
