@@ -1,4 +1,4 @@
-"""Topology graphs of server presets: GPUs, switches, NICs and links as a networkx graph.
+"""Topology graphs of server presets: GPUs, switches, NICs and links as a `Graph`.
 
 Inside a server: an NVSwitch (or, for PCIe servers, GPUs on PCIe switches, optionally
 NVLink-bridged in pairs, switches on CPU sockets). Across servers, each NIC (one per GPU, or one
@@ -10,13 +10,17 @@ per `gpus_per_nic` GPUs) joins a fabric:
 
 Links carry kind, bandwidth_GBps per direction, latency_us (half a hop on each side of a switch)
 and efficiency (achieved ring bus bandwidth / wire, from the server profile).
+
+`Graph` is the part of networkx.Graph the planner uses, with networkx's orders (nodes as added;
+edges node by node, each once, a node's neighbours as linked), so the maximum spanning tree breaks
+ties as networkx's Kruskal does (tests/test_topology.py checks both against networkx). Importing
+networkx took 0.1 s, a tenth of `berth plan` (tests/test_cli.py keeps it, fastapi and torch out).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
-
-import networkx as nx
 
 from hardware_profiles.schema import LinkProfile, ServerProfile
 from planner.errors import BerthError
@@ -25,14 +29,171 @@ FABRICS = ("rails", "fat-tree")
 SHARED_NIC_PCIE_HEADROOM = 2.0  # a GPU's PCIe path to a shared NIC is not its bottleneck (x2 the NIC)
 
 
-def _link(g: nx.Graph, a: str, b: str, link: LinkProfile, bandwidth: float | None = None,
+class _Nodes:
+    """`g.nodes[n]` (its attributes) and `g.nodes(data=True)`, as networkx's NodeView."""
+
+    def __init__(self, node: dict[str, dict]):
+        self._node = node
+
+    def __getitem__(self, n: str) -> dict:
+        return self._node[n]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._node)
+
+    def __len__(self) -> int:
+        return len(self._node)
+
+    def __contains__(self, n: object) -> bool:
+        return n in self._node
+
+    def __call__(self, data: bool = False) -> Iterable:
+        return self._node.items() if data else self._node.keys()
+
+
+class _Edges:
+    """`g.edges[u, v]` (its attributes) and `g.edges(data=True)`, as networkx's EdgeView."""
+
+    def __init__(self, adj: dict[str, dict[str, dict]]):
+        self._adj = adj
+
+    def __getitem__(self, e: tuple[str, str]) -> dict:
+        return self._adj[e[0]][e[1]]
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return ((u, v) for u, v, _ in self(data=True))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self(data=True))
+
+    def __call__(self, data: bool = False) -> Iterator[tuple]:
+        seen: set[str] = set()
+        for u, nbrs in self._adj.items():
+            for v, d in nbrs.items():
+                if v not in seen:
+                    yield (u, v, d) if data else (u, v)
+            seen.add(u)
+
+
+class Graph:
+    """An undirected graph with node and edge attributes (module docstring)."""
+
+    def __init__(self) -> None:
+        self._node: dict[str, dict] = {}
+        self._adj: dict[str, dict[str, dict]] = {}
+
+    def add_node(self, n: str, **attr: Any) -> None:
+        if n not in self._node:
+            self._adj[n] = {}
+            self._node[n] = attr
+        else:
+            self._node[n].update(attr)
+
+    def add_edge(self, u: str, v: str, **attr: Any) -> None:
+        for x in (u, v):
+            if x not in self._node:
+                self._adj[x] = {}
+                self._node[x] = {}
+        d = self._adj[u].get(v, {})
+        d.update(attr)
+        self._adj[u][v] = self._adj[v][u] = d
+
+    def has_edge(self, u: str, v: str) -> bool:
+        return u in self._adj and v in self._adj[u]
+
+    def __contains__(self, n: object) -> bool:
+        return n in self._node
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._node)
+
+    def __len__(self) -> int:
+        return len(self._node)
+
+    def __getitem__(self, n: str) -> dict[str, dict]:
+        """n's neighbours and the attributes of the link to each."""
+        return self._adj[n]
+
+    @property
+    def nodes(self) -> _Nodes:
+        return _Nodes(self._node)
+
+    @property
+    def edges(self) -> _Edges:
+        return _Edges(self._adj)
+
+    def number_of_nodes(self) -> int:
+        return len(self._node)
+
+    def number_of_edges(self) -> int:
+        return len(self.edges)
+
+    def subgraph(self, nodes: Iterable[str]) -> Graph:
+        """The graph induced on `nodes`, in this graph's orders (attributes shared, not copied)."""
+        keep = set(nodes)
+        sub = Graph()
+        for n, attr in self._node.items():
+            if n in keep:
+                sub._node[n] = attr
+                sub._adj[n] = {v: d for v, d in self._adj[n].items() if v in keep}
+        return sub
+
+
+class UnionFind:
+    """Disjoint sets: `uf[x]` names x's set, `union(a, b)` joins two."""
+
+    def __init__(self) -> None:
+        self._parent: dict[str, str] = {}
+
+    def __getitem__(self, x: str) -> str:
+        parent = self._parent
+        root = parent.setdefault(x, x)
+        while parent[root] != root:
+            root = parent[root]
+        while parent[x] != root:  # path compression
+            parent[x], x = root, parent[x]
+        return root
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self[a], self[b]
+        if ra != rb:
+            self._parent[rb] = ra
+
+
+def maximum_spanning_edges(g: Graph, weight: str) -> list[tuple[str, str, dict]]:
+    """The edges of a maximum spanning forest, Kruskal's way as networkx.maximum_spanning_tree
+    picks them: the heaviest first, equal weights in the graph's edge order."""
+    sets = UnionFind()
+    tree = []
+    for u, v, d in sorted(g.edges(data=True), key=lambda e: e[2][weight], reverse=True):
+        if sets[u] != sets[v]:
+            tree.append((u, v, d))
+            sets.union(u, v)
+    return tree
+
+
+def connected_component(g: Graph, source: str) -> set[str]:
+    """The nodes reachable from `source`."""
+    seen, frontier = {source}, [source]
+    while frontier:
+        nxt = []
+        for u in frontier:
+            for v in g[u]:
+                if v not in seen:
+                    seen.add(v)
+                    nxt.append(v)
+        frontier = nxt
+    return seen
+
+
+def _link(g: Graph, a: str, b: str, link: LinkProfile, bandwidth: float | None = None,
           kind: str | None = None, latency_s: float | None = None) -> None:
     g.add_edge(a, b, kind=kind or link.kind, bandwidth_GBps=(bandwidth or link.bandwidth_bytes_per_s) / 1e9,
                latency_us=(link.hop_latency_s / 2 if latency_s is None else latency_s) * 1e6,
                efficiency=link.collective_efficiency)
 
 
-def _server(g: nx.Graph, server: ServerProfile, host: str) -> list[str]:
+def _server(g: Graph, server: ServerProfile, host: str) -> list[str]:
     """Add one server's GPUs and internal wiring; return where each of its NICs attaches."""
     gpus = [f"{host}.g{i}" for i in range(server.gpus_per_node)]
     for gpu in gpus:
@@ -92,12 +253,12 @@ def check_fabric(fabric: str, nodes_per_leaf: int | None, oversubscription: floa
 
 
 def cluster_graph(servers: list[tuple[ServerProfile, int]], fabric: str = "rails", nodes_per_leaf: int | None = None,
-                  oversubscription: float = 1.0) -> nx.Graph:
+                  oversubscription: float = 1.0) -> Graph:
     """The graph of the given servers (profile, count), hosts named n0, n1, ... in that order."""
     total = sum(n for _, n in servers)
     check_fabric(fabric, nodes_per_leaf, oversubscription, total)
     per_leaf = nodes_per_leaf or total
-    g = nx.Graph()
+    g = Graph()
     node = 0
     port_speeds: list[float] = []  # fabric bandwidth of each server
     spines = 1
@@ -125,7 +286,7 @@ def cluster_graph(servers: list[tuple[ServerProfile, int]], fabric: str = "rails
     return g
 
 
-def to_node_link(g: nx.Graph) -> dict[str, Any]:
+def to_node_link(g: Graph) -> dict[str, Any]:
     """The documented JSON form of a graph (what `--cluster FILE.json` and the API accept)."""
     nodes = []
     for n, d in g.nodes(data=True):

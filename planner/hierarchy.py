@@ -22,9 +22,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import networkx as nx
-
 from hardware_profiles.schema import LinkProfile
+from planner.graphs import Graph, UnionFind, maximum_spanning_edges
 from planner.specs import FabricLevel
 
 # Achieved ring bus bandwidth / wire bandwidth per link kind when a link does not give its own
@@ -43,7 +42,7 @@ def natural_key(text: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text))
 
 
-def gpu_order(g: nx.Graph) -> list[str]:
+def gpu_order(g: Graph) -> list[str]:
     """GPU ids in rank order: by host, then by id (natural order)."""
     gpus = [n for n, d in g.nodes(data=True) if d.get("kind") == "gpu"]
     return sorted(gpus, key=lambda n: (natural_key(g.nodes[n]["host"]), natural_key(n)))
@@ -64,13 +63,23 @@ def _efficiency(d: dict) -> float:
 class _Tree:
     """The maximum spanning tree, rooted, for bottleneck queries along its paths."""
 
-    def __init__(self, g: nx.Graph, root: str):
-        tree = nx.maximum_spanning_tree(g, weight="bandwidth_GBps")
+    def __init__(self, g: Graph, root: str):
+        tree: dict[str, list[tuple[str, dict]]] = {n: [] for n in g}
+        for u, v, d in maximum_spanning_edges(g, "bandwidth_GBps"):
+            tree[u].append((v, d))
+            tree[v].append((u, d))
         self.parent: dict[str, str | None] = {root: None}
         self.depth = {root: 0}
         self.up: dict[str, dict] = {}
-        for u, v in nx.bfs_edges(tree, root):
-            self.parent[v], self.depth[v], self.up[v] = u, self.depth[u] + 1, tree.edges[u, v]
+        frontier = [root]
+        while frontier:  # breadth first from the root: each node's parent is the one on its tree path
+            nxt = []
+            for u in frontier:
+                for v, d in tree[u]:
+                    if v not in self.depth:
+                        self.parent[v], self.depth[v], self.up[v] = u, self.depth[u] + 1, d
+                        nxt.append(v)
+            frontier = nxt
 
     def path(self, a: str, b: str) -> _Hop:
         """Bottleneck hop and total latency between a and b."""
@@ -95,7 +104,7 @@ class _Tree:
         return _Hop(worst["bandwidth_GBps"], latency, worst["kind"], _efficiency(worst))
 
 
-def _spans(g: nx.Graph, index: dict[str, int]) -> dict[str, tuple[int, int]]:
+def _spans(g: Graph, index: dict[str, int]) -> dict[str, tuple[int, int]]:
     """(lowest, highest) GPU index under every node: a GPU is its own; a switch or NIC covers the
     GPUs of its neighbours one hop closer to the GPUs (multi-source BFS layers)."""
     dist = dict.fromkeys(index, 0)
@@ -115,13 +124,13 @@ def _spans(g: nx.Graph, index: dict[str, int]) -> dict[str, tuple[int, int]]:
     return span
 
 
-def _block_sizes(g: nx.Graph, order: list[str], span: dict[str, tuple[int, int]], per_host: int) -> list[int]:
+def _block_sizes(g: Graph, order: list[str], span: dict[str, tuple[int, int]], per_host: int) -> list[int]:
     """The chain of block sizes (each divides the next, the last is all GPUs)."""
     n = len(order)
     index = {x: i for i, x in enumerate(order)}
     sizes = {per_host, n}
     # fast domains: components of the spanning forest above each bandwidth (Kruskal order)
-    uf = nx.utils.UnionFind()
+    uf = UnionFind()
     edges = sorted(g.edges(data=True), key=lambda e: -e[2]["bandwidth_GBps"])
     for k, (u, v, d) in enumerate(edges):
         uf.union(u, v)
@@ -160,7 +169,7 @@ def _level_name(size: int, per_host: int, n: int) -> str:
     return f"{size // per_host} hosts"
 
 
-def derive_levels(g: nx.Graph, order: list[str]) -> tuple[FabricLevel, ...]:
+def derive_levels(g: Graph, order: list[str]) -> tuple[FabricLevel, ...]:
     """The hierarchy of fast domains of a checked graph (all hosts hold the same GPU count)."""
     n = len(order)
     if n == 1:
@@ -179,7 +188,7 @@ def derive_levels(g: nx.Graph, order: list[str]) -> tuple[FabricLevel, ...]:
     return tuple(levels)
 
 
-def _level(g: nx.Graph, order: list[str], span, tree: _Tree, prev: int, size: int, name: str) -> FabricLevel:
+def _level(g: Graph, order: list[str], span, tree: _Tree, prev: int, size: int, name: str) -> FabricLevel:
     """Per-GPU bandwidth from a sub-block of `prev` GPUs to the rest of its block of `size`."""
 
     def block(node: str, d: int) -> int | None:

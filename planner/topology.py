@@ -1,4 +1,4 @@
-"""Cluster topology: presets and user graphs become a networkx graph of GPUs, switches and links
+"""Cluster topology: presets and user graphs become a graph of GPUs, switches and links
 (`graphs.py`), checked here, and derived into the ClusterSpec the cost model reads: hosts, the
 hierarchy of fast domains (`hierarchy.py`) and the device. `local` is this machine.
 
@@ -16,12 +16,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
-
 from hardware_profiles import UnknownProfileError, device_names, load_device, load_server, nvidia_smi_device
 from hardware_profiles.schema import DeviceProfile, ServerProfile
 from planner.errors import BerthError
-from planner.graphs import check_fabric, cluster_graph
+from planner.graphs import Graph, check_fabric, cluster_graph, connected_component
 from planner.hierarchy import GRAPH_LINK_EFFICIENCY, derive_levels, gpu_order
 from planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, check_host
 
@@ -67,7 +65,7 @@ def _rails_scaled(sample: ClusterSpec, nodes: int) -> ClusterSpec:
                                      "hosts": tuple(f"n{i}" for i in range(nodes))})
 
 
-def cluster_from_graph(g: nx.Graph, name: str, server: ServerProfile | None = None,
+def cluster_from_graph(g: Graph, name: str, server: ServerProfile | None = None,
                        field: str = "cluster.graph") -> ClusterSpec:
     """Derive the ClusterSpec of a checked graph: hosts, the hierarchy of fast domains
     (`hierarchy.derive_levels`), and the device. A graph that mixes devices is planned on the
@@ -194,7 +192,7 @@ GRAPH_BASE_LATENCY_S = 8.4e-6  # NCCL tuner base latency (hardware_facts.json), 
 MAX_GRAPH_ELEMENTS = 200_000
 
 
-def graph_from_node_link(data: Any, field: str = "cluster.graph") -> nx.Graph:
+def graph_from_node_link(data: Any, field: str = "cluster.graph") -> Graph:
     """Parse and check a node-link graph: {"nodes": [{"id", "kind": "gpu"|"switch"|"nic", "device",
     "host"}], "links": [{"source", "target", "kind", "bandwidth_GBps", "latency_us"}]}. Every
     problem is a BerthError naming the element."""
@@ -203,7 +201,7 @@ def graph_from_node_link(data: Any, field: str = "cluster.graph") -> nx.Graph:
     nodes, links = data["nodes"], data["links"]
     if len(nodes) + len(links) > MAX_GRAPH_ELEMENTS:
         raise BerthError(field, len(nodes) + len(links), f"graph too large: at most {MAX_GRAPH_ELEMENTS} nodes + links")
-    g = nx.Graph()
+    g = Graph()
     known = set(device_names())
     for i, n in enumerate(nodes):
         where = f"{field}.nodes[{i}]"
@@ -248,7 +246,7 @@ def graph_from_node_link(data: Any, field: str = "cluster.graph") -> nx.Graph:
     gpus = [n for n, d in g.nodes(data=True) if d["kind"] == "gpu"]
     if not gpus:
         raise BerthError(f"{field}.nodes", len(nodes), "the graph has no GPU node")
-    component = nx.node_connected_component(g, gpus[0])
+    component = connected_component(g, gpus[0])
     stray = next((n for n in gpus if n not in component), None)
     if stray is not None:
         raise BerthError(f"{field}", stray, f"disconnected: GPU {stray!r} has no path to GPU {gpus[0]!r}")

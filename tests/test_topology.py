@@ -169,3 +169,49 @@ def test_fabric_options_are_checked():
         cluster_from_preset("dgx-h100", 4, "fat-tree", 8, 2.0)
     with pytest.raises(BerthError, match="fat-tree"):
         cluster_from_preset("dgx-h100", 4, "rails", None, 2.0)
+
+
+@pytest.mark.parametrize("servers, fabric", [
+    ([("dgx-a100-80g", 3)], ("rails", None, 1.0)),
+    ([("pcie-h100", 2)], ("rails", None, 1.0)),
+    ([("aws-p4d", 2)], ("rails", None, 1.0)),
+    ([("dgx-h100", 16)], ("fat-tree", 4, 4.0)),
+    ([("dgx-a100-80g", 2), ("aws-p4d", 2)], ("fat-tree", 2, 2.0)),
+])
+def test_graph_keeps_networkx_orders_and_spanning_tree(monkeypatch, servers, fabric):
+    """planner.graphs.Graph stands in for networkx.Graph (whose import was a tenth of `berth plan`):
+    the same calls give the same nodes, edges and orders, and the maximum spanning tree the same
+    edges and the same rooted tree as networkx's Kruskal (ties included), so the levels are the same."""
+    nx = pytest.importorskip("networkx")
+    from planner import graphs
+    from planner.hierarchy import _Tree, gpu_order
+
+    parts = [(load_server(name), n) for name, n in servers]
+    ours = cluster_graph(parts, *fabric)
+    monkeypatch.setattr(graphs, "Graph", nx.Graph)
+    theirs = cluster_graph(parts, *fabric)
+    monkeypatch.undo()
+    assert isinstance(theirs, nx.Graph) and not isinstance(ours, nx.Graph)
+    assert list(ours.nodes(data=True)) == list(theirs.nodes(data=True))
+    assert list(ours.edges(data=True)) == list(theirs.edges(data=True))
+    assert all(list(ours[n]) == list(theirs[n]) for n in theirs)
+
+    def edges(es):
+        return {frozenset((u, v)) for u, v, *_ in es}
+
+    mst = nx.maximum_spanning_tree(theirs, weight="bandwidth_GBps")
+    assert edges(graphs.maximum_spanning_edges(ours, "bandwidth_GBps")) == edges(mst.edges)
+    root = gpu_order(ours)[0]
+    tree = _Tree(ours, root)
+    assert tree.parent == {root: None, **{v: u for u, v in nx.bfs_edges(mst, root)}}
+    assert all(tree.up[v] == mst.edges[u, v] for u, v in nx.bfs_edges(mst, root))
+    assert graphs.connected_component(ours, root) == set(nx.node_connected_component(theirs, root))
+    # a graph file (or the API's inline graph) is read into the same graph as networkx would hold
+    from planner import topology
+
+    data = json.loads(json.dumps(to_node_link(ours)))
+    read = topology.graph_from_node_link(data)
+    monkeypatch.setattr(topology, "Graph", nx.Graph)
+    read_nx = topology.graph_from_node_link(data)
+    assert list(read.edges(data=True)) == list(read_nx.edges(data=True))
+    assert all(list(read[n]) == list(read_nx[n]) for n in read_nx)
