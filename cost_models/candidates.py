@@ -81,7 +81,7 @@ class Candidates:
                 stride = stride * sizes[axis]
         return out
 
-    def take(self, index: np.ndarray) -> Candidates:
+    def take(self, index: np.ndarray | slice) -> Candidates:
         return Candidates(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
     @classmethod

@@ -438,7 +438,9 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     ]
     totals = np.stack([sum(ph.values()) for ph in phases])
     which = np.argmax(totals, axis=0)
-    chosen = {k: np.choose(which, [ph[k] for ph in phases]) for k in phases[0]}
+    loss, layer, opt = phases
+    at_loss, at_layer = which == 0, which == 1  # np.where, not np.choose, which first stacks its choices
+    chosen = {k: np.where(at_loss, loss[k], np.where(at_layer, layer[k], opt[k])) for k in loss}
     dynamic = (chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"]
                + chosen["pipeline_buffers"])
     transient = np.where(which < 2, largest_transient_bytes(model, training, c, holds_head), 0.0)

@@ -1,7 +1,7 @@
 """`berth` command line: a thin edge over planner.planning. Bad input exits 2 with one line."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: typer would eval every option's annotation string
+# of every command at each start (30 ms of `berth plan`).
 import json
 import os
 import sys
@@ -16,7 +16,8 @@ from planner.errors import BerthError
 from planner.specs import DEFAULT_MEMORY_HEADROOM
 
 # Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
-# (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m planner.cli plan ...`).
+# (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m planner.cli plan ...`;
+# tests/test_cli.py checks it).
 
 app = typer.Typer(no_args_is_help=True, help="berth: plan parallel layouts for training.")
 console = Console()  # the terminal's width (80 when piped): tables adapt, see planner.render.NARROW

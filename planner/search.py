@@ -21,7 +21,7 @@ from cost_models.candidates import (
 )
 from cost_models.memory import allocator_capacity_bytes
 from cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
-from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, REASONS, VALID
+from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, REASONS, VALID, structural_reasons
 from planner import __version__, stages
 from planner.errors import BerthError
 from planner.layouts import check_values, divisors, refuse_fix
@@ -138,8 +138,8 @@ def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
 def _group_tables(rows: np.ndarray, codes: dict[str, int]) -> list[tuple[np.ndarray, np.ndarray]]:
     """(structural rows, inner options) of each (dp, tp > 1) group with the fixed codes applied."""
     groups: dict[tuple[int, bool], list[int]] = {}
-    for i, (tp, _, dp, *_rest) in enumerate(rows):
-        groups.setdefault((int(dp), int(tp) > 1), []).append(i)
+    for i, (tp, dp) in enumerate(rows[:, [0, 2]].tolist()):  # lists: iterating numpy rows is slow
+        groups.setdefault((dp, tp > 1), []).append(i)
     out = []
     for (dp, has_tp), idx in groups.items():
         struct = rows[np.asarray(idx)]
@@ -205,8 +205,8 @@ def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | No
             size += len(block)
             while size >= chunk:
                 joined = Candidates.concat(pending) if len(pending) > 1 else pending[0]
-                yield joined.take(np.arange(chunk))
-                rest = joined.take(np.arange(chunk, len(joined)))
+                yield joined.take(slice(0, chunk))  # views, not copies
+                rest = joined.take(slice(chunk, None))
                 pending, size = ([rest], len(rest)) if len(rest) else ([], 0)
     if size:
         yield Candidates.concat(pending) if len(pending) > 1 else pending[0]
@@ -269,6 +269,17 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
             raise SearchTimeout(f"search cancelled after {done:,} of {total:,} layouts")
         if deadline is not None and time.monotonic() > deadline:
             raise SearchTimeout(f"search stopped after {done:,} of {total:,} layouts: over its time budget")
+        done += len(part)
+        # a layout that breaks a structural rule keeps that reason whatever the cost model says:
+        # count it and score only the rest (evaluate is row-wise, so their numbers are unchanged)
+        structural = structural_reasons(part, model, training, cluster)
+        broken = structural != VALID
+        if broken.any():
+            codes, counts = np.unique(structural[broken], return_counts=True)
+            reasons.update(dict(zip(codes.tolist(), counts.tolist(), strict=True)))
+            part = part.take(np.flatnonzero(~broken))
+            if not len(part):
+                continue
         ev = evaluate(model, training, cluster, part, spec.memory_headroom)
         codes, counts = np.unique(ev.reason, return_counts=True)
         reasons.update(dict(zip(codes.tolist(), counts.tolist(), strict=True)))
@@ -279,7 +290,6 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
                 closest = (part.layout(j).short(), float(ev.peak_memory_bytes[j]))
         order = rank_order(ev, part, spec.objective)
         feasible += len(order)
-        done += len(part)
         # keep only this chunk's best rows (scored again on their own: evaluate is row-wise), so
         # memory stays one chunk whatever the search's size
         top = part.take(order[: spec.top * len(AXIS_ORDER_CHOICES)])

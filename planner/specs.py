@@ -459,6 +459,8 @@ class ValidationReport(Spec):
     (measured - predicted) / predicted for each metric both sides have.
     """
 
+    model_config = ConfigDict(defer_build=True)  # its schema is built at first use: `berth plan` never needs it
+
     id: str
     created: str
     berth_version: str

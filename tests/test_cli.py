@@ -3,10 +3,12 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 BERTH = [sys.executable, "-m", "planner.cli"]
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 PREDICTION_KEYS = {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "bottleneck",
                    "time_breakdown_s", "memory_breakdown_bytes"}
 
@@ -31,6 +33,31 @@ def test_plan_json_contract_and_tp_inside_node():
         assert lay["dp"] * lay["micro_batch_size"] * lay["num_microbatches"] == 256
     times = [p["prediction"]["step_time_s"] for p in out["plans"]]
     assert times == sorted(times)
+
+
+# `berth plan` starts in well under a second (benchmarks/search_speed.py times it): these never load
+# on its path, whatever the cluster
+NOT_ON_PLAN_PATH = {"torch", "fastapi", "starlette", "uvicorn", "scipy", "yaml", "api", "executor"}
+
+
+def test_plan_path_imports_no_graph_library_service_stack_or_torch():
+    code = f"""
+import sys
+from planner.cli import main
+for argv in (["plan", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2", "--fallback"],
+             ["plan", "llama3-8b", "--cluster", {str(EXAMPLES / "pcie-h100-bridged-pairs-2nodes.json")!r}, "--json"],
+             ["compare", "llama3-8b", "--layout", "tp=8,pp=1,dp=1"]):
+    try:
+        main(argv)
+    except SystemExit as done:
+        assert done.code == 0, (argv, done.code)
+sys.stderr.write("\\nloaded: " + " ".join(sorted(sys.modules)))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = {name.split(".")[0] for name in r.stderr.rsplit("loaded: ", 1)[1].split()}
+    assert "planner" in loaded and "numpy" in loaded
+    assert not loaded & NOT_ON_PLAN_PATH
 
 
 def test_plan_fix_restricts_the_search():
