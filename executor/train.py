@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from executor.device import init_cuda
-from executor.model import synthetic_batch
+from executor.model import load_balanced_chunks, synthetic_batch
 from executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
@@ -167,6 +167,8 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
         tokens, targets = synthetic_batch(spec, training.global_batch_size, training.seq_len, seed, step)
         mine = slice(coords.dp_rank * per_rank, (coords.dp_rank + 1) * per_rank)
         tokens, targets = tokens[mine].to(device), targets[mine].to(device)
+        if layout.cp > 1:  # this cp rank's load-balanced chunks of every sequence
+            tokens, targets = (load_balanced_chunks(x, coords.cp_rank, layout.cp) for x in (tokens, targets))
         if world > 1:
             dist.barrier()
         if device.type == "cuda":
