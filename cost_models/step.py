@@ -39,6 +39,8 @@ TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Sho
 # with and bucket boundaries leave gaps, so the window is never fully usable; the default 0.7 is
 # an assumption (PyTorch FSDP, Zhao et al. 2023, Sec. 6 reports overlap well short of perfect at
 # scale) and a parameter `berth calibrate` fits.
+CP_MERGE_PASSES = 3  # read the accumulator, read the step's partial, write the accumulator (fp32)
+FP32 = 4.0
 COMPUTE_BOUND_SHARE = 0.05  # below this share of the step no overhead is called the bottleneck
 BOTTLENECK_TERMS = {
     "tp_comm": ("tp_comm",),
@@ -90,14 +92,22 @@ def cp_exchange_s(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     the block it holds; one step's compute is the rank's attention / cp (the load-balanced split
     gives every step the same causal work). Exposed per step: max(0, transfer - compute). The
     backward ring moves K, V and the partial dK, dV: twice the bytes, behind the backward attention
-    of the step. The transfer runs over the slowest link the cp group spans (`comm.p2p_s`)."""
+    of the step. The transfer runs over the slowest link the cp group spans (`comm.p2p_s`).
+    Each step also merges its partial result into the rank's fp32 accumulators (torchtitan's
+    _merge_sdpa / Megatron's per-step correction: output rescaled by the log-sum-exp forward; dQ, and
+    the travelling dK, dV, accumulated backward), CP_MERGE_PASSES memory-bound passes per tensor."""
     cp = np.asarray(cp, dtype=float)
-    kv = 2.0 * b_local * training.seq_len * model.kv_heads / tp * model.head_dim * training.bytes_per_element
+    tokens = b_local * training.seq_len
+    kv = 2.0 * tokens * model.kv_heads / tp * model.head_dim * training.bytes_per_element
     send = comm.p2p_s(cluster, kv, cp, cp_stride)
     steps = np.maximum(cp - 1.0, 0.0)
     window_f, window_b = attn_fwd_s / np.maximum(cp, 1.0), attn_bwd_s / np.maximum(cp, 1.0)
-    fwd = np.where(cp > 1, steps * np.maximum(send - window_f, 0.0), 0.0)
-    bwd = np.where(cp > 1, steps * np.maximum(2.0 * send - window_b, 0.0), 0.0)
+    q_elems = tokens * model.num_attention_heads / tp * model.head_dim
+    kv_elems = 2.0 * tokens * model.kv_heads / tp * model.head_dim
+    merge_f = compute.memory_bound_time_s(cluster.device, CP_MERGE_PASSES * FP32 * q_elems)
+    merge_b = compute.memory_bound_time_s(cluster.device, CP_MERGE_PASSES * FP32 * (q_elems + kv_elems))
+    fwd = np.where(cp > 1, steps * (np.maximum(send - window_f, 0.0) + merge_f), 0.0)
+    bwd = np.where(cp > 1, steps * (np.maximum(2.0 * send - window_b, 0.0) + merge_b), 0.0)
     return fwd, bwd
 
 
@@ -198,12 +208,12 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
                                     for a in stages.stage_split(model.num_layers, c.pp, c.vpp))
     stride = c.strides()
 
-    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
+    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp, c.cp)
     gemm_fwd = compute.layer_gemm_forward_s(model, training, device, b, tp)
     act_bytes = e * b * s * h
     tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"])
     cp_fwd, cp_bwd = cp_exchange_s(model, training, cluster, b, tp, c.cp, stride["cp"],
-                                   *compute.attention_core_s(model, training, device, b, tp))
+                                   *compute.attention_core_s(model, training, device, b, tp, c.cp))
     selective = memory.selective_recompute_s(model, training, c, fwd, attn, gemm_fwd)
     recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd + tp_fwd + cp_fwd,
                          np.where(c.recompute == RECOMPUTE_SELECTIVE, selective + np.where(
@@ -301,7 +311,7 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     b, tp, pp = c.mbs.astype(float) / c.cp, c.tp.astype(float), c.pp.astype(float)
     split = stages.stage_split(model.num_layers, c.pp, c.vpp)
     layers = np.asarray(split[0] if first else split[2], dtype=float)
-    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
+    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp, c.cp)
     gemm_fwd = compute.layer_gemm_forward_s(model, training, device, b, tp)
     selective = memory.selective_recompute_s(model, training, c, fwd, attn, gemm_fwd)
     recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd,

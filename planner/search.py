@@ -145,7 +145,8 @@ def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
             "training.global_batch_size", training.global_batch_size,
             f"no layout of {cluster.world_size} GPUs splits it (dp must divide the global batch; "
             f"tp must divide {model.num_attention_heads} heads and {model.kv_heads} kv heads; "
-            f"pp must leave each pipeline stage of the {model.num_layers} layers at least one)",
+            f"pp must leave each pipeline stage of the {model.num_layers} layers at least one; cp is searched "
+            f"up to seq_len / {CP_SEARCH_MIN_TOKENS_PER_RANK})",
         )
     if search.fix:
         check_values(search.fix, "fix")
