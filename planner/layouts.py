@@ -144,9 +144,10 @@ def _why(name: str, x: Layout, model: ModelSpec, training: TrainingSpec, world: 
     """The broken rule in the user's numbers, with the valid values where they are few."""
     a, kv, L, B = model.num_attention_heads, model.kv_heads, model.num_layers, training.global_batch_size
     if name == "world_size_mismatch":
+        cp = x.cp > 1 or "cp" in given  # the product names cp only where the layout has it
         if "dp" in given:
-            return f"tp x cp x pp x dp = {x.world_size} must equal the {world} GPUs"
-        return f"tp x cp x pp = {x.tp * x.cp * x.pp} must divide the {world} GPUs"
+            return f"tp x {'cp x ' if cp else ''}pp x dp = {x.world_size} must equal the {world} GPUs"
+        return f"tp x {'cp x ' if cp else ''}pp = {x.tp * x.cp * x.pp} must divide the {world} GPUs"
     if name in ("cp_not_divide_seq", "cp_chunk_too_small"):
         from cost_models.validity import CP_MIN_CHUNK_TOKENS
 
