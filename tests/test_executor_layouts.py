@@ -163,7 +163,10 @@ def test_cp_layouts_match_single_process(tmp_path, reference):
 
 
 def test_cp_with_tp_and_dp_match_single_process(tmp_path, reference):
-    """cp = 2 with tp = 2 (sequence parallel inside the cp chunk) and with dp = 2 (ZeRO-3), on four processes."""
+    """cp = 2 with tp = 2 (sequence parallel inside the cp chunk), with dp = 2 (ZeRO-3: FSDP2 over dp, the
+    gradients then averaged over cp) and with pp = 2 (1F1B: stages send the s/cp-token chunks), on four
+    processes."""
     four = [Layout(cp=2, tp=2, sequence_parallel=True, micro_batch_size=4, num_microbatches=2),
-            Layout(cp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2)]
+            Layout(cp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2),
+            Layout(cp=2, pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b")]
     check(launch(tmp_path, four, 4), reference, 4)
