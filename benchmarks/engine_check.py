@@ -63,6 +63,8 @@ LAYOUT_CASES = [
     ("llama3-70b", 4, 64, Layout(tp=4, pp=4, dp=2, zero_stage=1, shard=2, micro_batch_size=1, num_microbatches=32,
                                  axis_order="tp-pp-dp", recompute="full")),
     ("llama3-8b", 4, 64, Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),
+    # context parallelism: Megatron --context-parallel-size, torchtitan context_parallel_degree, DeepSpeed refused
+    ("llama3-8b", 4, 64, Layout(tp=4, cp=2, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True)),
     ("llama3-8b", 4, 64, Layout(tp=4, dp=8, zero_stage=2, shard=8, micro_batch_size=2, num_microbatches=4,
                                 sequence_parallel=True)),
     # ZeRO over dp alone: stage 2 (the executor's ZeRO-1 of an 8B model, DDP + a sharded optimizer over fp32
@@ -237,7 +239,8 @@ def load_torchtitan(plan: Plan, files: dict[str, str], workdir: Path) -> dict[st
         type(c.activation_checkpoint)]
     model = c.model_spec.model
     return {
-        "tp": dims.tp, "pp": dims.pp, "vpp": stages // dims.pp, "dp": dp, "shard": dims.dp_shard, "zero": zero,
+        "tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "vpp": stages // dims.pp, "dp": dp,
+        "shard": dims.dp_shard, "zero": zero,
         "micro_batch": p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size,
         "global_batch": t.global_batch_size,
         # torchtitan/trainer.py:430: accumulation = global / (local batch x data-parallel degree)
@@ -320,7 +323,8 @@ def megatron_values(args: dict[str, Any]) -> dict[str, Any]:
             else 1 if args["use_distributed_optimizer"] else 0)
     precision = "bf16" if args["bf16"] else "fp16" if args["fp16"] else "fp32"
     return {
-        "tp": args["tensor_model_parallel_size"], "pp": args["pipeline_model_parallel_size"],
+        "tp": args["tensor_model_parallel_size"], "cp": args["context_parallel_size"],
+        "pp": args["pipeline_model_parallel_size"],
         "vpp": args["virtual_pipeline_model_parallel_size"] or 1, "dp": dp, "zero": zero,
         "shard": dp // args["num_distributed_optimizer_instances"] if zero else 1,
         "micro_batch": args["micro_batch_size"], "global_batch": args["global_batch_size"],

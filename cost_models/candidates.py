@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
+from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout, with_cp
 
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
 SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2
@@ -26,6 +26,11 @@ class Candidates:
     schedule: np.ndarray  # codes into SCHEDULE_CHOICES
     sp: np.ndarray  # 0/1
     order: np.ndarray  # codes into AXIS_ORDER_CHOICES (innermost axis first)
+    cp: np.ndarray = None  # context-parallel degree (None: 1 for every candidate); cp sits right outside tp
+
+    def __post_init__(self):
+        if self.cp is None:
+            object.__setattr__(self, "cp", np.ones_like(self.tp))
 
     def __len__(self) -> int:
         return int(self.tp.shape[0])
@@ -48,6 +53,7 @@ class Candidates:
             schedule=col([SCHEDULE_CHOICES.index(x.schedule) for x in layouts]),
             sp=col([int(x.sequence_parallel) for x in layouts]),
             order=col([AXIS_ORDER_CHOICES.index(x.axis_order) for x in layouts]),
+            cp=col([x.cp for x in layouts]),
         )
 
     def layout(self, i: int) -> Layout:
@@ -64,19 +70,21 @@ class Candidates:
             schedule=SCHEDULE_CHOICES[int(self.schedule[i])],
             sequence_parallel=bool(self.sp[i]),
             axis_order=AXIS_ORDER_CHOICES[int(self.order[i])],
+            cp=int(self.cp[i]),
         )
 
     def strides(self) -> dict[str, np.ndarray]:
-        """Rank distance between neighbours along tp, dp and pp: the product of the sizes of the
-        axes inside it in the candidate's axis order (tp-dp-pp: 1, tp, tp x dp)."""
-        sizes = {"tp": self.tp, "dp": self.dp, "pp": self.pp}
+        """Rank distance between neighbours along tp, cp, dp and pp: the product of the sizes of the
+        axes inside it in the candidate's axis order, cp right outside tp (tp-dp-pp: 1, tp, tp x cp,
+        tp x cp x dp)."""
+        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
         out = {axis: np.ones(len(self), dtype=np.int64) for axis in sizes}
         for code, name in enumerate(AXIS_ORDER_CHOICES):
             mask = self.order == code
             if not mask.any():
                 continue
             stride = np.ones(len(self), dtype=np.int64)
-            for axis in name.split("-"):
+            for axis in with_cp(name.split("-")):
                 out[axis] = np.where(mask, stride, out[axis])
                 stride = stride * sizes[axis]
         return out

@@ -126,7 +126,7 @@ def attention_efficiency(p: AttentionPassModel, head_dim: float, s, rows):
     return top / (1.0 + p.seq_knee / s + p.rows_knee / np.maximum(rows, 1.0))
 
 
-def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
+def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, cp=1):
     """(forward, backward) seconds of scores, softmax and context for the a/tp heads of one rank.
 
     Flash path: 4 b (a/tp) s^2 d x causal fraction FLOPs forward, 2.5x that backward, each at the
@@ -136,8 +136,12 @@ def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DevicePro
     softmax and dropout passes over b(a/tp)s^2 scores; backward 2x. TrainingSpec.attention_kernel
     names an older kernel than the measured one: its efficiency is scaled by
     DeviceProfile.attention_kernel_scale.
+    Context parallelism (`cp`, with `b` already b / cp): the FLOPs are the rank's total / cp, run as cp
+    kernel calls of s/cp queries against s/cp keys (one ring step each, torchtitan / Megatron), so the
+    efficiency's sequence term is taken at s/cp.
     """
     s, a, d = training.seq_len, model.num_attention_heads, model.head_dim
+    s_kernel = s / np.asarray(cp, dtype=float)
     heads = b * a / tp
     peak = device.peak_flops(training.precision)
     if training.flash_attention:
@@ -148,8 +152,9 @@ def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DevicePro
             return fwd, BACKWARD_TO_FORWARD * fwd
         rows = heads * s
         kernel = device.attention_kernel_scale(training.attention_kernel)
-        fwd = flops / (peak * kernel * attention_efficiency(shape.forward, d, s, rows))
-        bwd = ATTENTION_BACKWARD_FLOPS * flops / (peak * kernel * attention_efficiency(shape.backward, d, s, rows))
+        fwd = flops / (peak * kernel * attention_efficiency(shape.forward, d, s_kernel, rows))
+        bwd = ATTENTION_BACKWARD_FLOPS * flops / (peak * kernel * attention_efficiency(shape.backward, d, s_kernel,
+                                                                                       rows))
         return fwd, bwd
     gemms = gemm_time_s(device, training, s, s, d, batch=heads) + gemm_time_s(
         device, training, s, d, s, batch=heads
@@ -224,10 +229,11 @@ def host_and_device_s(device: DeviceProfile, training: TrainingSpec, dispatch_s,
     return np.maximum(dispatch_s, device_s) + exposed * np.minimum(dispatch_s, device_s)
 
 
-def layer_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp):
-    """(forward, backward, attention-core forward) seconds of one layer and micro-batch."""
+def layer_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp, cp=1):
+    """(forward, backward, attention-core forward) seconds of one layer and micro-batch (`b` per rank:
+    b / cp under context parallelism)."""
     gemm_f, gemm_b = layer_gemm_s(model, training, device, b, tp)
-    attn_f, attn_b = attention_core_s(model, training, device, b, tp)
+    attn_f, attn_b = attention_core_s(model, training, device, b, tp, cp)
     (rest_f, rest_b), (host_f, host_b) = layer_rest_s(model, training, device, b, tp, sp)
     fwd = host_and_device_s(device, training, host_f, gemm_f + attn_f + rest_f)
     bwd = host_and_device_s(device, training, host_b, gemm_b + attn_b + rest_b)

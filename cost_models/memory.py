@@ -49,6 +49,8 @@ outside the allocator and NCCL's buffers. Checked on one H100 by benchmarks/memo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE
@@ -101,9 +103,14 @@ RECIPE_FSDP2 = 2
 RECIPE_MEGATRON = 3
 
 
+def _cp(c):
+    return np.asarray(getattr(c, "cp", 1))
+
+
 def precision_recipe(training: TrainingSpec, c):
-    """The precision recipe code of each candidate (constants above)."""
-    zero, dp = np.asarray(c.zero), np.asarray(c.dp)
+    """The precision recipe code of each candidate (constants above); the data-parallel ranks of
+    FSDP2 are dp x cp (torchtitan's dp_shard_cp mesh)."""
+    zero, dp = np.asarray(c.zero), np.asarray(c.dp) * _cp(c)
     if training.precision == "fp32":
         return np.full(np.shape(zero), RECIPE_FP32)
     if training.framework == "megatron":
@@ -152,8 +159,10 @@ def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray
     e = training.bytes_per_element
     recipe = precision_recipe(training, c)
     zero = np.asarray(c.zero)
-    shard = np.asarray(c.shard, dtype=float)
-    fsdp2 = (training.framework == "pytorch") & ((zero >= 2) | ((np.asarray(c.dp) > 1)
+    # ZeRO / FSDP shard over shard x cp ranks: the cp ranks hold the same parameters, and torchtitan's
+    # FSDP mesh is dp_shard x cp, Megatron's distributed optimizer shards over dp x cp
+    shard = np.asarray(c.shard, dtype=float) * _cp(c)
+    fsdp2 = (training.framework == "pytorch") & ((zero >= 2) | ((np.asarray(c.dp) * _cp(c) > 1)
                                                                & ((np.asarray(c.tp) > 1) | (np.asarray(c.pp) > 1))))
     megatron = recipe == RECIPE_MEGATRON
     master = np.where(megatron, e, FP32_BYTES)  # bytes of a stored parameter
@@ -400,6 +409,9 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     stage = 0.0 if first else 1.0 if middle else np.asarray(c.pp, dtype=float) - 1.0
     params = stage_params(model, c.pp, c.tp, first, c.vpp, middle)
     st = model_state_bytes(training, params, c)
+    # context parallelism: each rank holds s / cp tokens of every sequence, so every activation,
+    # logit and buffer term below sees a micro-batch of mbs / cp (parameters are not divided by cp)
+    c = replace(c, mbs=np.asarray(c.mbs) / _cp(c)) if np.any(_cp(c) > 1) else c
     p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
     unsharded = params * st["grad_element"]
     layers = stages.stage_split(model.num_layers, c.pp, c.vpp)[1] if middle else None

@@ -10,6 +10,14 @@ Data-parallel traffic (gradient reduction, ZeRO-3 parameter gathers) is issued l
 behind the forward or backward compute it overlaps (`_dp_times`); what a layer's traffic takes
 beyond its usable compute, and the first or last layer's share, is exposed. The optimizer step
 follows.
+
+Context parallelism (cp, `cp_exchange_s`): each rank holds s/cp tokens of every sequence, in the
+load-balanced causal split of torchtitan and Megatron (2 cp chunks, rank i holds chunks i and
+2cp-1-i; Megatron-LM's context_parallel docs, Liu et al. 2023 "Ring Attention"), so every GEMM,
+norm, activation and tp collective sees b s / cp tokens and the attention core total / cp FLOPs.
+Data parallelism reduces gradients over dp x cp ranks (the cp ranks hold the same parameters;
+Megatron's data-parallel group with cp, torchtitan's dp_shard_cp FSDP mesh), and ZeRO shards over
+shard x cp ranks.
 """
 
 from __future__ import annotations
@@ -31,9 +39,12 @@ TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Sho
 # with and bucket boundaries leave gaps, so the window is never fully usable; the default 0.7 is
 # an assumption (PyTorch FSDP, Zhao et al. 2023, Sec. 6 reports overlap well short of perfect at
 # scale) and a parameter `berth calibrate` fits.
+CP_MERGE_PASSES = 3  # read the accumulator, read the step's partial, write the accumulator (fp32)
+FP32 = 4.0
 COMPUTE_BOUND_SHARE = 0.05  # below this share of the step no overhead is called the bottleneck
 BOTTLENECK_TERMS = {
     "tp_comm": ("tp_comm",),
+    "cp_comm": ("cp_comm",),
     "dp_comm": ("dp_comm",),
     "pipeline_bubble": ("bubble", "pp_comm"),
     "recompute": ("recompute",),
@@ -71,6 +82,35 @@ def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride):
     return TP_COLLECTIVES_PER_LAYER_PASS * comm.all_reduce_s(cluster, activation_bytes, tp, stride)
 
 
+def cp_exchange_s(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, b_local, tp, cp, cp_stride,
+                  attn_fwd_s, attn_bwd_s):
+    """(forward, backward) exposed seconds of one layer's ring-attention KV exchange for one micro-batch.
+
+    Ring attention (Liu et al. 2023; torchtitan `context_parallel`, Megatron-LM's p2p CP): cp - 1
+    steps, in each of which every rank sends its current K and V block, 2 x b x s/cp x kv_heads/tp x
+    head_dim elements (`b_local` = b / cp), to its ring neighbour while computing attention against
+    the block it holds; one step's compute is the rank's attention / cp (the load-balanced split
+    gives every step the same causal work). Exposed per step: max(0, transfer - compute). The
+    backward ring moves K, V and the partial dK, dV: twice the bytes, behind the backward attention
+    of the step. The transfer runs over the slowest link the cp group spans (`comm.p2p_s`).
+    Each step also merges its partial result into the rank's fp32 accumulators (torchtitan's
+    _merge_sdpa / Megatron's per-step correction: output rescaled by the log-sum-exp forward; dQ, and
+    the travelling dK, dV, accumulated backward), CP_MERGE_PASSES memory-bound passes per tensor."""
+    cp = np.asarray(cp, dtype=float)
+    tokens = b_local * training.seq_len
+    kv = 2.0 * tokens * model.kv_heads / tp * model.head_dim * training.bytes_per_element
+    send = comm.p2p_s(cluster, kv, cp, cp_stride)
+    steps = np.maximum(cp - 1.0, 0.0)
+    window_f, window_b = attn_fwd_s / np.maximum(cp, 1.0), attn_bwd_s / np.maximum(cp, 1.0)
+    q_elems = tokens * model.num_attention_heads / tp * model.head_dim
+    kv_elems = 2.0 * tokens * model.kv_heads / tp * model.head_dim
+    merge_f = compute.memory_bound_time_s(cluster.device, CP_MERGE_PASSES * FP32 * q_elems)
+    merge_b = compute.memory_bound_time_s(cluster.device, CP_MERGE_PASSES * FP32 * (q_elems + kv_elems))
+    fwd = np.where(cp > 1, steps * (np.maximum(send - window_f, 0.0) + merge_f), 0.0)
+    bwd = np.where(cp > 1, steps * (np.maximum(2.0 * send - window_b, 0.0) + merge_b), 0.0)
+    return fwd, bwd
+
+
 def pipelined_exposed_s(traffic_s, window_s, chunks, overlap):
     """Exposed time of `traffic_s` of communication issued in `chunks` equal pieces (one per layer),
     each hidden behind the compute of the neighbouring layer, of which a share `overlap` is usable.
@@ -84,7 +124,8 @@ def pipelined_exposed_s(traffic_s, window_s, chunks, overlap):
     return per_chunk + (n - 1.0) * np.maximum(per_chunk - overlap * window_s / n, 0.0)
 
 
-def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, layers_per_stage, dp_stride):
+def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, layers_per_stage, dp_stride,
+              cp_stride=None):
     """Exposed data-parallel time per step, layer by layer against the compute it overlaps.
 
     - ZeRO 0 (DDP, Li et al. 2020): the gradient all-reduce runs in buckets during the last
@@ -101,17 +142,22 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
       last reduce-scatter have no compute to hide behind. Hybrid sharding adds the all-reduce
       of the shard across replicas to the last micro-batch's backward.
     Only `comm_overlap_efficiency` of each window hides traffic (NCCL kernels take SMs and
-    memory bandwidth from the GEMMs; Zhao et al. 2023 Sec. 6)."""
+    memory bandwidth from the GEMMs; Zhao et al. 2023 Sec. 6).
+    With context parallelism the gradient group is dp x cp and the shard group shard x cp (module
+    docstring); the group is costed as one ring starting at the cp stride (exact for the default
+    tp-dp-pp order, where cp and dp are adjacent)."""
     e = training.bytes_per_element
     grad_bytes = stage_params * e
-    shard = c.shard.astype(float)
-    replicate = c.dp / shard
-    stride_shard, stride_rep = dp_stride, dp_stride * c.shard
+    cp = c.cp.astype(float)
+    shard = c.shard.astype(float) * cp
+    replicate = c.dp / c.shard.astype(float)
+    inner_stride = dp_stride if cp_stride is None else np.where(cp > 1, cp_stride, dp_stride)
+    stride_shard, stride_rep = np.where(c.shard * c.cp > c.shard, inner_stride, dp_stride), dp_stride * c.shard
     # all-gather and reduce-scatter of the stage's parameters over the shard group (costed apart: gloo differs)
     gather = comm.all_gather_s(cluster, grad_bytes, shard, stride_shard)
     scatter = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)
-    ar_dp = comm.all_reduce_s(cluster, grad_bytes, c.dp, dp_stride)
+    ar_dp = comm.all_reduce_s(cluster, grad_bytes, c.dp * cp, inner_stride)
     overlap = cluster.comm_overlap_efficiency
     n = layers_per_stage
 
@@ -127,7 +173,7 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
     return np.where(c.zero == 0, ddp, np.where(c.zero <= 2, zero12, zero3))
 
 
-def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride):
+def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None):
     """Exposed data-parallel time of the stage that takes longest: each rank reduces (and gathers) its
     own stage's parameters behind its own layers' compute. With an even split the first or the last
     stage (an embedding or head more, the same layers) is that stage; with an uneven one
@@ -138,10 +184,10 @@ def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute,
     even = (n_first == n_middle) & (n_last == n_middle)
     if np.all(even):
         return _dp_times(training, cluster, c, np.maximum(pf, pl), n_first * fwd, n_first * bwd_and_recompute,
-                         n_first, dp_stride)
+                         n_first, dp_stride, cp_stride)
 
     def at(params, n):
-        return _dp_times(training, cluster, c, params, n * fwd, n * bwd_and_recompute, n, dp_stride)
+        return _dp_times(training, cluster, c, params, n * fwd, n * bwd_and_recompute, n, dp_stride, cp_stride)
 
     pm = memory.stage_params(model, c.pp, c.tp, False, c.vpp, middle=True)
     ends = np.maximum(at(pf, n_first), at(pl, n_last))
@@ -154,28 +200,34 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     allocator can reserve is "tight" (MEMORY_TIGHT), above all of it out of memory."""
     device = cluster.device
     e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
-    b, tp, pp, vpp, nmb = c.mbs.astype(float), c.tp.astype(float), c.pp.astype(float), c.vpp, c.nmb
+    tp, pp, vpp, nmb = c.tp.astype(float), c.pp.astype(float), c.vpp, c.nmb
+    # tokens per rank: b s / cp (the compute and memory terms take b / cp as the micro-batch)
+    b = c.mbs.astype(float) / c.cp
     # decoder layers of the first, a middle and the last stage (planner/stages.py: L / pp each when even)
     n_first, n_middle, n_last, _ = (np.asarray(a, dtype=float)
                                     for a in stages.stage_split(model.num_layers, c.pp, c.vpp))
     stride = c.strides()
 
-    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
+    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp, c.cp)
     gemm_fwd = compute.layer_gemm_forward_s(model, training, device, b, tp)
     act_bytes = e * b * s * h
     tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"])
+    cp_fwd, cp_bwd = cp_exchange_s(model, training, cluster, b, tp, c.cp, stride["cp"],
+                                   *compute.attention_core_s(model, training, device, b, tp, c.cp))
     selective = memory.selective_recompute_s(model, training, c, fwd, attn, gemm_fwd)
-    recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd + tp_fwd,
-                         np.where(c.recompute == RECOMPUTE_SELECTIVE, selective, 0.0))
+    recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd + tp_fwd + cp_fwd,
+                         np.where(c.recompute == RECOMPUTE_SELECTIVE, selective + np.where(
+                             memory.precision_recipe(training, c) == memory.RECIPE_FSDP2, 0.0, cp_fwd), 0.0))
     tp_layer = 2.0 * tp_fwd  # forward + backward
+    cp_layer = cp_fwd + cp_bwd
     # Embedding (vocab-parallel: one all-reduce) and LM head (one in backward).
     head = compute.lm_head_compute_s(model, training, device, b, tp)
     edge_tp = comm.all_reduce_s(cluster, act_bytes, tp, stride["tp"])
     p2p = np.where(pp > 1, 2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"]), 0.0)
 
     def body(layers):
-        """(compute, recompute, tp collectives) of `layers` decoder layers for one micro-batch."""
-        return layers * (fwd + bwd), layers * recompute, layers * tp_layer
+        """(compute, recompute, tp collectives, cp KV exchange) of `layers` decoder layers for one micro-batch."""
+        return layers * (fwd + bwd), layers * recompute, layers * tp_layer, layers * cp_layer
 
     first_body, last_body, middle_body = body(n_first), body(n_last), body(n_middle)
     first = sum(first_body) + edge_tp + p2p + np.where(pp == 1, head + edge_tp, 0.0)
@@ -189,8 +241,9 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     mean_mb = np.where(pp == 1, slowest, (first + last + (pp - 2.0) * middle) / pp)
 
     bubble = bubble_s(pp, vpp, mean_mb)
-    dp = _stage_dp_times(model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"])
-    local_params = memory.largest_stage_params(model, c.pp, c.tp, c.vpp) / np.where(c.zero >= 1, c.shard, 1)
+    dp = _stage_dp_times(model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"],
+                         stride["cp"])
+    local_params = memory.largest_stage_params(model, c.pp, c.tp, c.vpp) / np.where(c.zero >= 1, c.shard * c.cp, 1)
     optimizer = compute.optimizer_step_s(device, training, local_params)
 
     edge_tp_twice = np.where(pp == 1, 2.0, 1.0) * edge_tp  # pp = 1: embedding and head together
@@ -201,6 +254,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
         "compute": nmb * (slow[0] + np.where(~middle_is_slowest & (last_is_slowest | (pp == 1)), head, 0.0)),
         "recompute": nmb * slow[1],
         "tp_comm": nmb * (slow[2] + np.where(middle_is_slowest, 0.0, edge_tp_twice)),
+        "cp_comm": nmb * slow[3],
         "pp_comm": nmb * p2p,
         "bubble": bubble,
         "dp_comm": dp,
@@ -254,10 +308,10 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     stage has it), the recomputation, and the optimizer step on its shard of the stage's
     parameters. This is what a rank-slice proxy measures (executor/proxy.py)."""
     device = cluster.device
-    b, tp, pp = c.mbs.astype(float), c.tp.astype(float), c.pp.astype(float)
+    b, tp, pp = c.mbs.astype(float) / c.cp, c.tp.astype(float), c.pp.astype(float)
     split = stages.stage_split(model.num_layers, c.pp, c.vpp)
     layers = np.asarray(split[0] if first else split[2], dtype=float)
-    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp)
+    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp, c.cp)
     gemm_fwd = compute.layer_gemm_forward_s(model, training, device, b, tp)
     selective = memory.selective_recompute_s(model, training, c, fwd, attn, gemm_fwd)
     recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd,
@@ -265,7 +319,7 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     has_head = (pp == 1) | (not first)
     head = np.where(has_head, compute.lm_head_compute_s(model, training, device, b, tp), 0.0)
     params = memory.stage_params(model, c.pp, c.tp, first, c.vpp)
-    local = params / np.where(c.zero >= 1, c.shard, 1)
+    local = params / np.where(c.zero >= 1, c.shard * c.cp, 1)
     return {
         "forward_backward": c.nmb * (layers * (fwd + bwd) + head),
         "recompute": c.nmb * layers * recompute,

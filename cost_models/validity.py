@@ -13,11 +13,20 @@ from planner import stages
 from planner.specs import AXIS_ORDER_CHOICES, ClusterSpec, ModelSpec, TrainingSpec
 
 VALID = 0
+# The smallest load-balanced chunk (seq_len / (2 cp) tokens) a layout may use: below it each ring
+# step's attention block is too small to hide its KV transfer, and flash kernels tile by 64-128.
+# 16 keeps tiny test models (seq 64, cp 2) valid; the search asks much more (planner/search.py).
+CP_MIN_CHUNK_TOKENS = 16
 REASONS: tuple[tuple[str, str], ...] = (
     ("", ""),
-    ("world_size_mismatch", "tp x pp x dp must equal the number of GPUs"),
+    ("world_size_mismatch", "tp x cp x pp x dp must equal the number of GPUs"),
     ("tp_not_divide_heads", "tp must divide the attention heads"),
     ("tp_not_divide_kv_heads", "tp must divide the key/value heads"),
+    ("cp_not_divide_seq", "context parallelism splits each sequence into 2 x cp chunks (load-balanced causal "
+     "split): seq_len must be divisible by 2 x cp"),
+    ("cp_chunk_too_small", f"context parallelism needs chunks of seq_len / (2 x cp) >= {CP_MIN_CHUNK_TOKENS} tokens"),
+    ("cp_needs_flash_attention", "context parallelism (ring attention) runs on flash attention: cp > 1 needs "
+     "training.flash_attention"),
     ("stage_without_layers", "the layer split over pp x virtual_stages leaves a pipeline stage without a layer "
      "(planner/stages.py)"),
     ("batch_not_divisible", "dp x micro_batch_size x num_microbatches must equal the global batch"),
@@ -46,9 +55,12 @@ def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cl
     check (`planner.layouts.check_layout`) explains with them: the rules live only here."""
     one_f_one_b = (c.schedule != SCHEDULE_GPIPE) & (c.pp > 1)
     rules = [
-        c.tp * c.pp * c.dp != cluster.world_size,
+        c.tp * c.cp * c.pp * c.dp != cluster.world_size,
         model.num_attention_heads % c.tp != 0,
         model.kv_heads % c.tp != 0,
+        (c.cp > 1) & (training.seq_len % (2 * c.cp) != 0),
+        (c.cp > 1) & (training.seq_len // (2 * c.cp) < CP_MIN_CHUNK_TOKENS),
+        (c.cp > 1) & (not training.flash_attention),
         ~stages.split(model.num_layers, c.pp, c.vpp)[3],
         c.dp * c.mbs * c.nmb != training.global_batch_size,
         c.dp % c.shard != 0,

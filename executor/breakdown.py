@@ -46,6 +46,9 @@ TERM_REGIONS: dict[str, tuple[tuple[str, ...], str]] = {
                 "copy-in and copy-out) and post_backward (reduce-scatter, HSDP all-reduce), ZeRO-1 broadcasts; "
                 "DDP: from the last gradient accumulated to the end of backward (the wait for the buckets' "
                 "all-reduce)"),
+    "cp_comm": (("cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"),
+                "collectives on the context-parallel group: the executor's all-gather of K and V and the "
+                "reduce-scatter of their gradients (the cost model's ring exchange; its exposed part)"),
     "optimizer": (("optimizer",), "optimizer.step(), exclusive of collectives it issues (ZeRO-1)"),
 }
 OTHER = "other"  # the step's time in no region (untimed glue); also collectives on groups of no single axis

@@ -18,14 +18,17 @@ def check_layout(spec: ModelSpec, training: TrainingSpec, layout: Layout, world:
     """Everything that would make the run fail or train wrongly, said before it starts."""
     problems = []
     if layout.world_size != world:
-        problems.append(f"layout needs {layout.world_size} processes (tp x pp x dp), the launch has {world}")
+        problems.append(f"layout needs {layout.world_size} processes (tp x cp x pp x dp), the launch has {world}")
+    if layout.cp > 1 and training.seq_len % (2 * layout.cp):
+        problems.append(f"cp={layout.cp} needs seq_len {training.seq_len} divisible by 2 x cp (load-balanced chunks)")
     if spec.num_attention_heads % layout.tp or spec.kv_heads % layout.tp:
         problems.append(f"tp={layout.tp} does not divide the {spec.num_attention_heads} heads / "
                         f"{spec.kv_heads} kv heads")
     if spec.ffn_hidden_size % layout.tp or spec.vocab_size % layout.tp:
         problems.append(f"tp={layout.tp} does not divide ffn {spec.ffn_hidden_size} or vocab {spec.vocab_size}")
-    if layout.sequence_parallel and training.seq_len % layout.tp:
-        problems.append(f"sequence parallel needs tp={layout.tp} to divide seq_len {training.seq_len}")
+    if layout.sequence_parallel and (training.seq_len // layout.cp) % layout.tp:
+        problems.append(f"sequence parallel needs tp={layout.tp} to divide the {training.seq_len // layout.cp} "
+                        "tokens of each sequence on a rank")
     if not stages.split(spec.num_layers, layout.pp, layout.virtual_stages)[3]:
         problems.append(stages.why_invalid(spec.num_layers, layout.pp, layout.virtual_stages))
     if spec.tied_embeddings and (layout.pp > 1 or layout.tp > 1):

@@ -5,6 +5,16 @@ so that DTensor's colwise/rowwise plans split them by heads and by ffn columns. 
 reads the local head count from the tensor shapes, so the same code runs unsplit or tp-split.
 Positions use rotary embeddings (no parameters), so the parameter count equals
 ModelSpec.num_params exactly.
+
+Context parallelism (`ContextParallel`, set on each Attention by executor/parallel.py): a rank holds
+chunks r and 2cp-1-r of the 2 cp chunks of every sequence (the load-balanced causal split of
+torchtitan and Megatron-LM), rotates them at their global positions and attends over the keys and
+values all-gathered across the cp group, masked by global position. This is all-gather KV attention
+(Megatron-LM's cp_comm_type "all_gather"; the Llama 3 paper, Sec. 3.3.2, trained with it), not a
+ring: PyTorch's `context_parallel` cannot shard the CPU attention op
+(aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy in torch 2.13). The
+gather's backward sums dK, dV over the group and keeps the rank's slice (an all-reduce on gloo,
+which has no reduce-scatter).
 """
 
 from __future__ import annotations
@@ -24,14 +34,75 @@ def norm_layer(spec: ModelSpec) -> nn.Module:
     return nn.RMSNorm(spec.hidden_size) if spec.norm == "rmsnorm" else nn.LayerNorm(spec.hidden_size)
 
 
-def rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding on (batch, heads, seq, head_dim) (Su et al. 2021)."""
+def rotary(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding on (batch, heads, seq, head_dim) (Su et al. 2021); `positions`:
+    the tokens' global positions (default 0..seq-1)."""
     seq, dim = x.shape[-2], x.shape[-1]
     inv = 1.0 / (ROPE_THETA ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv)
+    if positions is None:
+        positions = torch.arange(seq, device=x.device)
+    angles = torch.outer(positions.to(device=x.device, dtype=torch.float32), inv)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+def load_balanced_positions(local_len: int, rank: int, cp: int) -> torch.Tensor:
+    """Global positions of the tokens cp rank `rank` holds: chunks rank and 2cp-1-rank of 2cp."""
+    c = local_len // 2
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def load_balanced_chunks(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's tokens of `x` (full sequences along `dim`): chunks rank and 2cp-1-rank."""
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim).contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dim (2) over the cp group; backward: sum over the group, keep
+    this rank's slice (reduce-scatter as all-reduce + slice: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.n = group, rank, x.shape[2]
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(2, ctx.rank * ctx.n, ctx.n).contiguous(), None, None, None
+
+
+class ContextParallel:
+    """This rank's place in its cp group (shared, not copied, when a model part is deep-copied)."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        return load_balanced_positions(local_len, self.rank, self.size).to(device)
+
+    def key_positions(self, local_len: int, device) -> torch.Tensor:
+        return torch.cat([load_balanced_positions(local_len, r, self.size) for r in range(self.size)]).to(device)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return _GatherSequence.apply(x, self.group, self.size, self.rank)
+
+    def mask(self, local_len: int, device) -> torch.Tensor:
+        """Causal by global position: query p sees key p' <= p (True = attend)."""
+        return self.key_positions(local_len, device)[None, :] <= self.positions(local_len, device)[:, None]
 
 
 class Attention(nn.Module):
@@ -46,12 +117,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, kv * d, bias=False)
         self.wv = nn.Linear(h, kv * d, bias=False)
         self.wo = nn.Linear(heads * d, h, bias=False)
+        self.context_parallel: ContextParallel | None = None
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Scores, softmax and context: the part selective recomputation re-runs."""
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        cp = self.context_parallel
+        if cp is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=cp.mask(q.shape[2], q.device))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +134,12 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        out = self.core(rotary(q), rotary(k), v)
+        cp = self.context_parallel
+        if cp is None:
+            out = self.core(rotary(q), rotary(k), v)
+        else:
+            pos = cp.positions(s, x.device)
+            out = self.core(rotary(q, pos), cp.gather(rotary(k, pos)), cp.gather(v))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -14,6 +14,10 @@ What each layout field becomes:
   (Megatron-LM, Shoeybi et al. 2019), row-parallel embedding, column-parallel LM head;
   sequence_parallel: `SequenceParallel` on the norms, the row-parallel outputs reduce-scattered
   over the sequence (Korthikanti et al. 2022).
+- cp: each rank takes chunks r and 2cp-1-r of every sequence (executor/train.py) and attends over
+  keys and values all-gathered across the cp group (executor/model.py: all-gather KV attention,
+  not a ring; torch's `context_parallel` cannot shard the CPU attention op); gradients are averaged
+  over the cp ranks (DDP over every rank, else an all-reduce after FSDP2's dp reduction).
 - pp: `torch.distributed.pipelining` with hand-split stages, virtual stage k of rank r holding
   model chunk r + k * pp (looping placement, Narayanan et al. 2021); gpipe -> ScheduleGPipe,
   1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B.
@@ -57,7 +61,7 @@ from planner.placement import coordinates
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
 LEARNING_RATE = 1e-3
-MESH_DIMS = ("pp", "replicate", "shard", "tp")
+MESH_DIMS = ("pp", "replicate", "shard", "cp", "tp")
 
 
 @dataclass
@@ -68,11 +72,12 @@ class Coordinates:
     pp_rank: int
     dp_rank: int
     tp_rank: int
+    cp_rank: int = 0
 
     @classmethod
     def of(cls, rank: int, layout: Layout) -> Coordinates:
         c = coordinates(layout)
-        return cls(rank, int(c["pp"][rank]), int(c["dp"][rank]), int(c["tp"][rank]))
+        return cls(rank, int(c["pp"][rank]), int(c["dp"][rank]), int(c["tp"][rank]), int(c["cp"][rank]))
 
 
 @dataclass
@@ -83,17 +88,42 @@ class Prepared:
     optimizer: torch.optim.Optimizer
     schedule: object | None = None
     executed_as: list[str] = field(default_factory=list)
+    cp_group: object | None = None  # gradients still to be averaged over the cp group (FSDP2 covers dp only)
+
+
+def apply_cp(model: nn.Module, group, rank: int, size: int) -> None:
+    """All-gather KV context parallelism on every attention (executor/model.py, ContextParallel)."""
+    from executor.model import ContextParallel
+
+    cp = ContextParallel(group, rank, size)
+    for sub in model.modules():
+        if isinstance(sub, Attention):
+            sub.context_parallel = cp
+
+
+def reduce_cp_gradients(prepared: Prepared, cp: int) -> None:
+    """Average the gradients over the cp ranks (they hold the same parameters and saw different
+    tokens); each rank's local shard or tensor-parallel slice is reduced in place."""
+    if prepared.cp_group is None:
+        return
+    for part in prepared.modules:
+        for p in part.parameters():
+            if p.grad is None:
+                continue
+            g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, group=prepared.cp_group)
+            g /= cp
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    shape = (layout.pp, layout.dp // layout.shard, layout.shard, layout.tp)
+    shape = (layout.pp, layout.dp // layout.shard, layout.shard, layout.cp, layout.tp)
     if layout.axis_order == "tp-dp-pp":
         return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     c = coordinates(layout)
     grid = torch.empty(shape, dtype=torch.int64)
     for rank in range(layout.world_size):
         dp = int(c["dp"][rank])
-        grid[int(c["pp"][rank]), dp // layout.shard, dp % layout.shard, int(c["tp"][rank])] = rank
+        grid[int(c["pp"][rank]), dp // layout.shard, dp % layout.shard, int(c["cp"][rank]), int(c["tp"][rank])] = rank
     return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS)
 
 
@@ -204,7 +234,11 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
         apply_recompute(model, layout.recompute)
         return Prepared([model], _optimizer(model.parameters()))
     executed_as: list[str] = []
+    if layout.cp > 1:
+        apply_cp(model, mesh["cp"].get_group(), coords.cp_rank, layout.cp)
+        executed_as.append("cp runs all-gather KV attention (Megatron's all_gather CP, Llama 3), not a ring")
     if layout.tp == 1 and layout.pp == 1 and layout.zero_stage <= 1:
+        # DDP over the default group: every rank, i.e. dp x cp (the cp ranks' gradients averaged too)
         apply_recompute(model, layout.recompute)
         # gradient_as_bucket_view: gradients live in DDP's buckets (no second copy), as in Megatron's
         # contiguous gradient buffer, which is what the memory model counts.
@@ -240,7 +274,8 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
         cls = _schedule_class(layout)
         stage_arg = pipe if layout.virtual_stages > 1 else pipe[0]
         schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn)
-    return Prepared(parts, opt, schedule, executed_as)
+    cp_group = mesh["cp"].get_group() if layout.cp > 1 else None
+    return Prepared(parts, opt, schedule, executed_as, cp_group)
 
 
 def run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, targets: torch.Tensor,
@@ -252,8 +287,11 @@ def run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, t
 
         with loss_parallel():
             loss = _run_microbatches(prepared, layout, tokens, targets, coords)
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
-    return _run_microbatches(prepared, layout, tokens, targets, coords)
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    else:
+        loss = _run_microbatches(prepared, layout, tokens, targets, coords)
+    reduce_cp_gradients(prepared, layout.cp)
+    return loss
 
 
 def _run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, targets: torch.Tensor,
@@ -300,11 +338,11 @@ def _set_sync(model: nn.Module, sync: bool) -> None:
 
 
 def world_loss(local: torch.Tensor | None, layout: Layout, device: torch.device) -> float:
-    """The global-batch mean loss: each (dp, tp) rank of the last stage holds its dp slice's mean;
-    the tp ranks hold the same value."""
+    """The global-batch mean loss: each (dp, cp, tp) rank of the last stage holds the mean of its dp
+    slice's tokens (its cp share of them: equal counts); the tp ranks hold the same value."""
     value = local.detach().reshape(()).to(device) if local is not None else torch.zeros((), device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
         dist.all_reduce(value)
-        value /= layout.dp * layout.tp
+        value /= layout.dp * layout.cp * layout.tp
     return value.item()

@@ -300,8 +300,11 @@ class _Axes:
     def _axis(self, ranks: list[int]) -> str:
         if self.coordinates is None:
             return OTHER
-        varying = [axis for axis in ("tp", "dp", "pp") if len({int(self.coordinates[axis][r]) for r in ranks}) > 1]
-        return varying[0] if len(varying) == 1 else OTHER
+        varying = {axis for axis in ("tp", "cp", "dp", "pp")
+                   if axis in self.coordinates and len({int(self.coordinates[axis][r]) for r in ranks}) > 1}
+        if varying == {"dp", "cp"}:
+            return "dp"  # FSDP/ZeRO and gradient reduction span dp x cp (the cost model's dp_comm)
+        return varying.pop() if len(varying) == 1 else OTHER
 
 
 def _region(axis: str, kind: str) -> str:

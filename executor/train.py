@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from executor import timing
 from executor.device import init_cuda
-from executor.model import synthetic_batch
+from executor.model import load_balanced_chunks, synthetic_batch
 from executor.parallel import MESH_DIMS, Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
 from planner.placement import coordinates
 from planner.specs import Layout, ModelSpec, TrainingSpec
@@ -189,6 +189,8 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
         tokens, targets = synthetic_batch(spec, training.global_batch_size, training.seq_len, seed, step)
         mine = slice(coords.dp_rank * per_rank, (coords.dp_rank + 1) * per_rank)
         tokens, targets = tokens[mine].to(device), targets[mine].to(device)
+        if layout.cp > 1:  # this cp rank's load-balanced chunks of every sequence
+            tokens, targets = (load_balanced_chunks(x, coords.cp_rank, layout.cp) for x in (tokens, targets))
         if world > 1:
             dist.barrier()
         if device.type == "cuda":
@@ -208,7 +210,7 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
         return elapsed, timer.end(), local
 
     ddp = isinstance(prepared.modules[0], DistributedDataParallel)
-    axes = {"pp": "pp", "replicate": "dp", "shard": "dp", "tp": "tp"}
+    axes = {"pp": "pp", "replicate": "dp", "shard": "dp", "cp": "cp", "tp": "tp"}
     groups = {mesh.get_group(d).group_name: axes[d] for d in MESH_DIMS} if mesh is not None else {}
     with timing.instrument(timer, coordinates(layout) if world > 1 else None, prepared.modules,
                            prepared.schedule, ddp=ddp, groups=groups):

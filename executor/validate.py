@@ -310,6 +310,9 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
         raise BerthError("steps" if steps < 1 else "warmup", steps if steps < 1 else warmup, "out of range")
     if plan.infeasible_reason:
         raise BerthError("plan.infeasible_reason", plan.infeasible_reason, "the plan is not feasible; pick another")
+    if x.cp > 1:
+        raise BerthError("plan.layout.cp", x.cp, "the rank-slice proxy does not emulate context parallelism (the "
+                         "chunked sequence and its KV exchange); validate the whole layout instead")
     try:
         check_layout(plan.model, plan.training, x, x.world_size)
     except UnsupportedLayout as err:

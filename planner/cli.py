@@ -132,7 +132,7 @@ def plan_cmd(
     flash: Flash = True,
     framework: FrameworkOpt = "pytorch",
     top: Annotated[int, typer.Option("--top", help="how many plans to show")] = 5,
-    fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2")] = "",
+    fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2 or tp=8,cp=16,pp=16")] = "",
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
     memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
     objective: Objective = "throughput",

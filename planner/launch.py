@@ -65,8 +65,10 @@ ENGINE_VERSIONS = {
 FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
     "megatron": {
         "tp": ("--tensor-model-parallel-size", "megatron/core/model_parallel_config.py:55"),
+        "cp": ("--context-parallel-size (ring attention: --cp-comm-type p2p, the default)",
+               "megatron/core/model_parallel_config.py:100"),
         "pp": ("--pipeline-model-parallel-size", "megatron/core/model_parallel_config.py:83"),
-        "dp": ("(derived by Megatron: world size / (tp x pp))", "megatron/core/parallel_state.py"),
+        "dp": ("(derived by Megatron: world size / (tp x cp x pp))", "megatron/core/parallel_state.py"),
         "shard": ("--num-distributed-optimizer-instances",
                   "megatron/core/distributed/distributed_data_parallel_config.py:34"),
         "zero_stage": ("--use-distributed-optimizer (1); --use-megatron-fsdp --data-parallel-sharding-strategy "
@@ -86,6 +88,8 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
     },
     "deepspeed": {
         "tp": ("tensor_parallel.autotp_size", "deepspeed/runtime/tensor_parallel/config.py:45"),
+        "cp": ("(none: refused above 1; Ulysses sequence parallelism splits heads, not ring attention)",
+               "deepspeed/runtime/config.py:468"),
         "pp": ("(PipelineModule(num_stages=pp) in the training script: the config's pipeline section sets no "
                "stage count)", "deepspeed/runtime/pipe/module.py:125"),
         "dp": ("(derived: world size / (tp x pp); the batch check divides by mpu.get_data_parallel_world_size())",
@@ -104,6 +108,8 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
     },
     "torchtitan": {
         "tp": ("parallelism.tensor_parallel_degree", "torchtitan/config/configs.py:157"),
+        "cp": ("parallelism.context_parallel_degree (FSDP then shards over dp_shard x cp)",
+               "torchtitan/config/configs.py:232; torchtitan/distributed/parallel_dims.py:278"),
         "pp": ("parallelism.pipeline_parallel_degree", "torchtitan/config/configs.py:174"),
         "dp": ("parallelism.data_parallel_replicate_degree", "torchtitan/config/configs.py:113"),
         "shard": ("parallelism.data_parallel_shard_degree", "torchtitan/config/configs.py:124"),
@@ -359,6 +365,8 @@ def megatron_args(plan: Plan) -> dict[str, str]:
     args: list[tuple[str, object]] = [
         ("--tensor-model-parallel-size", x.tp), ("--pipeline-model-parallel-size", x.pp),
         ("--micro-batch-size", x.micro_batch_size), ("--global-batch-size", t.global_batch_size)]
+    if x.cp > 1:
+        args.append(("--context-parallel-size", x.cp))
     args += _megatron_stage_args(m.num_layers, x.pp, x.virtual_stages)
     if x.sequence_parallel:
         args.append(("--sequence-parallel", None))
@@ -427,6 +435,9 @@ def megatron_args(plan: Plan) -> dict[str, str]:
 
 def _deepspeed_refusal(x, num_layers: int | None = None) -> str | None:
     """Why DeepSpeed 0.19 cannot express the layout (of a model `num_layers` deep), or None."""
+    if x.cp > 1:
+        return (f"cp {x.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses sequence parallelism "
+                "all-to-alls attention heads, a different scheme berth does not plan); use Megatron or torchtitan")
     if num_layers is not None and x.pp > 1 and not stages.is_even(num_layers, x.pp):
         return (f"uneven pipeline stages ({num_layers} layers on pp {x.pp}: "
                 f"{', '.join(map(str, stages.stage_layers(num_layers, x.pp)))}): DeepSpeed's PipelineModule takes no "
@@ -555,6 +566,8 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
         "data_parallel_replicate_degree": x.dp // shard, "data_parallel_shard_degree": shard,
         "tensor_parallel_degree": x.tp, "enable_sequence_parallel": x.sequence_parallel,
         "pipeline_parallel_degree": x.pp}
+    if x.cp > 1:
+        parallelism["context_parallel_degree"] = x.cp  # its "headtail" load balancer: berth's 2 cp chunk split
     if x.zero_stage >= 2:
         parallelism["fsdp_reshard_after_forward"] = "always" if x.zero_stage == 3 else "never"
     chunks = stages.chunk_layers(m.num_layers, x.pp, x.virtual_stages)

@@ -71,9 +71,9 @@ def complete_layout(values: dict[str, Any], training: TrainingSpec, world_size: 
     shard = dp under ZeRO, the interleaved schedule when vpp > 1. What cannot be derived exactly
     is left for the validity rules to report."""
     v = dict(values)
-    tp, pp = v.get("tp", 1), v.get("pp", 1)
-    if "dp" not in v and tp > 0 and pp > 0:
-        v["dp"] = max(1, world_size // (tp * pp))
+    tp, pp, cp = v.get("tp", 1), v.get("pp", 1), v.get("cp", 1)
+    if "dp" not in v and tp > 0 and pp > 0 and cp > 0:
+        v["dp"] = max(1, world_size // (tp * cp * pp))
     dp, nmb = v.get("dp", 1), v.get("num_microbatches")
     if "micro_batch_size" not in v and nmb and dp > 0 and nmb > 0:
         v["micro_batch_size"] = max(1, training.global_batch_size // (dp * nmb))
@@ -113,9 +113,12 @@ def check_values(values: dict[str, Any], field: str = "layout") -> None:
 # The layout fields each rule of cost_models.validity.REASONS reads (a rule broken only through
 # fields a user left free is no refusal of what the user gave).
 RULE_FIELDS = {
-    "world_size_mismatch": ("tp", "pp", "dp"),
+    "world_size_mismatch": ("tp", "cp", "pp", "dp"),
     "tp_not_divide_heads": ("tp",),
     "tp_not_divide_kv_heads": ("tp",),
+    "cp_not_divide_seq": ("cp",),
+    "cp_chunk_too_small": ("cp",),
+    "cp_needs_flash_attention": ("cp",),
     "stage_without_layers": ("pp", "virtual_stages"),
     "batch_not_divisible": ("dp", "micro_batch_size", "num_microbatches"),
     "shard_not_divide_dp": ("shard", "dp"),
@@ -141,14 +144,24 @@ def _why(name: str, x: Layout, model: ModelSpec, training: TrainingSpec, world: 
     """The broken rule in the user's numbers, with the valid values where they are few."""
     a, kv, L, B = model.num_attention_heads, model.kv_heads, model.num_layers, training.global_batch_size
     if name == "world_size_mismatch":
+        cp = x.cp > 1 or "cp" in given  # the product names cp only where the layout has it
         if "dp" in given:
-            return f"tp x pp x dp = {x.tp * x.pp * x.dp} must equal the {world} GPUs"
-        return f"tp x pp = {x.tp * x.pp} must divide the {world} GPUs"
+            return f"tp x {'cp x ' if cp else ''}pp x dp = {x.world_size} must equal the {world} GPUs"
+        return f"tp x {'cp x ' if cp else ''}pp = {x.tp * x.cp * x.pp} must divide the {world} GPUs"
+    if name in ("cp_not_divide_seq", "cp_chunk_too_small"):
+        from cost_models.validity import CP_MIN_CHUNK_TOKENS
+
+        s = training.seq_len
+        valid = [1] + [d for d in divisors(world) if d > 1 and s % (2 * d) == 0 and s // (2 * d) >= CP_MIN_CHUNK_TOKENS]
+        return (f"context parallelism splits each sequence into 2 x cp chunks of at least {CP_MIN_CHUNK_TOKENS} "
+                f"tokens: seq_len {s} / (2 x {x.cp}) does not; valid: {_listing(valid)}")
+    if name == "cp_needs_flash_attention":
+        return f"cp = {x.cp} > 1 runs ring attention on flash attention kernels: it needs training.flash_attention"
     if name in ("tp_not_divide_heads", "tp_not_divide_kv_heads"):
         valid = [d for d in divisors(gcd(a, kv)) if world % d == 0]
         return f"tp must divide the {a} attention heads and {kv} kv heads; valid: {_listing(valid)}"
     if name == "stage_without_layers":
-        valid = [d for d in divisors(world // x.tp) if stages.split(L, d, x.virtual_stages)[3]]
+        valid = [d for d in divisors(world // (x.tp * x.cp)) if stages.split(L, d, x.virtual_stages)[3]]
         return f"{stages.why_invalid(L, x.pp, x.virtual_stages)}; valid pp (vpp={x.virtual_stages}): {_listing(valid)}"
     if name == "batch_not_divisible":
         return (f"dp x micro_batch_size x num_microbatches = {x.dp} x {x.micro_batch_size} x "

@@ -16,20 +16,33 @@ from itertools import permutations
 import numpy as np
 
 from cost_models.comm import group_level
-from planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement
+from planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement, with_cp
 
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "dp", "pp")  # the axes of axis_order
+RANK_AXES = ("tp", "cp", "dp", "pp")  # with context parallelism, right outside tp
 ORDERS: tuple[tuple[str, ...], ...] = tuple(permutations(AXES))
 
 
+def shown_axes(layout: Layout) -> tuple[str, ...]:
+    """The axes a plan lists: cp only when the layout has it (cp = 1 plans read as before)."""
+    return RANK_AXES if layout.cp > 1 else AXES
+
+
 def _sizes(layout: Layout) -> dict[str, int]:
-    return {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}
+    return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
+
+
+def _full(order: tuple[str, ...] | None, layout: Layout) -> tuple[str, ...]:
+    """An axis order with cp: as given when it names cp, else cp right outside tp (Layout.rank_order)."""
+    order = tuple(order or layout.order)
+    return order if "cp" in order else with_cp(order)
 
 
 def coordinates(layout: Layout, order: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
-    """Each rank's index along every axis (arrays of length world size)."""
-    order = order or layout.order
-    if sorted(order) != sorted(AXES):
+    """Each rank's index along every axis (arrays of length world size); context-parallel ranks sit
+    right outside the tensor-parallel ones (torchtitan's mesh ..., cp, tp; Megatron's tp-cp-...)."""
+    order = _full(order, layout)
+    if sorted(order) != sorted(RANK_AXES):
         raise ValueError(f"order must be a permutation of {AXES}, got {order}")
     sizes = _sizes(layout)
     ranks = np.arange(layout.world_size)
@@ -43,7 +56,7 @@ def coordinates(layout: Layout, order: tuple[str, ...] | None = None) -> dict[st
 def strides(layout: Layout, order: tuple[str, ...] | None = None) -> dict[str, int]:
     """Rank distance between neighbours of each axis."""
     sizes, out, stride = _sizes(layout), {}, 1
-    for axis in order or layout.order:
+    for axis in _full(order, layout):
         out[axis] = stride
         stride *= sizes[axis]
     return out
@@ -53,9 +66,9 @@ def process_groups(layout: Layout, order: tuple[str, ...] | None = None) -> dict
     """For each axis, its groups: ranks that share every other coordinate, in axis order."""
     coords, sizes = coordinates(layout, order), _sizes(layout)
     groups: dict[str, list[list[int]]] = {}
-    for axis in AXES:
+    for axis in shown_axes(layout):
         key = np.zeros(layout.world_size, dtype=np.int64)
-        for other in (a for a in AXES if a != axis):
+        for other in (a for a in RANK_AXES if a != axis):
             key = key * sizes[other] + coords[other]
         ranks = np.lexsort((coords[axis], key))  # by the other coordinates, then along the axis
         groups[axis] = ranks.reshape(-1, sizes[axis]).tolist()
@@ -90,10 +103,11 @@ def rank_map(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] | None
     """Every rank with its node, local GPU and coordinates (what the plan carries)."""
     coords = coordinates(layout, order)
     return [{"rank": r, "node": device_of(r, cluster)[0], "local_rank": device_of(r, cluster)[1],
-             **{a: int(coords[a][r]) for a in AXES}} for r in range(layout.world_size)]
+             **{a: int(coords[a][r]) for a in shown_axes(layout)}} for r in range(layout.world_size)]
 
 
-AXIS_TERMS = {"tp": "tp_comm", "dp": "dp_comm", "pp": "pp_comm"}  # the time term each axis's traffic lands in
+# the time term each axis's traffic lands in
+AXIS_TERMS = {"tp": "tp_comm", "cp": "cp_comm", "dp": "dp_comm", "pp": "pp_comm"}
 
 
 def innermost_cluster(cluster: ClusterSpec) -> ClusterSpec:
@@ -110,7 +124,7 @@ def placement(layout: Layout, cluster: ClusterSpec, times_s: dict[str, float],
     rank map and groups up to PLACEMENT_DETAIL_MAX_RANKS ranks."""
     sizes, stride = _sizes(layout), strides(layout)
     groups = []
-    for axis in AXES:
+    for axis in shown_axes(layout):
         k = int(group_level(cluster, sizes[axis], stride[axis]))
         link = cluster.levels[k].link
         first = [stride[axis] * i for i in range(sizes[axis])]

@@ -5,10 +5,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from planner.specs import ClusterSpec, Plan, ValidationReport
+from planner.specs import ClusterSpec, Plan, ValidationReport, with_cp
 
 GIB = 2**30
-TIME_TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
+TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
 # cost_models/memory.py stage_memory_breakdown: every term is inside the caching allocator (their sum is
 # the predicted reserved peak); the CUDA context and the driver's share are taken off the capacity
 MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "logits",
@@ -41,7 +41,7 @@ def count(n: float) -> str:
 
 def _compact_layout(p: Plan) -> str:
     x = p.layout
-    parts = [f"tp{x.tp}", f"pp{x.pp}", f"dp{x.dp}"]
+    parts = [f"tp{x.tp}", *([f"cp{x.cp}"] if x.cp > 1 else []), f"pp{x.pp}", f"dp{x.dp}"]
     if x.zero_stage:
         parts.append(f"z{x.zero_stage}/{x.shard}")
     parts.append(f"mbs{x.micro_batch_size}x{x.num_microbatches}")
@@ -54,15 +54,20 @@ def _compact_layout(p: Plan) -> str:
     return " ".join(parts)
 
 
-def _layout_cells(p: Plan) -> list[str]:
+def _layout_cells(p: Plan, cp: bool = False) -> list[str]:
     x = p.layout
     zero = f"{x.zero_stage}/{x.shard}" if x.zero_stage else "0"
     sched = "-" if x.pp == 1 else x.schedule.replace("interleaved_1f1b", f"interl.x{x.virtual_stages}")
-    return [str(x.tp), str(x.pp), str(x.dp), zero, x.recompute, str(x.micro_batch_size),
-            str(x.num_microbatches), sched, "on" if x.sequence_parallel else "off"]
+    return [str(x.tp), *([str(x.cp)] if cp else []), str(x.pp), str(x.dp), zero, x.recompute,
+            str(x.micro_batch_size), str(x.num_microbatches), sched, "on" if x.sequence_parallel else "off"]
 
 
 LAYOUT_COLUMNS = ("tp", "pp", "dp", "zero/shard", "recompute", "mbs", "nmb", "schedule", "sp")
+
+
+def _has_cp(plans: list[Plan]) -> bool:
+    """Tables show a cp column (and time: cp_comm) only when a plan uses context parallelism."""
+    return any(p.layout.cp > 1 for p in plans)
 RESULT_COLUMNS = ("step", "tokens/s", "MFU", "GiB", "fits", "bottleneck")
 
 
@@ -87,13 +92,15 @@ def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None =
     if width < NARROW:
         return _narrow_plans_table(plans, title, best_tokens_per_s)
     t = Table(title=title, header_style="bold")
-    for col in ("#", *LAYOUT_COLUMNS, *RESULT_COLUMNS):
+    cp = _has_cp(plans)
+    columns = (LAYOUT_COLUMNS[0], "cp", *LAYOUT_COLUMNS[1:]) if cp else LAYOUT_COLUMNS
+    for col in ("#", *columns, *RESULT_COLUMNS):
         t.add_column(col, justify="right" if col not in ("recompute", "schedule", "bottleneck") else "left",
                      no_wrap=True)
     if best_tokens_per_s:
         t.add_column("vs best", justify="right")
     for i, p in enumerate(plans, 1):
-        t.add_row(str(i), *_layout_cells(p), *_result_cells(p, best_tokens_per_s))
+        t.add_row(str(i), *_layout_cells(p, cp), *_result_cells(p, best_tokens_per_s))
     return t
 
 
@@ -129,7 +136,8 @@ def plans_csv(plans: list[Plan], best_tokens_per_s: float | None = None) -> str:
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    fields = ("tp", "pp", "dp", "shard", "zero_stage", "recompute", "micro_batch_size", "num_microbatches",
+    fields = ("tp", *(("cp",) if _has_cp(plans) else ()), "pp", "dp", "shard", "zero_stage", "recompute",
+              "micro_batch_size", "num_microbatches",
               "virtual_stages", "schedule", "sequence_parallel", "axis_order")
     pred = ("step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "bottleneck")
     w.writerow(["rank", *fields, "stage_layers", *pred, "vs_best", "infeasible_reason"])
@@ -164,6 +172,8 @@ def breakdown_table(plans: list[Plan], title: str) -> Table:
     if any(p.layout.pp > 1 for p in plans):
         t.add_row("layers per stage", *[stage_text(p) if p.layout.pp > 1 else "-" for p in plans])
     for term in TIME_TERMS:
+        if term == "cp_comm" and not _has_cp(plans):
+            continue
         t.add_row(f"time: {term}", *[_seconds(p.prediction.time_breakdown_s[term]) if p.prediction else "-"
                                      for p in plans])
     for term in MEMORY_TERMS:
@@ -243,7 +253,8 @@ def print_placement(console: Console, plan: Plan, label: str, only_crossings: bo
     crossing = [g for g in pl.groups if g.crosses_slow_link]
     if not only_crossings:
         narrow = console.width < NARROW
-        t = Table(title=f"placement of {label} (axis order {pl.axis_order}, innermost first)", header_style="bold")
+        order = "-".join(with_cp(pl.axis_order.split("-"))) if plan.layout.cp > 1 else pl.axis_order
+        t = Table(title=f"placement of {label} (axis order {order}, innermost first)", header_style="bold")
         cols = ("axis", "size", "groups", "stride", "nodes a group", "slowest level", "link", "GB/s per GPU",
                 "comm / step", "cost of crossing")
         skip = {"groups", "stride", "nodes a group"} if narrow else set()

@@ -73,17 +73,37 @@ def axis_orders(tp: int, pp: int, dp: int) -> list[int]:
     return sorted(seen.values())
 
 
+# Context parallelism searched: cp a power of 2 dividing the GPUs left by tp, with at least this many
+# tokens of each sequence per rank (cp <= seq_len / 1024), seq_len divisible by 2 cp (the load-balanced
+# split) and flash attention. Shorter chunks only add KV traffic; the rule keeps the search small (at
+# seq 8192 cp <= 8, at 4096 and below the search never adds cp). `--fix cp=N` / `--layout cp=N` reach
+# any cp the validity rules accept (cost_models/validity.py).
+CP_SEARCH_MIN_TOKENS_PER_RANK = 1024
+
+
+def cp_options(training: TrainingSpec, world: int) -> list[int]:
+    """The cp values the search tries for `world` GPUs (those left by tp)."""
+    s = training.seq_len
+    out = [1]
+    cp = 2
+    while (training.flash_attention and world % cp == 0 and s % (2 * cp) == 0
+           and cp * CP_SEARCH_MIN_TOKENS_PER_RANK <= s):
+        out.append(cp)
+        cp *= 2
+    return out
+
+
 def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_mbs: int | None):
-    """(tp, pp, dp, mbs, nmb, schedule, vpp, axis order) rows that divide correctly."""
+    """(tp, pp, dp, mbs, nmb, schedule, vpp, axis order, cp) rows that divide correctly."""
     a, kv, L, B = model.num_attention_heads, model.kv_heads, model.num_layers, training.global_batch_size
     rows = []
-    for tp in divisors(world):
+    for tp, cp in ((t, c) for t in divisors(world) for c in cp_options(training, world // t)):
         if a % tp or kv % tp:
             continue
-        for pp in divisors(world // tp):
+        for pp in divisors(world // (tp * cp)):
             if not stages.split(L, pp)[3]:
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * cp * pp)
             if B % dp:
                 continue
             if pp == 1:
@@ -98,8 +118,8 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
             for mbs in divisors(B // dp):
                 if max_mbs and mbs > max_mbs:
                     continue
-                rows += [(tp, pp, dp, mbs, B // (dp * mbs), s, v, o) for s, v in schedules for o in orders]
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 8)
+                rows += [(tp, pp, dp, mbs, B // (dp * mbs), s, v, o, cp) for s, v in schedules for o in orders]
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 9)
 
 
 def _inner_options(dp: int, tp: int) -> np.ndarray:
@@ -111,7 +131,7 @@ def _inner_options(dp: int, tp: int) -> np.ndarray:
     return np.asarray(opts, dtype=np.int64)
 
 
-_STRUCT_COLUMNS = ("tp", "pp", "dp", "mbs", "nmb", "schedule", "vpp", "order")  # _structural_rows' columns
+_STRUCT_COLUMNS = ("tp", "pp", "dp", "mbs", "nmb", "schedule", "vpp", "order", "cp")  # _structural_rows' columns
 _INNER_COLUMNS = ("zero", "shard", "recompute", "sp")  # _inner_options' columns
 
 
@@ -125,7 +145,8 @@ def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
             "training.global_batch_size", training.global_batch_size,
             f"no layout of {cluster.world_size} GPUs splits it (dp must divide the global batch; "
             f"tp must divide {model.num_attention_heads} heads and {model.kv_heads} kv heads; "
-            f"pp must leave each pipeline stage of the {model.num_layers} layers at least one)",
+            f"pp must leave each pipeline stage of the {model.num_layers} layers at least one; cp is searched "
+            f"up to seq_len / {CP_SEARCH_MIN_TOKENS_PER_RANK})",
         )
     if search.fix:
         check_values(search.fix, "fix")
@@ -188,7 +209,7 @@ def _block(struct: np.ndarray, inner: np.ndarray) -> Candidates:
     s = np.repeat(struct, len(inner), axis=0)
     o = np.tile(inner, (len(struct), 1))
     return Candidates(tp=s[:, 0], pp=s[:, 1], dp=s[:, 2], mbs=s[:, 3], nmb=s[:, 4], schedule=s[:, 5], vpp=s[:, 6],
-                      order=s[:, 7], zero=o[:, 0], shard=o[:, 1], recompute=o[:, 2], sp=o[:, 3])
+                      order=s[:, 7], cp=s[:, 8], zero=o[:, 0], shard=o[:, 1], recompute=o[:, 2], sp=o[:, 3])
 
 
 def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> Iterator[Candidates]:
@@ -216,10 +237,10 @@ def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: Clus
                          search: SearchSpec) -> Candidates:
     """Every candidate of the search at once (tests and small searches; `search` streams them)."""
     return Candidates.concat([_block(struct, inner) for struct, inner in _groups(model, training, cluster, search)]
-                             or [_block(np.zeros((0, 8), np.int64), np.zeros((1, 4), np.int64))])
+                             or [_block(np.zeros((0, 9), np.int64), np.zeros((1, 4), np.int64))])
 
 
-_FIX_COLUMNS = {"tp": "tp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stage": "zero",
+_FIX_COLUMNS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stage": "zero",
                 "micro_batch_size": "mbs", "num_microbatches": "nmb", "virtual_stages": "vpp",
                 "recompute": "recompute", "schedule": "schedule", "sequence_parallel": "sp", "axis_order": "order"}
 
@@ -240,7 +261,7 @@ def rank_order(ev: Evaluation, c: Candidates, objective: str = "throughput") -> 
     ranks and less recomputation (the simpler layout wins a tie)."""
     idx = np.flatnonzero(ev.feasible)
     value = objective_value(ev, objective)
-    keys = (c.recompute[idx], c.tp[idx] * c.pp[idx], ev.peak_memory_bytes[idx], -value[idx])
+    keys = (c.recompute[idx], c.tp[idx] * c.cp[idx] * c.pp[idx], ev.peak_memory_bytes[idx], -value[idx])
     return idx[np.lexsort(keys)]
 
 

@@ -22,6 +22,18 @@ SCHEDULE_CHOICES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 # innermost axis first; tp-dp-pp (Megatron's default) first so that ties keep it
 AXIS_ORDER_CHOICES: tuple[AxisOrder, ...] = ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp")
 
+
+
+def with_cp(order) -> tuple[str, ...]:
+    """An axis order (innermost first, of tp, dp and pp) with cp placed right outside tp."""
+    out: list[str] = []
+    for axis in order:
+        out.append(axis)
+        if axis == "tp":
+            out.append("cp")
+    return tuple(out)
+
+
 # Sanity bounds on user input: far beyond any real model or cluster, small enough that a
 # request can never make the planner allocate or loop without bound.
 MAX_LAYERS = 4096
@@ -232,6 +244,8 @@ class Layout(Spec):
     """One parallel layout in DESIGN.md's vocabulary."""
 
     tp: int = Field(default=1, gt=0)
+    cp: int = Field(default=1, gt=0, description="context-parallel degree: each rank holds seq/cp tokens of every "
+                    "sequence (load-balanced causal split into 2 cp chunks; ring attention, cost_models/step.py)")
     pp: int = Field(default=1, gt=0)
     dp: int = Field(default=1, gt=0)
     shard: int = Field(default=1, gt=0)
@@ -246,14 +260,20 @@ class Layout(Spec):
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def order(self) -> tuple[str, ...]:
         return tuple(self.axis_order.split("-"))
 
+    @property
+    def rank_order(self) -> tuple[str, ...]:
+        """The axes over ranks, innermost first, cp included: cp sits right outside tp in every
+        axis_order (torchtitan's mesh pp, dp_replicate, dp_shard, cp, tp; Megatron's tp-cp-ep-dp-pp)."""
+        return with_cp(self.order)
+
     def short(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}", f"dp={self.dp}"]
         if self.zero_stage:
             parts += [f"zero={self.zero_stage}", f"shard={self.shard}"]
         parts += [f"mbs={self.micro_batch_size}", f"nmb={self.num_microbatches}"]
@@ -344,7 +364,7 @@ class Prediction(Spec):
 class GroupPlacement(Spec):
     """Where the process groups of one parallel axis sit, and what their slowest link costs."""
 
-    axis: Literal["tp", "dp", "pp"]
+    axis: Literal["tp", "cp", "dp", "pp"]
     size: int
     count: int = Field(description="how many groups of this axis")
     stride: int = Field(description="rank distance between neighbours in a group")
@@ -366,7 +386,7 @@ class Placement(Spec):
 
     axis_order: AxisOrder
     groups: tuple[GroupPlacement, ...]
-    rank_map: list[dict[str, int]] | None = Field(default=None, description="rank, node, local_rank, tp, dp, pp")
+    rank_map: list[dict[str, int]] | None = Field(default=None, description="rank, node, local_rank, tp, cp, dp, pp")
     process_groups: dict[str, list[list[int]]] | None = None
 
 

@@ -242,3 +242,21 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server, tmp_path
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-5000:]
     assert len(checked.read_text().split()) > 100  # the strict JSON check ran on the responses
+
+
+def test_context_parallel_layout_and_fix_over_http(server):
+    """cp in a search's fix (text and object) and in a compared layout; the plan JSON carries it, its
+    placement lists the cp groups, and a cp the sequence cannot split is a 422 naming the field."""
+    c = httpx.Client(base_url=server.url, timeout=60)
+    body = {**PLAN_BODY, "training": {"seq_len": 32768, "global_batch_size": 32}, "search": {"top": 1, "fix": "cp=4"}}
+    r = c.post("/v1/plans", json=body)
+    assert r.status_code == 200, r.text
+    (plan,) = r.json()["plans"]
+    assert plan["layout"]["cp"] == 4 and "cp" in {g["axis"] for g in plan["placement"]["groups"]}
+    r = c.post("/v1/compare", json={**{k: body[k] for k in ("model", "training", "cluster")},
+                                    "layouts": ["tp=8,cp=2,pp=2", {"tp": 8, "cp": 4}]})
+    assert r.status_code == 200, r.text
+    assert [x["layout"]["cp"] for x in r.json()["candidates"]] == [2, 4]
+    bad = {**PLAN_BODY, "training": {"seq_len": 1000, "global_batch_size": 32}, "search": {"fix": {"cp": 16}}}
+    r = c.post("/v1/plans", json=bad)
+    assert r.status_code == 422 and "cp" in r.text, r.text

@@ -29,7 +29,7 @@ def test_plan_json_contract_and_tp_inside_node():
         assert p["infeasible_reason"] is None and p["prediction"]["fits"]
         assert p["layout"]["tp"] <= 8
         lay = p["layout"]
-        assert lay["tp"] * lay["pp"] * lay["dp"] == 64
+        assert lay["tp"] * lay["cp"] * lay["pp"] * lay["dp"] == 64  # world = tp x cp x pp x dp
         assert lay["dp"] * lay["micro_batch_size"] * lay["num_microbatches"] == 256
     times = [p["prediction"]["step_time_s"] for p in out["plans"]]
     assert times == sorted(times)
@@ -124,7 +124,8 @@ def test_plan_table_output():
     (["plan", "llama3-70b", "--cluster", "dgx-h999", "--nodes", "1"], "cluster.preset"),
     (["plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "0"], "cluster.nodes"),
     (["plan", "nope-model"], "model"),
-    (["plan", "tiny-gpt", "--cluster", "dgx-h100", "--nodes", "4", "--global-batch", "7"],
+    # seq 1024: no context parallelism searched, which could otherwise take the GPUs dp = 1 leaves
+    (["plan", "tiny-gpt", "--cluster", "dgx-h100", "--nodes", "4", "--global-batch", "7", "--seq-len", "1024"],
      "training.global_batch_size"),
     (["plan", "llama3-8b", "--seq-len", "-5"], "training.seq_len"),
     (["plan", "llama3-8b", "--fix", "tq=2"], "fix"),
@@ -235,7 +236,8 @@ def test_version_completion_and_csv():
     import io
 
     rows = list(csv.DictReader(io.StringIO(r.stdout)))
-    assert len(rows) == 3 and all(int(x["tp"]) * int(x["pp"]) * int(x["dp"]) == 8 for x in rows)
+    assert len(rows) == 3 and all(int(x["tp"]) * int(x.get("cp", 1)) * int(x["pp"]) * int(x["dp"]) == 8
+                                  for x in rows)
     assert float(rows[0]["tokens_per_s"]) >= float(rows[2]["tokens_per_s"]) > 0
     r = berth("compare", "llama3-8b", "--seq-len", "4096", "--global-batch", "64", "--layout", "tp=8",
               "--layout", "tp=2,zero=1", "--csv")

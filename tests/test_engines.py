@@ -46,7 +46,7 @@ def _refusal_is_stated(files, engine):
 def test_deepspeed_config_parsed_by_deepspeed_equals_the_plan(name, plan):
     files = _files(plan, "deepspeed")
     x = plan.layout
-    cannot = (x.sequence_parallel or x.recompute == "selective" or x.axis_order != "tp-dp-pp"
+    cannot = (x.cp > 1 or x.sequence_parallel or x.recompute == "selective" or x.axis_order != "tp-dp-pp"
               or (x.zero_stage and x.shard < x.dp)  # MiCS was removed in 0.19
               or (x.pp > 1 and (x.schedule != "1f1b" or x.zero_stage >= 2 or x.tp > 1))
               or plan.model.num_layers % x.pp)  # uneven stages: PipelineModule takes no per-stage counts
@@ -85,7 +85,7 @@ def test_torchtitan_config_parsed_by_torchtitan_equals_the_plan(name, plan, tmp_
         return
     assert not isinstance(files, str), files
     got = ec.load_torchtitan(plan, files, tmp_path)
-    want = {**_common(plan, "torchtitan"), "pp": x.pp, "vpp": x.virtual_stages,
+    want = {**_common(plan, "torchtitan"), "cp": x.cp, "pp": x.pp, "vpp": x.virtual_stages,
             "shard": x.shard if x.zero_stage else 1, "zero": x.zero_stage,
             # gradient accumulation without a pipeline: torchtitan accumulates through global_batch_size
             "accumulation": 1 if x.pp > 1 else x.num_microbatches,
@@ -140,7 +140,7 @@ def test_megatron_arguments_pass_megatrons_parse_args_and_validate_args():
         x, t, m = plan.layout, plan.training, plan.model
         fsdp = x.zero_stage >= 2
         assert ec.megatron_values(args) == {
-            **_common(plan, "megatron"), "pp": x.pp, "vpp": x.virtual_stages, "zero": x.zero_stage,
+            **_common(plan, "megatron"), "cp": x.cp, "pp": x.pp, "vpp": x.virtual_stages, "zero": x.zero_stage,
             "shard": x.shard if x.zero_stage == 1 else (x.dp if fsdp else 1),
             "accumulation": x.num_microbatches, "recompute": x.recompute, "sp": x.sequence_parallel,
             "seq_len": t.seq_len, "num_layers": m.num_layers, "hidden": m.hidden_size, "ffn": m.ffn_hidden_size,

@@ -143,3 +143,30 @@ def test_uneven_pipeline_stages_match_single_process(tmp_path):
                Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)]
     reference = run_steps(model, TRAINING, Layout(micro_batch_size=8), STEPS).losses
     check(launch(tmp_path, layouts, 2, model=model), reference, 2)
+
+
+def test_cp_layouts_match_single_process(tmp_path, reference):
+    """Context parallelism (executor/model.py: load-balanced chunks r and 2cp-1-r of every sequence,
+    rotary at global positions, all-gather KV attention masked by global position): cp = 2 alone
+    (DDP over dp x cp) and with selective recompute (the masked core re-run) reproduce the
+    single-process losses."""
+    two = [Layout(cp=2, micro_batch_size=4, num_microbatches=2),
+           Layout(cp=2, micro_batch_size=8, recompute="selective")]
+    results = launch(tmp_path, two, 2)
+    check(results, reference, 2)
+    assert all("all-gather KV" in " ".join(r["executed_as"]) for r in results)
+    from executor.model import load_balanced_chunks, load_balanced_positions
+
+    assert load_balanced_positions(4, 0, 2).tolist() == [0, 1, 6, 7]
+    assert load_balanced_positions(4, 1, 2).tolist() == [2, 3, 4, 5]
+    assert load_balanced_chunks(torch.arange(8)[None], 1, 2).tolist() == [[2, 3, 4, 5]]
+
+
+def test_cp_with_tp_and_dp_match_single_process(tmp_path, reference):
+    """cp = 2 with tp = 2 (sequence parallel inside the cp chunk), with dp = 2 (ZeRO-3: FSDP2 over dp, the
+    gradients then averaged over cp) and with pp = 2 (1F1B: stages send the s/cp-token chunks), on four
+    processes."""
+    four = [Layout(cp=2, tp=2, sequence_parallel=True, micro_batch_size=4, num_microbatches=2),
+            Layout(cp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2),
+            Layout(cp=2, pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b")]
+    check(launch(tmp_path, four, 4), reference, 4)

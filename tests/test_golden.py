@@ -159,7 +159,7 @@ def test_missing_reference_data_is_a_clear_error(tmp_path):
 # PP 16, seq 8192, 16M tokens a batch (2048 sequences), BF16 on H100 (80 GB HBM3, 700 W, Grand Teton: 8 GPUs on
 # NVLink a server, 400 Gb/s RoCE per GPU): 430 TFLOP/s per GPU (43% MFU) on 8,192 GPUs (DP 64) and 400 (41%) on
 # 16,384 (DP 128); 126 layers on 16 stages, one layer fewer on the first and the last (Sec. 3.3.2). Predicted
-# with `berth plan llama3.1-405b --fix tp=8,pp=16` on dgx-h100 (its best plan; Meta's schedule details beyond
+# with `berth plan llama3.1-405b --fix tp=8,cp=1,pp=16` on dgx-h100 (its best plan; Meta's schedule details beyond
 # Table 4 are not all published). Meta's figures include work berth leaves out (data loading, logging, stragglers
 # at 16K GPUs) and berth's best plan need not be Meta's: 15% either way, inside issue 12's 30% worst case.
 LLAMA3_405B_META = [(1024, 430.0), (2048, 400.0)]  # (dgx-h100 nodes, TFLOP/s per GPU)
@@ -175,9 +175,49 @@ def test_llama3_405b_as_meta_trained_it(nodes, tflops):
 
     cluster = cluster_from_preset("dgx-h100", nodes)
     result = search(load_model("llama3.1-405b"), TrainingSpec(seq_len=8192, global_batch_size=2048), cluster,
-                    SearchSpec(top=1, fix={"tp": 8, "pp": 16}))
+                    SearchSpec(top=1, fix={"tp": 8, "cp": 1, "pp": 16}))
     (best,) = result.plans
     assert best.stage_layers == [7, *[8] * 14, 7] and best.layout.dp == cluster.world_size // 128
     pr = best.prediction
     predicted = pr.model_flops_per_step / pr.step_time_s / cluster.world_size / 1e12
     assert predicted == pytest.approx(tflops, rel=LLAMA3_405B_TOLERANCE), (best.layout.short(), predicted)
+
+
+# Llama 3 405B long-context training (Dubey et al. 2024, Table 4, third row; Sec. 3.3.2): 16,384 H100, TP 8, CP 16,
+# PP 16, seq 131,072, 16M tokens a batch (128 sequences: DP 8 = 16,384 / (8 x 16 x 16), which the GPU count and
+# the tokens per batch both imply), 380 TFLOP/s per GPU (38% BF16 MFU). Meta's CP all-gathers K and V (Sec. 3.3.2);
+# berth costs a ring whose KV traffic hides behind each step's attention (cost_models/step.py cp_exchange_s):
+# with GQA (8 kv heads) the all-gather is small next to the attention at 131k either way.
+# The FLOP count matters here as it does not at 8k: berth's model FLOPs count the full s x s score and context
+# products (Narayanan 2021, as torchtitan and Megatron count MFU); a causal kernel does half of them. Table 4 does
+# not say which it counts. At 8k the two differ by 3%, at 131k by 40%: with the full count Meta's 38% MFU would be
+# 27% of real work, far below the 41-43% the same cluster ran at 8k, so the causal count is the comparison taken
+# (hardware FLOPs of a causal kernel), and the full count is held to the 30% of issue 12's worst case.
+# Predicted when added (`berth plan llama3.1-405b --seq-len 131072 --fix tp=8,cp=16,pp=16`): 329 TFLOP/s causal
+# (-14%), 460 full count (+21%).
+LLAMA3_405B_LONG_TFLOPS = 380.0
+LLAMA3_405B_LONG_TOLERANCE = 0.15  # causal count
+LLAMA3_405B_LONG_FULL_COUNT_TOLERANCE = 0.30
+
+
+def test_llama3_405b_long_context_with_cp16():
+    from cost_models import flops
+    from planner.models import load_model
+    from planner.search import search
+    from planner.specs import SearchSpec, TrainingSpec
+    from planner.topology import cluster_from_preset
+
+    cluster = cluster_from_preset("dgx-h100", 2048)
+    model, training = load_model("llama3.1-405b"), TrainingSpec(seq_len=131072, global_batch_size=128)
+    result = search(model, training, cluster, SearchSpec(top=1, fix={"tp": 8, "cp": 16, "pp": 16}))
+    (best,) = result.plans
+    pr = best.prediction
+    assert best.layout.dp == 8 and best.layout.cp == 16 and pr.fits
+    assert pr.time_breakdown_s["cp_comm"] < 0.05 * pr.step_time_s  # the KV exchange hides behind attention
+    core = (1 + flops.BACKWARD_TO_FORWARD) * model.num_layers * flops.attention_core_flops(
+        model, training.seq_len, training.global_batch_size)
+    full = pr.model_flops_per_step / pr.step_time_s / cluster.world_size / 1e12
+    causal = (pr.model_flops_per_step - core / 2) / pr.step_time_s / cluster.world_size / 1e12
+    assert causal == pytest.approx(LLAMA3_405B_LONG_TFLOPS, rel=LLAMA3_405B_LONG_TOLERANCE), (best.layout.short(),
+                                                                                             causal, full)
+    assert full == pytest.approx(LLAMA3_405B_LONG_TFLOPS, rel=LLAMA3_405B_LONG_FULL_COUNT_TOLERANCE), full

@@ -44,7 +44,7 @@ MEGATRON_ARGS = {
     "--group-query-attention", "--num-query-groups", "--swiglu", "--normalization", "--position-embedding-type",
     "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--attention-backend", "--tokenizer-type",
     "--tokenizer-model", "--data-path", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-    "--pipeline-model-parallel-layout",
+    "--pipeline-model-parallel-layout", "--context-parallel-size",
 }
 DEEPSPEED_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
@@ -189,6 +189,7 @@ def test_every_layout_field_maps_to_exactly_one_key_with_its_source():
     ("deepspeed", Layout(tp=8, dp=4, num_microbatches=16, sequence_parallel=True), "sequence_parallel"),
     ("deepspeed", Layout(tp=8, pp=4, num_microbatches=64, schedule="interleaved_1f1b", virtual_stages=2), "1F1B"),
     ("deepspeed", Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2), "removed MiCS"),
+    ("deepspeed", Layout(tp=4, cp=2, dp=4, micro_batch_size=1, num_microbatches=16), "cp 2: DeepSpeed has no ring"),
     # pp=2: under the executor's DDP + ZeroRedundancyOptimizer (dp alone) fp32 weights, gradients and the
     # autocast copy of an 8B model alone overflow 80 GB; with pp it runs under FSDP2 and fits
     ("torchtitan", Layout(pp=2, dp=16, zero_stage=1, shard=16, micro_batch_size=2, num_microbatches=2,
@@ -358,3 +359,18 @@ def test_fallback_with_one_node_lost_keeps_the_batch_or_says_what_changes():
     fb = fallback(change.plans[0], spec)
     assert fb.world_size == 56 and fb.global_batch_size != 256
     assert any("global batch" in c and "256" in c for c in fb.changes)
+
+
+def test_context_parallel_reaches_megatron_and_torchtitan():
+    """cp becomes Megatron's --context-parallel-size and torchtitan's parallelism.context_parallel_degree
+    (its dp degrees stay berth's dp: world = dp x cp x tp x pp in both engines)."""
+    p = plan_for(Layout(tp=4, cp=2, dp=4, zero_stage=3, shard=4, micro_batch_size=1, num_microbatches=16),
+                 "llama3-8b")
+    assert p.prediction.fits, p.infeasible_reason
+    flags = _megatron_flags(artifacts(p, "megatron"))
+    assert flags["--context-parallel-size"] == "2" and flags["--tensor-model-parallel-size"] == "4"
+    module = ast.parse(artifacts(p, "torchtitan")["berth_torchtitan.py"])
+    (par,) = [{k.arg: ast.literal_eval(k.value) for k in n.keywords} for n in ast.walk(module)
+              if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"]
+    assert (par["context_parallel_degree"], par["tensor_parallel_degree"], par["data_parallel_shard_degree"],
+            par["data_parallel_replicate_degree"]) == (2, 4, 4, 1)

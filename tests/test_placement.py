@@ -42,3 +42,22 @@ def test_dp_innermost_puts_tp_across_nodes():
     cluster = cluster_from_preset("dgx-h100", 4)
     s = spans(Layout(tp=8, dp=4), cluster, order=("dp", "tp", "pp"))
     assert s["tp"].crosses_nodes and s["tp"].per_node == 2 and s["dp"].per_node == 4
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=lambda o: "-".join(o))
+def test_context_parallel_ranks_sit_right_outside_tp(order):
+    """cp sits right outside tp in every axis order (torchtitan's mesh ..., cp, tp; Megatron's tp-cp-...)."""
+    from planner.placement import RANK_AXES, strides
+
+    layout = Layout(tp=4, cp=2, pp=2, dp=2, axis_order="-".join(order))
+    groups = process_groups(layout)
+    sizes = {"tp": 4, "cp": 2, "dp": 2, "pp": 2}
+    for axis in RANK_AXES:
+        assert all(len(g) == sizes[axis] for g in groups[axis])
+        assert sorted(r for g in groups[axis] for r in g) == list(range(layout.world_size))
+    st = strides(layout)
+    assert st["cp"] == st["tp"] * 4
+    if order[0] == "tp":
+        assert groups["tp"][0] == [0, 1, 2, 3] and groups["cp"][0] == [0, 4]
+    entry = rank_map(layout, cluster_from_preset("dgx-h100", 2))[5]
+    assert {"tp", "cp", "dp", "pp"} <= set(entry)

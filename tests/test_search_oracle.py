@@ -52,14 +52,25 @@ def uneven_split_ok(L, pp, vpp):
     return k - missing // 2 >= 1 and k - (missing + 1) // 2 >= 1
 
 
+def cp_searched(cp, training):
+    """The search's cp rule written out: a power of 2, flash attention, seq divisible by 2 cp and
+    at least 1024 tokens of each sequence per rank."""
+    if cp == 1:
+        return True
+    return (cp & (cp - 1) == 0 and training.flash_attention and training.seq_len % (2 * cp) == 0
+            and training.seq_len >= 1024 * cp)
+
+
 def brute_force(model, training, cluster):
     world, L, B = cluster.world_size, model.num_layers, training.global_batch_size
     layouts = []
-    for tp in range(1, world + 1):
+    for tp, cp in ((t, c) for t in range(1, world + 1) for c in range(1, world + 1)):
+        if not cp_searched(cp, training):
+            continue
         for pp in range(1, L + 1):
-            if (world % (tp * pp)) or model.num_attention_heads % tp or model.kv_heads % tp:
+            if (world % (tp * cp * pp)) or model.num_attention_heads % tp or model.kv_heads % tp:
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * cp * pp)
             for vpp in range(1, L + 1):
                 if not uneven_split_ok(L, pp, vpp):
                     continue
@@ -79,7 +90,7 @@ def brute_force(model, training, cluster):
                                     for sp in ((False, True) if tp > 1 else (False,)):
                                         for order in distinct_orders(tp, pp, dp):
                                             layouts.append(Layout(
-                                                tp=tp, pp=pp, dp=dp, shard=shard, zero_stage=zero, recompute=rec,
+                                                tp=tp, cp=cp, pp=pp, dp=dp, shard=shard, zero_stage=zero, recompute=rec,
                                                 micro_batch_size=mbs, num_microbatches=B // (dp * mbs),
                                                 virtual_stages=vpp, schedule=schedule, sequence_parallel=sp,
                                                 axis_order=order))

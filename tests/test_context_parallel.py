@@ -1,0 +1,104 @@
+"""Context parallelism in the cost model: cp = 2 halves the activations and the attention work a rank
+holds, keeps its parameters, and adds a KV exchange that is positive when nothing hides it and grows
+with the sequence; the validity rules and the search's cp values."""
+
+import numpy as np
+import pytest
+
+from cost_models import compute, flops, memory, step
+from cost_models.candidates import Candidates
+from cost_models.validity import REASON_CODES, structural_reasons
+from planner.errors import BerthError
+from planner.layouts import check_layout
+from planner.models import load_model
+from planner.search import cp_options, search
+from planner.specs import Layout, SearchSpec, TrainingSpec
+from planner.topology import cluster_from_preset
+
+MODEL = load_model("llama3-8b")
+CLUSTER = cluster_from_preset("dgx-h100", 2)
+TRAINING = TrainingSpec(seq_len=32768, global_batch_size=16)
+
+
+def test_cp2_halves_activation_memory_and_attention_per_rank_but_not_parameters():
+    one, two = (Candidates.from_layouts([Layout(cp=cp, dp=16 // cp, micro_batch_size=1,
+                                                num_microbatches=cp)]) for cp in (1, 2))
+    device = CLUSTER.device
+    m1 = memory.stage_memory_breakdown(MODEL, TRAINING, device, one, first=True)
+    m2 = memory.stage_memory_breakdown(MODEL, TRAINING, device, two, first=True)
+    assert m2["activations"][0] == pytest.approx(m1["activations"][0] / 2, rel=1e-12)
+    assert m2["logits"][0] == pytest.approx(m1["logits"][0] / 2, rel=1e-12)
+    # the parameters are not split by cp (DDP here); ZeRO / FSDP shard them over shard x cp (torchtitan's
+    # dp_shard_cp mesh, Megatron's distributed optimizer over dp x cp)
+    assert m2["parameters"][0] == pytest.approx(m1["parameters"][0], rel=1e-12)
+    z1, z2 = (Candidates.from_layouts([Layout(cp=cp, dp=16 // cp, zero_stage=3, shard=16 // cp,
+                                              micro_batch_size=1, num_microbatches=cp)]) for cp in (1, 2))
+    p1 = memory.stage_memory_breakdown(MODEL, TRAINING, device, z1, first=True)["parameters"][0]
+    p2 = memory.stage_memory_breakdown(MODEL, TRAINING, device, z2, first=True)["parameters"][0]
+    assert p2 == pytest.approx(p1, rel=1e-12)  # 16 ranks share them either way
+    # attention: b s / cp queries against all s keys = total / cp FLOPs; the time follows within the kernel's
+    # efficiency by shape (fewer rows per call)
+    f1, b1 = compute.attention_core_s(MODEL, TRAINING, device, 1.0, 2)
+    f2, b2 = compute.attention_core_s(MODEL, TRAINING, device, 0.5, 2)
+    assert 0.5 <= f2 / f1 < 0.55 and 0.5 <= b2 / b1 < 0.55
+    total = flops.attention_core_flops(MODEL, TRAINING.seq_len, 1)
+    assert flops.attention_core_flops(MODEL, TRAINING.seq_len, 0.5) == pytest.approx(total / 2)
+    # GEMMs see half the tokens
+    g1, g2 = compute.layer_gemm_forward_s(MODEL, TRAINING, device, 1.0, 2), compute.layer_gemm_forward_s(
+        MODEL, TRAINING, device, 0.5, 2)
+    assert 0.5 <= g2 / g1 < 0.56
+
+
+@pytest.mark.parametrize("stride", [2, 8])  # inside a node (NVLink), across nodes (InfiniBand)
+def test_kv_exchange_is_positive_unhidden_and_grows_with_seq(stride):
+    def exposed(seq, attention_s=0.0):
+        training = TrainingSpec(seq_len=seq, global_batch_size=16)
+        fwd, bwd = step.cp_exchange_s(MODEL, training, CLUSTER, np.array([0.5]), 2.0, np.array([2]), stride,
+                                      attention_s, 2.5 * attention_s)
+        return float(fwd[0]), float(bwd[0])
+
+    f8, b8 = exposed(8192)
+    f32, b32 = exposed(32768)
+    assert 0 < f8 < f32 and 0 < b8 < b32
+    assert b32 > f32  # backward sends K, V and dK, dV, and accumulates dQ, dK, dV
+    hidden_f, hidden_b = exposed(32768, attention_s=1.0)  # a long attention step hides the transfer:
+    assert 0 < hidden_f < f32 and 0 < hidden_b < b32  # the per-step merges of partial results remain
+    from cost_models.compute import memory_bound_time_s
+
+    q = 0.5 * 32768 * MODEL.num_attention_heads / 2 * MODEL.head_dim
+    assert hidden_f == pytest.approx(memory_bound_time_s(CLUSTER.device, step.CP_MERGE_PASSES * 4 * q))
+    fwd, _ = step.cp_exchange_s(MODEL, TRAINING, CLUSTER, np.array([1.0]), 2.0, np.array([1]), 2, 0.0, 0.0)
+    assert fwd[0] == 0.0  # cp = 1: no exchange
+
+
+def test_cp_rules_have_reasons():
+    c = Candidates.from_layouts([Layout(cp=3, dp=16 // 3 or 1), Layout(cp=16, micro_batch_size=16),
+                                 Layout(cp=2, dp=8, micro_batch_size=2)])
+    short = TrainingSpec(seq_len=384, global_batch_size=16)
+    reasons = structural_reasons(c, MODEL, short, CLUSTER)
+    assert reasons[0] == REASON_CODES["world_size_mismatch"]
+    assert reasons[1] == REASON_CODES["cp_chunk_too_small"]  # 384 / 32 = 12 tokens a chunk
+    assert reasons[2] == 0
+    odd = TrainingSpec(seq_len=1000, global_batch_size=16)
+    assert structural_reasons(Candidates.from_layouts([Layout(cp=16, micro_batch_size=16)]), MODEL, odd,
+                              CLUSTER)[0] == REASON_CODES["cp_not_divide_seq"]
+    unfused = TrainingSpec(seq_len=4096, global_batch_size=16, flash_attention=False)
+    assert structural_reasons(Candidates.from_layouts([Layout(cp=2, dp=8, micro_batch_size=2)]), MODEL, unfused,
+                              CLUSTER)[0] == REASON_CODES["cp_needs_flash_attention"]
+    with pytest.raises(BerthError, match="flash_attention"):
+        check_layout({"cp": 2, "dp": 8}, MODEL, unfused, CLUSTER)
+    with pytest.raises(BerthError, match="2 x cp"):
+        check_layout({"cp": 16}, MODEL, short, CLUSTER)
+
+
+def test_search_enumerates_cp_by_its_rule_and_fix_reaches_it():
+    assert cp_options(TrainingSpec(seq_len=4096, global_batch_size=8), 16) == [1, 2, 4]
+    assert cp_options(TrainingSpec(seq_len=2048, global_batch_size=8), 16) == [1, 2]
+    assert cp_options(TrainingSpec(seq_len=1024, global_batch_size=8), 16) == [1]
+    assert cp_options(TrainingSpec(seq_len=131072, global_batch_size=8), 16) == [1, 2, 4, 8, 16]
+    assert cp_options(TrainingSpec(seq_len=131072, global_batch_size=8, flash_attention=False), 16) == [1]
+    result = search(MODEL, TRAINING, CLUSTER, SearchSpec(top=3, fix={"cp": 4}))
+    assert result.plans and all(p.layout.cp == 4 for p in result.plans)
+    assert "cp=4" in result.plans[0].layout.short()
+    groups = {g.axis: g for g in result.plans[0].placement.groups}
+    assert groups["cp"].size == 4 and groups["cp"].stride == result.plans[0].layout.tp
