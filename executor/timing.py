@@ -9,7 +9,7 @@ regions' exclusive times and the untimed rest (`other`) add up to the step. The 
   `span("backward")`, `span("optimizer")`, and `span("recompute")` around a checkpointed block
   or attention core when it runs inside backward (autograd's current graph task is set);
 - `instrument(...)`, which while a layout runs wraps where torch.distributed work is issued and
-  waited for, naming each span by the axis of its process group (tp, dp, pp: the device mesh
+  waited for, naming each span by the axis of its process group (tp, cp, dp, pp: the device mesh
   dimension the group belongs to, else the layout coordinate that varies among its ranks) and
   its kind:
   functional collectives (DTensor tensor/sequence parallelism) and their `wait_tensor`;
@@ -270,7 +270,7 @@ class _Patches:
 
 
 class _Axes:
-    """The layout axis (tp, dp, pp) of a process group: the mesh dimension it belongs to (`known`:
+    """The layout axis (tp, cp, dp, pp) of a process group: the mesh dimension it belongs to (`known`:
     group name -> axis; a size-1 group such as HSDP's replicate group of one is only known this
     way), else the one coordinate that varies among its ranks; `other` for a group spanning
     several axes (the world group of a 2-D layout)."""
