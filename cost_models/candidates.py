@@ -26,6 +26,11 @@ class Candidates:
     schedule: np.ndarray  # codes into SCHEDULE_CHOICES
     sp: np.ndarray  # 0/1
     order: np.ndarray  # codes into AXIS_ORDER_CHOICES (innermost axis first)
+    ep: np.ndarray = None  # expert-parallel degree (carved out of dp); ones when not given
+
+    def __post_init__(self) -> None:
+        if self.ep is None:
+            object.__setattr__(self, "ep", np.ones_like(self.tp))
 
     def __len__(self) -> int:
         return int(self.tp.shape[0])
@@ -48,6 +53,7 @@ class Candidates:
             schedule=col([SCHEDULE_CHOICES.index(x.schedule) for x in layouts]),
             sp=col([int(x.sequence_parallel) for x in layouts]),
             order=col([AXIS_ORDER_CHOICES.index(x.axis_order) for x in layouts]),
+            ep=col([x.ep for x in layouts]),
         )
 
     def layout(self, i: int) -> Layout:
@@ -64,6 +70,7 @@ class Candidates:
             schedule=SCHEDULE_CHOICES[int(self.schedule[i])],
             sequence_parallel=bool(self.sp[i]),
             axis_order=AXIS_ORDER_CHOICES[int(self.order[i])],
+            ep=int(self.ep[i]),
         )
 
     def strides(self) -> dict[str, np.ndarray]:
