@@ -37,7 +37,7 @@ TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Sho
 # factors of 1.0-1.25 are what drop-free training needs (Fedus et al. 2022, Switch Transformer,
 # Sec. 2.2 and Table 1: capacity factor 1.0-1.25; Lepikhin et al. 2021, GShard: 1.25 with
 # 2 experts per token); 1.15 sits inside that range. It multiplies the routed experts' GEMM time
-# and the token all-to-all.
+# and the token all-to-all. The expert GEMMs' shape (rows per expert) is costed as it runs.
 MOE_IMBALANCE = 1.15
 A2A_PER_MOE_LAYER = 4  # dispatch and combine, forward and backward (Megatron-LM's MoEAlltoAllTokenDispatcher)
 COMPUTE_BOUND_SHARE = 0.05  # below this share of the step no overhead is called the bottleneck
@@ -177,26 +177,38 @@ def _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recom
 
 def moe_layer_extra_s(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates, b, tp, stride):
     """(forward, backward, all-to-all per layer pass) seconds an MoE model adds to the mean layer of
-    its compute view (ModelSpec.compute_view): the load imbalance on the routed experts' GEMMs
-    (MOE_IMBALANCE - 1 of their time) and one all-to-all of the token dispatch; each rank sends
-    the top-k copies of its micro-batch's hidden states, micro-batch x seq x k x h x bytes, over the
-    ep group (ep ranks of dp, the dp stride apart). Expert-tensor parallelism = tp: every tp rank
-    of an ep group dispatches the micro-batch's tokens (Megatron-LM without sequence parallelism;
-    with it Megatron gathers over tp first: the same bytes). Averaged over the layers (first_k_dense
-    layers have none)."""
+    its compute view (ModelSpec.compute_view, whose MLP is one GEMM of the active experts' width):
+
+    - the routed experts' GEMMs as they run: each rank holds E / ep experts and each gets the
+      tokens routed to it from the ep group, b x s x k x ep / E rows on average (grouped GEMMs of
+      that many rows, expert ffn / tp wide: expert-tensor parallelism = tp), at the device's GEMM
+      efficiency for that shape, times MOE_IMBALANCE (the busiest rank); less the compute view's
+      one wide GEMM. Few rows per expert (small ep, many experts) run at a low efficiency: this is
+      what makes expert parallelism pay beyond memory.
+    - one all-to-all of the token dispatch: each rank sends the top-k copies of its micro-batch's
+      hidden states, micro-batch x seq x k x h x bytes, over the ep group (ep ranks of dp, the dp
+      stride apart). Every tp rank of an ep group dispatches the micro-batch's tokens (Megatron-LM
+      without sequence parallelism; with it Megatron gathers over tp first: the same bytes).
+    Averaged over the layers (first_k_dense layers have none)."""
     if not model.is_moe:
         zero = np.zeros(len(c))
         return zero, zero, zero
-    cm = model.compute_view()
-    h = model.hidden_size
-    gemm_f, gemm_b = compute.layer_gemm_s(cm, training, cluster.device, b, tp)
-    per_token = h * (h + 2 * model.kv_heads * model.head_dim) + h * h + cm.mlp_matrices * h * cm.ffn_hidden_size
-    routed = model.experts_per_token * model.mlp_matrices * h * model.expert_ffn
+    device = cluster.device
+    h, k, fe, m = model.hidden_size, model.experts_per_token, model.expert_ffn, model.mlp_matrices
+    ep = np.asarray(c.ep, dtype=float)
+    rows = b * training.seq_len
+
+    def mlp_s(r, width, count):
+        up = compute._projection_s(device, training, r, width / tp, h, count * (m - 1))
+        down = compute._projection_s(device, training, r, h, width / tp, count)
+        return up[0] + down[0], up[1] + down[1]
+
+    real_f, real_b = mlp_s(rows * k * ep / model.num_experts, fe, model.num_experts / ep)
+    view_f, view_b = mlp_s(rows, k * fe, 1.0)
     share = model.num_moe_layers / model.num_layers
-    extra = share * (MOE_IMBALANCE - 1.0) * routed / per_token
-    dispatched = training.bytes_per_element * b * training.seq_len * model.experts_per_token * h
+    dispatched = training.bytes_per_element * b * training.seq_len * k * h
     a2a = share * MOE_IMBALANCE * comm.all_to_all_s(cluster, dispatched, c.ep, stride)
-    return extra * gemm_f, extra * gemm_b, a2a
+    return share * (MOE_IMBALANCE * real_f - view_f), share * (MOE_IMBALANCE * real_b - view_b), a2a
 
 
 def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates,
