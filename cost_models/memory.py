@@ -327,13 +327,35 @@ def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, at
     return np.where(precision_recipe(training, c) == RECIPE_FSDP2, op_sac, attention_s)
 
 
-def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool, layers=None):
+def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
+    """What an MoE layer keeps beyond its compute view's (ModelSpec.compute_view: the active experts'
+    intermediates as one MLP's), per micro-batch on one tp rank, averaged over the layers: the top-k
+    permuted copies of the token hidden states the experts' GEMMs take (saved for their weight
+    gradients), the experts' outputs before the weighted combine (saved for the routing weights'
+    gradient), each k x h per token, and the router's fp32 probabilities (E per token). With
+    expert-tensor parallelism = tp every tp rank holds all of its micro-batch's tokens (split over tp
+    only under sequence parallelism)."""
+    if not model.is_moe:
+        return 0.0
+    tokens = b * training.seq_len / np.where(np.asarray(sp) > 0, tp, 1)
+    per_token = 2 * model.experts_per_token * model.hidden_size * training.bytes_per_element \
+        + FP32_BYTES * model.num_experts
+    return model.num_moe_layers / model.num_layers * tokens * per_token
+
+
+def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool, layers=None,
+                     moe_model: ModelSpec | None = None):
     """(stored, working) activations of the stage: stored layers x in-flight micro-batches plus
     the embedding output on the first stage or the final norm input on the last; and (full
     recompute) the one layer re-materialized during its backward. `layers`: the stage's decoder
-    layers (default: the first or last stage's by the split rule)."""
+    layers (default: the first or last stage's by the split rule). `moe_model`: the MoE model whose
+    compute view `model` is (`moe_activation_bytes` added to every layer not fully recomputed)."""
     per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute,
                                                    precision_recipe(training, c))
+    if moe_model is not None and moe_model.is_moe:
+        extra = moe_activation_bytes(moe_model, training, c.mbs, c.tp, c.sp)
+        per_layer = per_layer + np.where(c.recompute == RECOMPUTE_FULL, 0.0, extra)
+        full_layer = full_layer + extra
     if layers is None:
         split = stages.stage_split(model.num_layers, c.pp, c.vpp)
         layers = split[0] if first else split[2]
@@ -439,7 +461,7 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
     unsharded = params * st["grad_element"]
     layers = stages.stage_split(model.num_layers, c.pp, c.vpp)[1] if middle else None
-    stored, working = activation_bytes(act_model, training, c, stage, first, layers)
+    stored, working = activation_bytes(act_model, training, c, stage, first, layers, moe_model=model)
     holds_head = ((np.asarray(c.pp) == 1) | (not first)) & (not middle)
     # micro-batches past the head but not yet through their loss backward: all of them under GPipe
     loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.nmb, 1)
