@@ -93,7 +93,9 @@ def rank_map(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] | None
              **{a: int(coords[a][r]) for a in AXES}} for r in range(layout.world_size)]
 
 
-AXIS_TERMS = {"tp": "tp_comm", "dp": "dp_comm", "pp": "pp_comm"}  # the time term each axis's traffic lands in
+# the time term each axis's traffic lands in; ep (MoE expert parallelism) groups are ep consecutive dp
+# ranks (the dp stride apart), listed in the placement when ep > 1
+AXIS_TERMS = {"tp": "tp_comm", "dp": "dp_comm", "pp": "pp_comm", "ep": "ep_comm"}
 
 
 def innermost_cluster(cluster: ClusterSpec) -> ClusterSpec:
@@ -109,8 +111,9 @@ def placement(layout: Layout, cluster: ClusterSpec, times_s: dict[str, float],
     what that costs (its time term here minus on `innermost_cluster`); with `detail`, the full
     rank map and groups up to PLACEMENT_DETAIL_MAX_RANKS ranks."""
     sizes, stride = _sizes(layout), strides(layout)
+    sizes["ep"], stride["ep"] = layout.ep, stride["dp"]
     groups = []
-    for axis in AXES:
+    for axis in (*AXES, "ep") if layout.ep > 1 else AXES:
         k = int(group_level(cluster, sizes[axis], stride[axis]))
         link = cluster.levels[k].link
         first = [stride[axis] * i for i in range(sizes[axis])]

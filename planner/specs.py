@@ -461,7 +461,7 @@ class Prediction(Spec):
 class GroupPlacement(Spec):
     """Where the process groups of one parallel axis sit, and what their slowest link costs."""
 
-    axis: Literal["tp", "dp", "pp"]
+    axis: Literal["tp", "dp", "pp", "ep"]  # ep (MoE): consecutive dp ranks, the dp stride apart
     size: int
     count: int = Field(description="how many groups of this axis")
     stride: int = Field(description="rank distance between neighbours in a group")

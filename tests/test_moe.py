@@ -92,6 +92,9 @@ def test_ep_rules_and_refusals():
     (plan,) = predict_layouts(MIXTRAL, TRAINING, cluster, [Layout(dp=16, ep=8, zero_stage=3, shard=16,
                                                                   micro_batch_size=1, num_microbatches=16)])
     assert plan.layout.ep == 8 and plan.model_dump(mode="json")["layout"]["ep"] == 8
+    (ep,) = [g for g in plan.placement.groups if g.axis == "ep"]  # inside a node: ep ranks are dp's innermost
+    assert (ep.size, ep.stride, ep.nodes_spanned, ep.crosses_slow_link) == (8, 1, 1, False)
+    assert ep.time_s == pytest.approx(plan.prediction.time_breakdown_s["ep_comm"])
 
 
 @pytest.mark.parametrize("model, nodes, batch", [(MIXTRAL, 2, 256), (DEEPSEEK, 128, 4096)],
