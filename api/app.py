@@ -634,7 +634,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def models() -> list[ModelInfo]:
         return [ModelInfo(name=m.name, num_params=m.num_params, num_layers=m.num_layers, hidden_size=m.hidden_size,
                           num_attention_heads=m.num_attention_heads, num_kv_heads=m.kv_heads,
-                          ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size) for m in presets().values()]
+                          ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size, num_experts=m.num_experts,
+                          experts_per_token=m.experts_per_token, active_params=m.active_params)
+                for m in presets().values()]
 
     @app.get("/v1/clusters", response_model=list[ClusterInfo], tags=["catalog"])
     def clusters() -> list[ClusterInfo]:

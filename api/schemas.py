@@ -180,6 +180,9 @@ class ModelInfo(BaseModel):
     num_kv_heads: int
     ffn_hidden_size: int
     vocab_size: int
+    num_experts: int = Field(default=0, description="routed experts per MoE layer; 0 for a dense model")
+    experts_per_token: int = 0
+    active_params: int = Field(default=0, description="parameters a token goes through (num_params when dense)")
 
 
 class ClusterInfo(BaseModel):

@@ -27,10 +27,13 @@ class Candidates:
     sp: np.ndarray  # 0/1
     order: np.ndarray  # codes into AXIS_ORDER_CHOICES (innermost axis first)
     cp: np.ndarray = None  # context-parallel degree (None: 1 for every candidate); cp sits right outside tp
+    ep: np.ndarray = None  # expert-parallel degree (carved out of dp); ones when not given
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.cp is None:
             object.__setattr__(self, "cp", np.ones_like(self.tp))
+        if self.ep is None:
+            object.__setattr__(self, "ep", np.ones_like(self.tp))
 
     def __len__(self) -> int:
         return int(self.tp.shape[0])
@@ -54,6 +57,7 @@ class Candidates:
             sp=col([int(x.sequence_parallel) for x in layouts]),
             order=col([AXIS_ORDER_CHOICES.index(x.axis_order) for x in layouts]),
             cp=col([x.cp for x in layouts]),
+            ep=col([x.ep for x in layouts]),
         )
 
     def layout(self, i: int) -> Layout:
@@ -71,6 +75,7 @@ class Candidates:
             sequence_parallel=bool(self.sp[i]),
             axis_order=AXIS_ORDER_CHOICES[int(self.order[i])],
             cp=int(self.cp[i]),
+            ep=int(self.ep[i]),
         )
 
     def strides(self) -> dict[str, np.ndarray]:

@@ -87,3 +87,21 @@ def p2p_s(cluster: ClusterSpec, nbytes, size, stride):
     bandwidth = np.array([lv.link.bandwidth_bytes_per_s / lv.link.scale("p2p") for lv in cluster.levels])
     latency = np.array([lv.link.hop_latency_s for lv in cluster.levels])
     return nbytes / bandwidth[level] + latency[level]
+
+
+def all_to_all_s(cluster: ClusterSpec, nbytes, size, stride):
+    """All-to-all where each rank holds `nbytes` and sends (size-1)/size of it, 1/size to each peer
+    (NCCL's alltoall: ncclSend/ncclRecv pairs to every peer at once; nccl-tests' busbw convention for
+    alltoall is algbw x (n-1)/n, doc/PERFORMANCE.md). Every rank's traffic leaves through its own link
+    at the level the group spans (the smallest domain that holds it, `group_level`): an expert-parallel
+    group inside a node runs at NVLink speed, one that spans nodes at the per-GPU network share (the
+    share of peers inside the node is sent faster; left out, a bound from above). Latency: one hop
+    latency per peer (issued together, counted once per peer as NCCL's p2p channels are few) plus the
+    collective's base latency."""
+    size = np.asarray(size, dtype=float)
+    level = group_level(cluster, size, stride)
+    bandwidth = np.array([lv.link.bandwidth_bytes_per_s * lv.link.collective_efficiency for lv in cluster.levels])
+    latency = np.array([lv.link.hop_latency_s for lv in cluster.levels])
+    moved = nbytes * (size - 1.0) / np.maximum(size, 1.0)
+    t = moved / bandwidth[level] + (size - 1.0) * latency[level] + cluster.collective_base_latency_s
+    return np.where(size > 1, t, 0.0)

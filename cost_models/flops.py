@@ -56,8 +56,15 @@ def model_flops_per_step(model: ModelSpec, training: TrainingSpec) -> float:
     For GPT this is Korthikanti 2022 Eq. 7: 72BLsh^2(1 + s/6h + V/12hL).
     """
     b, s = training.global_batch_size, training.seq_len
-    per_pass = model.num_layers * layer_forward_flops(model, s, b) + lm_head_flops(model, s, b)
-    return (1.0 + BACKWARD_TO_FORWARD) * per_pass
+    per_pass = model.num_layers * layer_forward_flops(model.compute_view(), s, b) + lm_head_flops(model, s, b)
+    return (1.0 + BACKWARD_TO_FORWARD) * (per_pass + router_flops(model, s, b))
+
+
+def router_flops(model: ModelSpec, s: int, b):
+    """MoE: the router's h x E GEMM of every MoE layer, forward: 2bshE per layer. A mixture-of-experts
+    layer's MLP counts the active experts only (top-k routed + shared: ModelSpec.compute_view), the
+    FLOPs a token really costs (6 x active parameters per token, as MoE papers report MFU)."""
+    return 2.0 * b * s * model.hidden_size * model.num_experts * model.num_moe_layers
 
 
 def recompute_flops_per_step(model: ModelSpec, training: TrainingSpec, recompute: np.ndarray):
@@ -67,6 +74,7 @@ def recompute_flops_per_step(model: ModelSpec, training: TrainingSpec, recompute
     selective: the attention core only (Korthikanti 2022 Eq. 8 adds 4bs^2h per layer).
     """
     b, s, L = training.global_batch_size, training.seq_len, model.num_layers
+    model = model.compute_view()
     full = L * layer_forward_flops(model, s, b)
     selective = L * attention_core_flops(model, s, b)
     return np.where(

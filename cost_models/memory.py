@@ -119,7 +119,7 @@ def precision_recipe(training: TrainingSpec, c):
     return np.where(fsdp2, RECIPE_FSDP2, RECIPE_AUTOCAST)
 
 
-def stage_params(model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False):
+def stage_params(model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False, ep=1, part: str = "all"):
     """Parameters on one rank of the first (or last) pipeline stage after the tp split.
 
     The stage's decoder layers follow the split rule (planner/stages.py; `vpp` virtual stages).
@@ -127,25 +127,55 @@ def stage_params(model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = Fa
     pp = 1 one stage holds both (a single matrix if the embeddings are tied). Megatron keeps a
     copy of a tied embedding on the last stage when pp > 1. `middle`: a middle stage (its layers
     only).
+
+    Mixture of experts: a rank holds num_experts / ep of each MoE layer's routed experts, split by
+    tp too (expert-tensor parallelism = tp, Megatron-LM's default for --expert-tensor-parallel-size);
+    the experts per layer are the mean over the layers (first_k_dense layers counted as if spread).
+    `part`: "all", "dense" (all but the routed experts) or "expert" (the routed experts only).
     """
+    ep = np.asarray(ep, dtype=float)
+    experts = model.expert_params_per_layer
+    per_layer = {"all": model.params_per_layer - experts + experts / ep,
+                 "dense": model.params_per_layer - experts + 0.0 * ep,
+                 "expert": experts / ep}[part]
+    edge = 0.0 if part == "expert" else 1.0
     first_layers, middle_layers, last_layers, _ = stages.stage_split(model.num_layers, pp, vpp)
     if middle:
-        return np.asarray(middle_layers, dtype=float) * model.params_per_layer / tp
+        return np.asarray(middle_layers, dtype=float) * per_layer / tp
     pp = np.asarray(pp, dtype=float)
-    layers = np.asarray(first_layers if first else last_layers, dtype=float) * model.params_per_layer / tp
-    emb = model.embedding_params / tp
-    head = np.where((pp == 1) & model.tied_embeddings, 0.0, emb) + model.final_norm_params
+    layers = np.asarray(first_layers if first else last_layers, dtype=float) * per_layer / tp
+    emb = edge * model.embedding_params / tp
+    head = np.where((pp == 1) & model.tied_embeddings, 0.0, emb) + edge * model.final_norm_params
     if first:
         return layers + emb + np.where(pp == 1, head, 0.0)
     return layers + head + np.where(pp == 1, emb, 0.0)
 
 
-def largest_stage_params(model: ModelSpec, pp, tp, vpp=1):
+def local_layer_params(model: ModelSpec, tp, ep=1):
+    """One decoder layer's parameters on one rank (routed experts / ep, all / tp; MoE: the mean layer)."""
+    experts = model.expert_params_per_layer
+    return (model.params_per_layer - experts + experts / np.asarray(ep, dtype=float)) / tp
+
+
+def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1):
     """Parameters on one rank of the pipeline stage that holds the most: the first or the last (an
     embedding or head more), or a middle one where the split gives it more layers (pp > 2)."""
-    ends = np.maximum(stage_params(model, pp, tp, True, vpp), stage_params(model, pp, tp, False, vpp))
-    mid = np.where(np.asarray(pp) > 2, stage_params(model, pp, tp, False, vpp, middle=True), 0.0)
+    ends = np.maximum(stage_params(model, pp, tp, True, vpp, ep=ep), stage_params(model, pp, tp, False, vpp, ep=ep))
+    mid = np.where(np.asarray(pp) > 2, stage_params(model, pp, tp, False, vpp, middle=True, ep=ep), 0.0)
     return np.maximum(ends, mid)
+
+
+def expert_candidates(c, split_dp: bool = False):
+    """The candidates as the routed experts see them: replicated over dp / ep ranks (the expert-data-
+    parallel group: ep ranks are carved out of dp, as Megatron-LM and torchtitan do), so ZeRO shards
+    their states over shard / ep of them (at least 1; exact when ep divides shard, as with shard = dp).
+    `split_dp`: dp becomes dp / ep too (their gradient reduction's group); memory keeps dp, which
+    only picks the precision recipe, the same for every parameter of a rank."""
+    from dataclasses import replace
+
+    ep = np.maximum(np.asarray(c.ep, dtype=float), 1.0)
+    shard = np.maximum(np.asarray(c.shard, dtype=float) / ep, 1.0)
+    return replace(c, dp=np.asarray(c.dp) / ep, shard=shard) if split_dp else replace(c, shard=shard)
 
 
 def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray]:
@@ -306,13 +336,35 @@ def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, at
     return np.where(precision_recipe(training, c) == RECIPE_FSDP2, op_sac, attention_s)
 
 
-def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool, layers=None):
+def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
+    """What an MoE layer keeps beyond its compute view's (ModelSpec.compute_view: the active experts'
+    intermediates as one MLP's), per micro-batch on one tp rank, averaged over the layers: the top-k
+    permuted copies of the token hidden states the experts' GEMMs take (saved for their weight
+    gradients), the experts' outputs before the weighted combine (saved for the routing weights'
+    gradient), each k x h per token, and the router's fp32 probabilities (E per token). With
+    expert-tensor parallelism = tp every tp rank holds all of its micro-batch's tokens (split over tp
+    only under sequence parallelism)."""
+    if not model.is_moe:
+        return 0.0
+    tokens = b * training.seq_len / np.where(np.asarray(sp) > 0, tp, 1)
+    per_token = 2 * model.experts_per_token * model.hidden_size * training.bytes_per_element \
+        + FP32_BYTES * model.num_experts
+    return model.num_moe_layers / model.num_layers * tokens * per_token
+
+
+def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool, layers=None,
+                     moe_model: ModelSpec | None = None):
     """(stored, working) activations of the stage: stored layers x in-flight micro-batches plus
     the embedding output on the first stage or the final norm input on the last; and (full
     recompute) the one layer re-materialized during its backward. `layers`: the stage's decoder
-    layers (default: the first or last stage's by the split rule)."""
+    layers (default: the first or last stage's by the split rule). `moe_model`: the MoE model whose
+    compute view `model` is (`moe_activation_bytes` added to every layer not fully recomputed)."""
     per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute,
                                                    precision_recipe(training, c))
+    if moe_model is not None and moe_model.is_moe:
+        extra = moe_activation_bytes(moe_model, training, c.mbs, c.tp, c.sp)
+        per_layer = per_layer + np.where(c.recompute == RECOMPUTE_FULL, 0.0, extra)
+        full_layer = full_layer + extra
     if layers is None:
         split = stages.stage_split(model.num_layers, c.pp, c.vpp)
         layers = split[0] if first else split[2]
@@ -370,9 +422,9 @@ def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_h
     return np.maximum(logits, mlp)
 
 
-def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero):
+def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero, ep=1):
     """Unsharded buffers of FSDP / ZeRO-3 (gathered layers) and ZeRO-2/3 (gradient reduce-scatter)."""
-    layer = model.params_per_layer / tp * training.bytes_per_element
+    layer = local_layer_params(model, tp, ep) * training.bytes_per_element
     params = np.where(zero >= 3, FSDP_PARAM_BUFFERS * layer, 0.0)
     grads = np.where(zero >= 2, FSDP_GRAD_BUFFERS * layer, 0.0)
     return params + grads
@@ -407,20 +459,26 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     allocator: their sum is the reserved peak."""
     first = first and not middle
     stage = 0.0 if first else 1.0 if middle else np.asarray(c.pp, dtype=float) - 1.0
-    params = stage_params(model, c.pp, c.tp, first, c.vpp, middle)
+    params = stage_params(model, c.pp, c.tp, first, c.vpp, middle, ep=c.ep)
     st = model_state_bytes(training, params, c)
+    if model.is_moe:  # the routed experts' states shard over the expert-data-parallel group (expert_candidates)
+        experts = stage_params(model, c.pp, c.tp, first, c.vpp, middle, ep=c.ep, part="expert")
+        dense = model_state_bytes(training, params - experts, c)
+        moe = model_state_bytes(training, experts, expert_candidates(c))
+        st = {k: dense[k] + moe[k] if k != "grad_element" else dense[k] for k in dense}
+    act_model = model.compute_view()
     # context parallelism: each rank holds s / cp tokens of every sequence, so every activation,
     # logit and buffer term below sees a micro-batch of mbs / cp (parameters are not divided by cp)
     c = replace(c, mbs=np.asarray(c.mbs) / _cp(c)) if np.any(_cp(c) > 1) else c
     p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
     unsharded = params * st["grad_element"]
     layers = stages.stage_split(model.num_layers, c.pp, c.vpp)[1] if middle else None
-    stored, working = activation_bytes(model, training, c, stage, first, layers)
+    stored, working = activation_bytes(act_model, training, c, stage, first, layers, moe_model=model)
     holds_head = ((np.asarray(c.pp) == 1) | (not first)) & (not middle)
     # micro-batches past the head but not yet through their loss backward: all of them under GPipe
     loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.nmb, 1)
     logits = np.where(holds_head, logits_bytes(model, training, c.mbs, c.tp, loss_in_flight), 0.0)
-    buffers = sharding_buffer_bytes(model, training, c.tp, c.zero)
+    buffers = sharding_buffer_bytes(model, training, c.tp, c.zero, c.ep)
     receive = pipeline_buffer_bytes(model, training, c)
     inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
     accumulating = np.asarray(c.nmb, dtype=float) > inflight + 1e-9
@@ -429,8 +487,8 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     held_grads = persistent + accumulated + st["grad_buffer"]
     # one layer's gradients and its largest backward temporary (an MLP activation gradient)
     layer_grads = np.where((accumulated > 0) | (st["grad_buffer"] > 0), 0.0,
-                           model.params_per_layer / c.tp * st["grad_element"])
-    mlp_temp = training.bytes_per_element * c.mbs * training.seq_len * model.ffn_hidden_size / c.tp
+                           local_layer_params(model, c.tp, c.ep) * st["grad_element"])
+    mlp_temp = training.bytes_per_element * c.mbs * training.seq_len * act_model.ffn_hidden_size / c.tp
     # FSDP2 without resharding after forward (ZeRO-2, and zero 0 with tp/pp) keeps the whole
     # gathered stage from forward to backward beside its shards; after the backward it reshards:
     # the optimizer step sees only the sharded parameters. Autocast's cast cache is dropped when
@@ -455,7 +513,11 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     chosen = {k: np.where(at_loss, loss[k], np.where(at_layer, layer[k], opt[k])) for k in loss}
     dynamic = (chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"]
                + chosen["pipeline_buffers"])
-    transient = np.where(which < 2, largest_transient_bytes(model, training, c, holds_head), 0.0)
+    transient = np.where(which < 2, largest_transient_bytes(act_model, training, c, holds_head), 0.0)
+    if model.is_moe:  # the dispatched tokens (top-k copies of the micro-batch's hidden states) and their gradient
+        dispatched = training.bytes_per_element * np.asarray(c.mbs, dtype=float) * training.seq_len \
+            * model.experts_per_token * model.hidden_size
+        transient = np.where(which < 2, np.maximum(transient, dispatched), 0.0)
     return {
         "parameters": chosen["parameters"],
         "gradients": chosen["gradients"],

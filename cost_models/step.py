@@ -41,6 +41,15 @@ TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Sho
 # scale) and a parameter `berth calibrate` fits.
 CP_MERGE_PASSES = 3  # read the accumulator, read the step's partial, write the accumulator (fp32)
 FP32 = 4.0
+# Mixture of experts: the router never splits tokens evenly, and the step waits for the busiest
+# expert-parallel rank (its expert GEMMs and the all-to-all it receives). Named assumption: the
+# busiest rank gets 1.15x the mean load. Reasoning: with auxiliary-loss load balancing, capacity
+# factors of 1.0-1.25 are what drop-free training needs (Fedus et al. 2022, Switch Transformer,
+# Sec. 2.2 and Table 1: capacity factor 1.0-1.25; Lepikhin et al. 2021, GShard: 1.25 with
+# 2 experts per token); 1.15 sits inside that range. It multiplies the routed experts' GEMM time
+# and the token all-to-all. The expert GEMMs' shape (rows per expert) is costed as it runs.
+MOE_IMBALANCE = 1.15
+A2A_PER_MOE_LAYER = 4  # dispatch and combine, forward and backward (Megatron-LM's MoEAlltoAllTokenDispatcher)
 COMPUTE_BOUND_SHARE = 0.05  # below this share of the step no overhead is called the bottleneck
 BOTTLENECK_TERMS = {
     "tp_comm": ("tp_comm",),
@@ -49,6 +58,7 @@ BOTTLENECK_TERMS = {
     "pipeline_bubble": ("bubble", "pp_comm"),
     "recompute": ("recompute",),
     "optimizer": ("optimizer",),
+    "ep_comm": ("ep_comm",),  # MoE models only
 }
 
 
@@ -174,13 +184,33 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
 
 
 def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None):
+    """Exposed data-parallel time of the stage that takes longest (`_stage_dp_times_part`). MoE: the
+    routed experts' gradients are reduced over their expert-data-parallel group (dp / ep ranks, ep x
+    the dp stride apart; memory.expert_candidates), the rest over dp; the two share the compute
+    window in proportion to their bytes on the rank."""
+    if not model.is_moe:
+        return _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride,
+                                    cp_stride)
+    stage = memory.largest_stage_params(model, c.pp, c.tp, c.vpp, c.ep)
+    expert = memory.stage_params(model, c.pp, c.tp, True, c.vpp, ep=c.ep, part="expert")
+    share = np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
+    dense = _stage_dp_times_part(model, training, cluster, c, layers, fwd * (1 - share),
+                                 bwd_and_recompute * (1 - share), dp_stride, cp_stride, part="dense")
+    moe = _stage_dp_times_part(model, training, cluster, memory.expert_candidates(c, split_dp=True), layers,
+                               fwd * share, bwd_and_recompute * share, dp_stride * c.ep, cp_stride, part="expert",
+                               ep=c.ep)
+    return dense + moe
+
+
+def _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None,
+                         part="all", ep=1):
     """Exposed data-parallel time of the stage that takes longest: each rank reduces (and gathers) its
     own stage's parameters behind its own layers' compute. With an even split the first or the last
     stage (an embedding or head more, the same layers) is that stage; with an uneven one
     (planner/stages.py) each of the first, a middle and the last stage is costed."""
     n_first, n_middle, n_last = layers
-    pf = memory.stage_params(model, c.pp, c.tp, True, c.vpp)
-    pl = memory.stage_params(model, c.pp, c.tp, False, c.vpp)
+    pf = memory.stage_params(model, c.pp, c.tp, True, c.vpp, ep=ep, part=part)
+    pl = memory.stage_params(model, c.pp, c.tp, False, c.vpp, ep=ep, part=part)
     even = (n_first == n_middle) & (n_last == n_middle)
     if np.all(even):
         return _dp_times(training, cluster, c, np.maximum(pf, pl), n_first * fwd, n_first * bwd_and_recompute,
@@ -189,9 +219,45 @@ def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute,
     def at(params, n):
         return _dp_times(training, cluster, c, params, n * fwd, n * bwd_and_recompute, n, dp_stride, cp_stride)
 
-    pm = memory.stage_params(model, c.pp, c.tp, False, c.vpp, middle=True)
+    pm = memory.stage_params(model, c.pp, c.tp, False, c.vpp, middle=True, ep=ep, part=part)
     ends = np.maximum(at(pf, n_first), at(pl, n_last))
     return np.maximum(ends, np.where(c.pp > 2, at(pm, n_middle), 0.0))
+
+
+def moe_layer_extra_s(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates, b, tp, stride):
+    """(forward, backward, all-to-all per layer pass) seconds an MoE model adds to the mean layer of
+    its compute view (ModelSpec.compute_view, whose MLP is one GEMM of the active experts' width):
+
+    - the routed experts' GEMMs as they run: each rank holds E / ep experts and each gets the
+      tokens routed to it from the ep group, b x s x k x ep / E rows on average (grouped GEMMs of
+      that many rows, expert ffn / tp wide: expert-tensor parallelism = tp), at the device's GEMM
+      efficiency for that shape, times MOE_IMBALANCE (the busiest rank); less the compute view's
+      one wide GEMM. Few rows per expert (small ep, many experts) run at a low efficiency: this is
+      what makes expert parallelism pay beyond memory.
+    - one all-to-all of the token dispatch: each rank sends the top-k copies of its micro-batch's
+      hidden states, micro-batch x seq x k x h x bytes, over the ep group (ep ranks of dp, the dp
+      stride apart). Every tp rank of an ep group dispatches the micro-batch's tokens (Megatron-LM
+      without sequence parallelism; with it Megatron gathers over tp first: the same bytes).
+    Averaged over the layers (first_k_dense layers have none)."""
+    if not model.is_moe:
+        zero = np.zeros(len(c))
+        return zero, zero, zero
+    device = cluster.device
+    h, k, fe, m = model.hidden_size, model.experts_per_token, model.expert_ffn, model.mlp_matrices
+    ep = np.asarray(c.ep, dtype=float)
+    rows = b * training.seq_len
+
+    def mlp_s(r, width, count):
+        up = compute._projection_s(device, training, r, width / tp, h, count * (m - 1))
+        down = compute._projection_s(device, training, r, h, width / tp, count)
+        return up[0] + down[0], up[1] + down[1]
+
+    real_f, real_b = mlp_s(rows * k * ep / model.num_experts, fe, model.num_experts / ep)
+    view_f, view_b = mlp_s(rows, k * fe, 1.0)
+    share = model.num_moe_layers / model.num_layers
+    dispatched = training.bytes_per_element * b * training.seq_len * k * h
+    a2a = share * MOE_IMBALANCE * comm.all_to_all_s(cluster, dispatched, c.ep, stride)
+    return share * (MOE_IMBALANCE * real_f - view_f), share * (MOE_IMBALANCE * real_b - view_b), a2a
 
 
 def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates,
@@ -208,26 +274,32 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
                                     for a in stages.stage_split(model.num_layers, c.pp, c.vpp))
     stride = c.strides()
 
-    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp, c.cp)
-    gemm_fwd = compute.layer_gemm_forward_s(model, training, device, b, tp)
+    cm = model.compute_view()  # MoE: the dense model with the same per-token work
+    fwd, bwd, attn = compute.layer_compute_s(cm, training, device, b, tp, c.sp, c.cp)
+    gemm_fwd = compute.layer_gemm_forward_s(cm, training, device, b, tp)
+    moe_fwd, moe_bwd, a2a = moe_layer_extra_s(model, training, cluster, c, b, tp, stride["dp"])
+    fwd, bwd = fwd + moe_fwd, bwd + moe_bwd
     act_bytes = e * b * s * h
     tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"])
     cp_fwd, cp_bwd = cp_exchange_s(model, training, cluster, b, tp, c.cp, stride["cp"],
                                    *compute.attention_core_s(model, training, device, b, tp, c.cp))
-    selective = memory.selective_recompute_s(model, training, c, fwd, attn, gemm_fwd)
-    recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd + tp_fwd + cp_fwd,
+    selective = memory.selective_recompute_s(cm, training, c, fwd, attn, gemm_fwd)
+    # full recompute runs the forward again, its KV exchange and its two all-to-alls included
+    recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd + tp_fwd + cp_fwd + 2.0 * a2a,
                          np.where(c.recompute == RECOMPUTE_SELECTIVE, selective + np.where(
                              memory.precision_recipe(training, c) == memory.RECIPE_FSDP2, 0.0, cp_fwd), 0.0))
     tp_layer = 2.0 * tp_fwd  # forward + backward
     cp_layer = cp_fwd + cp_bwd
+    ep_layer = A2A_PER_MOE_LAYER * a2a
     # Embedding (vocab-parallel: one all-reduce) and LM head (one in backward).
     head = compute.lm_head_compute_s(model, training, device, b, tp)
     edge_tp = comm.all_reduce_s(cluster, act_bytes, tp, stride["tp"])
     p2p = np.where(pp > 1, 2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"]), 0.0)
 
     def body(layers):
-        """(compute, recompute, tp collectives, cp KV exchange) of `layers` decoder layers for one micro-batch."""
-        return layers * (fwd + bwd), layers * recompute, layers * tp_layer, layers * cp_layer
+        """(compute, recompute, tp collectives, cp KV exchange, ep all-to-alls) of `layers` decoder layers
+        for one micro-batch."""
+        return layers * (fwd + bwd), layers * recompute, layers * tp_layer, layers * cp_layer, layers * ep_layer
 
     first_body, last_body, middle_body = body(n_first), body(n_last), body(n_middle)
     first = sum(first_body) + edge_tp + p2p + np.where(pp == 1, head + edge_tp, 0.0)
@@ -243,7 +315,11 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     bubble = bubble_s(pp, vpp, mean_mb)
     dp = _stage_dp_times(model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"],
                          stride["cp"])
-    local_params = memory.largest_stage_params(model, c.pp, c.tp, c.vpp) / np.where(c.zero >= 1, c.shard * c.cp, 1)
+    local_params = (memory.largest_stage_params(model, c.pp, c.tp, c.vpp, c.ep)
+                    / np.where(c.zero >= 1, c.shard * c.cp, 1))
+    if model.is_moe:  # the routed experts' optimizer states shard over shard / ep ranks only
+        experts = memory.stage_params(model, c.pp, c.tp, True, c.vpp, ep=c.ep, part="expert")
+        local_params = local_params + np.where(c.zero >= 1, experts / (c.shard * c.cp) * (c.ep - 1.0), 0.0)
     optimizer = compute.optimizer_step_s(device, training, local_params)
 
     edge_tp_twice = np.where(pp == 1, 2.0, 1.0) * edge_tp  # pp = 1: embedding and head together
@@ -260,6 +336,8 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
         "dp_comm": dp,
         "optimizer": optimizer,
     }
+    if model.is_moe:
+        time["ep_comm"] = nmb * slow[4]
     step = nmb * slowest + bubble + dp + optimizer
 
     peak, mem = memory.peak_memory(model, training, device, c)
@@ -269,7 +347,7 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     reason = np.where((reason == VALID) & (peak > capacity * (1.0 - memory_headroom)), MEMORY_TIGHT, reason)
 
     model_flops = flops.model_flops_per_step(model, training)
-    hw_flops = model_flops + flops.recompute_flops_per_step(model, training, c.recompute)
+    hw_flops = model_flops + flops.recompute_flops_per_step(cm, training, c.recompute)
     peak_flops = device.peak_flops(training.precision) * cluster.world_size
     tokens_per_s = training.global_batch_size * s / step
     good = goodput.goodput(model, training, cluster, c, step, tokens_per_s)
@@ -294,7 +372,7 @@ def _bottleneck(time: dict[str, np.ndarray], step: np.ndarray, reason: np.ndarra
     """Index into BOTTLENECK_NAMES of the largest non-compute term; "compute" when every
     overhead is under COMPUTE_BOUND_SHARE of the step; "recompute" when the recomputation a
     fitting layout pays is the largest; "memory" only when the layout does not fit."""
-    terms = np.stack([sum(time[k] for k in keys) for keys in BOTTLENECK_TERMS.values()])
+    terms = np.stack([sum(time.get(k, np.zeros_like(step)) for k in keys) for keys in BOTTLENECK_TERMS.values()])
     largest = np.argmax(terms, axis=0)
     share = np.take_along_axis(terms, largest[None], axis=0)[0] / step
     index = np.where(share < COMPUTE_BOUND_SHARE, 0, largest + 1)
@@ -311,14 +389,15 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     b, tp, pp = c.mbs.astype(float) / c.cp, c.tp.astype(float), c.pp.astype(float)
     split = stages.stage_split(model.num_layers, c.pp, c.vpp)
     layers = np.asarray(split[0] if first else split[2], dtype=float)
-    fwd, bwd, attn = compute.layer_compute_s(model, training, device, b, tp, c.sp, c.cp)
-    gemm_fwd = compute.layer_gemm_forward_s(model, training, device, b, tp)
-    selective = memory.selective_recompute_s(model, training, c, fwd, attn, gemm_fwd)
+    cm = model.compute_view()
+    fwd, bwd, attn = compute.layer_compute_s(cm, training, device, b, tp, c.sp, c.cp)
+    gemm_fwd = compute.layer_gemm_forward_s(cm, training, device, b, tp)
+    selective = memory.selective_recompute_s(cm, training, c, fwd, attn, gemm_fwd)
     recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd,
                          np.where(c.recompute == RECOMPUTE_SELECTIVE, selective, 0.0))
     has_head = (pp == 1) | (not first)
     head = np.where(has_head, compute.lm_head_compute_s(model, training, device, b, tp), 0.0)
-    params = memory.stage_params(model, c.pp, c.tp, first, c.vpp)
+    params = memory.stage_params(model, c.pp, c.tp, first, c.vpp, ep=c.ep)
     local = params / np.where(c.zero >= 1, c.shard * c.cp, 1)
     return {
         "forward_backward": c.nmb * (layers * (fwd + bwd) + head),

@@ -39,6 +39,9 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("microbatches_not_multiple_of_pp", "interleaved_1f1b needs num_microbatches divisible by pp"),
     ("megatron_cannot_express", "framework megatron: Megatron-LM runs no GPipe, orders axes tp-dp-pp or tp-pp-dp, "
      "and ZeRO-2/3 (Megatron FSDP) shard over all of dp (planner/launch.py refuses the rest)"),
+    ("ep_needs_moe", "ep > 1 needs a mixture-of-experts model (num_experts > 0)"),
+    ("ep_not_divide_experts", "ep must divide num_experts (each ep rank holds num_experts / ep experts)"),
+    ("ep_not_divide_dp", "ep must divide dp (expert-parallel ranks are carved out of the data-parallel ranks)"),
     ("out_of_memory", "predicted peak memory exceeds the device memory"),
     ("memory_tight", "predicted peak memory is within the memory headroom of the device memory"),
 )
@@ -74,6 +77,9 @@ def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cl
         (training.framework == "megatron") & (((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1))
                                               | ~np.isin(c.order, MEGATRON_ORDERS)
                                               | ((c.zero >= 2) & (c.shard < c.dp))),
+        (c.ep > 1) & (model.num_experts == 0),
+        (c.ep > 1) & (model.num_experts % np.maximum(c.ep, 1) != 0),
+        c.dp % np.maximum(c.ep, 1) != 0,
     ]
     return rules
 

@@ -49,6 +49,8 @@ TERM_REGIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "cp_comm": (("cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"),
                 "collectives on the context-parallel group: the executor's all-gather of K and V and the "
                 "reduce-scatter of their gradients (the cost model's ring exchange; its exposed part)"),
+    "ep_comm": (("dp_all_to_all", "ep_all_to_all"),
+                "the MoE token dispatch and combine (all_to_all_single on the expert-parallel group, ep ranks of dp)"),
     "optimizer": (("optimizer",), "optimizer.step(), exclusive of collectives it issues (ZeRO-1)"),
 }
 OTHER = "other"  # the step's time in no region (untimed glue); also collectives on groups of no single axis

@@ -43,5 +43,9 @@ def check_layout(spec: ModelSpec, training: TrainingSpec, layout: Layout, world:
     if rows != training.global_batch_size:
         problems.append(f"dp x micro_batch_size x num_microbatches = {rows} != global_batch_size "
                         f"{training.global_batch_size}")
+    if layout.ep > 1 and (not spec.num_experts or spec.num_experts % layout.ep or layout.dp % layout.ep):
+        problems.append(f"ep={layout.ep} must divide dp={layout.dp} and the {spec.num_experts} experts (MoE only)")
+    if spec.num_experts and (layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or layout.zero_stage > 0):
+        problems.append("the executor runs mixture-of-experts models on dp (with ep) only: tp = cp = pp = 1, zero 0")
     if problems:
         raise UnsupportedLayout(f"layout {layout.short()}: " + "; ".join(problems))

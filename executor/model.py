@@ -20,6 +20,7 @@ which has no reduce-scatter).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -144,9 +145,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: int = 1):
+    def __init__(self, spec: ModelSpec, tp: int = 1, ffn: int | None = None):
         super().__init__()
-        h, f = spec.hidden_size, spec.ffn_hidden_size // tp
+        h, f = spec.hidden_size, (ffn or spec.ffn_hidden_size) // tp
         self.w1 = nn.Linear(h, f, bias=False)
         self.w2 = nn.Linear(f, h, bias=False)
         self.w3 = nn.Linear(h, f, bias=False) if spec.mlp == "swiglu" else None
@@ -157,13 +158,94 @@ class MLP(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
+class AllToAll(torch.autograd.Function):
+    """torch.distributed.all_to_all_single with uneven splits, differentiable: the backward sends
+    the gradients back along the reversed splits (gloo implements all_to_all_single on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP (Mixtral / DeepSeek style): a router (h x E linear), softmax over the
+    experts, the top-k kept and renormalized, each token's output the weighted sum of its k experts
+    (SwiGLU or GELU MLPs of moe_ffn_hidden_size), plus the shared experts (one MLP of
+    num_shared x their ffn, the same function as their sum). No capacity limit: no token is dropped,
+    so one process and any ep give the same result up to summation order.
+
+    Expert parallelism (`executor.parallel.apply_ep`): the experts are a ModuleDict keyed by their
+    global index; a rank keeps its num_experts / ep of them and `ep_group` is set. The (token, expert)
+    pairs are sorted by expert, sent to the rank holding the expert with one all-to-all (dispatch),
+    run there, and sent back with a second (combine); backward runs the two in reverse."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.top_k = spec.experts_per_token
+        self.num_experts = spec.num_experts
+        self.router = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): MLP(spec, ffn=spec.expert_ffn) for e in range(spec.num_experts)})
+        self.shared = MLP(spec, ffn=spec.num_shared_experts * spec.shared_ffn) if spec.num_shared_experts else None
+        self.ep_group = None
+        self.ep_size = 1
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.route(x)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        expert, weight = experts.reshape(-1), weights.reshape(-1)
+        order = torch.argsort(expert, stable=True)
+        token, expert, weight = token[order], expert[order], weight[order]
+        inputs = x[token]
+        out = self._run_local(inputs, expert) if self.ep_group is None else self._dispatch(inputs, expert)
+        y = torch.zeros_like(x).index_add(0, token, out * weight[:, None])
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.reshape(shape)
+
+    def _run_local(self, inputs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(inputs)
+        for key, module in self.experts.items():
+            rows = (expert == int(key)).nonzero().squeeze(1)
+            out = out.index_copy(0, rows, module(inputs[rows]))
+        return out
+
+    def _dispatch(self, inputs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        per_rank = self.num_experts // self.ep_size
+        send = torch.bincount(expert // per_rank, minlength=self.ep_size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.ep_group)
+        send_list, recv_list = send.tolist(), recv.tolist()
+        recv_expert = expert.new_empty(sum(recv_list))
+        dist.all_to_all_single(recv_expert, expert.contiguous(), recv_list, send_list, group=self.ep_group)
+        received = AllToAll.apply(inputs, send_list, recv_list, self.ep_group)
+        out = self._run_local(received, recv_expert)
+        return AllToAll.apply(out, recv_list, send_list, self.ep_group)
+
+
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: int = 1):
+    def __init__(self, spec: ModelSpec, tp: int = 1, index: int = 0):
         super().__init__()
         self.attention_norm = norm_layer(spec)
         self.attention = Attention(spec, tp)
         self.ffn_norm = norm_layer(spec)
-        self.feed_forward = MLP(spec, tp)
+        moe = spec.is_moe and index >= spec.first_k_dense
+        self.feed_forward = MoE(spec) if moe else MLP(spec, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -179,7 +261,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.spec = spec
         self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, index=i) for i in range(spec.num_layers)})
         self.norm = norm_layer(spec)
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tied_embeddings:

@@ -55,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 from executor import timing
 from executor.checks import UnsupportedLayout, check_layout  # noqa: F401 (re-exported)
-from executor.model import Attention, Decoder, build_model, loss_fn
+from executor.model import Attention, Decoder, MoE, build_model, loss_fn
 from planner import stages
 from planner.placement import coordinates
 from planner.specs import Layout, ModelSpec, TrainingSpec
@@ -89,6 +89,7 @@ class Prepared:
     schedule: object | None = None
     executed_as: list[str] = field(default_factory=list)
     cp_group: object | None = None  # gradients still to be averaged over the cp group (FSDP2 covers dp only)
+    sync: object | None = None  # MoE with dp: the gradient reduction after the step's micro-batches
 
 
 def apply_cp(model: nn.Module, group, rank: int, size: int) -> None:
@@ -198,6 +199,49 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
+def apply_ep(model: Decoder, layout: Layout, rank: int):
+    """Mixture of experts on dp ranks only (tp = pp = 1, zero 0: executor/checks.py): ep ranks are
+    consecutive dp ranks (rank = dp rank when dp is the only axis); each keeps num_experts / ep experts
+    of every MoE layer (ep rank e: experts e x E/ep .. (e+1) x E/ep - 1) and dispatches tokens to the
+    others (executor.model.MoE). Returns the gradient reduction to run after the step's micro-batches:
+    non-expert gradients summed over all dp ranks, expert gradients over the expert-data-parallel
+    group (the dp / ep ranks with the same ep rank, which hold the same experts), both divided by dp:
+    each rank's loss is its own slice's mean, and the a2a backward already brings the ep peers'
+    contributions to the rank holding the expert. Without ep (ep = 1) every gradient is dense."""
+    ep, dp = layout.ep, layout.dp
+    ep_group = edp_group = None
+    for g in range(dp // ep):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(g * ep, (g + 1) * ep)))
+        if g == rank // ep:
+            ep_group = group
+    for e in range(ep):
+        group = dist.new_group(list(range(e, dp, ep)))
+        if e == rank % ep:
+            edp_group = group
+    expert_params: list[nn.Parameter] = []
+    if ep > 1:
+        for module in model.modules():
+            if isinstance(module, MoE):
+                per_rank = module.num_experts // ep
+                mine = range((rank % ep) * per_rank, (rank % ep + 1) * per_rank)
+                for key in list(module.experts.keys()):
+                    if int(key) not in mine:
+                        del module.experts[key]
+                module.ep_group, module.ep_size = ep_group, ep
+                expert_params += list(module.experts.parameters())
+    expert_ids = {id(p) for p in expert_params}
+    dense_params = [p for p in model.parameters() if id(p) not in expert_ids]
+
+    def sync() -> None:
+        for params, group in ((dense_params, None), (expert_params, edp_group)):
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+                p.grad /= dp
+    return sync
+
+
 def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["replicate", "shard"]
 
@@ -237,6 +281,10 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
     if layout.cp > 1:
         apply_cp(model, mesh["cp"].get_group(), coords.cp_rank, layout.cp)
         executed_as.append("cp runs all-gather KV attention (Megatron's all_gather CP, Llama 3), not a ring")
+    if spec.is_moe:  # dp only (executor/checks.py), with or without ep: an explicit gradient reduction
+        apply_recompute(model, layout.recompute)
+        sync = apply_ep(model, layout, coords.rank)
+        return Prepared([model], _optimizer(model.parameters()), executed_as=executed_as, sync=sync)
     if layout.tp == 1 and layout.pp == 1 and layout.zero_stage <= 1:
         # DDP over the default group: every rank, i.e. dp x cp (the cp ranks' gradients averaged too)
         apply_recompute(model, layout.recompute)
@@ -325,6 +373,8 @@ def _run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, 
                 timing.tail("dp_all_reduce")  # from the last gradient to here: waiting for the buckets
         loss = loss.detach()
         total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+    if prepared.sync is not None:
+        prepared.sync()
     return total
 
 

@@ -173,7 +173,9 @@ def plan_cmd(
         _no_fit(result, cl, as_json or as_csv)
     if as_json or as_csv:
         return
-    head = (f"{spec.name} ({count(spec.num_params)} params) on {cl.nodes} x {cl.name} "
+    moe = (f", MoE {spec.num_experts} experts top-{spec.experts_per_token}, {count(spec.active_params)} active"
+           if spec.is_moe else "")
+    head = (f"{spec.name} ({count(spec.num_params)} params{moe}) on {cl.nodes} x {cl.name} "
             f"({cl.world_size} {_unit(cl)}), seq {seq_len}, global batch {global_batch}, {training.precision}")
     console.print(plans_table(result.plans, head, width=console.width))
     rejected = ", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none"

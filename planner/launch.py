@@ -69,6 +69,7 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
                "megatron/core/model_parallel_config.py:100"),
         "pp": ("--pipeline-model-parallel-size", "megatron/core/model_parallel_config.py:83"),
         "dp": ("(derived by Megatron: world size / (tp x cp x pp))", "megatron/core/parallel_state.py"),
+        "ep": ("--expert-model-parallel-size", "megatron/core/model_parallel_config.py:127"),
         "shard": ("--num-distributed-optimizer-instances",
                   "megatron/core/distributed/distributed_data_parallel_config.py:34"),
         "zero_stage": ("--use-distributed-optimizer (1); --use-megatron-fsdp --data-parallel-sharding-strategy "
@@ -94,6 +95,8 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
                "stage count)", "deepspeed/runtime/pipe/module.py:125"),
         "dp": ("(derived: world size / (tp x pp); the batch check divides by mpu.get_data_parallel_world_size())",
                "deepspeed/runtime/config.py:458-463"),
+        "ep": ("(none: mixture of experts refused; DeepSpeed's ep_size belongs to deepspeed.moe.layer.MoE in the "
+               "model code, not the config)", "deepspeed/moe/layer.py"),
         "shard": ("(none: refused below dp; MiCS was removed)", "deepspeed/runtime/config.py:119"),
         "zero_stage": ("zero_optimization.stage", "deepspeed/runtime/zero/config.py:95"),
         "recompute": ("(deepspeed.checkpointing.checkpoint in the model, or PipelineModule("
@@ -112,6 +115,8 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
                "torchtitan/config/configs.py:232; torchtitan/distributed/parallel_dims.py:278"),
         "pp": ("parallelism.pipeline_parallel_degree", "torchtitan/config/configs.py:174"),
         "dp": ("parallelism.data_parallel_replicate_degree", "torchtitan/config/configs.py:113"),
+        "ep": ("(none: mixture of experts refused; parallelism.expert_parallel_degree applies to torchtitan's own "
+               "MoE models, not the Llama 3 builder berth writes)", "torchtitan/config/configs.py:282"),
         "shard": ("parallelism.data_parallel_shard_degree", "torchtitan/config/configs.py:124"),
         "zero_stage": ("parallelism.fsdp_reshard_after_forward", "torchtitan/config/configs.py:136"),
         "recompute": ("activation_checkpoint (FullAC / SelectiveAC / None)",
@@ -351,6 +356,37 @@ def _megatron_stage_args(num_layers: int, pp: int, vpp: int) -> list[tuple[str, 
     return [("--pipeline-model-parallel-layout", f"Et*{chunks[0]}|{middle}t*{chunks[-1]}L")]
 
 
+# Mixture-of-experts arguments (MEGATRON_MOE_SOURCES): the layout's ep, the experts' tensor parallelism
+# equal to tp (Megatron's default, the rule planner/specs.py and cost_models/memory.py use), the
+# all-to-all token dispatcher the cost model prices, grouped GEMMs, and the model's expert shape.
+MEGATRON_MOE_SOURCES = {
+    "--num-experts": "megatron/training/arguments.py:3518",
+    "--moe-router-topk": "megatron/core/transformer/transformer_config.py:760",
+    "--moe-ffn-hidden-size": "megatron/core/transformer/transformer_config.py:740",
+    "--moe-shared-expert-intermediate-size": "megatron/core/transformer/transformer_config.py:701",
+    "--moe-layer-freq": "megatron/training/arguments.py:327,3520 (a Python list pattern, 0 dense, 1 MoE)",
+    "--expert-model-parallel-size": "megatron/core/model_parallel_config.py:127",
+    "--expert-tensor-parallel-size": "megatron/core/model_parallel_config.py:130",
+    "--moe-token-dispatcher-type": "megatron/core/transformer/transformer_config.py:891",
+    "--moe-grouped-gemm": "megatron/core/transformer/transformer_config.py:850",
+}
+
+
+def _megatron_moe_args(m, x) -> list[tuple[str, object]]:
+    if not m.is_moe:
+        return []
+    args: list[tuple[str, object]] = [
+        ("--num-experts", m.num_experts), ("--moe-router-topk", m.experts_per_token),
+        ("--moe-ffn-hidden-size", m.expert_ffn), ("--expert-model-parallel-size", x.ep),
+        ("--expert-tensor-parallel-size", x.tp), ("--moe-token-dispatcher-type", "alltoall"),
+        ("--moe-grouped-gemm", None)]
+    if m.num_shared_experts:
+        args.append(("--moe-shared-expert-intermediate-size", m.num_shared_experts * m.shared_ffn))
+    if m.first_k_dense:
+        args.append(("--moe-layer-freq", f"'([0]*{m.first_k_dense}+[1]*{m.num_moe_layers})'"))
+    return args
+
+
 def megatron_args(plan: Plan) -> dict[str, str]:
     """Megatron-LM pretrain_gpt.py arguments for the layout and the whole model shape, and a torchrun launch.
 
@@ -396,6 +432,7 @@ def megatron_args(plan: Plan) -> dict[str, str]:
         args += [("--group-query-attention", None), ("--num-query-groups", m.kv_heads)]
     if m.mlp == "swiglu":
         args.append(("--swiglu", None))
+    args += _megatron_moe_args(m, x)
     args.append(("--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"))
     if not m.tied_embeddings:
         args.append(("--untie-embeddings-and-output-weights", None))
@@ -433,11 +470,15 @@ def megatron_args(plan: Plan) -> dict[str, str]:
             "megatron-launch.sh": script}
 
 
-def _deepspeed_refusal(x, num_layers: int | None = None) -> str | None:
+def _deepspeed_refusal(x, num_layers: int | None = None, model=None) -> str | None:
     """Why DeepSpeed 0.19 cannot express the layout (of a model `num_layers` deep), or None."""
     if x.cp > 1:
         return (f"cp {x.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses sequence parallelism "
                 "all-to-alls attention heads, a different scheme berth does not plan); use Megatron or torchtitan")
+    if model is not None and model.is_moe:
+        return (f"mixture of experts ({model.num_experts} experts, ep {x.ep}): DeepSpeed's experts are "
+                "deepspeed.moe.layer.MoE modules with their own ep_size in the model code; the config cannot "
+                "express them")
     if num_layers is not None and x.pp > 1 and not stages.is_even(num_layers, x.pp):
         return (f"uneven pipeline stages ({num_layers} layers on pp {x.pp}: "
                 f"{', '.join(map(str, stages.stage_layers(num_layers, x.pp)))}): DeepSpeed's PipelineModule takes no "
@@ -468,7 +509,7 @@ def _deepspeed_refusal(x, num_layers: int | None = None) -> str | None:
 def deepspeed_config(plan: Plan) -> dict[str, str]:
     """A DeepSpeed config JSON for the layout, and the launch notes (what the training script must do)."""
     x, t, m = plan.layout, plan.training, plan.model
-    reason = _deepspeed_refusal(x, m.num_layers)
+    reason = _deepspeed_refusal(x, m.num_layers, m)
     if reason:
         raise LaunchRefused("deepspeed", reason)
     config: dict[str, Any] = {
@@ -525,6 +566,10 @@ TORCHTITAN_INPUTS = {
 
 def _torchtitan_refusal(x, model, training) -> str | None:
     """Why torchtitan 0.3 cannot express the layout (or the model), or None."""
+    if model.is_moe:
+        return (f"mixture of experts ({model.num_experts} experts, ep {x.ep}): berth writes torchtitan's Llama 3 "
+                "builder, which has no experts; torchtitan's MoE models (deepseek_v3 with MLA, qwen3) and their "
+                "parallelism.expert_parallel_degree are not mapped")
     if model.mlp != "swiglu" or model.norm != "rmsnorm" or model.tied_embeddings:
         return (f"model {model.name} ({model.mlp}, {model.norm}, tied {model.tied_embeddings}): torchtitan's "
                 "Llama 3 builder is SwiGLU with RMSNorm and an untied output")
@@ -669,5 +714,5 @@ seq_len=SEQ_LEN, mixed_precision_param="{param}",
 
 
 ENGINE_REFUSALS = {"megatron": lambda p: _megatron_refusal(p.layout),
-                   "deepspeed": lambda p: _deepspeed_refusal(p.layout, p.model.num_layers),
+                   "deepspeed": lambda p: _deepspeed_refusal(p.layout, p.model.num_layers, p.model),
                    "torchtitan": lambda p: _torchtitan_refusal(p.layout, p.model, p.training)}

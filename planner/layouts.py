@@ -128,6 +128,9 @@ RULE_FIELDS = {
     "sequence_parallel_needs_tp": ("sequence_parallel", "tp"),
     "too_few_microbatches": ("num_microbatches", "pp", "schedule"),
     "microbatches_not_multiple_of_pp": ("num_microbatches", "pp", "schedule"),
+    "ep_needs_moe": ("ep",),
+    "ep_not_divide_experts": ("ep",),
+    "ep_not_divide_dp": ("ep", "dp"),
 }
 
 
@@ -183,6 +186,14 @@ def _why(name: str, x: Layout, model: ModelSpec, training: TrainingSpec, world: 
         return f"1F1B schedules need num_microbatches >= pp; {x.num_microbatches} < {x.pp}"
     if name == "microbatches_not_multiple_of_pp":
         return f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}"
+    if name == "ep_needs_moe":
+        return f"ep = {x.ep} > 1 needs a mixture-of-experts model; {model.name} is dense (num_experts 0)"
+    if name == "ep_not_divide_experts":
+        return f"ep must divide the {model.num_experts} experts; valid: {_listing(divisors(model.num_experts))}"
+    if name == "ep_not_divide_dp":
+        valid = [d for d in divisors(gcd(x.dp, model.num_experts or 1))]
+        return (f"ep = {x.ep} must divide dp = {x.dp} (expert-parallel ranks are carved out of the data-parallel "
+                f"ranks); valid: {_listing(valid)}")
     from cost_models.validity import REASONS
 
     return dict(REASONS)[name]

@@ -87,6 +87,11 @@ _HF_FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
     "mistral": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
     "qwen2": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
+    # mixture of experts (_moe_fields): Mixtral, Qwen2-MoE, DeepSeek-V2/V3 without MLA
+    "mixtral": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
+    "qwen2_moe": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
+    "deepseek_v2": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
+    "deepseek_v3": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
     "gpt2": {"keys": ("n_layer", "n_embd", "n_head", None, "n_inner", "vocab_size"),
              "mlp": "gelu", "norm": "layernorm", "tied": True},
     "gpt_neox": {"keys": ("num_hidden_layers", "hidden_size", "num_attention_heads", None,
@@ -96,10 +101,31 @@ _HF_FAMILIES: dict[str, dict[str, Any]] = {
 _OPTIONAL = {"num_key_value_heads", "n_inner"}
 
 
-# Keys of a config that say the model is not a dense decoder-only transformer with full causal
-# attention: berth would plan it as one and be wrong (mixture-of-experts support is a separate issue).
+# Mixture-of-experts keys by model type: (experts, top-k, expert ffn, shared experts, shared ffn, dense
+# leading layers). None: the family has no such key (Mixtral's experts are intermediate_size wide;
+# Qwen2-MoE has one shared expert of shared_expert_intermediate_size).
+_MOE_FIELDS: dict[str, tuple[str | None, ...]] = {
+    "mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate_size", None, None, None),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", None,
+                  "shared_expert_intermediate_size", None),
+    "deepseek_v2": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", None,
+                    "first_k_dense_replace"),
+    "deepseek_v3": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", None,
+                    "first_k_dense_replace"),
+}
+# Keys of a config that say the model is a mixture of experts: refused outside the families above
+# (a dense family with one of these would be planned as a dense model, and be wrong).
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
              "moe_intermediate_size")
+# Architectural keys berth does not model, refused when set: multi-head latent attention (DeepSeek-V2/V3),
+# multi-token prediction, MoE layers at a stride, dense layers listed by index.
+_UNMODELLED = {
+    "kv_lora_rank": "multi-head latent attention (MLA) is not modelled; berth prices standard (GQA) attention "
+                    "(the deepseek-v3-style preset uses GQA)",
+    "q_lora_rank": "multi-head latent attention (MLA) is not modelled; berth prices standard (GQA) attention",
+    "num_nextn_predict_layers": "multi-token prediction layers are not modelled",
+    "mlp_only_layers": "dense layers at listed positions are not modelled (only the first k: first_k_dense)",
+}
 _ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
                   "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "whisper", "longt5", "switch_transformers")
 _DECODER_ONLY_HEADS = ("ForCausalLM", "LMHeadModel", "Model")
@@ -109,10 +135,18 @@ def _refuse_unsupported(cfg: dict[str, Any], source: str) -> None:
     """Refuse a config whose architecture berth does not model (a BerthError naming the key)."""
     supported = f"supported: dense decoder-only {', '.join(sorted(_HF_FAMILIES))}"
     model_type = cfg.get("model_type")
+    supported += f"; mixture of experts {', '.join(sorted(_MOE_FIELDS))}"
     for key in _MOE_KEYS:
-        if cfg.get(key) not in (None, 0, 1, False):
-            raise BerthError(f"{source}.{key}", cfg[key], f"a mixture-of-experts model ({model_type}); berth "
-                             f"models dense layers only; {supported}")
+        if model_type not in _MOE_FIELDS and cfg.get(key) not in (None, 0, 1, False):
+            raise BerthError(f"{source}.{key}", cfg[key], f"a mixture-of-experts model ({model_type}) of a family "
+                             f"berth does not map; {supported}")
+    for key, why in _UNMODELLED.items():
+        if model_type in _MOE_FIELDS and cfg.get(key) not in (None, 0, False, [], ()):
+            raise BerthError(f"{source}.{key}", cfg[key], why)
+    for key in ("decoder_sparse_step", "moe_layer_freq"):
+        if model_type in _MOE_FIELDS and cfg.get(key) not in (None, 1):
+            raise BerthError(f"{source}.{key}", cfg[key], "MoE layers at a stride other than 1 are not modelled "
+                             "(every layer after the first first_k_dense is MoE)")
     if model_type in _ENCODER_TYPES or cfg.get("is_encoder_decoder"):
         key = "model_type" if model_type in _ENCODER_TYPES else "is_encoder_decoder"
         raise BerthError(f"{source}.{key}", cfg.get(key), f"an encoder or encoder-decoder model; {supported}")
@@ -135,9 +169,37 @@ def _refuse_unsupported(cfg: dict[str, Any], source: str) -> None:
                          f"{hidden}/{heads}; berth's layers assume head_dim x heads = hidden_size")
 
 
+def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """ModelSpec's mixture-of-experts fields from a config of a family in _MOE_FIELDS ({} otherwise)."""
+    keys = _MOE_FIELDS.get(model_type)
+    if keys is None:
+        return {}
+    names = ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts",
+             "shared_expert_ffn_hidden_size", "first_k_dense")
+    out: dict[str, Any] = {}
+    for name, key in zip(names, keys, strict=True):
+        if key is None or cfg.get(key) is None:
+            continue
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BerthError(f"{source}.{key}", value, "must be a non-negative integer")
+        out[name] = value
+    for name, key in (("num_experts", keys[0]), ("experts_per_token", keys[1])):
+        if not out.get(name):
+            raise BerthError(f"{source}.{key}", cfg.get(key), f"a {model_type} config needs a positive {key}")
+    if out.get("shared_expert_ffn_hidden_size"):
+        out["num_shared_experts"] = 1  # Qwen2-MoE: one shared expert (its sigmoid gate, h x 1, left out)
+    if not out.get("num_shared_experts"):
+        out.pop("shared_expert_ffn_hidden_size", None)
+    if out.get("moe_ffn_hidden_size") is None:
+        out["moe_ffn_hidden_size"] = cfg.get("intermediate_size")
+    return out
+
+
 def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
-    """Map a Hugging Face config.json of a dense decoder-only model to a ModelSpec. Mixture of
-    experts, encoders, encoder-decoders, sliding-window attention, a head_dim other than
+    """Map a Hugging Face config.json of a decoder-only model to a ModelSpec: dense families and the
+    mixture-of-experts ones of _MOE_FIELDS (Mixtral, Qwen2-MoE, DeepSeek-V2/V3 without MLA). Other
+    mixtures of experts, MLA, encoders, encoder-decoders, sliding-window attention, a head_dim other than
     hidden/heads and unknown model types are refused naming the key (they would be planned
     wrongly). Attention/MLP biases are ignored (under 0.1% of the parameters and FLOPs)."""
     _refuse_unsupported(cfg, source)
@@ -169,7 +231,8 @@ def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
     if not isinstance(tied, bool):
         raise BerthError(f"{source}.tie_word_embeddings", tied, "must be true or false")
     name_key = next((k for k in ("_name_or_path", "name") if cfg.get(k)), None)
-    fields = {
+    moe = _moe_fields(cfg, model_type, source)
+    fields = {**moe,
         "name": cfg[name_key] if name_key else (model_type if isinstance(model_type, str) else "hf-model"),
         "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
         "num_kv_heads": kv, "ffn_hidden_size": ffn, "vocab_size": vocab, "mlp": mlp,
@@ -181,6 +244,9 @@ def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
         # name the key the user wrote, not ours
         hf_key = dict(zip(("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
                            "vocab_size"), keys, strict=True)) | {"name": name_key or "model_type"}
+        hf_key |= {k: v for k, v in zip(("num_experts", "experts_per_token", "moe_ffn_hidden_size",
+                                         "num_shared_experts", "shared_expert_ffn_hidden_size", "first_k_dense"),
+                                        _MOE_FIELDS.get(model_type, ()), strict=False) if v}
         loc = err.errors()[0].get("loc", ())
         field = hf_key.get(str(loc[0])) if loc else None
         if field:

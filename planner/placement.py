@@ -106,8 +106,9 @@ def rank_map(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] | None
              **{a: int(coords[a][r]) for a in shown_axes(layout)}} for r in range(layout.world_size)]
 
 
-# the time term each axis's traffic lands in
-AXIS_TERMS = {"tp": "tp_comm", "cp": "cp_comm", "dp": "dp_comm", "pp": "pp_comm"}
+# the time term each axis's traffic lands in; ep (MoE expert parallelism) groups are ep consecutive dp
+# ranks (the dp stride apart), listed in the placement when ep > 1
+AXIS_TERMS = {"tp": "tp_comm", "cp": "cp_comm", "dp": "dp_comm", "pp": "pp_comm", "ep": "ep_comm"}
 
 
 def innermost_cluster(cluster: ClusterSpec) -> ClusterSpec:
@@ -123,8 +124,9 @@ def placement(layout: Layout, cluster: ClusterSpec, times_s: dict[str, float],
     what that costs (its time term here minus on `innermost_cluster`); with `detail`, the full
     rank map and groups up to PLACEMENT_DETAIL_MAX_RANKS ranks."""
     sizes, stride = _sizes(layout), strides(layout)
+    sizes["ep"], stride["ep"] = layout.ep, stride["dp"]
     groups = []
-    for axis in shown_axes(layout):
+    for axis in (*shown_axes(layout), "ep") if layout.ep > 1 else shown_axes(layout):
         k = int(group_level(cluster, sizes[axis], stride[axis]))
         link = cluster.levels[k].link
         first = [stride[axis] * i for i in range(sizes[axis])]

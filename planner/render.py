@@ -42,6 +42,8 @@ def count(n: float) -> str:
 def _compact_layout(p: Plan) -> str:
     x = p.layout
     parts = [f"tp{x.tp}", *([f"cp{x.cp}"] if x.cp > 1 else []), f"pp{x.pp}", f"dp{x.dp}"]
+    if x.ep > 1:
+        parts.append(f"ep{x.ep}")
     if x.zero_stage:
         parts.append(f"z{x.zero_stage}/{x.shard}")
     parts.append(f"mbs{x.micro_batch_size}x{x.num_microbatches}")
@@ -58,7 +60,8 @@ def _layout_cells(p: Plan, cp: bool = False) -> list[str]:
     x = p.layout
     zero = f"{x.zero_stage}/{x.shard}" if x.zero_stage else "0"
     sched = "-" if x.pp == 1 else x.schedule.replace("interleaved_1f1b", f"interl.x{x.virtual_stages}")
-    return [str(x.tp), *([str(x.cp)] if cp else []), str(x.pp), str(x.dp), zero, x.recompute,
+    dp = str(x.dp) + (f" ep{x.ep}" if x.ep > 1 else "")
+    return [str(x.tp), *([str(x.cp)] if cp else []), str(x.pp), dp, zero, x.recompute,
             str(x.micro_batch_size), str(x.num_microbatches), sched, "on" if x.sequence_parallel else "off"]
 
 
@@ -136,7 +139,7 @@ def plans_csv(plans: list[Plan], best_tokens_per_s: float | None = None) -> str:
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    fields = ("tp", *(("cp",) if _has_cp(plans) else ()), "pp", "dp", "shard", "zero_stage", "recompute",
+    fields = ("tp", *(("cp",) if _has_cp(plans) else ()), "pp", "dp", "ep", "shard", "zero_stage", "recompute",
               "micro_batch_size", "num_microbatches",
               "virtual_stages", "schedule", "sequence_parallel", "axis_order")
     pred = ("step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "bottleneck")
@@ -171,10 +174,12 @@ def breakdown_table(plans: list[Plan], title: str) -> Table:
         t.add_column(f"#{i}", justify="right")
     if any(p.layout.pp > 1 for p in plans):
         t.add_row("layers per stage", *[stage_text(p) if p.layout.pp > 1 else "-" for p in plans])
-    for term in TIME_TERMS:
+    terms = TIME_TERMS + (("ep_comm",) if any(p.prediction and "ep_comm" in p.prediction.time_breakdown_s
+                                               for p in plans) else ())
+    for term in terms:
         if term == "cp_comm" and not _has_cp(plans):
             continue
-        t.add_row(f"time: {term}", *[_seconds(p.prediction.time_breakdown_s[term]) if p.prediction else "-"
+        t.add_row(f"time: {term}", *[_seconds(p.prediction.time_breakdown_s.get(term, 0.0)) if p.prediction else "-"
                                      for p in plans])
     for term in MEMORY_TERMS:
         t.add_row(f"memory: {term}", *[f"{p.prediction.memory_breakdown_bytes.get(term, 0.0) / GIB:.2f} GiB"

@@ -122,17 +122,19 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
     return np.asarray(rows, dtype=np.int64).reshape(-1, 9)
 
 
-def _inner_options(dp: int, tp: int) -> np.ndarray:
-    """(zero, shard, recompute, sp) options for a given dp and tp."""
+def _inner_options(dp: int, tp: int, experts: int = 0) -> np.ndarray:
+    """(zero, shard, recompute, sp, ep) options for a given dp and tp; ep (MoE models only, `experts`
+    > 0) ranges over the common divisors of dp and the number of experts."""
     shards = [d for d in divisors(dp) if d > 1]
     zero_shard = [(0, 1)] + [(z, s) for z in (1, 2, 3) for s in shards]
     sps = (0, 1) if tp > 1 else (0,)
-    opts = [(z, s, r, sp) for (z, s), r, sp in product(zero_shard, range(len(RECOMPUTE_CHOICES)), sps)]
+    eps = divisors(math.gcd(dp, experts)) if experts else [1]
+    opts = [(z, s, r, sp, ep) for (z, s), r, sp, ep in product(zero_shard, range(len(RECOMPUTE_CHOICES)), sps, eps)]
     return np.asarray(opts, dtype=np.int64)
 
 
 _STRUCT_COLUMNS = ("tp", "pp", "dp", "mbs", "nmb", "schedule", "vpp", "order", "cp")  # _structural_rows' columns
-_INNER_COLUMNS = ("zero", "shard", "recompute", "sp")  # _inner_options' columns
+_INNER_COLUMNS = ("zero", "shard", "recompute", "sp", "ep")  # _inner_options' columns
 
 
 def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
@@ -150,13 +152,13 @@ def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
         )
     if search.fix:
         check_values(search.fix, "fix")
-    out = _group_tables(rows, _fix_codes(search.fix))
+    out = _group_tables(rows, _fix_codes(search.fix), model.num_experts)
     if not out and search.fix:
         _refuse_empty_fix(rows, search.fix, model, training, cluster)
     return out
 
 
-def _group_tables(rows: np.ndarray, codes: dict[str, int]) -> list[tuple[np.ndarray, np.ndarray]]:
+def _group_tables(rows: np.ndarray, codes: dict[str, int], experts: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     """(structural rows, inner options) of each (dp, tp > 1) group with the fixed codes applied."""
     groups: dict[tuple[int, bool], list[int]] = {}
     for i, (tp, dp) in enumerate(rows[:, [0, 2]].tolist()):  # lists: iterating numpy rows is slow
@@ -164,7 +166,7 @@ def _group_tables(rows: np.ndarray, codes: dict[str, int]) -> list[tuple[np.ndar
     out = []
     for (dp, has_tp), idx in groups.items():
         struct = rows[np.asarray(idx)]
-        inner = _inner_options(dp, 2 if has_tp else 1)
+        inner = _inner_options(dp, 2 if has_tp else 1, experts)
         struct = struct[_matches(struct, _STRUCT_COLUMNS, codes)]
         inner = inner[_matches(inner, _INNER_COLUMNS, codes)]
         if len(struct) and len(inner):
@@ -183,7 +185,7 @@ def _refuse_empty_fix(rows: np.ndarray, fix: dict, model: ModelSpec, training: T
     for n, key in enumerate(keys):
         column = _FIX_COLUMNS[key]
         present: set[int] = set()
-        for struct, inner in _group_tables(rows, _fix_codes({k: fix[k] for k in keys[:n]})):
+        for struct, inner in _group_tables(rows, _fix_codes({k: fix[k] for k in keys[:n]}), model.num_experts):
             table, columns = (struct, _STRUCT_COLUMNS) if column in _STRUCT_COLUMNS else (inner, _INNER_COLUMNS)
             present.update(np.unique(table[:, columns.index(column)]).tolist())
         if _fix_codes({key: fix[key]})[column] not in present:
@@ -209,7 +211,7 @@ def _block(struct: np.ndarray, inner: np.ndarray) -> Candidates:
     s = np.repeat(struct, len(inner), axis=0)
     o = np.tile(inner, (len(struct), 1))
     return Candidates(tp=s[:, 0], pp=s[:, 1], dp=s[:, 2], mbs=s[:, 3], nmb=s[:, 4], schedule=s[:, 5], vpp=s[:, 6],
-                      order=s[:, 7], cp=s[:, 8], zero=o[:, 0], shard=o[:, 1], recompute=o[:, 2], sp=o[:, 3])
+                      order=s[:, 7], cp=s[:, 8], zero=o[:, 0], shard=o[:, 1], recompute=o[:, 2], sp=o[:, 3], ep=o[:, 4])
 
 
 def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> Iterator[Candidates]:
@@ -237,10 +239,10 @@ def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: Clus
                          search: SearchSpec) -> Candidates:
     """Every candidate of the search at once (tests and small searches; `search` streams them)."""
     return Candidates.concat([_block(struct, inner) for struct, inner in _groups(model, training, cluster, search)]
-                             or [_block(np.zeros((0, 9), np.int64), np.zeros((1, 4), np.int64))])
+                             or [_block(np.zeros((0, 9), np.int64), np.zeros((1, 5), np.int64))])
 
 
-_FIX_COLUMNS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "shard": "shard", "zero_stage": "zero",
+_FIX_COLUMNS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "ep": "ep", "shard": "shard", "zero_stage": "zero",
                 "micro_batch_size": "mbs", "num_microbatches": "nmb", "virtual_stages": "vpp",
                 "recompute": "recompute", "schedule": "schedule", "sequence_parallel": "sp", "axis_order": "order"}
 

@@ -90,6 +90,35 @@ class ModelSpec(Spec):
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     tied_embeddings: bool = False
     dropout: bool = False
+    # Mixture of experts (Shazeer et al. 2017; Fedus et al. 2022; Mixtral, DeepSeek-V3): each MoE
+    # layer replaces its MLP by `num_experts` routed experts of `moe_ffn_hidden_size` (same mlp kind),
+    # of which a router (one h x E linear, top-k softmax) picks `experts_per_token` per token, plus
+    # `num_shared_experts` experts every token goes through (DeepSeek). The first `first_k_dense`
+    # layers keep the dense MLP of `ffn_hidden_size` (DeepSeek-V3: 3); num_experts = 0 is dense.
+    num_experts: int = Field(default=0, ge=0, le=1 << 14)
+    experts_per_token: int = Field(default=0, ge=0, le=1 << 10, description="top-k of the router")
+    moe_ffn_hidden_size: int | None = Field(default=None, gt=0, le=MAX_HIDDEN * 8,
+                                            description="one expert's ffn size (default: ffn_hidden_size)")
+    num_shared_experts: int = Field(default=0, ge=0, le=64)
+    shared_expert_ffn_hidden_size: int | None = Field(default=None, gt=0, le=MAX_HIDDEN * 8,
+                                                      description="one shared expert's ffn size (default: the "
+                                                      "expert ffn size)")
+    first_k_dense: int = Field(default=0, ge=0, le=MAX_LAYERS, description="leading layers with a dense MLP")
+
+    @model_validator(mode="after")
+    def _moe(self) -> ModelSpec:
+        if self.num_experts == 0:
+            extra = [k for k in ("experts_per_token", "num_shared_experts", "first_k_dense") if getattr(self, k)]
+            extra += [k for k in ("moe_ffn_hidden_size", "shared_expert_ffn_hidden_size") if getattr(self, k)]
+            if extra:
+                raise ValueError(f"{extra[0]} needs num_experts > 0 (a mixture-of-experts model)")
+            return self
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token {self.experts_per_token} must be in 1..num_experts "
+                             f"{self.num_experts}")
+        if self.first_k_dense >= self.num_layers:
+            raise ValueError(f"first_k_dense {self.first_k_dense} leaves no MoE layer of {self.num_layers}")
+        return self
 
     @model_validator(mode="after")
     def _shape(self) -> ModelSpec:
@@ -124,11 +153,95 @@ class ModelSpec(Spec):
         return 3 if self.mlp == "swiglu" else 2
 
     @property
-    def params_per_layer(self) -> int:
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense if self.is_moe else 0
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def shared_ffn(self) -> int:
+        return self.shared_expert_ffn_hidden_size or self.expert_ffn
+
+    @property
+    def active_ffn_hidden_size(self) -> int:
+        """The ffn size a token's MLP work has in an MoE layer: top-k routed experts plus the shared ones."""
+        return self.experts_per_token * self.expert_ffn + self.num_shared_experts * self.shared_ffn
+
+    @property
+    def mean_ffn_hidden_size(self) -> int:
+        """Per-token MLP width averaged over the layers (dense layers: ffn_hidden_size; MoE layers: the
+        active experts'): what the compute and activation formulas of a layer use. Exact for Mixtral
+        (every layer MoE) and DeepSeek-V3 (8 x 2048 + 2048 = 18432 = its dense ffn)."""
+        if not self.is_moe:
+            return self.ffn_hidden_size
+        moe, dense = self.num_moe_layers, self.first_k_dense
+        return round((moe * self.active_ffn_hidden_size + dense * self.ffn_hidden_size) / self.num_layers)
+
+    def compute_view(self) -> ModelSpec:
+        """The dense model with the same per-token work: every layer's MLP of mean_ffn_hidden_size
+        (FLOPs, GEMM times and activations per token; the router's h x E GEMM is under 1% and left
+        out). Dense models are returned as they are."""
+        if not self.is_moe:
+            return self
+        return ModelSpec(name=self.name, num_layers=self.num_layers, hidden_size=self.hidden_size,
+                         num_attention_heads=self.num_attention_heads, num_kv_heads=self.num_kv_heads,
+                         ffn_hidden_size=self.mean_ffn_hidden_size, vocab_size=self.vocab_size, mlp=self.mlp,
+                         norm=self.norm, tied_embeddings=self.tied_embeddings, dropout=self.dropout)
+
+    @property
+    def attention_norm_params_per_layer(self) -> int:
         h = self.hidden_size
         qkv = h * (h + 2 * self.kv_heads * self.head_dim)
         norms = (2 if self.norm == "layernorm" else 1) * 2 * h
-        return qkv + h * h + self.mlp_matrices * h * self.ffn_hidden_size + norms
+        return qkv + h * h + norms
+
+    @property
+    def expert_params_per_moe_layer(self) -> int:
+        """The routed experts of one MoE layer (what expert parallelism splits)."""
+        return self.num_experts * self.mlp_matrices * self.hidden_size * self.expert_ffn
+
+    @property
+    def moe_layer_other_params(self) -> int:
+        """An MoE layer less its routed experts: attention, norms, router (h x E), shared experts."""
+        h = self.hidden_size
+        return (self.attention_norm_params_per_layer + h * self.num_experts
+                + self.num_shared_experts * self.mlp_matrices * h * self.shared_ffn)
+
+    @property
+    def layer_params_total(self) -> int:
+        """Parameters of all decoder layers."""
+        dense = self.attention_norm_params_per_layer + self.mlp_matrices * self.hidden_size * self.ffn_hidden_size
+        if not self.is_moe:
+            return self.num_layers * dense
+        return self.first_k_dense * dense + self.num_moe_layers * (self.moe_layer_other_params
+                                                                   + self.expert_params_per_moe_layer)
+
+    @property
+    def params_per_layer(self):
+        """Parameters of a decoder layer (MoE: the mean over the layers, all experts counted)."""
+        if not self.is_moe:
+            return self.layer_params_total // self.num_layers
+        return self.layer_params_total / self.num_layers
+
+    @property
+    def expert_params_per_layer(self) -> float:
+        """Routed-expert parameters per decoder layer, averaged over the layers (0 for dense)."""
+        return self.num_moe_layers * self.expert_params_per_moe_layer / self.num_layers
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token goes through (MoE: top-k of the routed experts); num_params for dense."""
+        if not self.is_moe:
+            return self.num_params
+        idle = self.num_moe_layers * (self.num_experts - self.experts_per_token) * self.mlp_matrices \
+            * self.hidden_size * self.expert_ffn
+        return self.num_params - idle
 
     @property
     def embedding_params(self) -> int:
@@ -141,7 +254,7 @@ class ModelSpec(Spec):
     @property
     def num_params(self) -> int:
         head = 0 if self.tied_embeddings else self.embedding_params
-        return self.num_layers * self.params_per_layer + self.embedding_params + head + self.final_norm_params
+        return self.layer_params_total + self.embedding_params + head + self.final_norm_params
 
 
 class TrainingSpec(Spec):
@@ -248,6 +361,8 @@ class Layout(Spec):
                     "sequence (load-balanced causal split into 2 cp chunks; ring attention, cost_models/step.py)")
     pp: int = Field(default=1, gt=0)
     dp: int = Field(default=1, gt=0)
+    ep: int = Field(default=1, gt=0, description="expert-parallel degree (MoE models): ranks carved out of dp, each "
+                    "holding num_experts / ep experts; 1 for dense models")
     shard: int = Field(default=1, gt=0)
     zero_stage: int = Field(default=0, ge=0, le=3)
     recompute: Recompute = "none"
@@ -274,6 +389,8 @@ class Layout(Spec):
 
     def short(self) -> str:
         parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}", f"dp={self.dp}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if self.zero_stage:
             parts += [f"zero={self.zero_stage}", f"shard={self.shard}"]
         parts += [f"mbs={self.micro_batch_size}", f"nmb={self.num_microbatches}"]
@@ -364,7 +481,7 @@ class Prediction(Spec):
 class GroupPlacement(Spec):
     """Where the process groups of one parallel axis sit, and what their slowest link costs."""
 
-    axis: Literal["tp", "cp", "dp", "pp"]
+    axis: Literal["tp", "cp", "dp", "pp", "ep"]  # ep (MoE): consecutive dp ranks, the dp stride apart
     size: int
     count: int = Field(description="how many groups of this axis")
     stride: int = Field(description="rank distance between neighbours in a group")

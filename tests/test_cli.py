@@ -1,6 +1,7 @@
 """The `berth` CLI as a user runs it: a real subprocess, JSON contract, exit codes."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,19 @@ def test_plan_fix_restricts_the_search():
     assert plans and all(p["layout"]["tp"] == 8 and p["layout"]["pp"] == 2 for p in plans)
 
 
+def test_moe_plan_carries_ep_in_json_and_tables():
+    args = ("plan", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096",
+            "--global-batch", "256", "--fix", "ep=8", "--top", "2")
+    r = berth(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    plans = json.loads(r.stdout)["plans"]
+    assert plans and all(p["layout"]["ep"] == 8 and p["layout"]["dp"] % 8 == 0 for p in plans)
+    assert all("ep_comm" in p["prediction"]["time_breakdown_s"] for p in plans)
+    table = subprocess.run([*BERTH, *args], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": "100"})
+    assert table.returncode == 0 and "ep8" in table.stdout and "time: ep_comm" in table.stdout, table.stdout
+
+
 def test_framework_changes_sequence_parallel_memory_and_kernel_time():
     """DTensor sp (pytorch) keeps gathered activations Megatron-LM re-gathers: more memory. The
     framework's kernels (device profile `frameworks`) set the non-GEMM layer time: Megatron's fused
@@ -131,6 +145,8 @@ def test_plan_table_output():
     (["plan", "llama3-8b", "--fix", "tq=2"], "fix"),
     (["plan", "llama3-8b", "--precision", "fp7"], "training.precision"),
     (["compare", "llama3-8b", "--layout", "tp=two"], "layout[0].tp"),
+    (["plan", "llama3-8b", "--fix", "ep=2"], "fix.ep"),  # a dense model has no experts
+    (["compare", "mixtral-8x7b", "--nodes", "2", "--layout", "ep=3"], "layout[0].ep"),
 ])
 def test_bad_input_exits_2_with_one_clear_line(args, field):
     r = berth(*args)

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from executor.train import run_steps  # noqa: E402
 from planner import __version__  # noqa: E402
 from planner.models import presets  # noqa: E402
-from planner.specs import Layout, Plan, TrainingSpec  # noqa: E402
+from planner.specs import Layout, ModelSpec, Plan, TrainingSpec  # noqa: E402
 from planner.topology import cluster_from_preset  # noqa: E402
 
 STEPS = 3
@@ -170,3 +170,32 @@ def test_cp_with_tp_and_dp_match_single_process(tmp_path, reference):
             Layout(cp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2),
             Layout(cp=2, pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b")]
     check(launch(tmp_path, four, 4), reference, 4)
+
+
+# A small mixture of experts: 4 experts top-2 (one shared expert in the second case), 2 layers, h 64.
+MOE = MODEL.model_copy(update={"name": "tiny-moe", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                               "ffn_hidden_size": 128, "vocab_size": 256, "mlp": "swiglu", "norm": "rmsnorm",
+                               "num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 96})
+MOE_SHARED = MOE.model_copy(update={"num_shared_experts": 1, "first_k_dense": 1})
+
+
+@pytest.mark.parametrize("model", [MOE, MOE_SHARED], ids=["moe", "moe_shared_first_dense"])
+def test_moe_expert_parallel_matches_single_process(tmp_path, model):
+    """Expert parallelism (executor/model.py MoE, executor/parallel.py apply_ep): ep = 2 on 2 and on 4
+    gloo ranks (2 ep groups, expert gradients reduced over the expert-data-parallel pairs) and ep = 1
+    with dp = 2 reproduce the single-process losses of the same seed. The router has no capacity limit
+    (no token dropped), so only summation order differs. The executor's parameters equal
+    ModelSpec.num_params."""
+    from executor.model import build_model
+
+    model = ModelSpec.model_validate(model.model_dump())  # validators run on the copy
+    assert sum(p.numel() for p in build_model(model).parameters()) == model.num_params
+    reference = run_steps(model, TRAINING, Layout(micro_batch_size=8), STEPS).losses
+    assert reference[-1] < reference[0]
+    two = [Layout(dp=2, ep=2, micro_batch_size=2, num_microbatches=2),
+           Layout(dp=2, micro_batch_size=4, num_microbatches=1)]
+    (tmp_path / "two").mkdir()
+    (tmp_path / "four").mkdir()
+    check(launch(tmp_path / "two", two, 2, model=model), reference, 2)
+    four = [Layout(dp=4, ep=2, micro_batch_size=2, num_microbatches=1)]
+    check(launch(tmp_path / "four", four, 4, model=model), reference, 4)

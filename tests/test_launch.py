@@ -374,3 +374,25 @@ def test_context_parallel_reaches_megatron_and_torchtitan():
               if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"]
     assert (par["context_parallel_degree"], par["tensor_parallel_degree"], par["data_parallel_shard_degree"],
             par["data_parallel_replicate_degree"]) == (2, 4, 4, 1)
+
+
+def test_mixture_of_experts_launch_megatron_and_refusals():
+    # Mixtral 8x7B on 2 nodes: ep 4 of dp 16, fully sharded
+    plan = plan_for(Layout(dp=16, ep=4, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=4,
+                           recompute="full"), "mixtral-8x7b", nodes=2)
+    assert plan.prediction.fits, plan.infeasible_reason
+    text = artifacts(plan, "megatron")["megatron-args.txt"]
+    for flag in ("--num-experts 8", "--moe-router-topk 2", "--moe-ffn-hidden-size 14336",
+                 "--expert-model-parallel-size 4", "--expert-tensor-parallel-size 1",
+                 "--moe-token-dispatcher-type alltoall"):
+        assert flag in text, flag
+    assert "--moe-layer-freq" not in text and "--moe-shared-expert-intermediate-size" not in text
+    for fmt, words in (("torchtitan", "mixture of experts"), ("deepspeed", "mixture of experts")):
+        with pytest.raises(LaunchRefused, match=words):
+            artifacts(plan, fmt)
+    # DeepSeek-style: 3 dense layers first, one shared expert
+    ds = plan_for(Layout(tp=8, pp=16, dp=8, ep=8, zero_stage=1, shard=8, micro_batch_size=1, num_microbatches=16,
+                         recompute="full", sequence_parallel=True), "deepseek-v3-style", nodes=128, batch=128)
+    assert ds.prediction is not None and ds.layout.ep == 8
+    text = artifacts(ds, "megatron")["megatron-args.txt"]
+    assert "--moe-layer-freq '([0]*3+[1]*58)'" in text and "--moe-shared-expert-intermediate-size 2048" in text

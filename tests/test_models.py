@@ -68,10 +68,18 @@ _LLAMA = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "
 
 
 @pytest.mark.parametrize("extra,field", [
-    # Mixtral 8x7B's config.json: experts would be planned as one dense MLP
-    ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
-      "architectures": ["MixtralForCausalLM"]}, "model.num_local_experts"),
-    ({"model_type": "qwen2_moe", "num_experts": 60}, "model.num_experts"),
+    # a dense family with experts would be planned as one dense MLP; an MoE family without top-k is incomplete
+    ({"model_type": "llama", "num_local_experts": 8, "num_experts_per_tok": 2}, "model.num_local_experts"),
+    ({"model_type": "qwen2_moe", "num_experts": 60}, "model.num_experts_per_tok"),
+    # DeepSeek-V2/V3's multi-head latent attention and multi-token prediction are not modelled
+    ({"model_type": "deepseek_v3", "n_routed_experts": 256, "num_experts_per_tok": 8, "kv_lora_rank": 512},
+     "model.kv_lora_rank"),
+    ({"model_type": "deepseek_v3", "n_routed_experts": 256, "num_experts_per_tok": 8, "num_nextn_predict_layers": 1},
+     "model.num_nextn_predict_layers"),
+    ({"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 2},
+     "model.decoder_sparse_step"),
+    ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 4096,
+      "max_position_embeddings": 32768}, "model.sliding_window"),
     ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "model.model_type"),
     ({"model_type": "t5", "is_encoder_decoder": True}, "model.model_type"),
     ({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}, "model.architectures"),
@@ -82,6 +90,50 @@ def test_unsupported_hf_architectures_are_refused(extra, field):
     with pytest.raises(BerthError) as err:
         load_model({**_LLAMA, **extra})
     assert err.value.field == field
+
+
+def test_hf_mixtral_config_plans_as_the_preset():
+    # mistralai/Mixtral-8x7B-v0.1 config.json (huggingface.co): 8 experts, top-2, experts 14336 wide
+    cfg = {**_LLAMA, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+           "num_experts_per_tok": 2, "sliding_window": None, "max_position_embeddings": 32768,
+           "hidden_act": "silu", "tie_word_embeddings": False, "_name_or_path": "mixtral-8x7b"}
+    m = load_model(cfg)
+    assert m == presets()["mixtral-8x7b"]
+    # Mistral AI's announcement: 46.7B total parameters, 12.9B used per token
+    assert round(m.num_params / 1e9, 1) == 46.7 and round(m.active_params / 1e9, 1) == 12.9
+
+
+def test_hf_qwen2_moe_and_deepseek_without_mla_load():
+    # Qwen/Qwen1.5-MoE-A2.7B config.json: 60 experts top-4 of 1408, one shared expert of 5632; 14.3B, 2.7B active
+    qwen = load_model({"model_type": "qwen2_moe", "num_hidden_layers": 24, "hidden_size": 2048,
+                       "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 5632,
+                       "vocab_size": 151936, "num_experts": 60, "num_experts_per_tok": 4,
+                       "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                       "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+                       "sliding_window": 32768, "tie_word_embeddings": False})
+    assert (qwen.num_experts, qwen.experts_per_token, qwen.moe_ffn_hidden_size, qwen.num_shared_experts,
+            qwen.shared_ffn) == (60, 4, 1408, 1, 5632)
+    assert round(qwen.num_params / 1e9, 1) == 14.3 and round(qwen.active_params / 1e9, 1) == 2.7
+    ds = load_model({**_LLAMA, "model_type": "deepseek_v3", "n_routed_experts": 16, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 1024, "n_shared_experts": 1, "first_k_dense_replace": 2,
+                     "kv_lora_rank": None, "q_lora_rank": None, "moe_layer_freq": 1})
+    assert (ds.num_experts, ds.first_k_dense, ds.num_moe_layers, ds.shared_ffn) == (16, 2, 30, 1024)
+
+
+def test_moe_spec_rules_and_counts():
+    m = presets()["deepseek-v3-style"]
+    # DeepSeek-V3 (61 layers, 3 dense, 256 experts top-8 + 1 shared of 2048): 671B / 37B with MLA; with
+    # GQA attention (128 kv heads, head_dim 56) the preset has about as many
+    assert 660e9 < m.num_params < 680e9 and 36e9 < m.active_params < 40e9
+    assert m.mean_ffn_hidden_size == 18432  # 8 x 2048 + 2048 = the dense layers' 18432
+    dense = presets()["llama3-8b"] if "llama3-8b" in presets() else next(iter(presets().values()))
+    assert dense.active_params == dense.num_params and dense.compute_view() is dense
+    with pytest.raises(BerthError, match="experts_per_token"):
+        load_model({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
+                    "vocab_size": 10, "num_experts": 4, "experts_per_token": 5})
+    with pytest.raises(BerthError, match="num_experts"):
+        load_model({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
+                    "vocab_size": 10, "experts_per_token": 2})
 
 
 def test_hf_full_attention_window_and_dense_configs_load():

@@ -88,31 +88,38 @@ def brute_force(model, training, cluster):
                                     continue
                                 for rec in RECOMPUTE_CHOICES:
                                     for sp in ((False, True) if tp > 1 else (False,)):
-                                        for order in distinct_orders(tp, pp, dp):
+                                        for order, ep in ((o, e) for o in distinct_orders(tp, pp, dp)
+                                                          for e in range(1, dp + 1)):
+                                            # ep (MoE only) divides dp and the experts
+                                            if ep > 1 and (not model.num_experts or dp % ep
+                                                           or model.num_experts % ep):
+                                                continue
                                             layouts.append(Layout(
-                                                tp=tp, cp=cp, pp=pp, dp=dp, shard=shard, zero_stage=zero, recompute=rec,
-                                                micro_batch_size=mbs, num_microbatches=B // (dp * mbs),
+                                                tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, shard=shard, zero_stage=zero,
+                                                recompute=rec, micro_batch_size=mbs, num_microbatches=B // (dp * mbs),
                                                 virtual_stages=vpp, schedule=schedule, sequence_parallel=sp,
                                                 axis_order=order))
     plans = [predict_layouts(model, training, cluster, [x])[0] for x in layouts]
     return plans
 
 
-def random_instance(seed):
+def random_instance(seed, moe=False):
     rng = random.Random(seed)
     heads = rng.choice([8, 16])
+    experts = {"num_experts": rng.choice([4, 8]), "experts_per_token": 2, "moe_ffn_hidden_size": 4096,
+               "first_k_dense": rng.choice([0, 1])} if moe else {}
     model = ModelSpec(num_layers=rng.choice([4, 6, 8]), hidden_size=rng.choice([4096, 12288, 20480]),
                       num_attention_heads=heads, num_kv_heads=rng.choice([heads, heads // 4]),
                       ffn_hidden_size=rng.choice([11008, 49152]), vocab_size=rng.choice([32000, 128256]),
-                      mlp=rng.choice(["gelu", "swiglu"]))
+                      mlp=rng.choice(["gelu", "swiglu"]), **experts)
     training = TrainingSpec(seq_len=rng.choice([2048, 8192]), global_batch_size=rng.choice([8, 12, 16]),
                             flash_attention=rng.random() < 0.5)
     return model, training, cluster_from_preset(rng.choice(["dgx-a100-80g", "dgx-h100"]), rng.choice([1, 2]))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_search_agrees_with_brute_force(seed):
-    model, training, cluster = random_instance(seed)
+@pytest.mark.parametrize("seed,moe", [(0, False), (1, False), (2, False), (3, False), (4, True)])
+def test_search_agrees_with_brute_force(seed, moe):
+    model, training, cluster = random_instance(seed, moe)
     oracle = brute_force(model, training, cluster)
     result = search(model, training, cluster, SearchSpec(top=5))
 
