@@ -61,3 +61,17 @@ def test_attention_kernel_generation(device, kernel, scale):
 def test_unknown_attention_kernel_is_refused():
     with pytest.raises(ValueError, match="attention_kernel"):
         TrainingSpec(seq_len=2048, global_batch_size=8, attention_kernel="flash9")
+
+
+def test_executor_dispatch_is_its_kernel_count_times_one_eager_op():
+    """The h100-sxm executor entry's host dispatch is the census's kernel count of today's
+    executor layer x the measured host time of one eager op: an executor change that adds kernels
+    to the layer fails here until the profile is refitted (`benchmarks.layer_fidelity --fit`)."""
+    from benchmarks import layer_fidelity
+
+    if not (layer_fidelity.REFERENCE / "bandwidth.json").is_file():
+        pytest.fail(f"reference data missing: {layer_fidelity.REFERENCE}")
+    fw = load_device("h100-sxm").frameworks["pytorch"]
+    dispatch = layer_fidelity.host_dispatch()
+    assert fw.dispatch_fwd_s == pytest.approx(dispatch["dispatch_fwd_s"], rel=1e-3)
+    assert fw.dispatch_bwd_s == pytest.approx(dispatch["dispatch_bwd_s"], rel=1e-3)
