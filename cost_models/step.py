@@ -317,9 +317,10 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
                          stride["cp"])
     local_params = (memory.largest_stage_params(model, c.pp, c.tp, c.vpp, c.ep)
                     / np.where(c.zero >= 1, c.shard * c.cp, 1))
-    if model.is_moe:  # the routed experts' optimizer states shard over shard / ep ranks only
+    if model.is_moe:  # the routed experts' optimizer states shard over max(shard / ep, 1) ranks only
         experts = memory.stage_params(model, c.pp, c.tp, True, c.vpp, ep=c.ep, part="expert")
-        local_params = local_params + np.where(c.zero >= 1, experts / (c.shard * c.cp) * (c.ep - 1.0), 0.0)
+        expert_shard = np.maximum(c.shard / c.ep, 1.0) * c.cp
+        local_params = local_params + np.where(c.zero >= 1, experts / expert_shard - experts / (c.shard * c.cp), 0.0)
     optimizer = compute.optimizer_step_s(device, training, local_params)
 
     edge_tp_twice = np.where(pp == 1, 2.0, 1.0) * edge_tp  # pp = 1: embedding and head together

@@ -42,6 +42,8 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("ep_needs_moe", "ep > 1 needs a mixture-of-experts model (num_experts > 0)"),
     ("ep_not_divide_experts", "ep must divide num_experts (each ep rank holds num_experts / ep experts)"),
     ("ep_not_divide_dp", "ep must divide dp (expert-parallel ranks are carved out of the data-parallel ranks)"),
+    ("ep_with_cp", "ep > 1 with cp > 1 is not modelled (Megatron-LM and torchtitan fold the cp ranks into the "
+     "expert-parallel group; berth carves ep out of dp only)"),
     ("out_of_memory", "predicted peak memory exceeds the device memory"),
     ("memory_tight", "predicted peak memory is within the memory headroom of the device memory"),
 )
@@ -80,6 +82,7 @@ def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cl
         (c.ep > 1) & (model.num_experts == 0),
         (c.ep > 1) & (model.num_experts % np.maximum(c.ep, 1) != 0),
         c.dp % np.maximum(c.ep, 1) != 0,
+        (c.ep > 1) & (c.cp > 1),
     ]
     return rules
 

@@ -281,6 +281,9 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
     if layout.cp > 1:
         apply_cp(model, mesh["cp"].get_group(), coords.cp_rank, layout.cp)
         executed_as.append("cp runs all-gather KV attention (Megatron's all_gather CP, Llama 3), not a ring")
+        if layout.zero_stage >= 1:
+            executed_as.append(f"zero {layout.zero_stage} shards over dp only, then averages gradients over cp "
+                               "(the cost model shards over dp x cp: measured parameter and state memory is higher)")
     if spec.is_moe:  # dp only (executor/checks.py), with or without ep: an explicit gradient reduction
         apply_recompute(model, layout.recompute)
         sync = apply_ep(model, layout, coords.rank)

@@ -247,7 +247,7 @@ FUNCOL_KINDS = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce"
 DIST_KINDS = {"all_reduce": "all_reduce", "all_gather_single": "all_gather",
               "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
               "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-              "reduce_scatter": "reduce_scatter", "broadcast": "broadcast"}
+              "reduce_scatter": "reduce_scatter", "broadcast": "broadcast", "all_to_all_single": "all_to_all"}
 
 
 class _Patches:

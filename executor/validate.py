@@ -313,6 +313,9 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     if x.cp > 1:
         raise BerthError("plan.layout.cp", x.cp, "the rank-slice proxy does not emulate context parallelism (the "
                          "chunked sequence and its KV exchange); validate the whole layout instead")
+    if plan.model.is_moe:
+        raise BerthError("plan.model", plan.model.name, "the rank-slice proxy does not emulate mixture-of-experts "
+                         "layers (its slice would hold every expert); validate the whole layout instead")
     try:
         check_layout(plan.model, plan.training, x, x.world_size)
     except UnsupportedLayout as err:

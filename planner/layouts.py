@@ -131,6 +131,7 @@ RULE_FIELDS = {
     "ep_needs_moe": ("ep",),
     "ep_not_divide_experts": ("ep",),
     "ep_not_divide_dp": ("ep", "dp"),
+    "ep_with_cp": ("ep", "cp"),
 }
 
 

@@ -43,7 +43,7 @@ def coordinates(layout: Layout, order: tuple[str, ...] | None = None) -> dict[st
     right outside the tensor-parallel ones (torchtitan's mesh ..., cp, tp; Megatron's tp-cp-...)."""
     order = _full(order, layout)
     if sorted(order) != sorted(RANK_AXES):
-        raise ValueError(f"order must be a permutation of {AXES}, got {order}")
+        raise ValueError(f"order must be a permutation of {RANK_AXES}, got {order}")
     sizes = _sizes(layout)
     ranks = np.arange(layout.world_size)
     coords, stride = {}, 1

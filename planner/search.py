@@ -74,11 +74,12 @@ def axis_orders(tp: int, pp: int, dp: int) -> list[int]:
 
 
 # Context parallelism searched: cp a power of 2 dividing the GPUs left by tp, with at least this many
-# tokens of each sequence per rank (cp <= seq_len / 1024), seq_len divisible by 2 cp (the load-balanced
-# split) and flash attention. Shorter chunks only add KV traffic; the rule keeps the search small (at
-# seq 8192 cp <= 8, at 4096 and below the search never adds cp). `--fix cp=N` / `--layout cp=N` reach
-# any cp the validity rules accept (cost_models/validity.py).
-CP_SEARCH_MIN_TOKENS_PER_RANK = 1024
+# tokens of each sequence per rank (cp <= seq_len / 4096), seq_len divisible by 2 cp (the load-balanced
+# split) and flash attention. Context parallelism is for sequences whose activations do not fit
+# otherwise (Llama 3 used it only for its 131k stage, 8,192 tokens per rank); shorter chunks only add
+# KV traffic, and the rule keeps the search small (seq 8192: cp <= 2; 4096 and below: never). `--fix
+# cp=N` / `--layout cp=N` reach any cp the validity rules accept (cost_models/validity.py).
+CP_SEARCH_MIN_TOKENS_PER_RANK = 4096
 
 
 def cp_options(training: TrainingSpec, world: int) -> list[int]:

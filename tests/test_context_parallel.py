@@ -92,9 +92,9 @@ def test_cp_rules_have_reasons():
 
 
 def test_search_enumerates_cp_by_its_rule_and_fix_reaches_it():
-    assert cp_options(TrainingSpec(seq_len=4096, global_batch_size=8), 16) == [1, 2, 4]
-    assert cp_options(TrainingSpec(seq_len=2048, global_batch_size=8), 16) == [1, 2]
-    assert cp_options(TrainingSpec(seq_len=1024, global_batch_size=8), 16) == [1]
+    assert cp_options(TrainingSpec(seq_len=32768, global_batch_size=8), 16) == [1, 2, 4, 8]
+    assert cp_options(TrainingSpec(seq_len=8192, global_batch_size=8), 16) == [1, 2]
+    assert cp_options(TrainingSpec(seq_len=4096, global_batch_size=8), 16) == [1]
     assert cp_options(TrainingSpec(seq_len=131072, global_batch_size=8), 16) == [1, 2, 4, 8, 16]
     assert cp_options(TrainingSpec(seq_len=131072, global_batch_size=8, flash_attention=False), 16) == [1]
     result = search(MODEL, TRAINING, CLUSTER, SearchSpec(top=3, fix={"cp": 4}))

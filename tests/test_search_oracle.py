@@ -54,11 +54,11 @@ def uneven_split_ok(L, pp, vpp):
 
 def cp_searched(cp, training):
     """The search's cp rule written out: a power of 2, flash attention, seq divisible by 2 cp and
-    at least 1024 tokens of each sequence per rank."""
+    at least 4096 tokens of each sequence per rank."""
     if cp == 1:
         return True
     return (cp & (cp - 1) == 0 and training.flash_attention and training.seq_len % (2 * cp) == 0
-            and training.seq_len >= 1024 * cp)
+            and training.seq_len >= 4096 * cp)
 
 
 def brute_force(model, training, cluster):
