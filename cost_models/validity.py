@@ -38,7 +38,8 @@ REASONS: tuple[tuple[str, str], ...] = (
     ("too_few_microbatches", "1F1B schedules need num_microbatches >= pp"),
     ("microbatches_not_multiple_of_pp", "interleaved_1f1b needs num_microbatches divisible by pp"),
     ("megatron_cannot_express", "framework megatron: Megatron-LM runs no GPipe, orders axes tp-dp-pp or tp-pp-dp, "
-     "and ZeRO-2/3 (Megatron FSDP) shard over all of dp (planner/launch.py refuses the rest)"),
+     "ZeRO-2/3 (Megatron FSDP) shard over all of dp, and mixture of experts with tp needs sequence parallelism "
+     "(planner/launch.py refuses the rest)"),
     ("ep_needs_moe", "ep > 1 needs a mixture-of-experts model (num_experts > 0)"),
     ("ep_not_divide_experts", "ep must divide num_experts (each ep rank holds num_experts / ep experts)"),
     ("ep_not_divide_dp", "ep must divide dp (expert-parallel ranks are carved out of the data-parallel ranks)"),
@@ -78,7 +79,8 @@ def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cl
         # the vectorized form of planner/launch.py _megatron_refusal (tests/test_launch.py checks they agree)
         (training.framework == "megatron") & (((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1))
                                               | ~np.isin(c.order, MEGATRON_ORDERS)
-                                              | ((c.zero >= 2) & (c.shard < c.dp))),
+                                              | ((c.zero >= 2) & (c.shard < c.dp))
+                                              | ((model.num_experts > 0) & (c.tp > 1) & (c.sp == 0))),
         (c.ep > 1) & (model.num_experts == 0),
         (c.ep > 1) & (model.num_experts % np.maximum(c.ep, 1) != 0),
         c.dp % np.maximum(c.ep, 1) != 0,

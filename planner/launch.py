@@ -331,8 +331,8 @@ MEGATRON_INPUTS = {
 }
 
 
-def _megatron_refusal(x) -> str | None:
-    """Why Megatron cannot express the layout, or None."""
+def _megatron_refusal(x, model=None) -> str | None:
+    """Why Megatron cannot express the layout (of `model`, where the rule needs it), or None."""
     if x.pp > 1 and x.schedule == "gpipe":
         return "schedule gpipe: Megatron runs 1F1B or interleaved 1F1B"
     if x.axis_order not in ("tp-dp-pp", "tp-pp-dp"):
@@ -340,6 +340,10 @@ def _megatron_refusal(x) -> str | None:
     if x.zero_stage >= 2 and x.shard < x.dp:
         return (f"zero_stage {x.zero_stage} with shard {x.shard} < dp {x.dp}: Megatron FSDP's hybrid mode shards "
                 "over its own outer data-parallel groups, which berth does not map (use shard = dp)")
+    if model is not None and model.is_moe and x.tp > 1 and not x.sequence_parallel:
+        # megatron/training/arguments.py validate_args: "When using MoE and tensor parallelism,
+        # sequence parallelism must be used."
+        return f"tp {x.tp} with mixture of experts: Megatron needs sequence parallelism with tp (sp on)"
     return None
 
 
@@ -394,7 +398,7 @@ def megatron_args(plan: Plan) -> dict[str, str]:
     optim_grads_params (validate_args makes the distributed optimizer and needs --ckpt-format fsdp_dtensor).
     """
     x, m, t = plan.layout, plan.model, plan.training
-    reason = _megatron_refusal(x)
+    reason = _megatron_refusal(x, m)
     if reason:
         raise LaunchRefused("megatron", reason)
     fsdp = x.zero_stage >= 2
@@ -713,6 +717,6 @@ seq_len=SEQ_LEN, mixed_precision_param="{param}",
     return {"berth_torchtitan.py": py, "torchtitan-launch.sh": launch}
 
 
-ENGINE_REFUSALS = {"megatron": lambda p: _megatron_refusal(p.layout),
+ENGINE_REFUSALS = {"megatron": lambda p: _megatron_refusal(p.layout, p.model),
                    "deepspeed": lambda p: _deepspeed_refusal(p.layout, p.model.num_layers, p.model),
                    "torchtitan": lambda p: _torchtitan_refusal(p.layout, p.model, p.training)}

@@ -235,6 +235,13 @@ def test_framework_megatron_search_rejects_exactly_what_the_megatron_launch_refu
             searched_out = (p.infeasible_reason or "").startswith("megatron_cannot_express")
             refused = ENGINE_REFUSALS["megatron"](p) is not None
             assert searched_out == (refused and framework == "megatron"), (framework, p.layout.short())
+    # Megatron's validate_args: mixture of experts with tp needs sequence parallelism
+    moe_layouts = [Layout(tp=2, dp=16, ep=2, zero_stage=1, shard=16, micro_batch_size=1, num_microbatches=4,
+                          sequence_parallel=sp) for sp in (False, True)]
+    training = TrainingSpec(seq_len=4096, global_batch_size=64, framework="megatron")
+    moe = predict_layouts(load_model("mixtral-8x7b"), training, cluster, moe_layouts)
+    assert [ENGINE_REFUSALS["megatron"](p) is not None for p in moe] == [True, False]
+    assert [(p.infeasible_reason or "").startswith("megatron_cannot_express") for p in moe] == [True, False]
 
 
 def test_kubernetes_report_lands_on_a_volume_that_outlives_the_pod():
