@@ -294,9 +294,9 @@ def layer_scores(device: DeviceProfile, rows, ok_f, ok_b, sel) -> dict:
             "both": _mape(both, np.ones_like(both))}
 
 
-def layer_two_fold(device: DeviceProfile, rows, reference: Path = REFERENCE) -> dict:
+def layer_two_fold(device: DeviceProfile, rows, reference: Path = REFERENCE, dispatch: dict | None = None) -> dict:
     ok_f, ok_b = usable_layer_rows(rows)
-    device = with_layer_values(device, host_dispatch(reference))
+    device = with_layer_values(device, dispatch or host_dispatch(reference))
     models = np.array([r["model"] for r in rows])
     out = {}
     for name, (fit_models, test_models) in (("fold_a", model_halves(rows)), ("fold_b", model_halves(rows)[::-1])):
@@ -377,14 +377,14 @@ def run(fit: bool = False, reference: Path = REFERENCE, device: DeviceProfile | 
     result["attention"] = {"profile": score_attention(device.attention_shape, floors, peak, attn),
                            "call_floor_s": floors,
                            "held_out_heads": attention_holdout(attn, peak)}
-    result["layer"] = layer_two_fold(device, layers, reference)
+    dispatch = host_dispatch(reference)
+    result["layer"] = layer_two_fold(device, layers, reference, dispatch)
     head = load("head", reference)
     result["head"] = _mape(predict_head(device, head), _head_arrays(head)[-1])
     result["optimizer"] = score_optimizer(device, load("optimizer", reference))
     if fit:
         ok_f, ok_b = usable_layer_rows(layers)
         dev = device.model_copy(update={"gemm_shape": g_fit, "attention_shape": a_fit})
-        dispatch = host_dispatch(reference)
         dev = with_layer_values(dev, dispatch)
         values = {**dispatch, **fit_layer(dev, layers, ok_f, ok_b)}
         result["fitted"] = {"gemm_shape": g_fit.model_dump(), "attention_shape": a_fit.model_dump(),

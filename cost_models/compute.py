@@ -25,6 +25,8 @@ kernels_per_layer_fwd x kernel_overhead_s, with the backward at BACKWARD_TO_FORW
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from cost_models.flops import BACKWARD_TO_FORWARD
@@ -229,15 +231,31 @@ def host_and_device_s(device: DeviceProfile, training: TrainingSpec, dispatch_s,
     return np.maximum(dispatch_s, device_s) + exposed * np.minimum(dispatch_s, device_s)
 
 
-def layer_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp, cp=1):
-    """(forward, backward, attention-core forward) seconds of one layer and micro-batch (`b` per rank:
-    b / cp under context parallelism)."""
+class LayerTimes(NamedTuple):
+    """Seconds of one layer and micro-batch: the passes and the parts the step model reuses."""
+
+    forward: np.ndarray
+    backward: np.ndarray
+    attention_forward: np.ndarray
+    attention_backward: np.ndarray
+    gemm_forward: np.ndarray
+
+
+def layer_times(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp, cp=1) -> LayerTimes:
+    """The layer's forward and backward (`b` per rank: b / cp under context parallelism), with its
+    attention core and forward GEMMs, each computed once."""
     gemm_f, gemm_b = layer_gemm_s(model, training, device, b, tp)
     attn_f, attn_b = attention_core_s(model, training, device, b, tp, cp)
     (rest_f, rest_b), (host_f, host_b) = layer_rest_s(model, training, device, b, tp, sp)
     fwd = host_and_device_s(device, training, host_f, gemm_f + attn_f + rest_f)
     bwd = host_and_device_s(device, training, host_b, gemm_b + attn_b + rest_b)
-    return fwd, bwd, attn_f
+    return LayerTimes(fwd, bwd, attn_f, attn_b, gemm_f)
+
+
+def layer_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp, cp=1):
+    """(forward, backward, attention-core forward) seconds of one layer and micro-batch (`layer_times`)."""
+    t = layer_times(model, training, device, b, tp, sp, cp)
+    return t.forward, t.backward, t.attention_forward
 
 
 def lm_head_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):

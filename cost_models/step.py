@@ -275,14 +275,14 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     stride = c.strides()
 
     cm = model.compute_view()  # MoE: the dense model with the same per-token work
-    fwd, bwd, attn = compute.layer_compute_s(cm, training, device, b, tp, c.sp, c.cp)
-    gemm_fwd = compute.layer_gemm_forward_s(cm, training, device, b, tp)
+    lt = compute.layer_times(cm, training, device, b, tp, c.sp, c.cp)
+    fwd, bwd, attn, gemm_fwd = lt.forward, lt.backward, lt.attention_forward, lt.gemm_forward
     moe_fwd, moe_bwd, a2a = moe_layer_extra_s(model, training, cluster, c, b, tp, stride["dp"])
     fwd, bwd = fwd + moe_fwd, bwd + moe_bwd
     act_bytes = e * b * s * h
     tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"])
-    cp_fwd, cp_bwd = cp_exchange_s(model, training, cluster, b, tp, c.cp, stride["cp"],
-                                   *compute.attention_core_s(model, training, device, b, tp, c.cp))
+    cp_fwd, cp_bwd = cp_exchange_s(model, training, cluster, b, tp, c.cp, stride["cp"], lt.attention_forward,
+                                   lt.attention_backward)
     selective = memory.selective_recompute_s(cm, training, c, fwd, attn, gemm_fwd)
     # full recompute runs the forward again, its KV exchange and its two all-to-alls included
     recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd + tp_fwd + cp_fwd + 2.0 * a2a,
@@ -391,9 +391,9 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     split = stages.stage_split(model.num_layers, c.pp, c.vpp)
     layers = np.asarray(split[0] if first else split[2], dtype=float)
     cm = model.compute_view()
-    fwd, bwd, attn = compute.layer_compute_s(cm, training, device, b, tp, c.sp, c.cp)
-    gemm_fwd = compute.layer_gemm_forward_s(cm, training, device, b, tp)
-    selective = memory.selective_recompute_s(cm, training, c, fwd, attn, gemm_fwd)
+    lt = compute.layer_times(cm, training, device, b, tp, c.sp, c.cp)
+    fwd, bwd = lt.forward, lt.backward
+    selective = memory.selective_recompute_s(cm, training, c, fwd, lt.attention_forward, lt.gemm_forward)
     recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd,
                          np.where(c.recompute == RECOMPUTE_SELECTIVE, selective, 0.0))
     has_head = (pp == 1) | (not first)

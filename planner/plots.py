@@ -15,7 +15,6 @@ from planner.specs import ValidationReport
 COLORS = {"compute": "#4c72b0", "recompute": "#8172b3", "tp_comm": "#dd8452", "cp_comm": "#da8bc3",
           "pp_comm": "#937860", "bubble": "#c8c8c8", "dp_comm": "#55a868", "ep_comm": "#64b5cd",
           "optimizer": "#c44e52", OTHER: "#f0e442"}
-assert set(TERMS) <= set(COLORS), "a measured term without a colour"
 # compute is drawn in two shades in the timeline, so that a schedule's forwards and backwards show
 SHADES = {"forward": ("compute: forward", "#8fb0e0"), "backward": ("compute: backward", "#2f5597")}
 EXTRA = "plot"  # the pyproject extra that installs matplotlib

@@ -272,3 +272,10 @@ def test_metrics_of_a_report_without_prediction_have_no_errors():
     rank = {"rank": 0, "step_time_mean_s": 1.0, "regions_s": {"forward": 1.0}, "peak_memory_bytes": None}
     b = compare(None, [rank], "test")
     assert b["largest_error_term"] is None and b["terms"]["compute"]["measured_s"] == 1.0
+
+
+def test_every_measured_term_has_a_colour():
+    from executor.breakdown import OTHER, TERMS
+    from planner.plots import COLORS
+
+    assert set(TERMS) | {OTHER} <= set(COLORS)
