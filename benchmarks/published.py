@@ -22,8 +22,9 @@ shard group = all data-parallel ranks); torchtitan runs Llama 3 (SwiGLU, RMSNorm
 NVSwitch inside and the per-GPU inter-node bandwidth the record states.
 
 The torchtitan H100s are a different part from `h100-sxm`: 96 GB of HBM2e under a 500 W power
-limit (the benchmark file's own words). They are predicted on `h100-sxm` with two stated changes
-(H100_96GB_*): memory capacity 96/80 of the 80 GB part's, and clocks derated for the power cap.
+limit (the benchmark file's own words). They are predicted on `h100-sxm` with three stated changes
+(H100_96GB_*): memory capacity 96/80 of the 80 GB part's, HBM2e bandwidth, and clocks derated for
+the power cap.
 
 Nothing is fitted here: every number comes from the device and server profiles. Runs berth cannot
 express are listed with the reason (FP8, torch.compile, async TP, context parallelism, DeepSpeed's
@@ -63,11 +64,18 @@ LLAMA3_VOCAB = 128_256  # torchtitan records leave vocab out: "128,256 in the re
 # torchtitan's H100s: "H100 (SXM, 96GB HBM2e, 500W power limit)". Capacity: the 80 GB part's usable
 # memory scaled by 96/80 (same share reserved by the driver; assumption). Clocks: under a power cap
 # the dynamic power of a DVFS-bound GPU goes as f x V^2 ~ f^3, so f = (500/700)^(1/3) = 0.894 of the
-# 700 W part's sustained clock for GEMM-bound work (assumption, an upper bound on the slowdown; no
-# measurement of this part is held). Memory bandwidth is left at the HBM3 figure (HBM2e is slower:
-# the prediction of memory-bound work on this part is optimistic).
+# 700 W part's sustained clock for GEMM-bound work (assumption, the smallest slowdown a cap can give:
+# at a voltage floor f goes as P; no measurement of this part is held). NVIDIA's datasheets agree:
+# they quote the same 132-SM die's dense bf16 peak at 1.83 GHz for 700 W (SXM, 989 TFLOP/s) and at
+# 1.55 GHz for 400 W (H100 NVL, 835 TFLOP/s; 4,096 FLOP per SM per clock); linear between the two,
+# 500 W gives 1.64 GHz, 0.90 of the SXM's clock.
+# Memory: the 96 GB part carries HBM2e, not the SXM5 80 GB part's HBM3: 2.41 TB/s (the H100 HBM2e
+# part measured by Ujeniya et al. 2026, "Architectural Trade-offs in the Energy-Efficient Era: A
+# Comparative Study of power-capping NVIDIA H100 and H200", arXiv:2604.11391, Sec. 3: H100 HBM2e,
+# 94 GiB, 2.41 TB/s), against 3.35 TB/s; the memory clock is not what a power cap lowers.
 H100_96GB_MEMORY_SCALE = 96 / 80
 H100_96GB_CLOCK_DERATE = (500 / 700) ** (1 / 3)
+H100_96GB_MEMORY_BANDWIDTH = 2.41e12
 
 # torchtitan and Composer gather bf16 parameters under FSDP mixed precision (param_dtype bf16; the
 # bundled executor keeps fp32 parameters under autocast) and step a fused AdamW: the device
@@ -150,13 +158,14 @@ def _with_inter_node_bandwidth(cluster: ClusterSpec, per_gpu: float | None) -> C
 
 
 def h100_96gb_500w():
-    """The torchtitan part: h100-sxm with 96 GB and power-capped clocks (module constants)."""
+    """The torchtitan part: h100-sxm with 96 GB of HBM2e and power-capped clocks (module constants)."""
     base = load_device("h100-sxm")
     peak = {k: v * H100_96GB_CLOCK_DERATE for k, v in base.peak_flops_per_s.items()}
     return base.model_copy(update={
         "name": "h100-sxm-96g-500w",
         "display_name": "NVIDIA H100 SXM 96GB HBM2e, 500 W cap (h100-sxm, derated; benchmarks/published.py)",
         "memory_bytes": int(base.memory_bytes * H100_96GB_MEMORY_SCALE),
+        "memory_bandwidth_bytes_per_s": H100_96GB_MEMORY_BANDWIDTH,
         "peak_flops_per_s": peak,
     })
 
@@ -369,7 +378,7 @@ def _torchtitan(row: dict) -> Case:
     notes = ["torchtitan 'selective' is op-level SAC (recomputes some matmuls); berth's selective recomputes the "
              "attention core only"]
     if "96GB" in row["gpu_type"].replace(" ", ""):
-        notes.insert(0, "device: h100-sxm with 96 GB and a 500 W clock derate (H100_96GB_*)")
+        notes.insert(0, "device: h100-sxm with 96 GB of HBM2e and a 500 W clock derate (H100_96GB_*)")
     return Case(row["id"], row["source_id"], model, training, _cluster(row, FSDP_BF16_STACK), layout, measured,
                 "global batch tokens / (printed tokens/s per GPU x GPUs)", None, notes)
 
