@@ -3,7 +3,8 @@
 Checkpoint: the persistent training state is the model weights in the compute precision plus
 the optimizer's K bytes per parameter (fp32 master, Adam moments; Rajbhandari 2020 Sec. 3.1).
 The ranks that hold distinct state write it in parallel: one data-parallel replica
-(tp x pp ranks), or tp x pp x shard ranks when ZeRO shards the optimizer state. Writing takes
+(tp x pp ranks, x ep with expert parallelism), or tp x pp x shard x cp ranks when ZeRO shards the
+state (`checkpoint_bytes`). Writing takes
 the longer of total / the filesystem's aggregate write bandwidth and one writer's share / one
 client's write bandwidth (a synchronous checkpoint: training stalls for it).
 
@@ -52,15 +53,30 @@ class Goodput:
 
 
 def checkpoint_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates):
-    """(total bytes, bytes per writing rank, writers) of one checkpoint."""
+    """(total bytes, bytes per writing rank, writers) of one checkpoint.
+
+    The writers are the ranks holding distinct state: a replica's tp x pp ranks; x ep where the
+    routed experts are split over ep ranks; under ZeRO >= 1, x shard x cp (the state is sharded over
+    shard x cp ranks: cost_models/memory.py, model_state_bytes), the experts' over shard / ep x cp of
+    each expert group (memory.expert_candidates). Per rank: the stage that holds the most (the
+    first or last stage an embedding more, a middle one more layers when the split is uneven), its
+    dense and expert parts each divided by the ranks sharing them."""
     per_param = training.bytes_per_element + training.optimizer_bytes_per_param
     total = np.full(len(c), float(model.num_params * per_param))
-    writers = (c.tp * c.pp * np.where(c.zero >= 1, c.shard, 1)).astype(float)
-    # the largest stage's share (the first or last stage holds an embedding more; a middle one may hold
-    # more layers when the split is uneven)
-    stage = memory.largest_stage_params(model, c.pp, c.tp, c.vpp)
-    per_rank = stage * per_param / np.where(c.zero >= 1, c.shard, 1)
-    return total, per_rank, writers
+    zero = np.asarray(c.zero) >= 1
+    ep = np.maximum(np.asarray(c.ep, dtype=float), 1.0)
+    shard_cp = np.asarray(c.shard, dtype=float) * np.asarray(c.cp, dtype=float)
+    dense_ranks = np.where(zero, shard_cp, 1.0)
+    expert_ranks = np.where(zero, np.maximum(np.asarray(c.shard, dtype=float) / ep, 1.0) * c.cp, 1.0)
+    writers = (c.tp * c.pp) * np.where(zero, np.maximum(shard_cp, ep), ep)
+    stage = memory.largest_stage_params(model, c.pp, c.tp, c.vpp, c.ep)
+    if model.is_moe:
+        expert = memory.stage_params(model, c.pp, c.tp, True, c.vpp, ep=c.ep, part="expert")
+        share = np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
+    else:
+        share = 0.0
+    per_rank = stage * per_param * ((1.0 - share) / dense_ranks + share / expert_ranks)
+    return total, per_rank, writers.astype(float)
 
 
 def daly_interval_s(write_s, mtbf_s: float):

@@ -102,3 +102,16 @@ def test_search_enumerates_cp_by_its_rule_and_fix_reaches_it():
     assert "cp=4" in result.plans[0].layout.short()
     groups = {g.axis: g for g in result.plans[0].placement.groups}
     assert groups["cp"].size == 4 and groups["cp"].stride == result.plans[0].layout.tp
+
+
+def test_checkpoint_writers_count_the_cp_ranks_zero_shards_over():
+    """ZeRO shards the state over shard x cp ranks: each writes its own share, and the shares add up
+    to the checkpoint (pp = 1: one stage holds every parameter)."""
+    from cost_models.goodput import checkpoint_bytes
+
+    training = TrainingSpec(seq_len=8192, global_batch_size=16)
+    c = Candidates.from_layouts([Layout(cp=2, dp=8, zero_stage=3, shard=8, micro_batch_size=1),
+                                 Layout(cp=2, dp=8, micro_batch_size=1)])
+    total, per_rank, writers = checkpoint_bytes(MODEL, training, c)
+    assert list(writers) == [16, 1]
+    assert per_rank * writers == pytest.approx(total, rel=1e-9)

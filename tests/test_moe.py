@@ -110,3 +110,22 @@ def test_top_plans_use_ep_within_plausible_mfu(model, nodes, batch):
     assert any(p.layout.ep > 1 for p in result.plans), [p.layout.short() for p in result.plans]
     ep_plans = [p for p in result.plans if p.layout.ep > 1]
     assert all(p.prediction.time_breakdown_s["ep_comm"] > 0 for p in ep_plans)
+
+
+def test_checkpoint_writers_hold_distinct_expert_shares():
+    """Each ep rank holds other experts: without ZeRO the writers are tp x pp x ep, with ZeRO-1 over 16
+    ranks each of 16 writes its shard of the dense part and of its expert group's experts; the shares
+    add up to the checkpoint (pp = 1)."""
+    from cost_models.goodput import checkpoint_bytes
+
+    c = Candidates.from_layouts([Layout(dp=16, ep=8, micro_batch_size=1, num_microbatches=16),
+                                 Layout(dp=16, ep=8, zero_stage=1, shard=16, micro_batch_size=1,
+                                        num_microbatches=16)])
+    total, per_rank, writers = checkpoint_bytes(MIXTRAL, TRAINING, c)
+    assert list(writers) == [8, 16]
+    assert per_rank[1] * writers[1] == pytest.approx(total[1], rel=1e-9)
+    # without ZeRO, the rank writing the dense part writes it once, and its 1/8 of the experts
+    per_param = TRAINING.bytes_per_element + TRAINING.optimizer_bytes_per_param
+    dense = MIXTRAL.num_params - MIXTRAL.expert_params_per_layer * MIXTRAL.num_moe_layers
+    assert per_rank[0] == pytest.approx((dense + MIXTRAL.expert_params_per_layer * MIXTRAL.num_moe_layers / 8)
+                                        * per_param, rel=1e-6)
