@@ -333,8 +333,9 @@ def _mosaicml(row: dict) -> Case:
     if row["tflops_per_gpu"]:
         check = (row["tflops_per_gpu"] * 1e12 / flops_per_seq * s) / tps - 1.0
     notes = []
-    if "DEFAULT" in (row["precision"] or ""):
-        notes.append("amp_bf16 (FSDP mixed_precision=DEFAULT) reduces gradients in fp32: predicted with bf16 traffic")
+    if "PURE" in (row["precision"] or ""):
+        notes.append("bf16 (FSDP mixed_precision=PURE) reduces gradients in bf16: predicted with FSDP2's fp32 "
+                     "reduction (twice the gradient traffic)")
     return Case(row["id"], row["source_id"], model, training, _cluster(row, MOSAICML_STACK), layout, measured,
                 "global batch tokens / (printed tokens/s per GPU x GPUs)", check, notes)
 

@@ -119,6 +119,21 @@ def precision_recipe(training: TrainingSpec, c):
     return np.where(fsdp2, RECIPE_FSDP2, RECIPE_AUTOCAST)
 
 
+def dp_collective_bytes(training: TrainingSpec, c) -> tuple[np.ndarray, np.ndarray]:
+    """(gathered, reduced) bytes per parameter of each candidate's data-parallel collectives, by its
+    precision recipe (constants above): parameters are gathered as the recipe computes with them
+    (FSDP2's param_dtype, Megatron's 16-bit parameters; fp32 where the optimizer updates fp32
+    parameters and hands them back, ZeroRedundancyOptimizer), gradients reduced as the recipe holds
+    them (FSDP2's reduce_dtype fp32, Megatron's fp32 grad buffer with bf16, the executor's fp32
+    gradients; 16-bit only in Megatron's fp16 recipe)."""
+    recipe = precision_recipe(training, c)
+    e = float(training.bytes_per_element)
+    megatron = recipe == RECIPE_MEGATRON
+    gathered = np.where((recipe == RECIPE_FSDP2) | megatron, e, float(FP32_BYTES))
+    reduced = np.where(megatron & (training.precision == "fp16"), e, float(FP32_BYTES))
+    return gathered, reduced
+
+
 def stage_params(model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False, ep=1, part: str = "all"):
     """Parameters on one rank of the first (or last) pipeline stage after the tp split.
 

@@ -152,19 +152,21 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
       last reduce-scatter have no compute to hide behind. Hybrid sharding adds the all-reduce
       of the shard across replicas to the last micro-batch's backward.
     Only `comm_overlap_efficiency` of each window hides traffic (NCCL kernels take SMs and
-    memory bandwidth from the GEMMs; Zhao et al. 2023 Sec. 6).
+    memory bandwidth from the GEMMs; Zhao et al. 2023 Sec. 6). Parameters travel in the dtype the
+    recipe gathers and gradients in the one it reduces (memory.dp_collective_bytes: fp32 gradients
+    but for Megatron's fp16).
     With context parallelism the gradient group is dp x cp and the shard group shard x cp (module
     docstring); the group is costed as one ring starting at the cp stride (exact for the default
     tp-dp-pp order, where cp and dp are adjacent)."""
-    e = training.bytes_per_element
-    grad_bytes = stage_params * e
+    gathered, reduced = memory.dp_collective_bytes(training, c)
+    param_bytes, grad_bytes = stage_params * gathered, stage_params * reduced
     cp = c.cp.astype(float)
     shard = c.shard.astype(float) * cp
     replicate = c.dp / c.shard.astype(float)
     inner_stride = dp_stride if cp_stride is None else np.where(cp > 1, cp_stride, dp_stride)
     stride_shard, stride_rep = np.where(c.shard * c.cp > c.shard, inner_stride, dp_stride), dp_stride * c.shard
     # all-gather and reduce-scatter of the stage's parameters over the shard group (costed apart: gloo differs)
-    gather = comm.all_gather_s(cluster, grad_bytes, shard, stride_shard)
+    gather = comm.all_gather_s(cluster, param_bytes, shard, stride_shard)
     scatter = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)
     ar_dp = comm.all_reduce_s(cluster, grad_bytes, c.dp * cp, inner_stride)

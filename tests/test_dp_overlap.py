@@ -88,3 +88,33 @@ def test_zero3_gathers_every_microbatch():
     many = Layout(dp=16, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=8)
     ev = evaluate(model, training, cluster, Candidates.from_layouts([few, many]))
     assert ev.time_breakdown_s["dp_comm"][1] > 2 * ev.time_breakdown_s["dp_comm"][0]
+
+
+@pytest.mark.parametrize("framework,precision,tp,zero,want", [
+    ("pytorch", "bf16", 1, 0, (4, 4)),  # the executor's DDP: fp32 parameters and gradients under autocast
+    ("pytorch", "bf16", 1, 1, (4, 4)),  # ZeroRedundancyOptimizer hands back updated fp32 parameters
+    ("pytorch", "bf16", 8, 0, (2, 4)),  # FSDP2 (dp with tp): bf16 param_dtype gathers, fp32 reduce_dtype
+    ("pytorch", "bf16", 1, 3, (2, 4)),
+    ("megatron", "bf16", 8, 1, (2, 4)),  # 16-bit parameters, fp32 grad buffer (accumulate_allreduce_grads_in_fp32)
+    ("megatron", "fp16", 8, 1, (2, 2)),  # Megatron fp16: 16-bit grad buffer
+])
+def test_collectives_carry_the_recipes_dtypes(framework, precision, tp, zero, want):
+    training = TrainingSpec(seq_len=4096, global_batch_size=64, framework=framework, precision=precision)
+    c = Candidates.from_layouts([Layout(tp=tp, dp=8, zero_stage=zero, shard=8 if zero else 1)])
+    gathered, reduced = memory.dp_collective_bytes(training, c)
+    assert (gathered[0], reduced[0]) == want
+
+
+def test_fp32_gradients_cost_twice_the_traffic_of_fp16_ones():
+    """Megatron's DDP all-reduce of the same layout over an oversubscribed fat tree: the bf16 recipe's
+    fp32 grad buffer exposes more than the fp16 recipe's 16-bit one, by at most the doubled traffic."""
+    model, _, cluster, _ = _fsdp_case()
+    c = Candidates.from_layouts([Layout(tp=8, dp=8, micro_batch_size=1, num_microbatches=8)])
+    exposed = {}
+    for precision in ("bf16", "fp16"):
+        training = TrainingSpec(seq_len=4096, global_batch_size=64, framework="megatron", precision=precision)
+        exposed[precision] = evaluate(model, training, cluster, c).time_breakdown_s["dp_comm"][0]
+    params = memory.stage_params(model, c.pp, c.tp, True)
+    half = comm.all_reduce_s(cluster, params * 2, c.dp, c.strides()["dp"])[0]
+    assert exposed["fp16"] > 0
+    assert exposed["fp16"] < exposed["bf16"] <= exposed["fp16"] + half + 1e-9
