@@ -42,12 +42,32 @@ from __future__ import annotations
 
 import numpy as np
 
+TABULATE_FROM = 256  # candidate arrays at least this long are answered from a table over (pp, vpp)
+
+
+def _tabulated(rule, num_layers, pp, vpp):
+    """`rule` over long candidate arrays, evaluated once per (pp, vpp) pair on a small grid and
+    gathered (the search asks for 10^5 candidates with a handful of distinct degrees); the same
+    arrays as `rule` on the inputs, or None where the inputs are not a layer count and long
+    arrays of positive degrees."""
+    pp, vpp = np.asarray(pp), np.asarray(vpp)
+    if np.ndim(num_layers) or max(pp.size, vpp.size) < TABULATE_FROM or pp.min() < 1 or vpp.min() < 1:
+        return None
+    grid_pp, grid_vpp = np.meshgrid(np.arange(int(pp.max()) + 1), np.arange(int(vpp.max()) + 1), indexing="ij")
+    grid_pp[0], grid_vpp[:, 0] = 1, 1  # unused rows (degree 0), kept valid for the rule
+    table = rule(num_layers, grid_pp, grid_vpp)
+    return tuple(t[pp.astype(np.int64), vpp.astype(np.int64)] for t in table)
+
 
 def split(num_layers, pp, vpp=1):
     """(first, middle, last, valid) decoder layers of the first, every middle and the last chunk
     (virtual stage) for L = `num_layers` over pp x vpp chunks (module docstring): int64 arrays
     broadcast over the inputs. With one chunk all three are L. `valid` is False where the first or
     the last chunk would hold no layer."""
+    return _tabulated(_split, num_layers, pp, vpp) or _split(num_layers, pp, vpp)
+
+
+def _split(num_layers, pp, vpp):
     L = np.asarray(num_layers, dtype=np.int64)
     chunks = np.asarray(pp, dtype=np.int64) * np.asarray(vpp, dtype=np.int64)
     k = -(-L // chunks)  # ceil(L / S): every middle chunk
@@ -62,7 +82,11 @@ def stage_split(num_layers, pp, vpp=1):
     """(first, middle, last, valid) decoder layers of the first, every middle and the last pipeline
     rank (a rank holds vpp chunks: the first rank chunk 0 and vpp - 1 middle chunks, the last rank
     vpp - 1 middle chunks and the last chunk); with pp = 1 all three are L."""
-    first, middle, last, valid = split(num_layers, pp, vpp)
+    return _tabulated(_stage_split, num_layers, pp, vpp) or _stage_split(num_layers, pp, vpp)
+
+
+def _stage_split(num_layers, pp, vpp):
+    first, middle, last, valid = _split(num_layers, pp, vpp)
     v = np.asarray(vpp, dtype=np.int64)
     one = np.asarray(pp) == 1
     L = np.asarray(num_layers, dtype=np.int64)

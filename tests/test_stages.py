@@ -129,3 +129,16 @@ def test_405b_pp16_is_searchable_and_launch_ready():
     (p,) = predict_layouts(model, TrainingSpec(seq_len=8192, global_batch_size=2048),
                            cluster_from_preset("dgx-h100", 2048), [result.plans[0].layout])
     assert p.stage_layers == [7, *[8] * 14, 7] and p.prediction.step_time_s == result.plans[0].prediction.step_time_s
+
+
+@pytest.mark.parametrize("layers", [1, 7, 32, 61, 96, 126])
+def test_long_candidate_arrays_are_answered_as_elementwise(layers):
+    """split and stage_split answer long arrays from a table over (pp, vpp): the same arrays, dtypes
+    and shapes as the direct formulas, with vpp an array or a scalar."""
+    rng = np.random.default_rng(layers)
+    pp = rng.integers(1, 70, 3000)
+    for vpp in (rng.integers(1, 9, 3000), 1, 3):
+        for fast, direct in ((stages.split, stages._split), (stages.stage_split, stages._stage_split)):
+            got, want = fast(layers, pp, vpp), direct(layers, pp, vpp)
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w)
