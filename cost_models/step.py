@@ -39,6 +39,13 @@ TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Sho
 # with and bucket boundaries leave gaps, so the window is never fully usable; the default 0.7 is
 # an assumption (PyTorch FSDP, Zhao et al. 2023, Sec. 6 reports overlap well short of perfect at
 # scale) and a parameter `berth calibrate` fits.
+# Communication that overlaps compute still slows it: NCCL's kernels occupy SMs (one thread block per
+# channel) and HBM bandwidth the GEMMs they run beside would use. Measured with GPT and LLaMA models
+# on 4 A100s, H100s, MI250s and MI210s: overlapped with communication, compute ran 18.9% slower on
+# average (40% at worst) than alone ("Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+# Learning: Performance and Power Implications", arXiv:2507.03114, 2025, abstract). `overlapped_s`
+# charges that share of every second of communication a window hides.
+OVERLAP_COMPUTE_SLOWDOWN = 0.189
 CP_MERGE_PASSES = 3  # read the accumulator, read the step's partial, write the accumulator (fp32)
 FP32 = 4.0
 # Mixture of experts: the router never splits tokens evenly, and the step waits for the busiest
@@ -100,7 +107,8 @@ def cp_exchange_s(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     steps, in each of which every rank sends its current K and V block, 2 x b x s/cp x kv_heads/tp x
     head_dim elements (`b_local` = b / cp), to its ring neighbour while computing attention against
     the block it holds; one step's compute is the rank's attention / cp (the load-balanced split
-    gives every step the same causal work). Exposed per step: max(0, transfer - compute). The
+    gives every step the same causal work). Exposed per step: max(0, transfer - compute), plus the
+    attention the hidden transfer slows (`overlapped_s`). The
     backward ring moves K, V and the partial dK, dV: twice the bytes, behind the backward attention
     of the step. The transfer runs over the slowest link the cp group spans (`comm.p2p_s`).
     Each step also merges its partial result into the rank's fp32 accumulators (torchtitan's
@@ -116,9 +124,17 @@ def cp_exchange_s(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     kv_elems = 2.0 * tokens * model.kv_heads / tp * model.head_dim
     merge_f = compute.memory_bound_time_s(cluster.device, CP_MERGE_PASSES * FP32 * q_elems)
     merge_b = compute.memory_bound_time_s(cluster.device, CP_MERGE_PASSES * FP32 * (q_elems + kv_elems))
-    fwd = np.where(cp > 1, steps * (np.maximum(send - window_f, 0.0) + merge_f), 0.0)
-    bwd = np.where(cp > 1, steps * (np.maximum(2.0 * send - window_b, 0.0) + merge_b), 0.0)
+    fwd = np.where(cp > 1, steps * (overlapped_s(send, np.maximum(send - window_f, 0.0)) + merge_f), 0.0)
+    bwd = np.where(cp > 1, steps * (overlapped_s(2.0 * send, np.maximum(2.0 * send - window_b, 0.0)) + merge_b),
+                   0.0)
     return fwd, bwd
+
+
+def overlapped_s(traffic_s, exposed_s):
+    """Step time that `traffic_s` of communication costs when `exposed_s` of it is not hidden: the
+    exposed part, plus the compute it overlaps slowed by OVERLAP_COMPUTE_SLOWDOWN of the hidden part
+    (module constant)."""
+    return exposed_s + OVERLAP_COMPUTE_SLOWDOWN * np.maximum(traffic_s - exposed_s, 0.0)
 
 
 def pipelined_exposed_s(traffic_s, window_s, chunks, overlap):
@@ -152,7 +168,8 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
       last reduce-scatter have no compute to hide behind. Hybrid sharding adds the all-reduce
       of the shard across replicas to the last micro-batch's backward.
     Only `comm_overlap_efficiency` of each window hides traffic (NCCL kernels take SMs and
-    memory bandwidth from the GEMMs; Zhao et al. 2023 Sec. 6). Parameters travel in the dtype the
+    memory bandwidth from the GEMMs; Zhao et al. 2023 Sec. 6), and the hidden traffic slows the
+    compute it runs beside (`overlapped_s`). Parameters travel in the dtype the
     recipe gathers and gradients in the one it reduces (memory.dp_collective_bytes: fp32 gradients
     but for Megatron's fp16).
     With context parallelism the gradient group is dp x cp and the shard group shard x cp (module
@@ -174,7 +191,7 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
     n = layers_per_stage
 
     def hidden(traffic, window):
-        return pipelined_exposed_s(traffic, window, n, overlap)
+        return overlapped_s(traffic, pipelined_exposed_s(traffic, window, n, overlap))
 
     ddp = hidden(ar_dp, bwd_window_s)
     gather_fwd = hidden(gather, fwd_window_s)  # behind a forward: ZeRO-1/2's next step, ZeRO-3's micro-batch

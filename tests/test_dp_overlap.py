@@ -8,7 +8,7 @@ import pytest
 
 from cost_models import comm, memory
 from cost_models.candidates import Candidates
-from cost_models.step import evaluate, pipelined_exposed_s
+from cost_models.step import OVERLAP_COMPUTE_SLOWDOWN, evaluate, overlapped_s, pipelined_exposed_s
 from planner.models import load_model
 from planner.specs import Layout, TrainingSpec
 from planner.topology import cluster_from_preset
@@ -118,3 +118,22 @@ def test_fp32_gradients_cost_twice_the_traffic_of_fp16_ones():
     half = comm.all_reduce_s(cluster, params * 2, c.dp, c.strides()["dp"])[0]
     assert exposed["fp16"] > 0
     assert exposed["fp16"] < exposed["bf16"] <= exposed["fp16"] + half + 1e-9
+
+
+def test_hidden_traffic_still_slows_the_compute_it_overlaps():
+    """Traffic a window hides is not free: the compute beside it runs OVERLAP_COMPUTE_SLOWDOWN slower
+    (arXiv:2507.03114: 18.9% on average). Exposed traffic costs itself; the sum never exceeds it."""
+    traffic = np.array([0.0, 1.0, 1.0, 1.0])
+    exposed = np.array([0.0, 0.0, 0.4, 1.0])
+    cost = overlapped_s(traffic, exposed)
+    assert cost == pytest.approx([0.0, OVERLAP_COMPUTE_SLOWDOWN, 0.4 + 0.6 * OVERLAP_COMPUTE_SLOWDOWN, 1.0])
+    # in a step: the 8B FSDP layout on one DGX H100 hides its gathers and reduce-scatters, and pays for them
+    model, training = load_model("llama3-8b"), TrainingSpec(seq_len=8192, global_batch_size=16)
+    cluster = cluster_from_preset("dgx-h100", 1)
+    c = Candidates.from_layouts([Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=1, num_microbatches=2)])
+    params = memory.stage_params(model, c.pp, c.tp, True)
+    gathered, reduced = memory.dp_collective_bytes(training, c)
+    per_mb = (2 * comm.all_gather_s(cluster, params * gathered, c.shard, 1)
+              + comm.reduce_scatter_s(cluster, params * reduced, c.shard, 1))
+    dp = evaluate(model, training, cluster, c).time_breakdown_s["dp_comm"][0]
+    assert dp >= OVERLAP_COMPUTE_SLOWDOWN * 2 * per_mb[0] * (1 - 1 / model.num_layers)

@@ -77,18 +77,16 @@ def test_megatron_runs(results):
 # Families that do not meet issue 12's targets yet, and why (README, "Against real GPUs"). Strict:
 # the mark must go when the family meets the target.
 NOT_YET = {
-    "mosaicml_llmfoundry": "median 4.8% but one run over: MPT-70B on 64 A100 40GB at seq 2048 is predicted 31% "
-                           "fast while the same model on 128 of them is within 8%",
-    "torchtitan_bench_202412": "eager Llama 3.1 8B at 36% MFU on 500 W HBM2e H100s, predicted 14-16% fast after the "
-                               "op census, FlashAttention-2 and the part's HBM2e bandwidth (no measurement of that "
-                               "part or its power cap)",
+    "torchtitan_bench_202412": "eager Llama 3.1 8B at 36% MFU on 500 W HBM2e H100s, predicted 13-14% fast after the "
+                               "op census, FlashAttention-2, the part's HBM2e bandwidth and overlap slowdown (no "
+                               "measurement of that part or its power cap)",
 }
 # Today's level per family (median |error|, worst |error|): a change that makes a family worse fails.
 NO_REGRESSION = {
     "narayanan2021": (0.12, 0.20),
     "korthikanti2022": (0.12, 0.20),
-    "mosaicml_llmfoundry": (0.07, 0.33),
-    "torchtitan_bench_202412": (0.17, 0.18),
+    "mosaicml_llmfoundry": (0.06, 0.28),
+    "torchtitan_bench_202412": (0.15, 0.16),
 }
 
 

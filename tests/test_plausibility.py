@@ -67,8 +67,8 @@ IDS = ["llama3-8b-1xdgx-h100", "llama3-8b-16xdgx-h100", "llama3-70b-8xdgx-h100",
 TOP = 3  # the plans a user sees first
 # Published layouts: predicted tokens/s per GPU at most OPTIMISTIC_TOKENS x the published figure
 # (the model's dangerous direction; 1.5 = the step 33% too fast) and at least PESSIMISTIC_TOKENS x
-# it (0.75 = the step 33% too slow). Every usable run, the two gaps the README names
-# (test_golden.NOT_YET) included: today the worst is MPT-70B on 64 A100 40GB at 1.44.
+# it (0.75 = the step 33% too slow). Every usable run, the gap the README names (test_golden.NOT_YET)
+# included: today the worst is MPT-70B on 64 A100 40GB at 1.34.
 OPTIMISTIC_TOKENS = 1.5
 PESSIMISTIC_TOKENS = 0.75
 
