@@ -417,7 +417,8 @@ def megatron_core_flops(row: dict, batch: int) -> float:
     training.py; 0b981f9c53 of 2024 and e8692183a0 of 2025-12, GQA, SwiGLU and MoE terms; no dense-first
     layers, shared experts, MLA or multi-token prediction in the records held):
     F = 12 B s L h^2 (1 + g + a s/h) + 12 B s L h ffn_e k (3/2 with SwiGLU) + 6 B s h V,
-    g = kv heads / heads, k = router top-k (1 for a dense MLP), a = 1 (full) or 1/2 (causal)."""
+    g = kv heads / heads, k = router top-k (1 for a dense MLP), a = 1 (full) or 1/2 (causal); Megatron's
+    q-projection ratio (kv_channels x heads / h) is 1 here: `_megatron_core` skips the other records first."""
     s, L, h, v = row["seq_len"], row["num_layers"], row["hidden_size"], row["vocab_size"]
     g = (row.get("num_kv_heads") or row["num_attention_heads"]) / row["num_attention_heads"]
     a = MEGATRON_ATTENTION_SHARE[row["derived"]["attention_flops"]]
