@@ -13,6 +13,12 @@ and `derived` notes):
   3 attn_flops_per_seq) x seq/s / GPUs with flops_per_seq = 2 n_params s and attn_flops_per_seq =
   2 x 2 n_layers d s^2, is converted back to tokens/s as a cross-check (`accounting_check`).
 - torchtitan_bench_202412 (FSDP2/DTensor, Llama 3.1): tokens/s per GPU as printed; same step time.
+- megatron_core_moe_readme_2024 and megatron_moe_modelzoo_2025 (Megatron-Core, Mixtral 8x7B and 8x22B
+  with expert parallelism on H100; benchmarks/data/published_runs_moe_cp.json, each number quoted with
+  its repository, path and commit): Megatron-LM's logged TFLOP/s per GPU, counted by its own
+  `num_floating_point_operations` of the time (`megatron_core_flops`: every GEMM three times, the
+  router top-k experts, the full s x s attention products before 2025-03-06 and half of them from
+  then on); step time = those FLOPs / (GPUs x TFLOP/s).
 
 Engine facts each prediction follows: Megatron 2021-22 ran fp16 with unfused (non-Flash) attention,
 dropout, tied embeddings and Megatron's memory behaviour (`framework="megatron"`); MPT runs bf16
@@ -26,9 +32,18 @@ limit (the benchmark file's own words). They are predicted on `h100-sxm` with th
 (H100_96GB_*): memory capacity 96/80 of the 80 GB part's, HBM2e bandwidth, and clocks derated for
 the power cap.
 
+Megatron-Core's MoE runs (2024-26) run bf16, FlashAttention-class fused attention (predicted with the
+profile's measured SDPA), untied embeddings, dropless top-k routing with the all-to-all dispatcher and
+the distributed optimizer (ZeRO-1 over dp); `framework="megatron"` for memory and the layer's
+non-GEMM work. Megatron's MoE parallel folding (experts with their own tensor-parallel size, ETP, and
+the expert group laid out inside a node) is not expressible: berth's experts take the attention's tp
+and its ep group is ep data-parallel ranks at stride tp (the record's `expert_tp` is compared and the
+difference named in the case's notes).
+
 Nothing is fitted here: every number comes from the device and server profiles. Runs berth cannot
-express are listed with the reason (FP8, torch.compile, async TP, context parallelism, DeepSpeed's
-2021 ZeRO-3, micro-batch-level recomputation, partial records, per-layer microbenchmarks).
+express are listed with the reason (FP8, torch.compile, async TP, DeepSpeed's 2021 ZeRO-3,
+micro-batch-level recomputation, partial records, per-layer microbenchmarks, Qwen3's head_dim, expert
+with context parallelism).
 
 Run: `python -m benchmarks.published` (prints per family and overall, saves
 benchmarks/results/published.json).
@@ -53,6 +68,9 @@ from planner.topology import cluster_from_preset
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 FILES = ("published_runs_a100.json", "published_runs_more.json")
+# Records gathered for issue 17 (mixture of experts with expert parallelism; context parallelism and uneven
+# stages where a bf16 run was found), kept in the repository beside this module.
+LOCAL_FILES = (Path(__file__).parent / "data" / "published_runs_moe_cp.json",)
 OUT = Path(__file__).parent / "results" / "published.json"
 
 # Targets of issue 12 (median and worst |step-time error| per source family).
@@ -125,6 +143,10 @@ def load_runs(reference: Path = REFERENCE) -> list[dict]:
         if not path.is_file():
             raise FileNotFoundError(f"published runs not found at {path}: the benchmark and tests/test_golden.py "
                                     f"need ../shared/reference beside the checkout")
+        rows += json.loads(path.read_text())
+    for path in LOCAL_FILES:
+        if not path.is_file():
+            raise FileNotFoundError(f"published runs not found at {path} (part of the repository)")
         rows += json.loads(path.read_text())
     return rows
 
@@ -283,7 +305,8 @@ def _megatron(row: dict) -> Case:
     return Case(row["id"], row["source_id"], model, training, _cluster(row), layout, measured, basis, check)
 
 
-def _fp8_or_compile(row: dict) -> None:
+def _fp8_or_compile(row: dict, cp_mapped: bool = False) -> None:
+    """Skip what no reader expresses; `cp_mapped`: the reader maps the record's cp onto the layout."""
     fw, prec = row.get("framework") or "", row.get("precision") or ""
     if "fp8" in prec.lower() or "float8" in fw.lower():
         raise Skip("FP8 linears (Float8): berth predicts bf16/fp16 GEMMs only")
@@ -291,8 +314,8 @@ def _fp8_or_compile(row: dict) -> None:
         raise Skip("torch.compile: fused kernels berth's eager-mode layer model does not describe")
     if "asynctp" in fw.lower().replace(" ", ""):
         raise Skip("async tensor parallelism (collective-matmul overlap) is not expressible")
-    if (row.get("cp") or 1) > 1:
-        raise Skip("context parallelism is not expressible")
+    if (row.get("cp") or 1) > 1 and not cp_mapped:
+        raise Skip("context parallelism: this source's reader does not map it")
 
 
 def _mosaicml(row: dict) -> Case:
@@ -384,13 +407,81 @@ def _torchtitan(row: dict) -> Case:
                 "global batch tokens / (printed tokens/s per GPU x GPUs)", None, notes)
 
 
+# Megatron-LM's FLOP count changed on 2025-03-06 (8873b55d6a, "Fixes in number of floating-point operation
+# estimates for MoE and attention layer"): the s x s score and context products counted in full before, half
+# (causal) after. A record says which its figure used (`derived.attention_flops`).
+MEGATRON_ATTENTION_SHARE = {"full": 1.0, "causal": 0.5}
+
+
+def megatron_core_flops(row: dict, batch: int) -> float:
+    """FLOPs per iteration as Megatron-LM's `num_floating_point_operations` counts them (megatron/training/
+    training.py; 0b981f9c53 of 2024 and e8692183a0 of 2025-12, GQA, SwiGLU and MoE terms; no dense-first
+    layers, shared experts, MLA or multi-token prediction in the records held):
+    F = 12 B s L h^2 (1 + g + a s/h) + 12 B s L h ffn_e k (3/2 with SwiGLU) + 6 B s h V,
+    g = kv heads / heads, k = router top-k (1 for a dense MLP), a = 1 (full) or 1/2 (causal); Megatron's
+    q-projection ratio (kv_channels x heads / h) is 1 here: `_megatron_core` skips the other records first."""
+    s, L, h, v = row["seq_len"], row["num_layers"], row["hidden_size"], row["vocab_size"]
+    g = (row.get("num_kv_heads") or row["num_attention_heads"]) / row["num_attention_heads"]
+    a = MEGATRON_ATTENTION_SHARE[row["derived"]["attention_flops"]]
+    k = row.get("experts_per_token") or 1
+    ffn = row.get("moe_ffn_hidden_size") or row["ffn_hidden_size"]
+    attention = 12.0 * L * h * h * (1.0 + g + a * s / h)
+    mlp = 12.0 * L * h * ffn * k * 1.5  # SwiGLU: h -> 2 ffn and ffn -> h
+    logits = 6.0 * h * v
+    return batch * s * (attention + mlp + logits)
+
+
+def _megatron_core(row: dict) -> Case:
+    """Megatron-Core (2024-26) runs of SwiGLU/RMSNorm decoders, dense or mixture of experts, on H100."""
+    _fp8_or_compile(row, cp_mapped=True)
+    if row["completeness"] != "full":
+        raise Skip(f"partial record ({row['completeness']})")
+    n, tp, pp, cp = row["num_gpus"], row["tp"], row["pp"], row.get("cp") or 1
+    ep, vpp, mbs = row.get("ep") or 1, row.get("virtual_pipeline_stages") or 1, row["micro_batch_size"]
+    heads, hidden = row["num_attention_heads"], row["hidden_size"]
+    head_dim = (row.get("extra_metrics") or {}).get("head_dim")
+    if head_dim and head_dim * heads != hidden:
+        raise Skip(f"head_dim {head_dim} x {heads} heads = {head_dim * heads} != hidden_size {hidden}: berth's layers "
+                   "assume head_dim x heads = hidden_size (Qwen3)")
+    if ep > 1 and cp > 1:
+        raise Skip("expert parallelism with context parallelism is not modelled (validity reason ep_with_cp)")
+    if row["activation_recompute"] not in ("none", "selective", "full"):
+        raise Skip(f"recompute {row['activation_recompute']!r} is not expressible")
+    dp = n // (tp * cp * pp)
+    batch = row["global_batch_size"]
+    if batch % (dp * mbs):
+        raise Skip(f"global batch {batch} does not split into dp {dp} x micro-batch {mbs}")
+    model = ModelSpec(name=model_name(row), num_layers=row["num_layers"], hidden_size=row["hidden_size"],
+                      num_attention_heads=row["num_attention_heads"], num_kv_heads=row["num_kv_heads"],
+                      ffn_hidden_size=row["ffn_hidden_size"], vocab_size=row["vocab_size"], mlp="swiglu",
+                      norm="rmsnorm", tied_embeddings=False, dropout=False,
+                      num_experts=row.get("num_experts") or 0, experts_per_token=row.get("experts_per_token") or 0,
+                      moe_ffn_hidden_size=row.get("moe_ffn_hidden_size"))
+    training = TrainingSpec(seq_len=row["seq_len"], global_batch_size=batch, precision="bf16", flash_attention=True,
+                            framework="megatron")
+    zero = row.get("zero_stage") or 0
+    layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, zero_stage=zero, shard=dp if zero else 1,
+                    micro_batch_size=mbs, num_microbatches=batch // (dp * mbs), virtual_stages=vpp,
+                    schedule="interleaved_1f1b" if pp > 1 and vpp > 1 else "1f1b",
+                    recompute=row["activation_recompute"] or "none", sequence_parallel=bool(row["sequence_parallel"]))
+    measured = megatron_core_flops(row, batch) / (n * row["tflops_per_gpu"] * 1e12)
+    notes = [f"FLOPs: Megatron-LM's count with the {row['derived']['attention_flops']} attention products"]
+    etp = row.get("expert_tp")
+    if ep > 1 and etp is not None and etp != tp:
+        notes.append(f"published with MoE parallel folding (expert TP {etp}, the ep group inside a node); predicted "
+                     f"with expert TP = tp = {tp} and ep ranks at stride tp, berth's only expert layout")
+    return Case(row["id"], row["source_id"], model, training, _cluster(row), layout, measured,
+                "Megatron-LM FLOPs (megatron_core_flops) / (GPUs x printed TFLOP/s)", None, notes)
+
+
 ACCOUNTING_CHECKS = {
     "narayanan2021": "the record's derived implied_step_time_s",
     "mosaicml_llmfoundry": "model TFLOP/s through the README's MFU formula",
 }
 
 READERS = {"narayanan2021": _megatron, "korthikanti2022": _megatron, "mosaicml_llmfoundry": _mosaicml,
-           "torchtitan_bench_202412": _torchtitan}
+           "torchtitan_bench_202412": _torchtitan, "megatron_core_moe_readme_2024": _megatron_core,
+           "megatron_moe_modelzoo_2025": _megatron_core}
 
 
 def _reader(row: dict):
