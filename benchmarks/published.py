@@ -12,6 +12,9 @@ and `derived` notes):
   global batch tokens / (tokens/s per GPU x GPUs). The README's model TFLOP/s, (3 flops_per_seq +
   3 attn_flops_per_seq) x seq/s / GPUs with flops_per_seq = 2 n_params s and attn_flops_per_seq =
   2 x 2 n_layers d s^2, is converted back to tokens/s as a cross-check (`accounting_check`).
+- mosaicml_llmfoundry_h100: the same README's H100 80GB BF16 tables (benchmarks/data/mosaicml_h100_bf16.json,
+  70 runs of 8-512 GPUs, FULL_SHARD and SHARD_GRAD_OP), read the same way on `h100-sxm`; not part of
+  ../shared/reference, added as a check beside it (nothing was tuned to them).
 - torchtitan_bench_202412 (FSDP2/DTensor, Llama 3.1): tokens/s per GPU as printed; same step time.
 - megatron_core_moe_readme_2024 and megatron_moe_modelzoo_2025 (Megatron-Core, Mixtral 8x7B and 8x22B
   with expert parallelism on H100; benchmarks/data/published_runs_moe_cp.json, each number quoted with
@@ -70,7 +73,9 @@ REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 FILES = ("published_runs_a100.json", "published_runs_more.json")
 # Records gathered for issue 17 (mixture of experts with expert parallelism; context parallelism and uneven
 # stages where a bf16 run was found), kept in the repository beside this module.
-LOCAL_FILES = (Path(__file__).parent / "data" / "published_runs_moe_cp.json",)
+LOCAL_FILES = (Path(__file__).parent / "data" / "published_runs_moe_cp.json",
+               # MosaicML's H100 80GB BF16 tables (llm-foundry 5e85bd62d), read like its A100 ones
+               Path(__file__).parent / "data" / "mosaicml_h100_bf16.json")
 OUT = Path(__file__).parent / "results" / "published.json"
 
 # Targets of issue 12 (median and worst |step-time error| per source family).
@@ -330,9 +335,13 @@ def _mosaicml(row: dict) -> Case:
         raise Skip("MosaicML rows with tp/pp are not expected")
     strategy = extra.get("fsdp_sharding_strategy", "FULL_SHARD")
     per_node = row.get("gpus_per_node") or GPUS_PER_NODE_DEFAULT
-    shard = {"FULL_SHARD": dp, "HYBRID_SHARD": min(per_node, dp)}.get(strategy)
-    if shard is None:
+    # FSDP's strategies as ZeRO stages over the shard group: FULL_SHARD re-gathers parameters for the
+    # backward (ZeRO-3), SHARD_GRAD_OP keeps them gathered from forward to backward (ZeRO-2), HYBRID_SHARD
+    # shards inside a node and replicates across nodes
+    zero_shard = {"FULL_SHARD": (3, dp), "SHARD_GRAD_OP": (2, dp), "HYBRID_SHARD": (3, min(per_node, dp))}.get(strategy)
+    if zero_shard is None:
         raise Skip(f"FSDP sharding strategy {strategy} not mapped")
+    zero, shard = zero_shard
     mbs, accum = row["micro_batch_size"], row["grad_accum_steps"]
     batch = dp * mbs * accum  # what a step ran (GBS = dp x mbs x accum for every row held)
     model = ModelSpec(name=model_name(row), num_layers=row["num_layers"], hidden_size=row["hidden_size"],
@@ -344,7 +353,7 @@ def _mosaicml(row: dict) -> Case:
                             flash_attention=True, attention_kernel=MOSAICML_ATTENTION, framework="pytorch",
                             cross_entropy="fused")
     recompute = "full" if row["activation_recompute"] == "full" else "none"
-    layout = Layout(tp=1, pp=1, dp=dp, shard=shard, zero_stage=3, micro_batch_size=mbs, num_microbatches=accum,
+    layout = Layout(tp=1, pp=1, dp=dp, shard=shard, zero_stage=zero, micro_batch_size=mbs, num_microbatches=accum,
                     recompute=recompute)
     tps = float(row["tokens_per_sec_per_gpu"])
     measured = batch * row["seq_len"] / (tps * n)
@@ -477,9 +486,11 @@ def _megatron_core(row: dict) -> Case:
 ACCOUNTING_CHECKS = {
     "narayanan2021": "the record's derived implied_step_time_s",
     "mosaicml_llmfoundry": "model TFLOP/s through the README's MFU formula",
+    "mosaicml_llmfoundry_h100": "model TFLOP/s through the README's MFU formula",
 }
 
 READERS = {"narayanan2021": _megatron, "korthikanti2022": _megatron, "mosaicml_llmfoundry": _mosaicml,
+           "mosaicml_llmfoundry_h100": _mosaicml,
            "torchtitan_bench_202412": _torchtitan, "megatron_core_moe_readme_2024": _megatron_core,
            "megatron_moe_modelzoo_2025": _megatron_core}
 
