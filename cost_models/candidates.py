@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout, with_cp
+from planner.axes import RANK_AXES, with_cp
+from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
 
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
 SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2
@@ -82,7 +83,7 @@ class Candidates:
         """Rank distance between neighbours along tp, cp, dp and pp: the product of the sizes of the
         axes inside it in the candidate's axis order, cp right outside tp (tp-dp-pp: 1, tp, tp x cp,
         tp x cp x dp)."""
-        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+        sizes = {axis: getattr(self, axis) for axis in RANK_AXES}
         out = {axis: np.ones(len(self), dtype=np.int64) for axis in sizes}
         for code, name in enumerate(AXIS_ORDER_CHOICES):
             mask = self.order == code
