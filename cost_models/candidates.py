@@ -11,6 +11,11 @@ from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICE
 
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
 SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2
+# Layout field -> the Candidates column that holds it (codes for the choice fields)
+COLUMNS: dict[str, str] = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "ep": "ep", "shard": "shard",
+                           "zero_stage": "zero", "micro_batch_size": "mbs", "num_microbatches": "nmb",
+                           "virtual_stages": "vpp", "recompute": "recompute", "schedule": "schedule",
+                           "sequence_parallel": "sp", "axis_order": "order"}
 
 
 @dataclass(frozen=True)
