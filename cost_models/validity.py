@@ -272,7 +272,12 @@ def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cl
 
 def structural_reasons(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec):
     """Reason codes for every PLAN rule (none depends on the cost model): the first broken wins."""
-    rules = structural_rules(c, model, training, cluster)
+    return reason_codes(c, Facts.of(model, training, cluster))
+
+
+def reason_codes(c: Candidates, facts: Facts) -> np.ndarray:
+    """Each candidate's reason code: the first PLAN rule it breaks, VALID (0) where none."""
+    rules = evaluate_rules(c, facts)
     reason = np.zeros(len(c), dtype=np.int64)
     for rule, broken in zip(reversed(PLAN_RULES), reversed(rules), strict=True):  # the first failing rule wins
         reason = np.where(broken, REASON_CODES[rule.name], reason)
