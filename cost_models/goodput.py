@@ -55,11 +55,11 @@ def checkpoint_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates):
     """(total bytes, bytes per writing rank, writers) of one checkpoint."""
     per_param = training.bytes_per_element + training.optimizer_bytes_per_param
     total = np.full(len(c), float(model.num_params * per_param))
-    writers = (c.tp * c.pp * np.where(c.zero >= 1, c.shard, 1)).astype(float)
+    writers = (c.tp * c.pp * np.where(c.zero_stage >= 1, c.shard, 1)).astype(float)
     # the largest stage's share (the first or last stage holds an embedding more; a middle one may hold
     # more layers when the split is uneven)
-    stage = memory.largest_stage_params(model, c.pp, c.tp, c.vpp)
-    per_rank = stage * per_param / np.where(c.zero >= 1, c.shard, 1)
+    stage = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages)
+    per_rank = stage * per_param / np.where(c.zero_stage >= 1, c.shard, 1)
     return total, per_rank, writers
 
 

@@ -27,7 +27,7 @@ from math import gcd
 
 import numpy as np
 
-from cost_models.candidates import COLUMNS, SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, Candidates
+from cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, Candidates
 from planner import stages
 from planner.specs import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, ClusterSpec, Layout, ModelSpec, TrainingSpec
 
@@ -137,8 +137,9 @@ def _megatron(c: Candidates, f: Facts) -> np.ndarray:
     """The vectorized form of planner/launch.py _megatron_refusal (tests/test_launch.py checks they agree)."""
     if f.training.framework != "megatron":
         return np.zeros(len(c), dtype=bool)
-    return (((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1)) | ~np.isin(c.order, MEGATRON_ORDERS)
-            | ((c.zero >= 2) & (c.shard < c.dp)) | ((f.model.num_experts > 0) & (c.tp > 1) & (c.sp == 0)))
+    return (((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1)) | ~np.isin(c.axis_order, MEGATRON_ORDERS)
+            | ((c.zero_stage >= 2) & (c.shard < c.dp))
+            | ((f.model.num_experts > 0) & (c.tp > 1) & (c.sequence_parallel == 0)))
 
 
 _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
@@ -163,32 +164,33 @@ _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
                       "training.flash_attention",
          applies=frozenset({PLAN})),
     Rule("stage_without_layers", ("pp", "virtual_stages"),
-         lambda c, f: ~stages.split(f.model.num_layers, c.pp, c.vpp)[3],
+         lambda c, f: ~stages.split(f.model.num_layers, c.pp, c.virtual_stages)[3],
          "the layer split over pp x virtual_stages leaves a pipeline stage without a layer (planner/stages.py)",
          _stages),
     Rule("batch_not_divisible", ("dp", "micro_batch_size", "num_microbatches"),
-         lambda c, f: c.dp * c.mbs * c.nmb != f.training.global_batch_size,
+         lambda c, f: c.dp * c.micro_batch_size * c.num_microbatches != f.training.global_batch_size,
          "dp x micro_batch_size x num_microbatches must equal the global batch", _batch),
     Rule("shard_not_divide_dp", ("shard", "dp"), lambda c, f: c.dp % c.shard != 0, "shard must divide dp",
          lambda x, f: f"shard must divide dp = {x.dp}; valid: {listing(divisors(x.dp))}"),
-    Rule("shard_without_zero", ("shard", "zero_stage"), lambda c, f: (c.zero == 0) & (c.shard > 1),
+    Rule("shard_without_zero", ("shard", "zero_stage"), lambda c, f: (c.zero_stage == 0) & (c.shard > 1),
          "shard > 1 needs zero_stage >= 1",
          lambda x, f: f"shard = {x.shard} > 1 needs zero >= 1 (sharding is what ZeRO does)"),
     Rule("virtual_stages_need_interleaved", ("virtual_stages", "schedule"),
-         lambda c, f: (c.vpp > 1) & (c.schedule != SCHEDULE_INTERLEAVED),
+         lambda c, f: (c.virtual_stages > 1) & (c.schedule != SCHEDULE_INTERLEAVED),
          "virtual_stages > 1 needs schedule interleaved_1f1b",
          lambda x, f: f"virtual_stages = {x.virtual_stages} > 1 needs schedule interleaved_1f1b"),
     Rule("interleaved_needs_virtual_stages", ("schedule", "virtual_stages", "pp"),
-         lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & ((c.vpp == 1) | (c.pp == 1)),
+         lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & ((c.virtual_stages == 1) | (c.pp == 1)),
          "interleaved_1f1b needs virtual_stages > 1 and pp > 1", _interleaved),
-    Rule("sequence_parallel_needs_tp", ("sequence_parallel", "tp"), lambda c, f: (c.sp > 0) & (c.tp == 1),
+    Rule("sequence_parallel_needs_tp", ("sequence_parallel", "tp"),
+         lambda c, f: (c.sequence_parallel > 0) & (c.tp == 1),
          "sequence_parallel needs tp > 1",
          lambda x, f: "sequence parallelism splits the tensor-parallel group's activations: it needs tp > 1"),
     Rule("too_few_microbatches", ("num_microbatches", "pp", "schedule"),
-         lambda c, f: _one_f_one_b(c) & (c.nmb < c.pp), "1F1B schedules need num_microbatches >= pp",
+         lambda c, f: _one_f_one_b(c) & (c.num_microbatches < c.pp), "1F1B schedules need num_microbatches >= pp",
          lambda x, f: f"1F1B schedules need num_microbatches >= pp; {x.num_microbatches} < {x.pp}"),
     Rule("microbatches_not_multiple_of_pp", ("num_microbatches", "pp", "schedule"),
-         lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & (c.nmb % c.pp != 0),
+         lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & (c.num_microbatches % c.pp != 0),
          "interleaved_1f1b needs num_microbatches divisible by pp",
          lambda x, f: f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}"),
     # engine megatron only (the bundled executor is a PyTorch stack)
@@ -225,7 +227,7 @@ _EXECUTOR_RULES: tuple[Rule, ...] = (
                       "embedding and LM head evenly; Megatron-LM and torchtitan pad the vocabulary)",
          applies=frozenset({EXECUTOR})),
     Rule("sequence_parallel_tokens", ("sequence_parallel", "tp", "cp"),
-         lambda c, f: (c.sp > 0) & ((f.training.seq_len // c.cp) % c.tp != 0),
+         lambda c, f: (c.sequence_parallel > 0) & ((f.training.seq_len // c.cp) % c.tp != 0),
          "the bundled executor's sequence parallelism needs tp to divide the tokens of each sequence on a rank",
          lambda x, f: f"sequence parallel needs tp={x.tp} to divide the {f.training.seq_len // x.cp} tokens of "
                       "each sequence on a rank", applies=frozenset({EXECUTOR})),
@@ -233,7 +235,7 @@ _EXECUTOR_RULES: tuple[Rule, ...] = (
          lambda c, f: f.model.tied_embeddings & ((c.tp > 1) | (c.pp > 1)),
          "tied embeddings with tp or pp > 1 are not supported by the executor", applies=frozenset({EXECUTOR})),
     Rule("moe_beyond_dp", ("tp", "cp", "pp", "zero_stage"),
-         lambda c, f: (f.model.num_experts > 0) & ((c.tp > 1) | (c.pp > 1) | (c.cp > 1) | (c.zero > 0)),
+         lambda c, f: (f.model.num_experts > 0) & ((c.tp > 1) | (c.pp > 1) | (c.cp > 1) | (c.zero_stage > 0)),
          "the executor runs mixture-of-experts models on dp (with ep) only: tp = cp = pp = 1, zero 0",
          applies=frozenset({EXECUTOR})),
 )
@@ -292,9 +294,6 @@ def violations(layout: Layout, facts: Facts, who: str = PLAN) -> list[tuple[Rule
     return [(r, r.explain(layout, facts)) for r, b in zip(rules, broken, strict=True) if b[0]]
 
 
-_FIELD_OF_COLUMN = {column: name for name, column in COLUMNS.items()}
-
-
 def prune(facts: Facts, **columns: np.ndarray) -> np.ndarray:
     """Rows of partial candidates (some Candidates columns given, the others at Layout's defaults)
     that break no PLAN rule reading only the given fields: the search's pruning before it builds the
@@ -303,7 +302,7 @@ def prune(facts: Facts, **columns: np.ndarray) -> np.ndarray:
     default = Candidates.from_layouts([Layout()])
     c = Candidates(**{f.name: np.repeat(getattr(default, f.name), n) for f in fields(Candidates)}
                    | {k: np.asarray(v, dtype=np.int64) for k, v in columns.items()})
-    known = {_FIELD_OF_COLUMN[k] for k in columns}
+    known = set(columns)  # Candidates columns are named as the Layout fields
     rules = tuple(r for r in PLAN_RULES if set(r.reads) <= known)
     keep = np.ones(n, dtype=bool)
     for broken in evaluate_rules(c, facts, rules):

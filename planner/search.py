@@ -105,13 +105,14 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
     facts = Facts(model, training, world)
     triples = np.asarray([(t, c, p) for t in divisors(world) for c in cp_options(training, world // t)
                           for p in divisors(world // (t * c))], dtype=np.int64).reshape(-1, 3)
-    keep = prune(facts, tp=triples[:, 0], cp=triples[:, 1], pp=triples[:, 2], vpp=np.ones(len(triples), np.int64))
+    keep = prune(facts, tp=triples[:, 0], cp=triples[:, 1], pp=triples[:, 2],
+                 virtual_stages=np.ones(len(triples), np.int64))
     # virtual stages: the divisors v > 1 of a middle rank's layers, ceil(L / pp) (L / pp when pp divides L)
     pairs = np.asarray([(p, v) for p in sorted(set(triples[keep, 2].tolist())) if p > 1 for v in divisors(-(-L // p))
                         if v > 1], dtype=np.int64).reshape(-1, 2)
     vpps: dict[int, list[int]] = {}
     if len(pairs):
-        for p, v in pairs[prune(facts, pp=pairs[:, 0], vpp=pairs[:, 1])].tolist():
+        for p, v in pairs[prune(facts, pp=pairs[:, 0], virtual_stages=pairs[:, 1])].tolist():
             vpps.setdefault(p, []).append(v)
     rows = []
     for tp, cp, pp in triples[keep].tolist():
@@ -142,8 +143,10 @@ def _inner_options(dp: int, tp: int, experts: int = 0) -> np.ndarray:
     return np.asarray(opts, dtype=np.int64)
 
 
-_STRUCT_COLUMNS = ("tp", "pp", "dp", "mbs", "nmb", "schedule", "vpp", "order", "cp")  # _structural_rows' columns
-_INNER_COLUMNS = ("zero", "shard", "recompute", "sp", "ep")  # _inner_options' columns
+# _structural_rows' and _inner_options' columns (Candidates fields)
+_STRUCT_COLUMNS = ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "schedule", "virtual_stages", "axis_order",
+                   "cp")
+_INNER_COLUMNS = ("zero_stage", "shard", "recompute", "sequence_parallel", "ep")
 
 
 def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
@@ -219,8 +222,8 @@ def count_candidates(model: ModelSpec, training: TrainingSpec, cluster: ClusterS
 def _block(struct: np.ndarray, inner: np.ndarray) -> Candidates:
     s = np.repeat(struct, len(inner), axis=0)
     o = np.tile(inner, (len(struct), 1))
-    return Candidates(tp=s[:, 0], pp=s[:, 1], dp=s[:, 2], mbs=s[:, 3], nmb=s[:, 4], schedule=s[:, 5], vpp=s[:, 6],
-                      order=s[:, 7], cp=s[:, 8], zero=o[:, 0], shard=o[:, 1], recompute=o[:, 2], sp=o[:, 3], ep=o[:, 4])
+    return Candidates(**{name: s[:, j] for j, name in enumerate(_STRUCT_COLUMNS)},
+                      **{name: o[:, j] for j, name in enumerate(_INNER_COLUMNS)})
 
 
 def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> Iterator[Candidates]:

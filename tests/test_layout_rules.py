@@ -113,8 +113,9 @@ def test_vectorized_and_per_layout_evaluation_agree():
             if not plan:
                 valid += 1
                 one = np.ones(1, dtype=np.int64)
-                assert prune(facts, tp=layout.tp * one, cp=layout.cp * one, pp=layout.pp * one, vpp=one)[0]
-                assert prune(facts, pp=layout.pp * one, vpp=layout.virtual_stages * one)[0]
+                assert prune(facts, tp=layout.tp * one, cp=layout.cp * one, pp=layout.pp * one,
+                             virtual_stages=one)[0]
+                assert prune(facts, pp=layout.pp * one, virtual_stages=layout.virtual_stages * one)[0]
     assert seen == {r.name for r in RULES}, f"rules never broken: {sorted({r.name for r in RULES} - seen)}"
     assert valid > 50
 
