@@ -8,12 +8,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from planner.axes import RANK_AXES, with_cp
-from planner.specs import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
+from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
 
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
 SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2
-# Layout field -> the Candidates column that holds it (the same name; codes for the choice fields)
-COLUMNS: dict[str, str] = {name: name for name in LAYOUT_FIELDS}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from itertools import product
 import numpy as np
 
 from cost_models.candidates import (
-    COLUMNS,
     SCHEDULE_1F1B,
     SCHEDULE_GPIPE,
     SCHEDULE_INTERLEAVED,
@@ -195,7 +194,7 @@ def _refuse_empty_fix(rows: np.ndarray, fix: dict, model: ModelSpec, training: T
     given), with the values the candidates left by the keys before it have: never an empty search."""
     keys = list(fix)
     for n, key in enumerate(keys):
-        column = _FIX_COLUMNS[key]
+        column = key  # Candidates columns are named as the Layout fields
         present: set[int] = set()
         for struct, inner in _group_tables(rows, _fix_codes({k: fix[k] for k in keys[:n]}), model.num_experts):
             table, columns = (struct, _STRUCT_COLUMNS) if column in _STRUCT_COLUMNS else (inner, _INNER_COLUMNS)
@@ -254,12 +253,9 @@ def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: Clus
                              or [_block(np.zeros((0, 9), np.int64), np.zeros((1, 5), np.int64))])
 
 
-_FIX_COLUMNS = COLUMNS  # Layout field -> Candidates column
-
-
 def _fix_codes(fix: dict) -> dict[str, int]:
     """search.fix (its values checked by `planner.layouts.check_values`) as column -> code."""
-    return {_FIX_COLUMNS[key]: _CODES[key].index(value) if key in _CODES else int(value) for key, value in fix.items()}
+    return {key: _CODES[key].index(value) if key in _CODES else int(value) for key, value in fix.items()}
 
 
 def objective_value(ev: Evaluation, objective: str = "throughput") -> np.ndarray:
