@@ -1,4 +1,5 @@
-"""Candidate layouts as a struct of numpy arrays (one entry per candidate)."""
+"""Candidate layouts as a struct of numpy arrays (one entry per candidate), one column per Layout
+field, named as the field (choice fields hold codes into their CHOICES)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout, with_cp
+from planner.axes import RANK_AXES, with_cp
+from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
 
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
 SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2
@@ -18,14 +20,14 @@ class Candidates:
     pp: np.ndarray
     dp: np.ndarray
     shard: np.ndarray
-    zero: np.ndarray
+    zero_stage: np.ndarray
     recompute: np.ndarray  # codes into RECOMPUTE_CHOICES
-    mbs: np.ndarray
-    nmb: np.ndarray
-    vpp: np.ndarray
+    micro_batch_size: np.ndarray
+    num_microbatches: np.ndarray
+    virtual_stages: np.ndarray
     schedule: np.ndarray  # codes into SCHEDULE_CHOICES
-    sp: np.ndarray  # 0/1
-    order: np.ndarray  # codes into AXIS_ORDER_CHOICES (innermost axis first)
+    sequence_parallel: np.ndarray  # 0/1
+    axis_order: np.ndarray  # codes into AXIS_ORDER_CHOICES (innermost axis first)
     cp: np.ndarray = None  # context-parallel degree (None: 1 for every candidate); cp sits right outside tp
     ep: np.ndarray = None  # expert-parallel degree (carved out of dp); ones when not given
 
@@ -48,14 +50,14 @@ class Candidates:
             pp=col([x.pp for x in layouts]),
             dp=col([x.dp for x in layouts]),
             shard=col([x.shard for x in layouts]),
-            zero=col([x.zero_stage for x in layouts]),
+            zero_stage=col([x.zero_stage for x in layouts]),
             recompute=col([RECOMPUTE_CHOICES.index(x.recompute) for x in layouts]),
-            mbs=col([x.micro_batch_size for x in layouts]),
-            nmb=col([x.num_microbatches for x in layouts]),
-            vpp=col([x.virtual_stages for x in layouts]),
+            micro_batch_size=col([x.micro_batch_size for x in layouts]),
+            num_microbatches=col([x.num_microbatches for x in layouts]),
+            virtual_stages=col([x.virtual_stages for x in layouts]),
             schedule=col([SCHEDULE_CHOICES.index(x.schedule) for x in layouts]),
-            sp=col([int(x.sequence_parallel) for x in layouts]),
-            order=col([AXIS_ORDER_CHOICES.index(x.axis_order) for x in layouts]),
+            sequence_parallel=col([int(x.sequence_parallel) for x in layouts]),
+            axis_order=col([AXIS_ORDER_CHOICES.index(x.axis_order) for x in layouts]),
             cp=col([x.cp for x in layouts]),
             ep=col([x.ep for x in layouts]),
         )
@@ -66,14 +68,14 @@ class Candidates:
             pp=int(self.pp[i]),
             dp=int(self.dp[i]),
             shard=int(self.shard[i]),
-            zero_stage=int(self.zero[i]),
+            zero_stage=int(self.zero_stage[i]),
             recompute=RECOMPUTE_CHOICES[int(self.recompute[i])],
-            micro_batch_size=int(self.mbs[i]),
-            num_microbatches=int(self.nmb[i]),
-            virtual_stages=int(self.vpp[i]),
+            micro_batch_size=int(self.micro_batch_size[i]),
+            num_microbatches=int(self.num_microbatches[i]),
+            virtual_stages=int(self.virtual_stages[i]),
             schedule=SCHEDULE_CHOICES[int(self.schedule[i])],
-            sequence_parallel=bool(self.sp[i]),
-            axis_order=AXIS_ORDER_CHOICES[int(self.order[i])],
+            sequence_parallel=bool(self.sequence_parallel[i]),
+            axis_order=AXIS_ORDER_CHOICES[int(self.axis_order[i])],
             cp=int(self.cp[i]),
             ep=int(self.ep[i]),
         )
@@ -82,10 +84,10 @@ class Candidates:
         """Rank distance between neighbours along tp, cp, dp and pp: the product of the sizes of the
         axes inside it in the candidate's axis order, cp right outside tp (tp-dp-pp: 1, tp, tp x cp,
         tp x cp x dp)."""
-        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+        sizes = {axis: getattr(self, axis) for axis in RANK_AXES}
         out = {axis: np.ones(len(self), dtype=np.int64) for axis in sizes}
         for code, name in enumerate(AXIS_ORDER_CHOICES):
-            mask = self.order == code
+            mask = self.axis_order == code
             if not mask.any():
                 continue
             stride = np.ones(len(self), dtype=np.int64)

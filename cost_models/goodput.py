@@ -63,15 +63,15 @@ def checkpoint_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates):
     dense and expert parts each divided by the ranks sharing them."""
     per_param = training.bytes_per_element + training.optimizer_bytes_per_param
     total = np.full(len(c), float(model.num_params * per_param))
-    zero = np.asarray(c.zero) >= 1
+    zero = np.asarray(c.zero_stage) >= 1
     ep = np.maximum(np.asarray(c.ep, dtype=float), 1.0)
     shard_cp = np.asarray(c.shard, dtype=float) * np.asarray(c.cp, dtype=float)
     dense_ranks = np.where(zero, shard_cp, 1.0)
     expert_ranks = np.where(zero, np.maximum(np.asarray(c.shard, dtype=float) / ep, 1.0) * c.cp, 1.0)
     writers = (c.tp * c.pp) * np.where(zero, np.maximum(shard_cp, ep), ep)
-    stage = memory.largest_stage_params(model, c.pp, c.tp, c.vpp, c.ep)
+    stage = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep)
     if model.is_moe:
-        expert = memory.stage_params(model, c.pp, c.tp, True, c.vpp, ep=c.ep, part="expert")
+        expert = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
         share = np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
     else:
         share = 0.0

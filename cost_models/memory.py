@@ -110,7 +110,7 @@ def _cp(c):
 def precision_recipe(training: TrainingSpec, c):
     """The precision recipe code of each candidate (constants above); the data-parallel ranks of
     FSDP2 are dp x cp (torchtitan's dp_shard_cp mesh)."""
-    zero, dp = np.asarray(c.zero), np.asarray(c.dp) * _cp(c)
+    zero, dp = np.asarray(c.zero_stage), np.asarray(c.dp) * _cp(c)
     if training.precision == "fp32":
         return np.full(np.shape(zero), RECIPE_FP32)
     if training.framework == "megatron":
@@ -203,7 +203,7 @@ def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray
     cast cache) and "step_extra" (Megatron fp16's fp32 main gradients at the optimizer step)."""
     e = training.bytes_per_element
     recipe = precision_recipe(training, c)
-    zero = np.asarray(c.zero)
+    zero = np.asarray(c.zero_stage)
     # ZeRO / FSDP shard over shard x cp ranks: the cp ranks hold the same parameters, and torchtitan's
     # FSDP mesh is dp_shard x cp, Megatron's distributed optimizer shards over dp x cp
     shard = np.asarray(c.shard, dtype=float) * _cp(c)
@@ -374,25 +374,27 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, 
     recompute) the one layer re-materialized during its backward. `layers`: the stage's decoder
     layers (default: the first or last stage's by the split rule). `moe_model`: the MoE model whose
     compute view `model` is (`moe_activation_bytes` added to every layer not fully recomputed)."""
-    per_layer, full_layer = layer_activation_bytes(model, training, c.mbs, c.tp, c.sp, c.recompute,
-                                                   precision_recipe(training, c))
+    per_layer, full_layer = layer_activation_bytes(model, training, c.micro_batch_size, c.tp, c.sequence_parallel,
+                                                   c.recompute, precision_recipe(training, c))
     if moe_model is not None and moe_model.is_moe:
-        extra = moe_activation_bytes(moe_model, training, c.mbs, c.tp, c.sp)
+        extra = moe_activation_bytes(moe_model, training, c.micro_batch_size, c.tp, c.sequence_parallel)
         per_layer = per_layer + np.where(c.recompute == RECOMPUTE_FULL, 0.0, extra)
         full_layer = full_layer + extra
     if layers is None:
-        split = stages.stage_split(model.num_layers, c.pp, c.vpp)
+        split = stages.stage_split(model.num_layers, c.pp, c.virtual_stages)
         layers = split[0] if first else split[2]
-    held = layers_in_flight(model.num_layers, c.pp, c.vpp, c.nmb, c.schedule, stage, layers) * per_layer
+    held = layers_in_flight(model.num_layers, c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage,
+                            layers) * per_layer
     working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
-    inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
+    inflight = microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)
     edge = boundary_bytes(model, training, c) * (inflight if first else 1.0)
     return held + edge, working
 
 
 def boundary_bytes(model: ModelSpec, training: TrainingSpec, c):
     """One micro-batch's hidden states between layers (split over tp under sequence parallelism)."""
-    return training.bytes_per_element * c.mbs * training.seq_len * model.hidden_size / np.where(c.sp > 0, c.tp, 1)
+    return (training.bytes_per_element * c.micro_batch_size * training.seq_len * model.hidden_size
+            / np.where(c.sequence_parallel > 0, c.tp, 1))
 
 
 def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
@@ -403,8 +405,8 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
     _prepare_backward_infra, torch 2.x; measured by benchmarks/accuracy.py). Megatron-LM receives
     into transient tensors: none."""
     torch_pipeline = (np.asarray(c.pp) > 1) & (training.framework == "pytorch")
-    receivers = np.where(torch_pipeline, 2.0 * np.asarray(c.vpp, dtype=float) - 1.0, 0.0)
-    return boundary_bytes(model, training, c) * c.nmb * receivers
+    receivers = np.where(torch_pipeline, 2.0 * np.asarray(c.virtual_stages, dtype=float) - 1.0, 0.0)
+    return boundary_bytes(model, training, c) * c.num_microbatches * receivers
 
 
 def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0):
@@ -430,7 +432,7 @@ def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_h
     micro-batch on the stage with the LM head, else an MLP activation gradient. The caching
     allocator keeps the segment such a tensor was carved from reserved beside the blocks the
     next peak allocates (`allocator_transient_blocks` in the device profile)."""
-    tokens = np.asarray(c.mbs, dtype=float) * training.seq_len
+    tokens = np.asarray(c.micro_batch_size, dtype=float) * training.seq_len
     logit_bytes = training.bytes_per_element if training.cross_entropy == "fused" else FP32_BYTES
     logits = np.where(holds_head, logit_bytes * tokens * model.vocab_size / c.tp, 0.0)
     mlp = training.bytes_per_element * tokens * model.ffn_hidden_size / c.tp
@@ -449,7 +451,7 @@ def gradient_buckets(c, training: TrainingSpec):
     """1 where the data-parallel wrapper keeps a persistent unsharded gradient copy: PyTorch DDP
     with gradient_as_bucket_view, which the executor uses for zero <= 1 when dp is the only axis
     (Megatron's persistent buffer is its `grad_buffer`, counted by the recipe)."""
-    return ((np.asarray(c.zero) < 2) & (np.asarray(c.dp) > 1) & (np.asarray(c.tp) == 1)
+    return ((np.asarray(c.zero_stage) < 2) & (np.asarray(c.dp) > 1) & (np.asarray(c.tp) == 1)
             & (np.asarray(c.pp) == 1) & (training.framework == "pytorch")).astype(float)
 
 
@@ -474,36 +476,36 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     allocator: their sum is the reserved peak."""
     first = first and not middle
     stage = 0.0 if first else 1.0 if middle else np.asarray(c.pp, dtype=float) - 1.0
-    params = stage_params(model, c.pp, c.tp, first, c.vpp, middle, ep=c.ep)
+    params = stage_params(model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep)
     st = model_state_bytes(training, params, c)
     if model.is_moe:  # the routed experts' states shard over the expert-data-parallel group (expert_candidates)
-        experts = stage_params(model, c.pp, c.tp, first, c.vpp, middle, ep=c.ep, part="expert")
+        experts = stage_params(model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep, part="expert")
         dense = model_state_bytes(training, params - experts, c)
         moe = model_state_bytes(training, experts, expert_candidates(c))
         st = {k: dense[k] + moe[k] if k != "grad_element" else dense[k] for k in dense}
     act_model = model.compute_view()
     # context parallelism: each rank holds s / cp tokens of every sequence, so every activation,
     # logit and buffer term below sees a micro-batch of mbs / cp (parameters are not divided by cp)
-    c = replace(c, mbs=np.asarray(c.mbs) / _cp(c)) if np.any(_cp(c) > 1) else c
+    c = replace(c, micro_batch_size=np.asarray(c.micro_batch_size) / _cp(c)) if np.any(_cp(c) > 1) else c
     p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
     unsharded = params * st["grad_element"]
-    layers = stages.stage_split(model.num_layers, c.pp, c.vpp)[1] if middle else None
+    layers = stages.stage_split(model.num_layers, c.pp, c.virtual_stages)[1] if middle else None
     stored, working = activation_bytes(act_model, training, c, stage, first, layers, moe_model=model)
     holds_head = ((np.asarray(c.pp) == 1) | (not first)) & (not middle)
     # micro-batches past the head but not yet through their loss backward: all of them under GPipe
-    loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.nmb, 1)
-    logits = np.where(holds_head, logits_bytes(model, training, c.mbs, c.tp, loss_in_flight), 0.0)
-    buffers = sharding_buffer_bytes(model, training, c.tp, c.zero, c.ep)
+    loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.num_microbatches, 1)
+    logits = np.where(holds_head, logits_bytes(model, training, c.micro_batch_size, c.tp, loss_in_flight), 0.0)
+    buffers = sharding_buffer_bytes(model, training, c.tp, c.zero_stage, c.ep)
     receive = pipeline_buffer_bytes(model, training, c)
-    inflight = microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)
-    accumulating = np.asarray(c.nmb, dtype=float) > inflight + 1e-9
-    accumulated = np.where(accumulating, np.where(np.asarray(c.zero) >= 3, g, unsharded), 0.0)
+    inflight = microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)
+    accumulating = np.asarray(c.num_microbatches, dtype=float) > inflight + 1e-9
+    accumulated = np.where(accumulating, np.where(np.asarray(c.zero_stage) >= 3, g, unsharded), 0.0)
     persistent = gradient_buckets(c, training) * unsharded if buckets else np.zeros_like(p)
     held_grads = persistent + accumulated + st["grad_buffer"]
     # one layer's gradients and its largest backward temporary (an MLP activation gradient)
     layer_grads = np.where((accumulated > 0) | (st["grad_buffer"] > 0), 0.0,
                            local_layer_params(model, c.tp, c.ep) * st["grad_element"])
-    mlp_temp = training.bytes_per_element * c.mbs * training.seq_len * act_model.ffn_hidden_size / c.tp
+    mlp_temp = training.bytes_per_element * c.micro_batch_size * training.seq_len * act_model.ffn_hidden_size / c.tp
     # FSDP2 without resharding after forward (ZeRO-2, and zero 0 with tp/pp) keeps the whole
     # gathered stage from forward to backward beside its shards; after the backward it reshards:
     # the optimizer step sees only the sharded parameters. Autocast's cast cache is dropped when
@@ -530,7 +532,7 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
                + chosen["pipeline_buffers"])
     transient = np.where(which < 2, largest_transient_bytes(act_model, training, c, holds_head), 0.0)
     if model.is_moe:  # the dispatched tokens (top-k copies of the micro-batch's hidden states) and their gradient
-        dispatched = training.bytes_per_element * np.asarray(c.mbs, dtype=float) * training.seq_len \
+        dispatched = training.bytes_per_element * np.asarray(c.micro_batch_size, dtype=float) * training.seq_len \
             * model.experts_per_token * model.hidden_size
         transient = np.where(which < 2, np.maximum(transient, dispatched), 0.0)
     return {
@@ -563,7 +565,8 @@ def peak_memory(model: ModelSpec, training: TrainingSpec, device: DeviceProfile,
     use_first = total_first >= total_last
     breakdown = {k: np.where(use_first, first[k], last[k]) for k in first}
     peak = np.maximum(total_first, total_last)
-    uneven = (np.asarray(c.pp) > 2) & (np.asarray(model.num_layers) % (np.asarray(c.pp) * np.asarray(c.vpp)) != 0)
+    uneven = ((np.asarray(c.pp) > 2)
+              & (np.asarray(model.num_layers) % (np.asarray(c.pp) * np.asarray(c.virtual_stages)) != 0))
     if np.any(uneven):
         mid = stage_memory_breakdown(model, training, device, c, first=False, middle=True)
         use_mid = uneven & (sum(mid.values()) > peak)

@@ -198,8 +198,8 @@ def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, la
     zero12 = hidden(scatter + ar_replicate, bwd_window_s) + gather_fwd
     zero3_mb = gather_fwd + hidden(gather + scatter, bwd_window_s)
     zero3_last = gather_fwd + hidden(gather + scatter + ar_replicate, bwd_window_s)
-    zero3 = (c.nmb - 1.0) * zero3_mb + zero3_last
-    return np.where(c.zero == 0, ddp, np.where(c.zero <= 2, zero12, zero3))
+    zero3 = (c.num_microbatches - 1.0) * zero3_mb + zero3_last
+    return np.where(c.zero_stage == 0, ddp, np.where(c.zero_stage <= 2, zero12, zero3))
 
 
 def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None):
@@ -210,8 +210,8 @@ def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute,
     if not model.is_moe:
         return _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride,
                                     cp_stride)
-    stage = memory.largest_stage_params(model, c.pp, c.tp, c.vpp, c.ep)
-    expert = memory.stage_params(model, c.pp, c.tp, True, c.vpp, ep=c.ep, part="expert")
+    stage = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep)
+    expert = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
     share = np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
     dense = _stage_dp_times_part(model, training, cluster, c, layers, fwd * (1 - share),
                                  bwd_and_recompute * (1 - share), dp_stride, cp_stride, part="dense")
@@ -228,8 +228,8 @@ def _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recom
     stage (an embedding or head more, the same layers) is that stage; with an uneven one
     (planner/stages.py) each of the first, a middle and the last stage is costed."""
     n_first, n_middle, n_last = layers
-    pf = memory.stage_params(model, c.pp, c.tp, True, c.vpp, ep=ep, part=part)
-    pl = memory.stage_params(model, c.pp, c.tp, False, c.vpp, ep=ep, part=part)
+    pf = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=ep, part=part)
+    pl = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, ep=ep, part=part)
     even = (n_first == n_middle) & (n_last == n_middle)
     if np.all(even):
         return _dp_times(training, cluster, c, np.maximum(pf, pl), n_first * fwd, n_first * bwd_and_recompute,
@@ -238,7 +238,7 @@ def _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recom
     def at(params, n):
         return _dp_times(training, cluster, c, params, n * fwd, n * bwd_and_recompute, n, dp_stride, cp_stride)
 
-    pm = memory.stage_params(model, c.pp, c.tp, False, c.vpp, middle=True, ep=ep, part=part)
+    pm = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, middle=True, ep=ep, part=part)
     ends = np.maximum(at(pf, n_first), at(pl, n_last))
     return np.maximum(ends, np.where(c.pp > 2, at(pm, n_middle), 0.0))
 
@@ -285,16 +285,16 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     allocator can reserve is "tight" (MEMORY_TIGHT), above all of it out of memory."""
     device = cluster.device
     e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
-    tp, pp, vpp, nmb = c.tp.astype(float), c.pp.astype(float), c.vpp, c.nmb
+    tp, pp, vpp, nmb = c.tp.astype(float), c.pp.astype(float), c.virtual_stages, c.num_microbatches
     # tokens per rank: b s / cp (the compute and memory terms take b / cp as the micro-batch)
-    b = c.mbs.astype(float) / c.cp
+    b = c.micro_batch_size.astype(float) / c.cp
     # decoder layers of the first, a middle and the last stage (planner/stages.py: L / pp each when even)
     n_first, n_middle, n_last, _ = (np.asarray(a, dtype=float)
-                                    for a in stages.stage_split(model.num_layers, c.pp, c.vpp))
+                                    for a in stages.stage_split(model.num_layers, c.pp, c.virtual_stages))
     stride = c.strides()
 
     cm = model.compute_view()  # MoE: the dense model with the same per-token work
-    lt = compute.layer_times(cm, training, device, b, tp, c.sp, c.cp)
+    lt = compute.layer_times(cm, training, device, b, tp, c.sequence_parallel, c.cp)
     fwd, bwd, attn, gemm_fwd = lt.forward, lt.backward, lt.attention_forward, lt.gemm_forward
     moe_fwd, moe_bwd, a2a = moe_layer_extra_s(model, training, cluster, c, b, tp, stride["dp"])
     fwd, bwd = fwd + moe_fwd, bwd + moe_bwd
@@ -334,12 +334,13 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     bubble = bubble_s(pp, vpp, mean_mb)
     dp = _stage_dp_times(model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"],
                          stride["cp"])
-    local_params = (memory.largest_stage_params(model, c.pp, c.tp, c.vpp, c.ep)
-                    / np.where(c.zero >= 1, c.shard * c.cp, 1))
+    local_params = (memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep)
+                    / np.where(c.zero_stage >= 1, c.shard * c.cp, 1))
     if model.is_moe:  # the routed experts' optimizer states shard over max(shard / ep, 1) ranks only
-        experts = memory.stage_params(model, c.pp, c.tp, True, c.vpp, ep=c.ep, part="expert")
+        experts = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
         expert_shard = np.maximum(c.shard / c.ep, 1.0) * c.cp
-        local_params = local_params + np.where(c.zero >= 1, experts / expert_shard - experts / (c.shard * c.cp), 0.0)
+        local_params = local_params + np.where(c.zero_stage >= 1,
+                                               experts / expert_shard - experts / (c.shard * c.cp), 0.0)
     optimizer = compute.optimizer_step_s(device, training, local_params)
 
     edge_tp_twice = np.where(pp == 1, 2.0, 1.0) * edge_tp  # pp = 1: embedding and head together
@@ -406,21 +407,21 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     stage has it), the recomputation, and the optimizer step on its shard of the stage's
     parameters. This is what a rank-slice proxy measures (executor/proxy.py)."""
     device = cluster.device
-    b, tp, pp = c.mbs.astype(float) / c.cp, c.tp.astype(float), c.pp.astype(float)
-    split = stages.stage_split(model.num_layers, c.pp, c.vpp)
+    b, tp, pp = c.micro_batch_size.astype(float) / c.cp, c.tp.astype(float), c.pp.astype(float)
+    split = stages.stage_split(model.num_layers, c.pp, c.virtual_stages)
     layers = np.asarray(split[0] if first else split[2], dtype=float)
     cm = model.compute_view()
-    lt = compute.layer_times(cm, training, device, b, tp, c.sp, c.cp)
+    lt = compute.layer_times(cm, training, device, b, tp, c.sequence_parallel, c.cp)
     fwd, bwd = lt.forward, lt.backward
     selective = memory.selective_recompute_s(cm, training, c, fwd, lt.attention_forward, lt.gemm_forward)
     recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd,
                          np.where(c.recompute == RECOMPUTE_SELECTIVE, selective, 0.0))
     has_head = (pp == 1) | (not first)
     head = np.where(has_head, compute.lm_head_compute_s(model, training, device, b, tp), 0.0)
-    params = memory.stage_params(model, c.pp, c.tp, first, c.vpp, ep=c.ep)
-    local = params / np.where(c.zero >= 1, c.shard * c.cp, 1)
+    params = memory.stage_params(model, c.pp, c.tp, first, c.virtual_stages, ep=c.ep)
+    local = params / np.where(c.zero_stage >= 1, c.shard * c.cp, 1)
     return {
-        "forward_backward": c.nmb * (layers * (fwd + bwd) + head),
-        "recompute": c.nmb * layers * recompute,
+        "forward_backward": c.num_microbatches * (layers * (fwd + bwd) + head),
+        "recompute": c.num_microbatches * layers * recompute,
         "optimizer": compute.optimizer_step_s(device, training, local),
     }

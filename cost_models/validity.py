@@ -1,4 +1,19 @@
-"""Why a candidate layout cannot run: a reason code per candidate, vectorized.
+"""Why a layout cannot run: the one table of layout rules, evaluated vectorized.
+
+Each rule of `RULES` is a vectorized predicate over `Candidates` (True: the candidate breaks it),
+a reason code (its name), the general statement of it (`text`: the plan's infeasible_reason and
+the search's rejection counts) and the statement in one layout's numbers (`detail`, with the values
+that would do where they are few). Everything that checks a layout evaluates this table and
+nothing else: the search's mask (`structural_reasons`) and its pruning (planner/search.py
+`_structural_rows` through `prune`), `compare` / `--layout` / `--fix` (planner/layouts.py through
+`violations`), the API (the same functions), and the executor's pre-flight check
+(executor/checks.py, `violations(..., who=EXECUTOR)`).
+
+`applies` says whom a rule binds: PLAN (what berth plans and the engines run: the search,
+`compare`, the API) and/or EXECUTOR (what the bundled torch.distributed executor runs: `berth
+validate`, executor/train.py). A rule that only the bundled executor has (it does not pad the
+vocabulary, for instance, where the engines do) is tagged EXECUTOR alone: the planner still plans
+such a layout, and `berth validate` says why this executor cannot run it.
 
 An infeasible candidate is a mask plus a reason, never an exception (DESIGN convention 4).
 Code 0 means valid; otherwise the first failing rule in REASONS order is reported.
@@ -6,96 +21,293 @@ Code 0 means valid; otherwise the first failing rule in REASONS order is reporte
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from math import gcd
+
 import numpy as np
 
 from cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, Candidates
 from planner import stages
-from planner.specs import AXIS_ORDER_CHOICES, ClusterSpec, ModelSpec, TrainingSpec
+from planner.specs import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, ClusterSpec, Layout, ModelSpec, TrainingSpec
 
 VALID = 0
 # The smallest load-balanced chunk (seq_len / (2 cp) tokens) a layout may use: below it each ring
 # step's attention block is too small to hide its KV transfer, and flash kernels tile by 64-128.
 # 16 keeps tiny test models (seq 64, cp 2) valid; the search asks much more (planner/search.py).
 CP_MIN_CHUNK_TOKENS = 16
-REASONS: tuple[tuple[str, str], ...] = (
-    ("", ""),
-    ("world_size_mismatch", "tp x cp x pp x dp must equal the number of GPUs"),
-    ("tp_not_divide_heads", "tp must divide the attention heads"),
-    ("tp_not_divide_kv_heads", "tp must divide the key/value heads"),
-    ("cp_not_divide_seq", "context parallelism splits each sequence into 2 x cp chunks (load-balanced causal "
-     "split): seq_len must be divisible by 2 x cp"),
-    ("cp_chunk_too_small", f"context parallelism needs chunks of seq_len / (2 x cp) >= {CP_MIN_CHUNK_TOKENS} tokens"),
-    ("cp_needs_flash_attention", "context parallelism (ring attention) runs on flash attention: cp > 1 needs "
-     "training.flash_attention"),
-    ("stage_without_layers", "the layer split over pp x virtual_stages leaves a pipeline stage without a layer "
-     "(planner/stages.py)"),
-    ("batch_not_divisible", "dp x micro_batch_size x num_microbatches must equal the global batch"),
-    ("shard_not_divide_dp", "shard must divide dp"),
-    ("shard_without_zero", "shard > 1 needs zero_stage >= 1"),
-    ("virtual_stages_need_interleaved", "virtual_stages > 1 needs schedule interleaved_1f1b"),
-    ("interleaved_needs_virtual_stages", "interleaved_1f1b needs virtual_stages > 1 and pp > 1"),
-    ("sequence_parallel_needs_tp", "sequence_parallel needs tp > 1"),
-    ("too_few_microbatches", "1F1B schedules need num_microbatches >= pp"),
-    ("microbatches_not_multiple_of_pp", "interleaved_1f1b needs num_microbatches divisible by pp"),
-    ("megatron_cannot_express", "framework megatron: Megatron-LM runs no GPipe, orders axes tp-dp-pp or tp-pp-dp, "
-     "ZeRO-2/3 (Megatron FSDP) shard over all of dp, and mixture of experts with tp needs sequence parallelism "
-     "(planner/launch.py refuses the rest)"),
-    ("ep_needs_moe", "ep > 1 needs a mixture-of-experts model (num_experts > 0)"),
-    ("ep_not_divide_experts", "ep must divide num_experts (each ep rank holds num_experts / ep experts)"),
-    ("ep_not_divide_dp", "ep must divide dp (expert-parallel ranks are carved out of the data-parallel ranks)"),
-    ("ep_with_cp", "ep > 1 with cp > 1 is not modelled (Megatron-LM and torchtitan fold the cp ranks into the "
-     "expert-parallel group; berth carves ep out of dp only)"),
-    ("out_of_memory", "predicted peak memory exceeds the device memory"),
-    ("memory_tight", "predicted peak memory is within the memory headroom of the device memory"),
-)
-REASON_CODES = {name: i for i, (name, _) in enumerate(REASONS)}
-OUT_OF_MEMORY = REASON_CODES["out_of_memory"]
-MEMORY_TIGHT = REASON_CODES["memory_tight"]  # fits, but closer to the capacity than the search's memory headroom
 # the axis orders Megatron-LM has: its default, and --use-tp-pp-dp-mapping
 MEGATRON_ORDERS = [AXIS_ORDER_CHOICES.index("tp-dp-pp"), AXIS_ORDER_CHOICES.index("tp-pp-dp")]
 
+PLAN = "plan"  # berth's plans: the search's mask and pruning, compare / --layout / --fix, the API
+EXECUTOR = "executor"  # the bundled executor's pre-flight check (berth validate, executor/train.py)
+BOTH = frozenset({PLAN, EXECUTOR})
+MAX_LISTED = 12  # valid values listed in a refusal before "..."
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the rules read besides the layout: the model, the training, the ranks there are; for
+    the explanations, the layout fields a user gave (`--layout`, `--fix`) and what a rank is."""
+
+    model: ModelSpec
+    training: TrainingSpec
+    world: int
+    given: frozenset[str] = frozenset(LAYOUT_FIELDS)
+    ranks: str = "GPUs"
+
+    @classmethod
+    def of(cls, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, **kw) -> Facts:
+        return cls(model, training, cluster.world_size, **kw)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str  # the reason code
+    reads: tuple[str, ...]  # the Layout fields the predicate reads (a refusal blames these)
+    broken: Callable[[Candidates, Facts], np.ndarray]  # vectorized: True where a candidate breaks it
+    text: str  # the rule in general
+    detail: Callable[[Layout, Facts], str] | None = None  # the rule in one layout's numbers (None: text)
+    applies: frozenset[str] = BOTH
+
+    def explain(self, x: Layout, f: Facts) -> str:
+        return self.detail(x, f) if self.detail is not None else self.text
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def listing(values: list) -> str:
+    return ", ".join(map(str, values[:MAX_LISTED])) + (", ..." if len(values) > MAX_LISTED else "")
+
+
+# --- the details: each rule in the user's numbers, with the valid values where they are few ---
+
+def _world(x: Layout, f: Facts) -> str:
+    cp = x.cp > 1 or "cp" in f.given  # the product names cp only where the layout has it
+    if "dp" in f.given:
+        return f"tp x {'cp x ' if cp else ''}pp x dp = {x.world_size} must equal the {f.world} {f.ranks}"
+    return f"tp x {'cp x ' if cp else ''}pp = {x.tp * x.cp * x.pp} must divide the {f.world} {f.ranks}"
+
+
+def _tp_heads(x: Layout, f: Facts) -> str:
+    a, kv = f.model.num_attention_heads, f.model.kv_heads
+    valid = [d for d in divisors(gcd(a, kv)) if f.world % d == 0]
+    return f"tp must divide the {a} attention heads and {kv} kv heads; valid: {listing(valid)}"
+
+
+def _cp_chunks(x: Layout, f: Facts) -> str:
+    s = f.training.seq_len
+    valid = [1] + [d for d in divisors(f.world) if d > 1 and s % (2 * d) == 0 and s // (2 * d) >= CP_MIN_CHUNK_TOKENS]
+    return (f"context parallelism splits each sequence into 2 x cp chunks of at least {CP_MIN_CHUNK_TOKENS} "
+            f"tokens: seq_len {s} / (2 x {x.cp}) does not; valid: {listing(valid)}")
+
+
+def _stages(x: Layout, f: Facts) -> str:
+    L = f.model.num_layers
+    valid = [d for d in divisors(f.world // (x.tp * x.cp)) if stages.split(L, d, x.virtual_stages)[3]]
+    return f"{stages.why_invalid(L, x.pp, x.virtual_stages)}; valid pp (vpp={x.virtual_stages}): {listing(valid)}"
+
+
+def _batch(x: Layout, f: Facts) -> str:
+    return (f"dp x micro_batch_size x num_microbatches = {x.dp} x {x.micro_batch_size} x "
+            f"{x.num_microbatches} = {x.dp * x.micro_batch_size * x.num_microbatches} must equal the "
+            f"global batch {f.training.global_batch_size}")
+
+
+def _interleaved(x: Layout, f: Facts) -> str:
+    if x.pp == 1:
+        return "virtual stages split a pipeline stage: interleaved_1f1b and vpp > 1 need pp > 1"
+    return "interleaved_1f1b needs virtual_stages > 1"
+
+
+def _ep_dp(x: Layout, f: Facts) -> str:
+    valid = divisors(gcd(x.dp, f.model.num_experts or 1))
+    return (f"ep = {x.ep} must divide dp = {x.dp} (expert-parallel ranks are carved out of the data-parallel "
+            f"ranks); valid: {listing(valid)}")
+
+
+def _one_f_one_b(c: Candidates) -> np.ndarray:
+    return (c.schedule != SCHEDULE_GPIPE) & (c.pp > 1)
+
+
+def _megatron(c: Candidates, f: Facts) -> np.ndarray:
+    """The vectorized form of planner/launch.py _megatron_refusal (tests/test_launch.py checks they agree)."""
+    if f.training.framework != "megatron":
+        return np.zeros(len(c), dtype=bool)
+    return (((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1)) | ~np.isin(c.axis_order, MEGATRON_ORDERS)
+            | ((c.zero_stage >= 2) & (c.shard < c.dp))
+            | ((f.model.num_experts > 0) & (c.tp > 1) & (c.sequence_parallel == 0)))
+
+
+_RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
+    Rule("world_size_mismatch", ("tp", "cp", "pp", "dp"),
+         lambda c, f: c.tp * c.cp * c.pp * c.dp != f.world,
+         "tp x cp x pp x dp must equal the number of GPUs", _world),
+    Rule("tp_not_divide_heads", ("tp",), lambda c, f: f.model.num_attention_heads % c.tp != 0,
+         "tp must divide the attention heads", _tp_heads),
+    Rule("tp_not_divide_kv_heads", ("tp",), lambda c, f: f.model.kv_heads % c.tp != 0,
+         "tp must divide the key/value heads", _tp_heads),
+    Rule("cp_not_divide_seq", ("cp",), lambda c, f: (c.cp > 1) & (f.training.seq_len % (2 * c.cp) != 0),
+         "context parallelism splits each sequence into 2 x cp chunks (load-balanced causal split): seq_len must "
+         "be divisible by 2 x cp", _cp_chunks),
+    # engines only: the bundled executor runs any chunk and attends without flash kernels
+    Rule("cp_chunk_too_small", ("cp",),
+         lambda c, f: (c.cp > 1) & (f.training.seq_len // (2 * c.cp) < CP_MIN_CHUNK_TOKENS),
+         f"context parallelism needs chunks of seq_len / (2 x cp) >= {CP_MIN_CHUNK_TOKENS} tokens", _cp_chunks,
+         applies=frozenset({PLAN})),
+    Rule("cp_needs_flash_attention", ("cp",), lambda c, f: (c.cp > 1) & (not f.training.flash_attention),
+         "context parallelism (ring attention) runs on flash attention: cp > 1 needs training.flash_attention",
+         lambda x, f: f"cp = {x.cp} > 1 runs ring attention on flash attention kernels: it needs "
+                      "training.flash_attention",
+         applies=frozenset({PLAN})),
+    Rule("stage_without_layers", ("pp", "virtual_stages"),
+         lambda c, f: ~stages.split(f.model.num_layers, c.pp, c.virtual_stages)[3],
+         "the layer split over pp x virtual_stages leaves a pipeline stage without a layer (planner/stages.py)",
+         _stages),
+    Rule("batch_not_divisible", ("dp", "micro_batch_size", "num_microbatches"),
+         lambda c, f: c.dp * c.micro_batch_size * c.num_microbatches != f.training.global_batch_size,
+         "dp x micro_batch_size x num_microbatches must equal the global batch", _batch),
+    Rule("shard_not_divide_dp", ("shard", "dp"), lambda c, f: c.dp % c.shard != 0, "shard must divide dp",
+         lambda x, f: f"shard must divide dp = {x.dp}; valid: {listing(divisors(x.dp))}"),
+    Rule("shard_without_zero", ("shard", "zero_stage"), lambda c, f: (c.zero_stage == 0) & (c.shard > 1),
+         "shard > 1 needs zero_stage >= 1",
+         lambda x, f: f"shard = {x.shard} > 1 needs zero >= 1 (sharding is what ZeRO does)"),
+    Rule("virtual_stages_need_interleaved", ("virtual_stages", "schedule"),
+         lambda c, f: (c.virtual_stages > 1) & (c.schedule != SCHEDULE_INTERLEAVED),
+         "virtual_stages > 1 needs schedule interleaved_1f1b",
+         lambda x, f: f"virtual_stages = {x.virtual_stages} > 1 needs schedule interleaved_1f1b"),
+    Rule("interleaved_needs_virtual_stages", ("schedule", "virtual_stages", "pp"),
+         lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & ((c.virtual_stages == 1) | (c.pp == 1)),
+         "interleaved_1f1b needs virtual_stages > 1 and pp > 1", _interleaved),
+    Rule("sequence_parallel_needs_tp", ("sequence_parallel", "tp"),
+         lambda c, f: (c.sequence_parallel > 0) & (c.tp == 1),
+         "sequence_parallel needs tp > 1",
+         lambda x, f: "sequence parallelism splits the tensor-parallel group's activations: it needs tp > 1"),
+    Rule("too_few_microbatches", ("num_microbatches", "pp", "schedule"),
+         lambda c, f: _one_f_one_b(c) & (c.num_microbatches < c.pp), "1F1B schedules need num_microbatches >= pp",
+         lambda x, f: f"1F1B schedules need num_microbatches >= pp; {x.num_microbatches} < {x.pp}"),
+    Rule("microbatches_not_multiple_of_pp", ("num_microbatches", "pp", "schedule"),
+         lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & (c.num_microbatches % c.pp != 0),
+         "interleaved_1f1b needs num_microbatches divisible by pp",
+         lambda x, f: f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}"),
+    # engine megatron only (the bundled executor is a PyTorch stack)
+    Rule("megatron_cannot_express",
+         ("axis_order", "dp", "pp", "schedule", "sequence_parallel", "shard", "tp", "zero_stage"), _megatron,
+         "framework megatron: Megatron-LM runs no GPipe, orders axes tp-dp-pp or tp-pp-dp, ZeRO-2/3 (Megatron "
+         "FSDP) shard over all of dp, and mixture of experts with tp needs sequence parallelism (planner/launch.py "
+         "refuses the rest)", applies=frozenset({PLAN})),
+    Rule("ep_needs_moe", ("ep",), lambda c, f: (c.ep > 1) & (f.model.num_experts == 0),
+         "ep > 1 needs a mixture-of-experts model (num_experts > 0)",
+         lambda x, f: f"ep = {x.ep} > 1 needs a mixture-of-experts model; {f.model.name} is dense (num_experts 0)"),
+    Rule("ep_not_divide_experts", ("ep",),
+         lambda c, f: (c.ep > 1) & (f.model.num_experts % np.maximum(c.ep, 1) != 0),
+         "ep must divide num_experts (each ep rank holds num_experts / ep experts)",
+         lambda x, f: f"ep must divide the {f.model.num_experts} experts; valid: "
+                      f"{listing(divisors(f.model.num_experts))}"),
+    Rule("ep_not_divide_dp", ("ep", "dp"), lambda c, f: c.dp % np.maximum(c.ep, 1) != 0,
+         "ep must divide dp (expert-parallel ranks are carved out of the data-parallel ranks)", _ep_dp),
+    Rule("ep_with_cp", ("ep", "cp"), lambda c, f: (c.ep > 1) & (c.cp > 1),
+         "ep > 1 with cp > 1 is not modelled (Megatron-LM and torchtitan fold the cp ranks into the "
+         "expert-parallel group; berth carves ep out of dp only)"),
+)
+
+# What the bundled executor cannot run and the engines can (executor/parallel.py, executor/model.py).
+_EXECUTOR_RULES: tuple[Rule, ...] = (
+    Rule("tp_not_divide_ffn", ("tp",), lambda c, f: f.model.ffn_hidden_size % c.tp != 0,
+         "the bundled executor splits the feed-forward layer evenly over tp: tp must divide ffn_hidden_size",
+         lambda x, f: f"tp={x.tp} does not divide ffn {f.model.ffn_hidden_size} (the bundled executor splits the "
+                      "feed-forward layer evenly)", applies=frozenset({EXECUTOR})),
+    Rule("tp_not_divide_vocab", ("tp",), lambda c, f: f.model.vocab_size % c.tp != 0,
+         "the bundled executor splits the embedding and the LM head evenly over tp (the engines pad the "
+         "vocabulary): tp must divide vocab_size",
+         lambda x, f: f"tp={x.tp} does not divide vocab {f.model.vocab_size} (the bundled executor splits the "
+                      "embedding and LM head evenly; Megatron-LM and torchtitan pad the vocabulary)",
+         applies=frozenset({EXECUTOR})),
+    Rule("sequence_parallel_tokens", ("sequence_parallel", "tp", "cp"),
+         lambda c, f: (c.sequence_parallel > 0) & ((f.training.seq_len // c.cp) % c.tp != 0),
+         "the bundled executor's sequence parallelism needs tp to divide the tokens of each sequence on a rank",
+         lambda x, f: f"sequence parallel needs tp={x.tp} to divide the {f.training.seq_len // x.cp} tokens of "
+                      "each sequence on a rank", applies=frozenset({EXECUTOR})),
+    Rule("tied_embeddings_model_parallel", ("tp", "pp"),
+         lambda c, f: f.model.tied_embeddings & ((c.tp > 1) | (c.pp > 1)),
+         "tied embeddings with tp or pp > 1 are not supported by the executor", applies=frozenset({EXECUTOR})),
+    Rule("moe_beyond_dp", ("tp", "cp", "pp", "zero_stage"),
+         lambda c, f: (f.model.num_experts > 0) & ((c.tp > 1) | (c.pp > 1) | (c.cp > 1) | (c.zero_stage > 0)),
+         "the executor runs mixture-of-experts models on dp (with ep) only: tp = cp = pp = 1, zero 0",
+         applies=frozenset({EXECUTOR})),
+)
+
+_MEMORY: tuple[tuple[str, str], ...] = (
+    ("out_of_memory", "predicted peak memory exceeds the device memory"),
+    ("memory_tight", "predicted peak memory is within the memory headroom of the device memory"),
+)
+
+# The one table, in reporting order (the first broken rule is a candidate's reason). The memory
+# reasons come from the cost model (cost_models/step.py) and sit between the structural rules and
+# the executor-only ones, so the search's codes do not depend on the executor's rules.
+RULES: tuple[Rule, ...] = _RULES_BEFORE_MEMORY + _EXECUTOR_RULES
+RULE: dict[str, Rule] = {r.name: r for r in RULES}
+REASONS: tuple[tuple[str, str], ...] = (
+    (("", ""),) + tuple((r.name, r.text) for r in _RULES_BEFORE_MEMORY) + _MEMORY
+    + tuple((r.name, r.text) for r in _EXECUTOR_RULES))
+REASON_CODES = {name: i for i, (name, _) in enumerate(REASONS)}
+OUT_OF_MEMORY = REASON_CODES["out_of_memory"]
+MEMORY_TIGHT = REASON_CODES["memory_tight"]  # fits, but closer to the capacity than the search's memory headroom
+PLAN_RULES: tuple[Rule, ...] = tuple(r for r in RULES if PLAN in r.applies)
+EXECUTOR_RULES: tuple[Rule, ...] = tuple(r for r in RULES if EXECUTOR in r.applies)
+_WHO = {PLAN: PLAN_RULES, EXECUTOR: EXECUTOR_RULES}
+
+
+def evaluate_rules(c: Candidates, facts: Facts, rules: tuple[Rule, ...] = PLAN_RULES) -> list[np.ndarray]:
+    """One boolean array per rule (True: the candidate breaks it), vectorized over the candidates."""
+    n = len(c)
+    return [np.broadcast_to(np.asarray(r.broken(c, facts), dtype=bool), (n,)) for r in rules]
+
 
 def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> list:
-    """One boolean array per rule of REASONS[1:] that does not depend on the cost model (True:
-    the candidate breaks it), in REASONS order. The search masks with them and the one-layout
-    check (`planner.layouts.check_layout`) explains with them: the rules live only here."""
-    one_f_one_b = (c.schedule != SCHEDULE_GPIPE) & (c.pp > 1)
-    rules = [
-        c.tp * c.cp * c.pp * c.dp != cluster.world_size,
-        model.num_attention_heads % c.tp != 0,
-        model.kv_heads % c.tp != 0,
-        (c.cp > 1) & (training.seq_len % (2 * c.cp) != 0),
-        (c.cp > 1) & (training.seq_len // (2 * c.cp) < CP_MIN_CHUNK_TOKENS),
-        (c.cp > 1) & (not training.flash_attention),
-        ~stages.split(model.num_layers, c.pp, c.vpp)[3],
-        c.dp * c.mbs * c.nmb != training.global_batch_size,
-        c.dp % c.shard != 0,
-        (c.zero == 0) & (c.shard > 1),
-        (c.vpp > 1) & (c.schedule != SCHEDULE_INTERLEAVED),
-        (c.schedule == SCHEDULE_INTERLEAVED) & ((c.vpp == 1) | (c.pp == 1)),
-        (c.sp > 0) & (c.tp == 1),
-        one_f_one_b & (c.nmb < c.pp),
-        (c.schedule == SCHEDULE_INTERLEAVED) & (c.nmb % c.pp != 0),
-        # the vectorized form of planner/launch.py _megatron_refusal (tests/test_launch.py checks they agree)
-        (training.framework == "megatron") & (((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1))
-                                              | ~np.isin(c.order, MEGATRON_ORDERS)
-                                              | ((c.zero >= 2) & (c.shard < c.dp))
-                                              | ((model.num_experts > 0) & (c.tp > 1) & (c.sp == 0))),
-        (c.ep > 1) & (model.num_experts == 0),
-        (c.ep > 1) & (model.num_experts % np.maximum(c.ep, 1) != 0),
-        c.dp % np.maximum(c.ep, 1) != 0,
-        (c.ep > 1) & (c.cp > 1),
-    ]
-    return rules
+    """One boolean array per PLAN rule (True: the candidate breaks it), in REASONS order."""
+    return evaluate_rules(c, Facts.of(model, training, cluster))
 
 
 def structural_reasons(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec):
-    """Reason codes for every rule that does not depend on the cost model."""
-    rules = structural_rules(c, model, training, cluster)
+    """Reason codes for every PLAN rule (none depends on the cost model): the first broken wins."""
+    return reason_codes(c, Facts.of(model, training, cluster))
+
+
+def reason_codes(c: Candidates, facts: Facts) -> np.ndarray:
+    """Each candidate's reason code: the first PLAN rule it breaks, VALID (0) where none."""
+    rules = evaluate_rules(c, facts)
     reason = np.zeros(len(c), dtype=np.int64)
-    for code in range(len(rules), 0, -1):  # the first failing rule wins
-        reason = np.where(rules[code - 1], code, reason)
+    for rule, broken in zip(reversed(PLAN_RULES), reversed(rules), strict=True):  # the first failing rule wins
+        reason = np.where(broken, REASON_CODES[rule.name], reason)
     return reason
+
+
+def violations(layout: Layout, facts: Facts, who: str = PLAN) -> list[tuple[Rule, str]]:
+    """(rule, the rule in the layout's numbers) of every rule of `who` the one layout breaks, in
+    table order: the vectorized predicates evaluated on a one-row Candidates."""
+    rules = _WHO[who]
+    broken = evaluate_rules(Candidates.from_layouts([layout]), facts, rules)
+    return [(r, r.explain(layout, facts)) for r, b in zip(rules, broken, strict=True) if b[0]]
+
+
+def prune(facts: Facts, **columns: np.ndarray) -> np.ndarray:
+    """Rows of partial candidates (some Candidates columns given, the others at Layout's defaults)
+    that break no PLAN rule reading only the given fields: the search's pruning before it builds the
+    full candidates (a rule that reads a field still free cannot be judged yet)."""
+    n = len(next(iter(columns.values())))
+    default = Candidates.from_layouts([Layout()])
+    c = Candidates(**{f.name: np.repeat(getattr(default, f.name), n) for f in fields(Candidates)}
+                   | {k: np.asarray(v, dtype=np.int64) for k, v in columns.items()})
+    known = set(columns)  # Candidates columns are named as the Layout fields
+    rules = tuple(r for r in PLAN_RULES if set(r.reads) <= known)
+    keep = np.ones(n, dtype=bool)
+    for broken in evaluate_rules(c, facts, rules):
+        keep &= ~broken
+    return keep
 
 
 def describe(code: int) -> str:

@@ -57,11 +57,12 @@ from executor import timing
 from executor.checks import UnsupportedLayout, check_layout  # noqa: F401 (re-exported)
 from executor.model import Attention, Decoder, MoE, build_model, loss_fn
 from planner import stages
+from planner.axes import MESH_DIMS
 from planner.placement import coordinates
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
 LEARNING_RATE = 1e-3
-MESH_DIMS = ("pp", "replicate", "shard", "cp", "tp")
+# MESH_DIMS (planner/axes.py): ("pp", "replicate", "shard", "cp", "tp"), torchtitan's order, outermost first
 
 
 @dataclass
@@ -116,15 +117,27 @@ def reduce_cp_gradients(prepared: Prepared, cp: int) -> None:
             g /= cp
 
 
+def mesh_shape(layout: Layout) -> tuple[int, ...]:
+    """The DeviceMesh's size along each of MESH_DIMS (planner/axes.py): dp becomes (replicate,
+    shard), shard inner (FSDP2's hybrid mesh)."""
+    sizes = {"replicate": layout.dp // layout.shard, "shard": layout.shard}
+    return tuple(sizes[d] if d in sizes else getattr(layout, d) for d in MESH_DIMS)
+
+
+def mesh_index(layout: Layout, coords: dict[str, int]) -> tuple[int, ...]:
+    """A rank's index along MESH_DIMS from its coordinate along each axis."""
+    split = {"replicate": coords["dp"] // layout.shard, "shard": coords["dp"] % layout.shard}
+    return tuple(split[d] if d in split else coords[d] for d in MESH_DIMS)
+
+
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    shape = (layout.pp, layout.dp // layout.shard, layout.shard, layout.cp, layout.tp)
+    shape = mesh_shape(layout)
     if layout.axis_order == "tp-dp-pp":
         return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     c = coordinates(layout)
     grid = torch.empty(shape, dtype=torch.int64)
     for rank in range(layout.world_size):
-        dp = int(c["dp"][rank])
-        grid[int(c["pp"][rank]), dp // layout.shard, dp % layout.shard, int(c["cp"][rank]), int(c["tp"][rank])] = rank
+        grid[mesh_index(layout, {axis: int(c[axis][rank]) for axis in c})] = rank
     return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS)
 
 

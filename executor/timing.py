@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from executor.breakdown import OTHER
+from planner.axes import RANK_AXES
 
 # spans of these prefixes opened inside the key are not opened: their time stays the key's
 # (the cost model counts a full recomputation's tensor-parallel collectives as recomputation)
@@ -300,7 +301,7 @@ class _Axes:
     def _axis(self, ranks: list[int]) -> str:
         if self.coordinates is None:
             return OTHER
-        varying = {axis for axis in ("tp", "cp", "dp", "pp")
+        varying = {axis for axis in RANK_AXES
                    if axis in self.coordinates and len({int(self.coordinates[axis][r]) for r in ranks}) > 1}
         if varying == {"dp", "cp"}:
             return "dp"  # FSDP/ZeRO and gradient reduction span dp x cp (the cost model's dp_comm)

@@ -31,7 +31,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from executor import timing
 from executor.device import init_cuda
 from executor.model import load_balanced_chunks, synthetic_batch
-from executor.parallel import MESH_DIMS, Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
+from executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
+from planner.axes import MESH_DIM_AXIS, MESH_DIMS
 from planner.placement import coordinates
 from planner.specs import Layout, ModelSpec, TrainingSpec
 
@@ -210,8 +211,7 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
         return elapsed, timer.end(), local
 
     ddp = isinstance(prepared.modules[0], DistributedDataParallel)
-    axes = {"pp": "pp", "replicate": "dp", "shard": "dp", "cp": "cp", "tp": "tp"}
-    groups = {mesh.get_group(d).group_name: axes[d] for d in MESH_DIMS} if mesh is not None else {}
+    groups = {mesh.get_group(d).group_name: MESH_DIM_AXIS[d] for d in MESH_DIMS} if mesh is not None else {}
     with timing.instrument(timer, coordinates(layout) if world > 1 else None, prepared.modules,
                            prepared.schedule, ddp=ddp, groups=groups):
         memory.mark()

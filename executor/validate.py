@@ -285,7 +285,7 @@ def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dic
         mem = {k: float(v[0]) for k, v in
                stage_memory_breakdown(model, plan.training, plan.cluster.device, c, first, buckets=False).items()}
         stage = 0 if first else x.pp - 1
-        in_flight = float(microbatches_in_flight(c.pp, c.vpp, c.nmb, c.schedule, stage)[0])
+        in_flight = float(microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)[0])
     mem["framework"] = 0.0
     metrics = Metrics(step_time_s=sum(comp.values()), peak_memory_bytes=sum(mem.values()))
     breakdown = {**{f"time.{k}": v for k, v in comp.items()}, **{f"memory.{k}": v for k, v in mem.items()}}

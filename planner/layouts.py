@@ -3,12 +3,11 @@ e.g. "tp=8,pp=4,dp=2,zero=1,recompute=selective,mbs=1,vpp=5,sp=1"."""
 
 from __future__ import annotations
 
-from math import gcd
 from typing import Any
 
 from pydantic import ValidationError
 
-from planner import stages
+from cost_models.validity import RULE, Facts, listing, violations
 from planner.errors import BerthError, from_validation_error
 from planner.specs import (
     AXIS_ORDER_CHOICES,
@@ -110,114 +109,23 @@ def check_values(values: dict[str, Any], field: str = "layout") -> None:
             raise BerthError(f"{field}.{key}", value, "must be a positive integer")
 
 
-# The layout fields each rule of cost_models.validity.REASONS reads (a rule broken only through
-# fields a user left free is no refusal of what the user gave).
-RULE_FIELDS = {
-    "world_size_mismatch": ("tp", "cp", "pp", "dp"),
-    "tp_not_divide_heads": ("tp",),
-    "tp_not_divide_kv_heads": ("tp",),
-    "cp_not_divide_seq": ("cp",),
-    "cp_chunk_too_small": ("cp",),
-    "cp_needs_flash_attention": ("cp",),
-    "stage_without_layers": ("pp", "virtual_stages"),
-    "batch_not_divisible": ("dp", "micro_batch_size", "num_microbatches"),
-    "shard_not_divide_dp": ("shard", "dp"),
-    "shard_without_zero": ("shard", "zero_stage"),
-    "virtual_stages_need_interleaved": ("virtual_stages", "schedule"),
-    "interleaved_needs_virtual_stages": ("schedule", "virtual_stages", "pp"),
-    "sequence_parallel_needs_tp": ("sequence_parallel", "tp"),
-    "too_few_microbatches": ("num_microbatches", "pp", "schedule"),
-    "microbatches_not_multiple_of_pp": ("num_microbatches", "pp", "schedule"),
-    "ep_needs_moe": ("ep",),
-    "ep_not_divide_experts": ("ep",),
-    "ep_not_divide_dp": ("ep", "dp"),
-    "ep_with_cp": ("ep", "cp"),
-}
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
-
-
-def _listing(values: list) -> str:
-    return ", ".join(map(str, values[:12])) + (", ..." if len(values) > 12 else "")
-
-
-def _why(name: str, x: Layout, model: ModelSpec, training: TrainingSpec, world: int, given: set[str]) -> str:
-    """The broken rule in the user's numbers, with the valid values where they are few."""
-    a, kv, L, B = model.num_attention_heads, model.kv_heads, model.num_layers, training.global_batch_size
-    if name == "world_size_mismatch":
-        cp = x.cp > 1 or "cp" in given  # the product names cp only where the layout has it
-        if "dp" in given:
-            return f"tp x {'cp x ' if cp else ''}pp x dp = {x.world_size} must equal the {world} GPUs"
-        return f"tp x {'cp x ' if cp else ''}pp = {x.tp * x.cp * x.pp} must divide the {world} GPUs"
-    if name in ("cp_not_divide_seq", "cp_chunk_too_small"):
-        from cost_models.validity import CP_MIN_CHUNK_TOKENS
-
-        s = training.seq_len
-        valid = [1] + [d for d in divisors(world) if d > 1 and s % (2 * d) == 0 and s // (2 * d) >= CP_MIN_CHUNK_TOKENS]
-        return (f"context parallelism splits each sequence into 2 x cp chunks of at least {CP_MIN_CHUNK_TOKENS} "
-                f"tokens: seq_len {s} / (2 x {x.cp}) does not; valid: {_listing(valid)}")
-    if name == "cp_needs_flash_attention":
-        return f"cp = {x.cp} > 1 runs ring attention on flash attention kernels: it needs training.flash_attention"
-    if name in ("tp_not_divide_heads", "tp_not_divide_kv_heads"):
-        valid = [d for d in divisors(gcd(a, kv)) if world % d == 0]
-        return f"tp must divide the {a} attention heads and {kv} kv heads; valid: {_listing(valid)}"
-    if name == "stage_without_layers":
-        valid = [d for d in divisors(world // (x.tp * x.cp)) if stages.split(L, d, x.virtual_stages)[3]]
-        return f"{stages.why_invalid(L, x.pp, x.virtual_stages)}; valid pp (vpp={x.virtual_stages}): {_listing(valid)}"
-    if name == "batch_not_divisible":
-        return (f"dp x micro_batch_size x num_microbatches = {x.dp} x {x.micro_batch_size} x "
-                f"{x.num_microbatches} = {x.dp * x.micro_batch_size * x.num_microbatches} must equal the "
-                f"global batch {B}")
-    if name == "shard_not_divide_dp":
-        return f"shard must divide dp = {x.dp}; valid: {_listing(divisors(x.dp))}"
-    if name == "shard_without_zero":
-        return f"shard = {x.shard} > 1 needs zero >= 1 (sharding is what ZeRO does)"
-    if name == "virtual_stages_need_interleaved":
-        return f"virtual_stages = {x.virtual_stages} > 1 needs schedule interleaved_1f1b"
-    if name == "interleaved_needs_virtual_stages":
-        if x.pp == 1:
-            return "virtual stages split a pipeline stage: interleaved_1f1b and vpp > 1 need pp > 1"
-        return "interleaved_1f1b needs virtual_stages > 1"
-    if name == "sequence_parallel_needs_tp":
-        return "sequence parallelism splits the tensor-parallel group's activations: it needs tp > 1"
-    if name == "too_few_microbatches":
-        return f"1F1B schedules need num_microbatches >= pp; {x.num_microbatches} < {x.pp}"
-    if name == "microbatches_not_multiple_of_pp":
-        return f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}"
-    if name == "ep_needs_moe":
-        return f"ep = {x.ep} > 1 needs a mixture-of-experts model; {model.name} is dense (num_experts 0)"
-    if name == "ep_not_divide_experts":
-        return f"ep must divide the {model.num_experts} experts; valid: {_listing(divisors(model.num_experts))}"
-    if name == "ep_not_divide_dp":
-        valid = [d for d in divisors(gcd(x.dp, model.num_experts or 1))]
-        return (f"ep = {x.ep} must divide dp = {x.dp} (expert-parallel ranks are carved out of the data-parallel "
-                f"ranks); valid: {_listing(valid)}")
-    from cost_models.validity import REASONS
-
-    return dict(REASONS)[name]
-
-
 def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
                     given: set[str] | None = None) -> list[tuple[str, str]]:
-    """(rule name, why) of every structural rule the layout breaks, evaluated by the search's own
-    vectorized rules on a one-row Candidates; with `given`, only the rules that read a given field."""
-    from cost_models.candidates import Candidates
-    from cost_models.validity import REASONS, structural_rules
-
-    rules = structural_rules(Candidates.from_layouts([layout]), model, training, cluster)
+    """(rule name, why) of every PLAN rule of cost_models.validity.RULES the layout breaks (the
+    search's own vectorized predicates on a one-row Candidates), in the user's numbers; with
+    `given`, only the rules that read a given field (a rule broken only through fields a user left
+    free is no refusal of what the user gave)."""
     given = set(LAYOUT_FIELDS) if given is None else given
-    out = []
-    for (name, _), broken in zip(REASONS[1:], rules, strict=False):
-        if bool(broken[0]) and given & set(RULE_FIELDS.get(name, LAYOUT_FIELDS)):
-            out.append((name, _why(name, layout, model, training, cluster.world_size, given)))
-    return out
+    facts = Facts.of(model, training, cluster, given=frozenset(given))
+    return [(rule.name, why) for rule, why in violations(layout, facts) if given & set(rule.reads)]
+
+
+def _reads(name: str) -> tuple[str, ...]:
+    return RULE[name].reads
 
 
 def _blame(name: str, given: set[str], values: dict[str, Any]) -> tuple[str, Any]:
-    keys = [k for k in RULE_FIELDS.get(name, ()) if k in given] or list(RULE_FIELDS.get(name, ())) or sorted(given)
+    keys = [k for k in _reads(name) if k in given] or list(_reads(name)) or sorted(given)
     if len(keys) == 1:
         return keys[0], values.get(keys[0])
     return ",".join(keys), ",".join(f"{k}={values.get(k)}" for k in keys)
@@ -246,7 +154,7 @@ def refuse_fix(fix: dict[str, Any], key: str, valid: list, model: ModelSpec, tra
         layout = complete_layout(fix, training, cluster.world_size, "fix")
         problems = layout_problems(layout, model, training, cluster, set(fix))
         # a rule that reads only given fields is broken whatever the search picks for the rest
-        fields = {n: RULE_FIELDS.get(n, LAYOUT_FIELDS) for n, _ in problems}
+        fields = {n: _reads(n) for n, _ in problems}
         whole = [w for n, w in problems if key in fields[n] and set(fields[n]) <= set(fix)]
         partial = [w for n, w in problems if key in fields[n]]
         why = "; ".join(dict.fromkeys(whole)) or (partial[0] if partial else "")
@@ -260,7 +168,7 @@ def refuse_fix(fix: dict[str, Any], key: str, valid: list, model: ModelSpec, tra
         why = f"no layout of {cluster.world_size} GPUs the search covers has it" + \
             (f" with {','.join(earlier)}" if earlier else "")
     if valid and "valid:" not in why:
-        why += f"; valid{' with ' + ','.join(earlier) if earlier else ''}: {_listing(valid)}"
+        why += f"; valid{' with ' + ','.join(earlier) if earlier else ''}: {listing(valid)}"
     elif not valid:
         why += f"; no value works with {','.join(earlier)}" if earlier else ""
     return BerthError(f"fix.{key}", fix[key], why)

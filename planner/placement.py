@@ -16,10 +16,11 @@ from itertools import permutations
 import numpy as np
 
 from cost_models.comm import group_level
-from planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement, with_cp
+from planner.axes import ORDERED_AXES, RANK_AXES, with_cp
+from planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement
 
-AXES = ("tp", "dp", "pp")  # the axes of axis_order
-RANK_AXES = ("tp", "cp", "dp", "pp")  # with context parallelism, right outside tp
+AXES = ORDERED_AXES  # the axes of axis_order: tp, dp, pp
+# RANK_AXES (planner/axes.py): with context parallelism, right outside tp
 ORDERS: tuple[tuple[str, ...], ...] = tuple(permutations(AXES))
 
 
@@ -29,7 +30,7 @@ def shown_axes(layout: Layout) -> tuple[str, ...]:
 
 
 def _sizes(layout: Layout) -> dict[str, int]:
-    return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
+    return {axis: getattr(layout, axis) for axis in RANK_AXES}
 
 
 def _full(order: tuple[str, ...] | None, layout: Layout) -> tuple[str, ...]:

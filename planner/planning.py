@@ -14,11 +14,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cost_models.validity import divisors as search_divisors
 from hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
 from planner.errors import BerthError, from_validation_error
 from planner.graphs import cluster_graph, to_node_link
 from planner.layouts import check_layout, parse_spec
-from planner.layouts import divisors as search_divisors
 from planner.search import SearchResult, predict_layouts, search
 from planner.specs import (
     DEFAULT_MEMORY_HEADROOM,

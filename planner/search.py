@@ -21,10 +21,10 @@ from cost_models.candidates import (
 )
 from cost_models.memory import allocator_capacity_bytes
 from cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
-from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, REASONS, VALID, structural_reasons
+from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, REASONS, VALID, Facts, divisors, prune, structural_reasons
 from planner import __version__, stages
 from planner.errors import BerthError
-from planner.layouts import check_values, divisors, refuse_fix
+from planner.layouts import check_values, refuse_fix
 from planner.placement import innermost_cluster, placement
 from planner.specs import (
     AXIS_ORDER_CHOICES,
@@ -95,31 +95,39 @@ def cp_options(training: TrainingSpec, world: int) -> list[int]:
 
 
 def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_mbs: int | None):
-    """(tp, pp, dp, mbs, nmb, schedule, vpp, axis order, cp) rows that divide correctly."""
-    a, kv, L, B = model.num_attention_heads, model.kv_heads, model.num_layers, training.global_batch_size
+    """(tp, pp, dp, mbs, nmb, schedule, vpp, axis order, cp) rows that divide correctly: the
+    rule table's rules that read only tp, cp, pp and virtual_stages (cost_models/validity.py
+    `prune`: the heads, the cp chunks, the stage split) judge (tp, cp, pp) and the virtual stages
+    before any row is built; the search's own choices (cp_options, axis_orders, the vpp that divide a
+    middle rank's layers) narrow what is tried; the mask checks every rule on the full rows."""
+    L, B = model.num_layers, training.global_batch_size
+    facts = Facts(model, training, world)
+    triples = np.asarray([(t, c, p) for t in divisors(world) for c in cp_options(training, world // t)
+                          for p in divisors(world // (t * c))], dtype=np.int64).reshape(-1, 3)
+    keep = prune(facts, tp=triples[:, 0], cp=triples[:, 1], pp=triples[:, 2],
+                 virtual_stages=np.ones(len(triples), np.int64))
+    # virtual stages: the divisors v > 1 of a middle rank's layers, ceil(L / pp) (L / pp when pp divides L)
+    pairs = np.asarray([(p, v) for p in sorted(set(triples[keep, 2].tolist())) if p > 1 for v in divisors(-(-L // p))
+                        if v > 1], dtype=np.int64).reshape(-1, 2)
+    vpps: dict[int, list[int]] = {}
+    if len(pairs):
+        for p, v in pairs[prune(facts, pp=pairs[:, 0], virtual_stages=pairs[:, 1])].tolist():
+            vpps.setdefault(p, []).append(v)
     rows = []
-    for tp, cp in ((t, c) for t in divisors(world) for c in cp_options(training, world // t)):
-        if a % tp or kv % tp:
+    for tp, cp, pp in triples[keep].tolist():
+        dp = world // (tp * cp * pp)
+        if B % dp:  # batch_not_divisible for every micro-batch size
             continue
-        for pp in divisors(world // (tp * cp)):
-            if not stages.split(L, pp)[3]:
+        if pp == 1:
+            schedules = [(SCHEDULE_1F1B, 1)]
+        else:
+            schedules = [(SCHEDULE_GPIPE, 1), (SCHEDULE_1F1B, 1)]
+            schedules += [(SCHEDULE_INTERLEAVED, v) for v in vpps.get(pp, [])]
+        orders = axis_orders(tp, pp, dp)
+        for mbs in divisors(B // dp):
+            if max_mbs and mbs > max_mbs:
                 continue
-            dp = world // (tp * cp * pp)
-            if B % dp:
-                continue
-            if pp == 1:
-                schedules = [(SCHEDULE_1F1B, 1)]
-            else:
-                # virtual stages: the divisors of a middle rank's layers, ceil(L / pp) (L / pp when pp
-                # divides L), whose chunk split is valid (planner/stages.py)
-                schedules = [(SCHEDULE_GPIPE, 1), (SCHEDULE_1F1B, 1)]
-                schedules += [(SCHEDULE_INTERLEAVED, v) for v in divisors(-(-L // pp))
-                              if v > 1 and stages.split(L, pp, v)[3]]
-            orders = axis_orders(tp, pp, dp)
-            for mbs in divisors(B // dp):
-                if max_mbs and mbs > max_mbs:
-                    continue
-                rows += [(tp, pp, dp, mbs, B // (dp * mbs), s, v, o, cp) for s, v in schedules for o in orders]
+            rows += [(tp, pp, dp, mbs, B // (dp * mbs), s, v, o, cp) for s, v in schedules for o in orders]
     return np.asarray(rows, dtype=np.int64).reshape(-1, 9)
 
 
@@ -134,8 +142,10 @@ def _inner_options(dp: int, tp: int, experts: int = 0) -> np.ndarray:
     return np.asarray(opts, dtype=np.int64)
 
 
-_STRUCT_COLUMNS = ("tp", "pp", "dp", "mbs", "nmb", "schedule", "vpp", "order", "cp")  # _structural_rows' columns
-_INNER_COLUMNS = ("zero", "shard", "recompute", "sp", "ep")  # _inner_options' columns
+# _structural_rows' and _inner_options' columns (Candidates fields)
+_STRUCT_COLUMNS = ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "schedule", "virtual_stages", "axis_order",
+                   "cp")
+_INNER_COLUMNS = ("zero_stage", "shard", "recompute", "sequence_parallel", "ep")
 
 
 def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
@@ -184,7 +194,7 @@ def _refuse_empty_fix(rows: np.ndarray, fix: dict, model: ModelSpec, training: T
     given), with the values the candidates left by the keys before it have: never an empty search."""
     keys = list(fix)
     for n, key in enumerate(keys):
-        column = _FIX_COLUMNS[key]
+        column = key  # Candidates columns are named as the Layout fields
         present: set[int] = set()
         for struct, inner in _group_tables(rows, _fix_codes({k: fix[k] for k in keys[:n]}), model.num_experts):
             table, columns = (struct, _STRUCT_COLUMNS) if column in _STRUCT_COLUMNS else (inner, _INNER_COLUMNS)
@@ -211,8 +221,8 @@ def count_candidates(model: ModelSpec, training: TrainingSpec, cluster: ClusterS
 def _block(struct: np.ndarray, inner: np.ndarray) -> Candidates:
     s = np.repeat(struct, len(inner), axis=0)
     o = np.tile(inner, (len(struct), 1))
-    return Candidates(tp=s[:, 0], pp=s[:, 1], dp=s[:, 2], mbs=s[:, 3], nmb=s[:, 4], schedule=s[:, 5], vpp=s[:, 6],
-                      order=s[:, 7], cp=s[:, 8], zero=o[:, 0], shard=o[:, 1], recompute=o[:, 2], sp=o[:, 3], ep=o[:, 4])
+    return Candidates(**{name: s[:, j] for j, name in enumerate(_STRUCT_COLUMNS)},
+                      **{name: o[:, j] for j, name in enumerate(_INNER_COLUMNS)})
 
 
 def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> Iterator[Candidates]:
@@ -243,14 +253,9 @@ def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: Clus
                              or [_block(np.zeros((0, 9), np.int64), np.zeros((1, 5), np.int64))])
 
 
-_FIX_COLUMNS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "ep": "ep", "shard": "shard", "zero_stage": "zero",
-                "micro_batch_size": "mbs", "num_microbatches": "nmb", "virtual_stages": "vpp",
-                "recompute": "recompute", "schedule": "schedule", "sequence_parallel": "sp", "axis_order": "order"}
-
-
 def _fix_codes(fix: dict) -> dict[str, int]:
     """search.fix (its values checked by `planner.layouts.check_values`) as column -> code."""
-    return {_FIX_COLUMNS[key]: _CODES[key].index(value) if key in _CODES else int(value) for key, value in fix.items()}
+    return {key: _CODES[key].index(value) if key in _CODES else int(value) for key, value in fix.items()}
 
 
 def objective_value(ev: Evaluation, objective: str = "throughput") -> np.ndarray:

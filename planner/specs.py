@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError, model_validator
 
 from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
+from planner.axes import with_cp  # noqa: F401 (re-exported: the axis table's placement of cp)
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -21,17 +22,6 @@ RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
 SCHEDULE_CHOICES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 # innermost axis first; tp-dp-pp (Megatron's default) first so that ties keep it
 AXIS_ORDER_CHOICES: tuple[AxisOrder, ...] = ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp")
-
-
-
-def with_cp(order) -> tuple[str, ...]:
-    """An axis order (innermost first, of tp, dp and pp) with cp placed right outside tp."""
-    out: list[str] = []
-    for axis in order:
-        out.append(axis)
-        if axis == "tp":
-            out.append("cp")
-    return tuple(out)
 
 
 # Sanity bounds on user input: far beyond any real model or cluster, small enough that a

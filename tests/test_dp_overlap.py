@@ -53,7 +53,7 @@ def test_fsdp_exposed_at_least_traffic_minus_window():
     gather = comm.all_gather_s(cluster, nbytes, shard, stride)
     scatter = comm.reduce_scatter_s(cluster, nbytes, shard, stride)
     replicas = comm.all_reduce_s(cluster, nbytes / shard, c.dp / shard, stride * c.shard)
-    traffic = c.nmb * (2 * gather + scatter) + replicas
+    traffic = c.num_microbatches * (2 * gather + scatter) + replicas
     t = ev.time_breakdown_s
     window = t["compute"] + t["recompute"]
     assert traffic[0] > 1.5  # the 1.74 s

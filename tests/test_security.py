@@ -359,7 +359,8 @@ def test_candidate_count_matches_the_enumeration():
         from planner.search import _groups
         chunks = list(iter_candidates(_groups(model, training, cluster, spec), chunk=1000))
         assert all(len(c) == 1000 for c in chunks[:-1]) and sum(map(len, chunks)) == len(every)
-        assert (chunks[0].tp == every.tp[:1000]).all() and (chunks[-1].zero == every.zero[-len(chunks[-1]):]).all()
+        assert (chunks[0].tp == every.tp[:1000]).all()
+        assert (chunks[-1].zero_stage == every.zero_stage[-len(chunks[-1]):]).all()
 
 
 def test_search_memory_is_bounded_by_its_chunk(monkeypatch):

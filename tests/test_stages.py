@@ -86,8 +86,8 @@ def test_the_slowest_stage_sets_the_step():
     head = float(compute.lm_head_compute_s(base, training, cluster.device, np.array([1.0]), np.array([1.0]))[0])
     diff = eight.time_breakdown_s["compute"][0] - seven.time_breakdown_s["compute"][0]
     assert diff == pytest.approx(4 * head, rel=1e-9)
-    first7 = memory.stage_params(base.model_copy(update={"num_layers": 7}), c.pp, c.tp, True, c.vpp)
-    first8 = memory.stage_params(base.model_copy(update={"num_layers": 8}), c.pp, c.tp, True, c.vpp)
+    first7 = memory.stage_params(base.model_copy(update={"num_layers": 7}), c.pp, c.tp, True, c.virtual_stages)
+    first8 = memory.stage_params(base.model_copy(update={"num_layers": 8}), c.pp, c.tp, True, c.virtual_stages)
     assert first7[0] == first8[0]
     assert seven.step_time_s[0] < eight.step_time_s[0]
 
