@@ -162,8 +162,9 @@ def refuse_fix(fix: dict[str, Any], key: str, valid: list, model: ModelSpec, tra
         pass
     order = list(fix)
     earlier = [f"{k}={fix[k]}" for k in order[: order.index(key)]]
-    if not why and key in ("shard", "zero_stage") and fix.get("shard") == 1 and fix.get("zero_stage", 0) > 0:
-        why = "ZeRO shards over shard > 1 ranks (shard = 1 under ZeRO is zero = 0)"
+    if (not why and key in ("shard", "zero_stage") and fix.get("shard") == 1 and fix.get("zero_stage", 0) > 0
+            and fix.get("cp", 1) == 1):
+        why = "ZeRO shards over shard x cp > 1 ranks (shard = 1 under ZeRO is zero = 0 unless cp > 1)"
     if not why:
         why = f"no layout of {cluster.world_size} GPUs the search covers has it" + \
             (f" with {','.join(earlier)}" if earlier else "")

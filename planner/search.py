@@ -131,10 +131,13 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
     return np.asarray(rows, dtype=np.int64).reshape(-1, 9)
 
 
-def _inner_options(dp: int, tp: int, experts: int = 0) -> np.ndarray:
+def _inner_options(dp: int, tp: int, experts: int = 0, cp: bool = False) -> np.ndarray:
     """(zero, shard, recompute, sp, ep) options for a given dp and tp; ep (MoE models only, `experts`
-    > 0) ranges over the common divisors of dp and the number of experts."""
-    shards = [d for d in divisors(dp) if d > 1]
+    > 0) ranges over the common divisors of dp and the number of experts. ZeRO shards over shard x cp
+    ranks (cost_models/memory.py), so with context parallelism (`cp`) shard = 1 under ZeRO still
+    shards, over the cp ranks (torchtitan's FSDP over dp_shard x cp with dp_shard 1, Megatron's
+    distributed optimizer over dp x cp)."""
+    shards = [d for d in divisors(dp) if d > 1] + ([1] if cp else [])
     zero_shard = [(0, 1)] + [(z, s) for z in (1, 2, 3) for s in shards]
     sps = (0, 1) if tp > 1 else (0,)
     eps = divisors(math.gcd(dp, experts)) if experts else [1]
@@ -170,14 +173,15 @@ def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
 
 
 def _group_tables(rows: np.ndarray, codes: dict[str, int], experts: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(structural rows, inner options) of each (dp, tp > 1) group with the fixed codes applied."""
-    groups: dict[tuple[int, bool], list[int]] = {}
-    for i, (tp, dp) in enumerate(rows[:, [0, 2]].tolist()):  # lists: iterating numpy rows is slow
-        groups.setdefault((dp, tp > 1), []).append(i)
+    """(structural rows, inner options) of each (dp, tp > 1, cp > 1) group with the fixed codes applied."""
+    groups: dict[tuple[int, bool, bool], list[int]] = {}
+    cp_column = _STRUCT_COLUMNS.index("cp")
+    for i, (tp, dp, cp) in enumerate(rows[:, [0, 2, cp_column]].tolist()):  # lists: iterating numpy rows is slow
+        groups.setdefault((dp, tp > 1, cp > 1), []).append(i)
     out = []
-    for (dp, has_tp), idx in groups.items():
+    for (dp, has_tp, has_cp), idx in groups.items():
         struct = rows[np.asarray(idx)]
-        inner = _inner_options(dp, 2 if has_tp else 1, experts)
+        inner = _inner_options(dp, 2 if has_tp else 1, experts, has_cp)
         struct = struct[_matches(struct, _STRUCT_COLUMNS, codes)]
         inner = inner[_matches(inner, _INNER_COLUMNS, codes)]
         if len(struct) and len(inner):

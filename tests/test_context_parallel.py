@@ -120,3 +120,21 @@ def test_checkpoint_writers_count_the_cp_ranks_zero_shards_over():
     total, per_rank, writers = checkpoint_bytes(MODEL, training, c)
     assert list(writers) == [16, 1]
     assert per_rank * writers == pytest.approx(total, rel=1e-9)
+
+
+def test_zero_shards_over_cp_ranks_when_dp_is_one():
+    """torchtitan's Table 2 layout (Llama 3 8B at 262,144 tokens: FSDP over the 8 cp ranks, dp_shard 1):
+    with dp = 1 ZeRO still shards over shard x cp ranks, so the search enumerates shard = 1 under ZeRO
+    when cp > 1, and a fixed cp = 8, zero = 3 finds it; without cp, shard = 1 under ZeRO is refused."""
+    one_node = cluster_from_preset("dgx-h100", 1)
+    training = TrainingSpec(seq_len=131072, global_batch_size=8)
+    result = search(MODEL, training, one_node, SearchSpec(top=3, fix={"cp": 8, "zero_stage": 3}))
+    assert result.plans
+    best = result.plans[0]
+    assert (best.layout.dp, best.layout.shard, best.layout.zero_stage) == (1, 1, 3)
+    # without ZeRO every rank holds the whole model state: nothing at cp = 8 fits
+    unsharded = search(MODEL, training, one_node, SearchSpec(top=1, fix={"cp": 8, "zero_stage": 0}))
+    assert not unsharded.plans and unsharded.rejected == {"out_of_memory": unsharded.searched}
+    with pytest.raises(BerthError, match="shard x cp"):
+        search(MODEL, TrainingSpec(seq_len=4096, global_batch_size=8), one_node,
+               SearchSpec(top=1, fix={"zero_stage": 3, "shard": 1}))

@@ -84,7 +84,8 @@ def brute_force(model, training, cluster):
                             continue
                         for zero in range(4):
                             for shard in range(1, dp + 1):
-                                if dp % shard or (zero == 0) != (shard == 1):
+                                # ZeRO shards over shard x cp ranks: shard = 1 under ZeRO only with cp > 1
+                                if dp % shard or (zero == 0 and shard > 1) or (zero > 0 and shard * cp == 1):
                                     continue
                                 for rec in RECOMPUTE_CHOICES:
                                     for sp in ((False, True) if tp > 1 else (False,)):
