@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError, model_validator
 
+from cost_models import terms
 from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
 
 Recompute = Literal["none", "selective", "full"]
@@ -471,8 +472,10 @@ class Prediction(Spec):
     memory_capacity_bytes: float
     fits: bool
     bottleneck: str
-    time_breakdown_s: dict[str, float]
-    memory_breakdown_bytes: dict[str, float]
+    time_breakdown_s: dict[str, float] = Field(description="seconds per step by term (cost_models/terms.py): "
+                                               + terms.describe(terms.TIME))
+    memory_breakdown_bytes: dict[str, float] = Field(description="bytes per GPU at the peak by term "
+                                                     "(cost_models/terms.py): " + terms.describe(terms.MEMORY))
     model_flops_per_step: float
     hardware_flops_per_step: float
     goodput: GoodputPrediction | None = None
