@@ -572,7 +572,7 @@ def build_profile(device_type: str, measurements: dict, comm: dict[int, dict], m
 
 
 def gpu_base(name: str) -> tuple[str, str]:
-    """(device profile, server preset) of this GPU by its name (hardware_profiles/nvidia_smi_names.json);
+    """(device profile, server preset) of this GPU by its name (the nvidia_smi section of its device file);
     an unknown GPU is an error naming the known ones."""
     from hardware_profiles import UnknownProfileError, nvidia_smi_device
     from planner.errors import BerthError
