@@ -31,13 +31,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from executor.breakdown import compare, terms_from_regions
 from executor.checks import PROGRESS_PREFIX, REQUIRE_GPU_ENV, UnsupportedLayout, check_layout
 from planner import __version__, stages
-from planner.errors import BerthError, from_validation_error
-from planner.specs import Metrics, Plan, ValidationReport
+from planner.errors import BerthError
+from planner.specs import Metrics, Plan, ValidationReport, pick_plan, plan_listing
 from planner.store import Store
 from planner.topology import local_gpus
 
@@ -57,17 +55,10 @@ def load_plan(path: str | Path, pick: int = 1) -> Plan:
         raise BerthError("plan", str(path), f"cannot read the file: {err.strerror}") from None
     except json.JSONDecodeError as err:
         raise BerthError("plan", str(path), f"not JSON: {err.msg} at line {err.lineno}") from None
-    plans = data.get("plans", data.get("candidates")) if isinstance(data, dict) else data
-    if plans is None:
-        plans = [data]
-    if not isinstance(plans, list) or not plans:
+    plans = plan_listing(data)
+    if not plans:
         raise BerthError("plan", str(path), "holds no plan (expected a plan, a list, or `berth plan --json` output)")
-    if not 1 <= pick <= len(plans):
-        raise BerthError("pick", pick, f"the file holds {len(plans)} plans (numbered 1..{len(plans)})")
-    try:
-        return Plan.model_validate(plans[pick - 1])
-    except ValidationError as err:
-        raise from_validation_error(err, "plan") from None
+    return pick_plan(plans, pick, "the file")
 
 
 def local_devices() -> tuple[str, int]:
