@@ -14,6 +14,7 @@ from the result file (reference "Traps": a few launches abort at exit after writ
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -66,6 +67,14 @@ def local_devices() -> tuple[str, int]:
     return ("gpu", len(gpus)) if gpus else ("cpu", os.cpu_count() or 1)
 
 
+def require_torch(what: str = "a validation") -> None:
+    """The executor runs on torch (the `executor` extra): without it, refused in one line naming the
+    extra before anything starts, not a traceback or a failed run."""
+    if importlib.util.find_spec("torch") is None:
+        raise BerthError("executor", "torch", f"{what} needs torch: pip install 'berth[executor]' (torch 2.13.0, "
+                         "the CPU wheel)")
+
+
 def preflight(plan: Plan, oversubscribe: bool = False) -> None:
     """Refuse, before launching anything, a plan this machine cannot run or that cannot run."""
     if plan.infeasible_reason:
@@ -88,6 +97,7 @@ def preflight(plan: Plan, oversubscribe: bool = False) -> None:
         raise BerthError("plan.layout", plan.layout.short(),
                          f"needs {world} {'GPUs' if kind == 'gpu' else 'CPU workers'}, this machine has {count}; "
                          f"use --proxy rank-slice to run one rank's share{hint}")
+    require_torch()
 
 
 def predicted_metrics(plan: Plan) -> Metrics:
@@ -315,6 +325,7 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     if plan.cluster.device.kind == "gpu" and kind != "gpu":
         raise BerthError("plan.cluster.device", plan.cluster.device.name,
                          "the plan is for GPUs and this machine has none: a CPU proxy would not measure that device")
+    require_torch()
     predicted_full = predicted_metrics(plan)
     first_mem = proxy_prediction(plan, layers, True)[0].peak_memory_bytes
     last_mem = proxy_prediction(plan, layers, False)[0].peak_memory_bytes

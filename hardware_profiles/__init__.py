@@ -12,11 +12,13 @@ from pathlib import Path
 from hardware_profiles.schema import DeviceProfile, LinkProfile, NvidiaSmiNames, ServerProfile
 
 _HERE = Path(__file__).parent
+PROFILE_FORMAT = "berth-profile/1"  # the `format` of a `berth profile` output (executor/profile.py writes it)
 DEVICES_DIR = _HERE / "devices"
 SERVERS_DIR = _HERE / "servers"
 
 __all__ = [
     "DeviceProfile",
+    "PROFILE_FORMAT",
     "LinkProfile",
     "ServerProfile",
     "UnknownProfileError",
@@ -91,6 +93,6 @@ def nvidia_smi_device(gpu_name: str) -> tuple[str, str]:
 def load_profile_file(path: str | Path) -> tuple[DeviceProfile, ServerProfile]:
     """The device and server of a `berth profile` output file (raises ValueError/OSError)."""
     data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or not str(data.get("format", "")).startswith("berth-profile/"):
+    if not isinstance(data, dict) or not str(data.get("format", "")).startswith(PROFILE_FORMAT.split("/")[0] + "/"):
         raise ValueError("not a `berth profile` output (no format: berth-profile/N)")
     return DeviceProfile.model_validate(data["device"]), ServerProfile.model_validate(data["server"])

@@ -512,6 +512,9 @@ def profile_cmd(
     plan, compare and --cluster local accept with --profile."""
     _out_file(out)
     _at_least("max_procs", max_procs, 1)
+    from executor.validate import require_torch
+
+    require_torch("`berth profile`")
     from executor.profile import run_profile
 
     err = Console(stderr=True)

@@ -11,11 +11,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
-import executor.device
-from executor import profile as prof
-from hardware_profiles import DeviceProfile, load_device, load_server
+torch = pytest.importorskip("torch", reason="the executor's CUDA set-up and `berth profile` run on torch (the "
+                            "executor extra)")
+
+import executor.device  # noqa: E402
+from executor import profile as prof  # noqa: E402
+from hardware_profiles import DeviceProfile, load_device, load_server  # noqa: E402
 
 BERTH = [sys.executable, "-m", "planner.cli"]
 H100_LINE = "NVIDIA H100 80GB HBM3, 81559"

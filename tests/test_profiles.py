@@ -81,6 +81,7 @@ def test_faster_devices_are_predicted_faster():
 
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
+    pytest.importorskip("torch", reason="`berth profile` measures with torch (the executor extra)")
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     r = subprocess.run([*BERTH, "profile", "--quick", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
