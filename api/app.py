@@ -81,7 +81,7 @@ from planner.planning import (
     with_operations,
 )
 from planner.search import SearchTimeout
-from planner.specs import ClusterSpec, Plan
+from planner.specs import ClusterSpec, Plan, pick_plan, plan_listing
 from planner.store import BUSY_TIMEOUT_S, Store
 from planner.topology import LOCAL, cluster_from_node_link
 
@@ -603,15 +603,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             got = await stored(req.plan_id, cancel)
             if got is None:
                 raise HTTPException(404, f"no plan with id {req.plan_id!r}")
-            plans = got["response"].get("plans") or got["response"].get("candidates") or []
-            if not 1 <= req.pick <= len(plans):
-                raise BerthError("pick", req.pick, f"the stored answer holds {len(plans)} plans")
+            plans = plan_listing(got["response"]) or []
 
             def build() -> dict[str, str]:
-                try:  # a stored plan is checked again: its names must pass today's rules
-                    chosen = Plan.model_validate(plans[req.pick - 1])
-                except ValidationError as err:
-                    raise from_validation_error(err, "plan") from None
+                chosen = pick_plan(plans, req.pick, f"plan {req.plan_id}")
                 return artifacts(chosen, req.format, steps=req.steps, warmup=req.warmup, image=req.image)
 
             files = await light.run(build, cancel)
@@ -710,13 +705,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             got = await stored(req.plan_id, cancel)
             if got is None:
                 raise HTTPException(404, f"no plan with id {req.plan_id!r}")
-            listed = got["response"].get("plans", got["response"].get("candidates", []))
-            if req.pick > len(listed):
-                raise BerthError("pick", req.pick, f"plan {req.plan_id} holds {len(listed)} plans")
-            try:
-                chosen = Plan.model_validate(listed[req.pick - 1])
-            except ValidationError as err:
-                raise from_validation_error(err, "plan") from None
+            chosen = pick_plan(plan_listing(got["response"]) or [], req.pick, f"plan {req.plan_id}")
             with jobs_lock:
                 if jobs["open"] >= settings.max_queued_validations:
                     raise _busy(429, f"{jobs['open']} validations queued or running (at most "

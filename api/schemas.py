@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from hardware_profiles import server_names
 from hardware_profiles.schema import LinkProfile, Precision
+from planner.launch import FORMATS
 from planner.specs import (
     DEFAULT_MEMORY_HEADROOM,
     MAX_GLOBAL_BATCH,
@@ -138,7 +139,7 @@ class CompareResponse(BaseModel):
 class LaunchRequest(Body):
     plan_id: PlanId
     pick: int = Field(default=1, ge=1, le=1000, description="which plan of the stored answer (1 = first)")
-    format: Literal["torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan"]
+    format: Literal[FORMATS]  # type: ignore[valid-type]  # the launch formats' registry (planner/launch.py)
     steps: int = Field(default=20, ge=1, le=100000)
     warmup: int = Field(default=3, ge=0, le=1000)
     image: ImageName = "berth-executor:latest"

@@ -23,47 +23,18 @@ from __future__ import annotations
 
 from typing import Any
 
-# term of time_breakdown_s -> (measured regions whose exclusive times add up to it, how it is measured)
-TERM_REGIONS: dict[str, tuple[tuple[str, ...], str]] = {
-    "compute": (("forward", "backward"),
-                "forward and backward of the rank's layers, embedding, LM head and loss (per micro-batch, or "
-                "PipelineStage.forward_one_chunk / backward_one_chunk and the schedule's loss), exclusive of "
-                "everything nested in them"),
-    "recompute": (("recompute",),
-                  "the checkpointed block (full) or attention core (selective) when it runs again inside "
-                  "backward, tensor-parallel collectives of the re-run included (as the cost model has it)"),
-    "tp_comm": (("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "tp_all_to_all"),
-                "functional collectives (DTensor) on the tensor-parallel group: issue and wait_tensor, by kind"),
-    "pp_comm": (("pp_transfer",),
-                "issuing the pipeline's sends and receives (the schedule's _batch_p2p); their transfer overlaps "
-                "the waits and is counted in bubble"),
-    "bubble": (("pp_wait",),
-               "waiting for the pipeline's sends and receives to complete (the schedule's _wait_batch_p2p): the "
-               "neighbouring stage not there yet (fill, drain, stage imbalance) and the transfer itself, which one "
-               "rank's clock cannot tell apart (a gloo send completes only once the peer has posted its receive)"),
-    "dp_comm": (("dp_all_reduce", "dp_all_gather", "dp_reduce_scatter", "dp_broadcast"),
-                "collectives on the data-parallel groups: FSDP2 unshard / wait_for_unshard (all-gather with its "
-                "copy-in and copy-out) and post_backward (reduce-scatter, HSDP all-reduce), ZeRO-1 broadcasts; "
-                "DDP: from the last gradient accumulated to the end of backward (the wait for the buckets' "
-                "all-reduce)"),
-    "cp_comm": (("cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"),
-                "collectives on the context-parallel group: the executor's all-gather of K and V and the "
-                "reduce-scatter of their gradients (the cost model's ring exchange; its exposed part)"),
-    "ep_comm": (("dp_all_to_all", "ep_all_to_all"),
-                "the MoE token dispatch and combine (all_to_all_single on the expert-parallel group, ep ranks of dp)"),
-    "optimizer": (("optimizer",), "optimizer.step(), exclusive of collectives it issues (ZeRO-1)"),
-}
+from cost_models import terms
+
+# term of time_breakdown_s -> (measured regions whose exclusive times add up to it, how it is measured):
+# read from the registry of terms (cost_models/terms.py)
+TERM_REGIONS: dict[str, tuple[tuple[str, ...], str]] = {t.name: (t.regions, t.measured_by) for t in terms.TIME}
 OTHER = "other"  # the step's time in no region (untimed glue); also collectives on groups of no single axis
 TERMS = tuple(TERM_REGIONS)
 REGION_TERM = {region: term for term, (regions, _) in TERM_REGIONS.items() for region in regions}
 LARGEST_ERROR_RULE = "largest |measured - predicted| in seconds"
 
 # memory: what is measured per term (tensors held at the end of a step) beside memory_breakdown_bytes
-MEMORY_MEASURED = {
-    "parameters": "local bytes of the rank's parameters (shards under FSDP/ZeRO) at the end of the step",
-    "gradients": "local bytes of .grad at the end of the step (after the optimizer, before zero_grad)",
-    "optimizer_state": "local bytes of the optimizer's state tensors at the end of the step",
-}
+MEMORY_MEASURED = {t.name: t.measured_by for t in terms.MEMORY if t.measured_by}
 MEMORY_NOTE = ("total: the peak (CUDA: max_memory_reserved; CPU: the profiler's allocations replayed by address) "
                "of the rank whose step is shown; parameters, gradients and optimizer_state: tensors held at the "
                "end of a step, measured by walking them; the other terms (activations, logits, buffers, "

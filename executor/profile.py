@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.device import rank_device
-from hardware_profiles import load_device, load_server
+from hardware_profiles import PROFILE_FORMAT, load_device, load_server
 from hardware_profiles.schema import DeviceProfile, GemmCurve, LinkProfile, ServerProfile
 
 GEMM_DIMS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -48,7 +48,6 @@ RING_FACTOR = {  # bytes each rank moves per byte of the full buffer, ring algor
     "reduce_scatter": lambda n: (n - 1) / n,
     "p2p": lambda n: 1.0,
 }
-PROFILE_FORMAT = "berth-profile/1"
 
 Progress = Callable[[str], None]
 
@@ -572,7 +571,7 @@ def build_profile(device_type: str, measurements: dict, comm: dict[int, dict], m
 
 
 def gpu_base(name: str) -> tuple[str, str]:
-    """(device profile, server preset) of this GPU by its name (hardware_profiles/nvidia_smi_names.json);
+    """(device profile, server preset) of this GPU by its name (the nvidia_smi section of its device file);
     an unknown GPU is an error naming the known ones."""
     from hardware_profiles import UnknownProfileError, nvidia_smi_device
     from planner.errors import BerthError

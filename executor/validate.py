@@ -14,6 +14,7 @@ from the result file (reference "Traps": a few launches abort at exit after writ
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -31,13 +32,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from executor.breakdown import compare, terms_from_regions
 from executor.checks import PROGRESS_PREFIX, REQUIRE_GPU_ENV, UnsupportedLayout, check_layout
 from planner import __version__, stages
-from planner.errors import BerthError, from_validation_error
-from planner.specs import Metrics, Plan, ValidationReport
+from planner.errors import BerthError
+from planner.specs import Metrics, Plan, ValidationReport, pick_plan, plan_listing
 from planner.store import Store
 from planner.topology import local_gpus
 
@@ -57,22 +56,23 @@ def load_plan(path: str | Path, pick: int = 1) -> Plan:
         raise BerthError("plan", str(path), f"cannot read the file: {err.strerror}") from None
     except json.JSONDecodeError as err:
         raise BerthError("plan", str(path), f"not JSON: {err.msg} at line {err.lineno}") from None
-    plans = data.get("plans", data.get("candidates")) if isinstance(data, dict) else data
-    if plans is None:
-        plans = [data]
-    if not isinstance(plans, list) or not plans:
+    plans = plan_listing(data)
+    if not plans:
         raise BerthError("plan", str(path), "holds no plan (expected a plan, a list, or `berth plan --json` output)")
-    if not 1 <= pick <= len(plans):
-        raise BerthError("pick", pick, f"the file holds {len(plans)} plans (numbered 1..{len(plans)})")
-    try:
-        return Plan.model_validate(plans[pick - 1])
-    except ValidationError as err:
-        raise from_validation_error(err, "plan") from None
+    return pick_plan(plans, pick, "the file")
 
 
 def local_devices() -> tuple[str, int]:
     gpus = local_gpus()
     return ("gpu", len(gpus)) if gpus else ("cpu", os.cpu_count() or 1)
+
+
+def require_torch(what: str = "a validation") -> None:
+    """The executor runs on torch (the `executor` extra): without it, refused in one line naming the
+    extra before anything starts, not a traceback or a failed run."""
+    if importlib.util.find_spec("torch") is None:
+        raise BerthError("executor", "torch", f"{what} needs torch: pip install 'berth[executor]' (torch 2.13.0, "
+                         "the CPU wheel)")
 
 
 def preflight(plan: Plan, oversubscribe: bool = False) -> None:
@@ -97,6 +97,7 @@ def preflight(plan: Plan, oversubscribe: bool = False) -> None:
         raise BerthError("plan.layout", plan.layout.short(),
                          f"needs {world} {'GPUs' if kind == 'gpu' else 'CPU workers'}, this machine has {count}; "
                          f"use --proxy rank-slice to run one rank's share{hint}")
+    require_torch()
 
 
 def predicted_metrics(plan: Plan) -> Metrics:
@@ -324,6 +325,7 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     if plan.cluster.device.kind == "gpu" and kind != "gpu":
         raise BerthError("plan.cluster.device", plan.cluster.device.name,
                          "the plan is for GPUs and this machine has none: a CPU proxy would not measure that device")
+    require_torch()
     predicted_full = predicted_metrics(plan)
     first_mem = proxy_prediction(plan, layers, True)[0].peak_memory_bytes
     last_mem = proxy_prediction(plan, layers, False)[0].peak_memory_bytes

@@ -9,14 +9,16 @@ import json
 from functools import cache
 from pathlib import Path
 
-from hardware_profiles.schema import DeviceProfile, LinkProfile, ServerProfile
+from hardware_profiles.schema import DeviceProfile, LinkProfile, NvidiaSmiNames, ServerProfile
 
 _HERE = Path(__file__).parent
+PROFILE_FORMAT = "berth-profile/1"  # the `format` of a `berth profile` output (executor/profile.py writes it)
 DEVICES_DIR = _HERE / "devices"
 SERVERS_DIR = _HERE / "servers"
 
 __all__ = [
     "DeviceProfile",
+    "PROFILE_FORMAT",
     "LinkProfile",
     "ServerProfile",
     "UnknownProfileError",
@@ -25,6 +27,7 @@ __all__ = [
     "load_profile_file",
     "load_server",
     "nvidia_smi_device",
+    "nvidia_smi_names",
     "server_names",
 ]
 
@@ -43,12 +46,28 @@ def server_names() -> list[str]:
     return sorted(p.stem for p in SERVERS_DIR.glob("*.json"))
 
 
+NVIDIA_SMI = "nvidia_smi"  # the device file's section of nvidia-smi names (NvidiaSmiNames), not profile data
+
+
 @cache
-def load_device(name: str) -> DeviceProfile:
+def _device_file(name: str) -> dict:
     path = DEVICES_DIR / f"{name}.json"
     if not path.is_file():
         raise UnknownProfileError("device", name, device_names())
-    return DeviceProfile.model_validate(json.loads(path.read_text()))
+    return json.loads(path.read_text())
+
+
+@cache
+def load_device(name: str) -> DeviceProfile:
+    data = {k: v for k, v in _device_file(name).items() if k != NVIDIA_SMI}
+    return DeviceProfile.model_validate(data)
+
+
+def nvidia_smi_names(name: str) -> NvidiaSmiNames | None:
+    """The device's nvidia-smi names and local server preset (its file's `nvidia_smi` section); None
+    for a device nvidia-smi does not list (a CPU, a non-NVIDIA GPU)."""
+    section = _device_file(name).get(NVIDIA_SMI)
+    return NvidiaSmiNames.model_validate(section) if section is not None else None
 
 
 @cache
@@ -59,25 +78,21 @@ def load_server(name: str) -> ServerProfile:
     return ServerProfile.model_validate(json.loads(path.read_text()))
 
 
-@cache
-def _nvidia_smi_names() -> dict[str, dict]:
-    return json.loads((_HERE / "nvidia_smi_names.json").read_text())["devices"]
-
-
 def nvidia_smi_device(gpu_name: str) -> tuple[str, str]:
-    """(device profile, server preset) of a GPU as nvidia-smi names it (`nvidia_smi_names.json`);
-    an unknown name raises UnknownProfileError listing the known names."""
+    """(device profile, server preset) of a GPU as nvidia-smi names it (the `nvidia_smi` section of
+    each device file). Names are matched exactly, case and surrounding spaces ignored; an unknown
+    name raises UnknownProfileError listing the known names, never another device's profile."""
     wanted = " ".join(gpu_name.split()).lower()
-    table = _nvidia_smi_names()
+    table = {d: e for d in device_names() if (e := nvidia_smi_names(d)) is not None}
     for device, entry in table.items():
-        if any(" ".join(n.split()).lower() == wanted for n in entry["names"]):
-            return device, entry["server"]
-    raise UnknownProfileError("GPU", gpu_name, [n for e in table.values() for n in e["names"]])
+        if any(" ".join(n.split()).lower() == wanted for n in entry.names):
+            return device, entry.server
+    raise UnknownProfileError("GPU", gpu_name, [n for e in table.values() for n in e.names])
 
 
 def load_profile_file(path: str | Path) -> tuple[DeviceProfile, ServerProfile]:
     """The device and server of a `berth profile` output file (raises ValueError/OSError)."""
     data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or not str(data.get("format", "")).startswith("berth-profile/"):
+    if not isinstance(data, dict) or not str(data.get("format", "")).startswith(PROFILE_FORMAT.split("/")[0] + "/"):
         raise ValueError("not a `berth profile` output (no format: berth-profile/N)")
     return DeviceProfile.model_validate(data["device"]), ServerProfile.model_validate(data["server"])

@@ -102,6 +102,16 @@ class FrameworkCompute(_Frozen):
     optimizer_bytes_per_param: float = Field(gt=0, description="bytes the optimizer step moves per parameter")
 
 
+class NvidiaSmiNames(_Frozen):
+    """A GPU device file's `nvidia_smi` section: what `nvidia-smi --query-gpu=name` prints for this GPU
+    and the server preset whose links stand for its machine under `--cluster local`. It lives in the
+    device's JSON beside the profile but is not part of DeviceProfile (plans do not carry it)."""
+
+    names: list[str] = Field(min_length=1, description="matched exactly, case and surrounding spaces ignored")
+    server: str = Field(description="a preset in hardware_profiles/servers whose device is this one")
+    source: str
+
+
 class DeviceProfile(_Frozen):
     """One accelerator (or a CPU worker) as the cost model sees it."""
 

@@ -43,6 +43,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from executor.breakdown import TERMS
+from hardware_profiles import PROFILE_FORMAT
 from hardware_profiles.schema import ServerProfile
 from planner.errors import BerthError
 from planner.search import predict_layouts
@@ -446,7 +447,7 @@ def profile_document(fit: Fit, source: str) -> dict:
     device = c.device.model_copy(update={"name": name, "sources": {
         **c.device.sources, "calibration": f"fitted by berth calibrate: {fit.fitted}; kept at the profile: "
         f"{sorted(fit.not_fitted)}"}})
-    return {"format": "berth-profile/1", "device": device.model_dump(mode="json"),
+    return {"format": PROFILE_FORMAT, "device": device.model_dump(mode="json"),
             "server": server.model_dump(mode="json"),
             "calibration": {"values": fit.values, "initial": fit.initial, "errors": fit.errors,
                             "fitted": fit.fitted, "not_fitted": fit.not_fitted, "uncertainty": fit.uncertainty,

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from planner import __version__
 from planner.errors import BerthError
+from planner.launch import formats_text
 from planner.specs import DEFAULT_MEMORY_HEADROOM
 
 # Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
@@ -468,8 +469,7 @@ def report_cmd(
 @app.command("launch")
 def launch_cmd(
     plan_file: Annotated[str, typer.Argument(help="a plan JSON, or the output of `berth plan --json`")],
-    fmt: Annotated[str, typer.Option("--format", help="torchrun, slurm, kubernetes, megatron, deepspeed or "
-                                     "torchtitan")] = "torchrun",
+    fmt: Annotated[str, typer.Option("--format", help=formats_text())] = "torchrun",
     pick: Annotated[int, typer.Option("--pick", help="which plan of the file (1 = first)")] = 1,
     out: Annotated[str, typer.Option("--out", help="directory for the files")] = "berth-launch",
     steps: Annotated[int, typer.Option("--steps", help="executor formats: timed steps")] = 20,
@@ -512,6 +512,9 @@ def profile_cmd(
     plan, compare and --cluster local accept with --profile."""
     _out_file(out)
     _at_least("max_procs", max_procs, 1)
+    from executor.validate import require_torch
+
+    require_torch("`berth profile`")
     from executor.profile import run_profile
 
     err = Console(stderr=True)

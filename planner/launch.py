@@ -11,12 +11,13 @@
   JSON and the launch notes; torchtitan: a torchtitan 0.3 configuration module (--module/--config) and
   its launch.
 
-Each engine format targets one engine version (ENGINE_VERSIONS, stated in every artifact), carries the
-whole model shape, and names what a user must still supply (tokenizer, data) as placeholders that stop
-the launch with their description when unset. Every layout field maps to exactly one key of a format
-(FIELD_SOURCES: the key and the engine file and line it was read from). A layout a format cannot express
-is refused with the reason (LaunchRefused), never approximated. tests/test_engines.py loads the artifacts
-with the engines' own parsers.
+Every format is one entry of LAUNCH_FORMATS (at the end of this module), which `artifacts`, the CLI's
+--format and the API's `format` read. Each engine format targets one engine version (ENGINE_VERSIONS,
+stated in every artifact), carries the whole model shape, and names what a user must still supply
+(tokenizer, data) as placeholders that stop the launch with their description when unset. Every layout
+field maps to exactly one key of a format (FIELD_SOURCES: the key and the engine file and line it was
+read from). A layout a format cannot express is refused with the reason (LaunchRefused), never
+approximated. tests/test_engines.py loads the artifacts with the engines' own parsers.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from planner import stages
 from planner.errors import BerthError
 from planner.specs import ImageName, Plan
 
-FORMATS = ("torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan")
 DEFAULT_PORT = 29500
 # the Dockerfile built with --build-arg WITH_TORCH=1 (CPU torch); GPU clusters need an image whose
 # torch is a CUDA build (pass it with --image)
@@ -48,14 +49,6 @@ class LaunchRefused(BerthError):
     def __init__(self, fmt: str, reason: str):
         super().__init__("format", fmt, f"cannot express this layout: {reason}")
 
-
-# The engine version each format targets (stated in every artifact and the README) and where its option names
-# were read (the engine's own files; line numbers at that version).
-ENGINE_VERSIONS = {
-    "megatron": "Megatron-LM main @ d98e8a6 (2026-08-22, megatron-core 0.20.0)",
-    "deepspeed": "DeepSpeed 0.19.8",
-    "torchtitan": "torchtitan 0.3.0",
-}
 
 # layout field -> (the one key it becomes, where the engine defines that key), per engine format. A key in
 # parentheses is not an option: the engine derives it, or the format refuses the values it cannot express.
@@ -172,23 +165,28 @@ STAGE_SPLIT_SOURCES = {
 
 def artifacts(plan: Plan, fmt: str, plan_file: str = "plan.json", steps: int = 20, warmup: int = 3,
               image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT) -> dict[str, str]:
-    """File name -> content of the launch artifacts of `plan` in `fmt`."""
-    if fmt not in FORMATS:
+    """File name -> content of the launch artifacts of `plan` in `fmt` (one of LAUNCH_FORMATS)."""
+    spec = LAUNCH_FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if spec is None:
         raise BerthError("format", fmt, f"use one of {', '.join(FORMATS)}")
     if plan.prediction is None or plan.infeasible_reason:
         raise BerthError("plan", plan.layout.short(), f"not launchable: {plan.infeasible_reason or 'no prediction'}")
-    if fmt in ("torchrun", "slurm", "kubernetes"):
+    if spec.runs_executor:
         try:
             _IMAGE.validate_python(image)
         except ValidationError as err:
             raise BerthError("image", image, err.errors()[0]["msg"]) from None
-        run = _Run(plan, plan_file, steps, warmup, port)
-        return {"torchrun": run.torchrun_scripts, "slurm": run.sbatch, "kubernetes": lambda: run.pytorchjob(image)}[
-            fmt]()
-    return {"megatron": megatron_args, "deepspeed": deepspeed_config, "torchtitan": torchtitan_config}[fmt](plan)
+    return spec.build(plan, LaunchOptions(plan_file, steps, warmup, image, port))
 
 
 _IMAGE = TypeAdapter(ImageName)
+
+
+def _stages():
+    """planner.stages, imported at first use: it loads numpy, and the CLI reads LAUNCH_FORMATS at start-up."""
+    from planner import stages
+
+    return stages
 
 
 def _comment(value: object) -> str:
@@ -351,9 +349,9 @@ def _megatron_stage_args(num_layers: int, pp: int, vpp: int) -> list[tuple[str, 
     """The pipeline split as Megatron arguments (STAGE_SPLIT_SOURCES): nothing for an even split without
     virtual stages, --num-layers-per-virtual-pipeline-stage for an even interleaved one, the first and last
     stage's layers for an uneven one, the whole chunk layout for an uneven interleaved one."""
-    if stages.is_even(num_layers, pp, vpp):
+    if _stages().is_even(num_layers, pp, vpp):
         return [("--num-layers-per-virtual-pipeline-stage", num_layers // (pp * vpp))] if vpp > 1 else []
-    chunks = stages.chunk_layers(num_layers, pp, vpp)
+    chunks = _stages().chunk_layers(num_layers, pp, vpp)
     if vpp == 1:
         return [("--decoder-first-pipeline-num-layers", chunks[0]), ("--decoder-last-pipeline-num-layers", chunks[-1])]
     middle = f"(t*{chunks[1]}|)*{len(chunks) - 2}," if len(chunks) > 2 else ""
@@ -483,10 +481,10 @@ def _deepspeed_refusal(x, num_layers: int | None = None, model=None) -> str | No
         return (f"mixture of experts ({model.num_experts} experts, ep {x.ep}): DeepSpeed's experts are "
                 "deepspeed.moe.layer.MoE modules with their own ep_size in the model code; the config cannot "
                 "express them")
-    if num_layers is not None and x.pp > 1 and not stages.is_even(num_layers, x.pp):
+    if num_layers is not None and x.pp > 1 and not _stages().is_even(num_layers, x.pp):
         return (f"uneven pipeline stages ({num_layers} layers on pp {x.pp}: "
-                f"{', '.join(map(str, stages.stage_layers(num_layers, x.pp)))}): DeepSpeed's PipelineModule takes no "
-                "per-stage layer counts (partition_method 'uniform' puts the remainder on the first stages, "
+                f"{', '.join(map(str, _stages().stage_layers(num_layers, x.pp)))}): DeepSpeed's PipelineModule "
+                "takes no per-stage layer counts (partition_method 'uniform' puts the remainder on the first stages, "
                 "'parameters' and 'type:' balance weights), so it would not build the planned stages")
     if x.sequence_parallel:
         return ("sequence_parallel: DeepSpeed has no Megatron-style sequence parallelism (Ulysses splits "
@@ -590,7 +588,7 @@ def _torchtitan_refusal(x, model, training) -> str | None:
 
 
 def _torchtitan_split_note(num_layers: int, pp: int, vpp: int) -> str:
-    chunks = stages.chunk_layers(num_layers, pp, vpp)
+    chunks = _stages().chunk_layers(num_layers, pp, vpp)
     if len(set(chunks)) == 1:
         return (f"torchtitan counts the embedding and the output as layers\n(first/last_stage_less_layers, 1 each by "
                 f"default); both are 0 here and layers_per_stage = {num_layers} / (pp {pp} x vpp {vpp}), so it builds"
@@ -619,7 +617,7 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
         parallelism["context_parallel_degree"] = x.cp  # its "headtail" load balancer: berth's 2 cp chunk split
     if x.zero_stage >= 2:
         parallelism["fsdp_reshard_after_forward"] = "always" if x.zero_stage == 3 else "never"
-    chunks = stages.chunk_layers(m.num_layers, x.pp, x.virtual_stages)
+    chunks = _stages().chunk_layers(m.num_layers, x.pp, x.virtual_stages)
     per_chunk = max(chunks)  # k: every middle chunk's layers (all of them when even)
     if x.pp > 1:
         parallelism.update(pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[x.schedule],
@@ -717,6 +715,54 @@ seq_len=SEQ_LEN, mixed_precision_param="{param}",
     return {"berth_torchtitan.py": py, "torchtitan-launch.sh": launch}
 
 
-ENGINE_REFUSALS = {"megatron": lambda p: _megatron_refusal(p.layout, p.model),
-                   "deepspeed": lambda p: _deepspeed_refusal(p.layout, p.model.num_layers, p.model),
-                   "torchtitan": lambda p: _torchtitan_refusal(p.layout, p.model, p.training)}
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What `berth launch` and POST /v1/launch pass beside the plan (the executor formats use them)."""
+
+    plan_file: str = "plan.json"
+    steps: int = 20
+    warmup: int = 3
+    image: str = DEFAULT_IMAGE
+    port: int = DEFAULT_PORT
+
+
+@dataclass(frozen=True)
+class LaunchFormat:
+    """One launch format: the CLI's --format, the API's `format` and `artifacts` all read this table."""
+
+    name: str
+    build: Callable[[Plan, LaunchOptions], dict[str, str]]
+    runs_executor: bool  # runs berth's bundled executor: takes steps, warmup and (kubernetes) the image
+    # engine formats: the engine version targeted (stated in every artifact and the README; FIELD_SOURCES were
+    # read at that version) and the check that refuses a layout the engine cannot express (None: it can)
+    engine_version: str | None = None
+    refusal: Callable[[Plan], str | None] | None = None
+
+
+def _run(plan: Plan, o: LaunchOptions) -> _Run:
+    return _Run(plan, o.plan_file, o.steps, o.warmup, o.port)
+
+
+LAUNCH_FORMATS: dict[str, LaunchFormat] = {f.name: f for f in (
+    LaunchFormat("torchrun", lambda p, o: _run(p, o).torchrun_scripts(), runs_executor=True),
+    LaunchFormat("slurm", lambda p, o: _run(p, o).sbatch(), runs_executor=True),
+    LaunchFormat("kubernetes", lambda p, o: _run(p, o).pytorchjob(o.image), runs_executor=True),
+    LaunchFormat("megatron", lambda p, _: megatron_args(p), runs_executor=False,
+                 engine_version="Megatron-LM main @ d98e8a6 (2026-08-22, megatron-core 0.20.0)",
+                 refusal=lambda p: _megatron_refusal(p.layout, p.model)),
+    LaunchFormat("deepspeed", lambda p, _: deepspeed_config(p), runs_executor=False,
+                 engine_version="DeepSpeed 0.19.8",
+                 refusal=lambda p: _deepspeed_refusal(p.layout, p.model.num_layers, p.model)),
+    LaunchFormat("torchtitan", lambda p, _: torchtitan_config(p), runs_executor=False,
+                 engine_version="torchtitan 0.3.0",
+                 refusal=lambda p: _torchtitan_refusal(p.layout, p.model, p.training)),
+)}
+FORMATS: tuple[str, ...] = tuple(LAUNCH_FORMATS)
+ENGINE_VERSIONS: dict[str, str] = {f.name: f.engine_version for f in LAUNCH_FORMATS.values() if f.engine_version}
+ENGINE_REFUSALS: dict[str, Callable[[Plan], str | None]] = {f.name: f.refusal for f in LAUNCH_FORMATS.values()
+                                                            if f.refusal}
+
+
+def formats_text() -> str:
+    """The formats as a person reads them: "torchrun, slurm, ... or torchtitan" (the CLI's help)."""
+    return f"{', '.join(FORMATS[:-1])} or {FORMATS[-1]}"

@@ -15,6 +15,7 @@ from itertools import permutations
 
 import numpy as np
 
+from cost_models import terms
 from cost_models.comm import group_level
 from planner.axes import ORDERED_AXES, RANK_AXES, with_cp
 from planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement
@@ -109,7 +110,7 @@ def rank_map(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] | None
 
 # the time term each axis's traffic lands in; ep (MoE expert parallelism) groups are ep consecutive dp
 # ranks (the dp stride apart), listed in the placement when ep > 1
-AXIS_TERMS = {"tp": "tp_comm", "cp": "cp_comm", "dp": "dp_comm", "pp": "pp_comm", "ep": "ep_comm"}
+AXIS_TERMS = terms.AXIS_TERMS
 
 
 def innermost_cluster(cluster: ClusterSpec) -> ClusterSpec:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cost_models.terms import TIME as TIME_TERMS
 from executor.breakdown import OTHER, TERMS, term_of
 from planner.specs import ValidationReport
 
-COLORS = {"compute": "#4c72b0", "recompute": "#8172b3", "tp_comm": "#dd8452", "cp_comm": "#da8bc3",
-          "pp_comm": "#937860", "bubble": "#c8c8c8", "dp_comm": "#55a868", "ep_comm": "#64b5cd",
-          "optimizer": "#c44e52", OTHER: "#f0e442"}
+COLORS = {**{t.name: t.colour for t in TIME_TERMS}, OTHER: "#f0e442"}  # the terms' own from the registry
 # compute is drawn in two shades in the timeline, so that a schedule's forwards and backwards show
 SHADES = {"forward": ("compute: forward", "#8fb0e0"), "backward": ("compute: backward", "#2f5597")}
 EXTRA = "plot"  # the pyproject extra that installs matplotlib

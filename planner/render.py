@@ -5,14 +5,11 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from cost_models import terms
 from planner.specs import ClusterSpec, Plan, ValidationReport, with_cp
 
 GIB = 2**30
-TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
-# cost_models/memory.py stage_memory_breakdown: every term is inside the caching allocator (their sum is
-# the predicted reserved peak); the CUDA context and the driver's share are taken off the capacity
-MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "logits",
-                "sharding_buffers", "pipeline_buffers", "fragmentation", "framework")
+# the breakdown's terms, their order and labels come from the registry (cost_models/terms.py)
 
 
 NARROW = 120  # below this many terminal columns the plan table stacks the layout into one cell
@@ -167,6 +164,19 @@ def stage_text(p: Plan) -> str:
     return ", ".join(f"{n} x{k}" if k > 1 else str(n) for n, k in runs)
 
 
+def shown_time_terms(plans: list[Plan]) -> list[terms.TimeTerm]:
+    """The time terms a breakdown of these plans shows (each term's `shown_when`): every term, less
+    one tied to an axis no plan uses (cp_comm) or one no plan's breakdown holds (ep_comm: MoE only)."""
+    def shown(term: terms.TimeTerm) -> bool:
+        if term.shown_when == terms.ALWAYS:
+            return True
+        if term.shown_when == terms.EMITTED:
+            return any(p.prediction and term.name in p.prediction.time_breakdown_s for p in plans)
+        return any(getattr(p.layout, term.shown_when) > 1 for p in plans)
+
+    return [term for term in terms.TIME if shown(term)]
+
+
 def breakdown_table(plans: list[Plan], title: str) -> Table:
     t = Table(title=title, header_style="bold")
     t.add_column("term")
@@ -174,16 +184,12 @@ def breakdown_table(plans: list[Plan], title: str) -> Table:
         t.add_column(f"#{i}", justify="right")
     if any(p.layout.pp > 1 for p in plans):
         t.add_row("layers per stage", *[stage_text(p) if p.layout.pp > 1 else "-" for p in plans])
-    terms = TIME_TERMS + (("ep_comm",) if any(p.prediction and "ep_comm" in p.prediction.time_breakdown_s
-                                               for p in plans) else ())
-    for term in terms:
-        if term == "cp_comm" and not _has_cp(plans):
-            continue
-        t.add_row(f"time: {term}", *[_seconds(p.prediction.time_breakdown_s.get(term, 0.0)) if p.prediction else "-"
-                                     for p in plans])
-    for term in MEMORY_TERMS:
-        t.add_row(f"memory: {term}", *[f"{p.prediction.memory_breakdown_bytes.get(term, 0.0) / GIB:.2f} GiB"
-                                       if p.prediction else "-" for p in plans])
+    for term in shown_time_terms(plans):
+        t.add_row(f"time: {term.label}", *[_seconds(p.prediction.time_breakdown_s.get(term.name, 0.0))
+                                           if p.prediction else "-" for p in plans])
+    for mem in terms.MEMORY:
+        t.add_row(f"memory: {mem.label}", *[f"{p.prediction.memory_breakdown_bytes.get(mem.name, 0.0) / GIB:.2f} GiB"
+                                            if p.prediction else "-" for p in plans])
     t.add_row("memory: usable (device less driver, CUDA context)",
               *[f"{p.prediction.memory_capacity_bytes / GIB:.2f} GiB" if p.prediction else "-" for p in plans])
     return t

@@ -11,8 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError, model_validator
 
+from cost_models import terms
 from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
 from planner.axes import with_cp  # noqa: F401 (re-exported: the axis table's placement of cp)
+from planner.errors import BerthError, from_validation_error
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -461,8 +463,10 @@ class Prediction(Spec):
     memory_capacity_bytes: float
     fits: bool
     bottleneck: str
-    time_breakdown_s: dict[str, float]
-    memory_breakdown_bytes: dict[str, float]
+    time_breakdown_s: dict[str, float] = Field(description="seconds per step by term (cost_models/terms.py): "
+                                               + terms.describe(terms.TIME))
+    memory_breakdown_bytes: dict[str, float] = Field(description="bytes per GPU at the peak by term "
+                                                     "(cost_models/terms.py): " + terms.describe(terms.MEMORY))
     model_flops_per_step: float
     hardware_flops_per_step: float
     goodput: GoodputPrediction | None = None
@@ -530,6 +534,29 @@ class Plan(Spec):
         "the layers; null when the layout has no valid split")
     placement: Placement | None = None
     fallback: Fallback | None = None
+
+
+def plan_listing(data: Any) -> list[Any] | None:
+    """The plans of a listing as its JSON holds them: `berth plan --json` / `berth compare --json`
+    output and stored API answers ({"plans": [...]} or {"candidates": [...]}), a list of plans, or
+    one plan object; None when `data` is none of these."""
+    if isinstance(data, dict):
+        listed = data.get("plans", data.get("candidates"))
+        return [data] if listed is None else listed if isinstance(listed, list) else None
+    return data if isinstance(data, list) else None
+
+
+def pick_plan(plans: list[Any], pick: int, holder: str) -> Plan:
+    """Plan number `pick` (from 1, as the tables number them) of `plans`, checked again as a Plan (its
+    names must pass today's rules): what `berth validate/launch --pick` and the API's `pick` choose.
+    `holder` names the listing in the error ("the file", "plan <id>")."""
+    if not 1 <= pick <= len(plans):
+        raise BerthError("pick", pick, f"{holder} holds {len(plans)} plans" + (f" (numbered 1..{len(plans)})"
+                                                                            if plans else ""))
+    try:
+        return Plan.model_validate(plans[pick - 1])
+    except ValidationError as err:
+        raise from_validation_error(err, "plan") from None
 
 
 class Metrics(Spec):

@@ -169,7 +169,7 @@ def local_cluster(devices_per_node: int | None = None,
             device_name, server_name = nvidia_smi_device(names[0])
         except UnknownProfileError as err:
             raise BerthError("cluster", LOCAL, f"this machine's GPU {names[0]!r} has no device profile; known GPUs: "
-                             f"{', '.join(err.known)} (hardware_profiles/nvidia_smi_names.json)") from None
+                             f"{', '.join(err.known)} (nvidia_smi in hardware_profiles/devices/*.json)") from None
         if devices_per_node is not None and devices_per_node > len(gpus):
             raise BerthError("cluster.devices_per_node", devices_per_node, f"this machine has {len(gpus)} GPUs")
         count = devices_per_node or len(gpus)

@@ -208,6 +208,7 @@ def test_validation_disabled_by_default(server):
 
 
 def test_validation_runs_in_background_with_api_key(tmp_path):
+    pytest.importorskip("torch", reason="the validation runs the executor (torch: the executor extra)")
     s = Server(tmp_path / "store.sqlite", validation_enabled=1, api_key="sekret")
     try:
         c = httpx.Client(base_url=s.url, timeout=30)

@@ -283,3 +283,26 @@ def test_tables_fit_80_columns_and_read_in_human_units():
     assert count(7.6e6) == "7.6M" and count(70.6e9) == "70.6B" and count(1.0e12) == "1.0T"
     r = berth("presets")
     assert "tiny-gpt (" in r.stdout and "M)" in r.stdout
+
+
+def test_executor_commands_without_torch_say_so_in_one_line(tmp_path):
+    """Without torch (no executor extra) `berth validate` (full and rank-slice) and `berth profile`
+    refuse in one line naming the extra: exit 2, no traceback, no run stored. torch is hidden from
+    the process (sys.modules['torch'] = None: find_spec answers None, import raises) whether
+    installed or not."""
+    from planner.store import Store
+
+    plans = tmp_path / "plans.json"
+    r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len",
+                        "128", "--global-batch", "8", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    plans.write_text(r.stdout)
+    hide = "import sys; sys.modules['torch'] = None; from planner.cli import main; main(sys.argv[1:])"
+    store = str(tmp_path / "s.sqlite")
+    for args, what in ((["validate", str(plans), "--store", store], "a validation"),
+                       (["validate", str(plans), "--proxy", "rank-slice", "--store", store], "a validation"),
+                       (["profile", "--quick", "--out", str(tmp_path / "p.json")], "`berth profile`")):
+        r = subprocess.run([sys.executable, "-c", hide, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"{what} needs torch: pip install 'berth[executor]'" in r.stderr and "Traceback" not in r.stderr
+    assert Store(store).validations() == [] and not (tmp_path / "p.json").exists()

@@ -28,12 +28,11 @@ from hardware_profiles import load_device
 from hardware_profiles.schema import DeviceProfile
 from planner.models import presets
 from planner.specs import TrainingSpec
+from tests.conftest import require_reference
 
 
 def _reference(name):
-    path = lf.REFERENCE / f"{name}.json"
-    if not path.is_file():
-        pytest.skip(f"reference data not found at {path}")
+    require_reference(lf.REFERENCE / f"{name}.json")
     return lf.load(name)
 
 
@@ -61,6 +60,7 @@ def test_attention_shape_model_holds_out_head_counts(h100):
 
 
 def test_layer_fidelity_on_held_out_models(h100):
+    pytest.importorskip("torch", reason="the layer scores run the executor's layer (torch: the executor extra)")
     rows = _reference("layer")
     result = lf.layer_two_fold(h100, rows)
     for fold in ("fold_a", "fold_b"):
@@ -80,8 +80,7 @@ def test_head_and_optimizer_match_their_benchmarks(h100):
 
 
 def test_single_h100_steps():
-    if not (single_gpu.REFERENCE / "full-step-runs.json").is_file():
-        pytest.skip("reference data not found")
+    require_reference(single_gpu.REFERENCE / "full-step-runs.json")
     result = single_gpu.run()
     assert result["n"] == 7 and len(result["skipped"]) == 1  # the out-of-memory run has no time
     assert result["mape"] <= single_gpu.TARGET_MAPE, result["mape"]

@@ -192,6 +192,16 @@ def test_missing_reference_data_is_a_clear_error(tmp_path):
         load_runs(tmp_path)
 
 
+def test_missing_reference_files_fail_the_tests_that_read_them(tmp_path):
+    """Every test reading ../shared/reference goes through tests/conftest.py require_reference: a
+    missing file fails the test naming the path, never skips it."""
+    from tests.conftest import require_reference
+
+    with pytest.raises(pytest.fail.Exception, match="reference data missing: " + str(tmp_path)):
+        require_reference(tmp_path / "gemm.json")
+    assert require_reference(REFERENCE) == REFERENCE
+
+
 # Llama 3 405B as Meta trained it (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4): TP 8, CP 1,
 # PP 16, seq 8192, 16M tokens a batch (2048 sequences), BF16 on H100 (80 GB HBM3, 700 W, Grand Teton: 8 GPUs on
 # NVLink a server, 400 Gb/s RoCE per GPU): 430 TFLOP/s per GPU (43% MFU) on 8,192 GPUs (DP 64) and 400 (41%) on

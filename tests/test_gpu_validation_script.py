@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytest.importorskip("torch", reason="the rehearsal profiles and validates with torch (the executor extra)")
+
 
 @pytest.mark.slow
 def test_gpu_validation_runs_end_to_end_in_cpu_mode(tmp_path):

@@ -271,6 +271,7 @@ def _free_port() -> int:
 
 
 def test_torchrun_artifact_run_as_written_completes_a_validation(tmp_path):
+    pytest.importorskip("torch", reason="the artifact runs the executor (torch: the executor extra)")
     r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len",
                         "128", "--global-batch", "8", "--fix", "dp=2,zero=2", "--json"],
                        capture_output=True, text=True, timeout=120)
@@ -403,3 +404,27 @@ def test_mixture_of_experts_launch_megatron_and_refusals():
     assert ds.prediction is not None and ds.layout.ep == 8
     text = artifacts(ds, "megatron")["megatron-args.txt"]
     assert "--moe-layer-freq '([0]*3+[1]*58)'" in text and "--moe-shared-expert-intermediate-size 2048" in text
+
+
+def test_every_registered_format_is_offered_by_the_cli_and_the_api_and_builds():
+    """One table of formats (LAUNCH_FORMATS): the CLI's --format help and the API's enum list it,
+    every entry builds its files, and only the engine formats carry a version and a refusal check."""
+    import typer
+
+    from api.schemas import LaunchRequest
+    from planner.cli import app
+    from planner.launch import LAUNCH_FORMATS
+
+    launch = typer.main.get_command(app).commands["launch"]
+    (fmt_option,) = [p for p in launch.params if p.name == "fmt"]
+    assert all(name in fmt_option.help for name in LAUNCH_FORMATS)
+    assert LaunchRequest.model_json_schema()["properties"]["format"]["enum"] == list(LAUNCH_FORMATS) == list(FORMATS)
+    p = plan_for(Layout(tp=1, pp=4, dp=8, micro_batch_size=1, num_microbatches=8), model="llama3-8b")
+    for name, spec in LAUNCH_FORMATS.items():
+        assert spec.refusal is None or spec.refusal(p) is None, (name, spec.refusal(p))
+        files = artifacts(p, name)
+        assert files and all(isinstance(v, str) and v for v in files.values()), name
+        assert (spec.engine_version is None) == (spec.refusal is None) == spec.runs_executor, name
+        if spec.engine_version:
+            assert spec.engine_version in "".join(files.values()) and name in FIELD_SOURCES, name
+    assert set(FIELD_SOURCES) == set(ENGINE_VERSIONS) == set(ENGINE_REFUSALS)

@@ -220,12 +220,9 @@ def test_fsdp2_zero2_in_fp32_holds_a_sharded_copy_beside_the_gathered_parameters
 def _bench(name):
     import json
 
-    from tests.conftest import REFERENCE
+    from tests.conftest import REFERENCE, require_reference
 
-    path = REFERENCE / "h100-microbench" / name
-    if not path.is_file():
-        pytest.skip(f"reference data not found at {path}")
-    return json.loads(path.read_text())["rows"]
+    return json.loads(require_reference(REFERENCE / "h100-microbench" / name).read_text())["rows"]
 
 
 def test_executor_layer_bytes_match_layer_json():

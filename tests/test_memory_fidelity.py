@@ -6,15 +6,14 @@ that ran out of memory predicted not to fit, none that ran predicted not to) and
 import pytest
 
 from benchmarks import memory_fidelity
-from tests.conftest import REFERENCE
+from tests.conftest import REFERENCE, require_reference
 
 MAPE_TARGET = 0.05  # issue 19
 
 
 @pytest.fixture(scope="module")
 def reference():
-    if not (REFERENCE / "h100-microbench" / "full-step-runs.json").is_file():
-        pytest.skip(f"reference data not found at {REFERENCE}")
+    require_reference(REFERENCE / "h100-microbench" / "full-step-runs.json")
     return REFERENCE
 
 

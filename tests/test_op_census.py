@@ -11,6 +11,7 @@ from cost_models import compute  # noqa: E402
 from hardware_profiles import load_device  # noqa: E402
 from planner.models import presets  # noqa: E402
 from planner.specs import TrainingSpec  # noqa: E402
+from tests.conftest import require_reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,7 @@ def test_executor_dispatch_is_its_kernel_count_times_one_eager_op():
     to the layer fails here until the profile is refitted (`benchmarks.layer_fidelity --fit`)."""
     from benchmarks import layer_fidelity
 
-    if not (layer_fidelity.REFERENCE / "bandwidth.json").is_file():
-        pytest.fail(f"reference data missing: {layer_fidelity.REFERENCE}")
+    require_reference(layer_fidelity.REFERENCE / "bandwidth.json")
     fw = load_device("h100-sxm").frameworks["pytorch"]
     dispatch = layer_fidelity.host_dispatch()
     assert fw.dispatch_fwd_s == pytest.approx(dispatch["dispatch_fwd_s"], rel=1e-3)

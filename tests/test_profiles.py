@@ -19,6 +19,30 @@ BERTH = [sys.executable, "-m", "planner.cli"]
 DEVICES = ("a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x", "l40s", "l4")
 
 
+def test_every_gpu_device_lists_its_nvidia_smi_names_and_each_resolves_to_it():
+    """The nvidia-smi names live with the device (its file's `nvidia_smi` section): every NVIDIA GPU
+    profile lists some, each name resolves to that device and its server preset (whose device it is),
+    no name belongs to two devices, and an unknown GPU is refused naming the known ones."""
+    from hardware_profiles import UnknownProfileError, nvidia_smi_device, nvidia_smi_names
+
+    seen: dict[str, str] = {}
+    for device in device_names():
+        entry, profile = nvidia_smi_names(device), load_device(device)
+        if profile.kind != "gpu" or not profile.display_name.startswith("NVIDIA"):
+            assert entry is None, device
+            continue
+        assert entry is not None and entry.source, device
+        for name in entry.names:
+            assert name.lower() not in seen, (name, device, seen.get(name.lower()))
+            seen[name.lower()] = device
+            assert nvidia_smi_device(f"  {name.lower()} ") == (device, entry.server)
+        assert load_server(entry.server).device == device
+    assert "h100-sxm" in seen.values() and nvidia_smi_device("NVIDIA H100 80GB HBM3") == ("h100-sxm", "dgx-h100")
+    with pytest.raises(UnknownProfileError) as err:
+        nvidia_smi_device("NVIDIA H100")  # a prefix of a known name is not that GPU
+    assert "NVIDIA H100 80GB HBM3" in err.value.known and len(err.value.known) == len(seen)
+
+
 def test_every_device_and_server_loads_with_sources():
     assert set(DEVICES) <= set(device_names())
     for name in device_names():
@@ -57,6 +81,7 @@ def test_faster_devices_are_predicted_faster():
 
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
+    pytest.importorskip("torch", reason="`berth profile` measures with torch (the executor extra)")
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     r = subprocess.run([*BERTH, "profile", "--quick", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

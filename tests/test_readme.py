@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from executor.profile import PROFILE_FORMAT
+from hardware_profiles import PROFILE_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -42,6 +42,13 @@ SKIP = {  # a command's first words -> why the test does not run it
 }
 
 
+NEEDS_TORCH = {  # a command's first words -> why it needs torch (the executor extra); skipped without it
+    "berth validate": "runs the plan with torch.distributed",
+    "berth report": "shows the report `berth validate` wrote",
+    "berth calibrate": "fits the reports `berth validate` stored",
+    "python -m benchmarks.accuracy": "imports the executor's profiler",
+    "python -m benchmarks.layer_fidelity": "runs the executor's layer",
+}
 GPU_BLOCK = "# on a machine with an NVIDIA GPU"  # a README block's first line: its commands need a GPU
 GPU_PREFIX = "GPU: "
 
@@ -89,6 +96,10 @@ def _skip_reason(cmd: str) -> str | None:
         return ("needs an NVIDIA GPU: tests/test_gpu_paths.py plans, compares and validates on `--cluster local` "
                 "with a fake nvidia-smi, and tests/test_gpu_validation_script.py runs the GPU evidence script's "
                 "commands on CPU workers")
+    torchless = importlib.util.find_spec("torch") is None
+    why = next((why for prefix, why in NEEDS_TORCH.items() if cmd.startswith(prefix)), None)
+    if torchless and why:
+        return f"needs torch (the executor extra): {why}"
     if cmd.startswith("python -m benchmarks.accuracy") and "--rescore" in cmd:
         return None
     if cmd.startswith("berth report") and "--png" in cmd and importlib.util.find_spec("matplotlib") is None:

@@ -18,6 +18,7 @@ from planner.errors import BerthError
 from planner.store import Store
 
 BERTH = [sys.executable, "-m", "planner.cli"]
+TORCH_REASON = "runs the plan with torch.distributed (torch: the executor extra)"
 TINY = ["tiny-gpt", "--seq-len", "128", "--global-batch", "8"]
 
 
@@ -34,6 +35,7 @@ def plan_file(tmp_path, *extra, devices="2"):
 
 
 def test_validate_two_cpu_processes_writes_report_and_stores_it(tmp_path):
+    pytest.importorskip("torch", reason=TORCH_REASON)
     plans = plan_file(tmp_path)
     store, out = tmp_path / "store.sqlite", tmp_path / "report.json"
     r = berth("validate", str(plans), "--steps", "3", "--warmup", "2", "--store", str(store), "--out", str(out),
@@ -104,6 +106,7 @@ def _run_with_fault(tmp_path, sig, **kwargs):
 
 
 def test_killed_rank_ends_run_with_failure_report(tmp_path):
+    pytest.importorskip("torch", reason=TORCH_REASON)
     report, sent, _ = _run_with_fault(tmp_path, signal.SIGKILL, timeout_s=240)
     assert sent, "the fault was never injected"
     assert time.perf_counter() - sent[0] < 60
@@ -112,6 +115,7 @@ def test_killed_rank_ends_run_with_failure_report(tmp_path):
 
 
 def test_hung_rank_ends_run_within_the_collective_timeout(tmp_path):
+    pytest.importorskip("torch", reason=TORCH_REASON)
     report, sent, _ = _run_with_fault(tmp_path, signal.SIGSTOP, timeout_s=120, collective_timeout_s=5)
     assert sent
     with contextlib.suppress(ProcessLookupError):
@@ -133,6 +137,7 @@ def test_out_of_memory_is_reported_as_did_not_fit(tmp_path):
 
 def test_rank_slice_proxy_runs_one_rank_of_a_plan_larger_than_the_machine(tmp_path):
     """An 8-worker tp x pp x dp plan with sequence parallelism and ZeRO-1, on one process."""
+    pytest.importorskip("torch", reason=TORCH_REASON)
     plans = plan_file(tmp_path, "--fix", "tp=2,pp=2,dp=2,sp=1,zero=1,mbs=2,vpp=1", devices="8")
     store = tmp_path / "s.sqlite"
     reports = []
