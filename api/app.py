@@ -1,4 +1,4 @@
-"""The berth REST service: thin routes over planner.planning, the same JSON as the CLI.
+"""The berth REST service: thin routes over berth.planner.planning, the same JSON as the CLI.
 
 Run it with `berth serve` (uvicorn). Nothing that can take time runs on the event loop: building
 a cluster (and nvidia-smi for `local`), searches, serialization and every SQLite read and write run
@@ -44,7 +44,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
-from api.schemas import (
+from berth.api.schemas import (
     ClusterInfo,
     CompareRequest,
     CompareResponse,
@@ -60,13 +60,20 @@ from api.schemas import (
     ValidationJob,
     ValidationRequest,
 )
-from api.settings import Settings
-from hardware_profiles import DeviceProfile, UnknownProfileError, device_names, load_device, load_server, server_names
-from planner import __version__
-from planner.errors import BerthError, from_validation_error
-from planner.launch import artifacts
-from planner.models import load_model, presets
-from planner.planning import (
+from berth.api.settings import Settings
+from berth.hardware_profiles import (
+    DeviceProfile,
+    UnknownProfileError,
+    device_names,
+    load_device,
+    load_server,
+    server_names,
+)
+from berth.planner import __version__
+from berth.planner.errors import BerthError, from_validation_error
+from berth.planner.launch import artifacts
+from berth.planner.models import load_model, presets
+from berth.planner.planning import (
     cached_plan,
     compare,
     compare_json,
@@ -80,10 +87,10 @@ from planner.planning import (
     with_fallback,
     with_operations,
 )
-from planner.search import SearchTimeout
-from planner.specs import ClusterSpec, Plan, pick_plan, plan_listing
-from planner.store import BUSY_TIMEOUT_S, Store
-from planner.topology import LOCAL, cluster_from_node_link
+from berth.planner.search import SearchTimeout
+from berth.planner.specs import ClusterSpec, Plan, pick_plan, plan_listing
+from berth.planner.store import BUSY_TIMEOUT_S, Store
+from berth.planner.topology import LOCAL, cluster_from_node_link
 
 ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"detail": {}}}}}}
 COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -667,7 +674,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                 "WITH_TORCH=1) to validate")
 
     def _run_validation(job_id: str, chosen: Plan, req: ValidationRequest) -> None:
-        from executor.validate import validate, validate_proxy
+        from berth.executor.validate import validate, validate_proxy
 
         try:
             store.update_job(job_id, "running")

@@ -7,10 +7,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from hardware_profiles import server_names
-from hardware_profiles.schema import LinkProfile, Precision
-from planner.launch import FORMATS
-from planner.specs import (
+from berth.hardware_profiles import server_names
+from berth.hardware_profiles.schema import LinkProfile, Precision
+from berth.planner.launch import FORMATS
+from berth.planner.specs import (
     DEFAULT_MEMORY_HEADROOM,
     MAX_GLOBAL_BATCH,
     MAX_GPUS_PER_NODE,
@@ -23,7 +23,7 @@ from planner.specs import (
     SearchSpec,
     ValidationReport,
 )
-from planner.topology import LOCAL
+from berth.planner.topology import LOCAL
 
 
 class Body(BaseModel):

@@ -15,8 +15,8 @@ import h11
 from pydantic import ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from api.settings import Settings
-from planner.errors import BerthError
+from berth.api.settings import Settings
+from berth.planner.errors import BerthError
 
 
 def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
@@ -67,7 +67,7 @@ def serve(host: str, port: int, workers: int) -> None:
     import uvicorn
 
     settings = settings_or_error()
-    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info",
+    uvicorn.run("berth.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info",
                 http=header_timeout_protocol(settings.header_timeout_s),
                 timeout_keep_alive=max(1, round(settings.timeout_keep_alive_s)),
                 limit_concurrency=settings.limit_concurrency,

@@ -12,7 +12,7 @@ Each run:
    `passes` launches with the layouts in a different order each time, and compares;
 4. saves the measurements (accuracy-<machine>-measurements.json), then scores the raw
    profile-based predictions, and predictions calibrated on held-out data: 2-fold cross-validation
-   (fit `planner.calibrate` on one half of the layouts, score the other), so no layout is scored
+   (fit `berth.planner.calibrate` on one half of the layouts, score the other), so no layout is scored
    by a model fitted on it. `--rescore` repeats this step alone on saved measurements, for a
    changed cost model; the results then name the file they were scored from.
 
@@ -38,14 +38,14 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from executor.profile import run_profile
-from executor.validate import report_from_result
-from hardware_profiles.schema import DeviceProfile, ServerProfile
-from planner.calibrate import calibrate, predict
-from planner.models import load_model
-from planner.search import predict_layouts, search
-from planner.specs import Layout, Plan, SearchSpec, TrainingSpec, ValidationReport
-from planner.topology import local_cluster
+from berth.executor.profile import run_profile
+from berth.executor.validate import report_from_result
+from berth.hardware_profiles.schema import DeviceProfile, ServerProfile
+from berth.planner.calibrate import calibrate, predict
+from berth.planner.models import load_model
+from berth.planner.search import predict_layouts, search
+from berth.planner.specs import Layout, Plan, SearchSpec, TrainingSpec, ValidationReport
+from berth.planner.topology import local_cluster
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "tiny-gpt"
@@ -74,7 +74,7 @@ def run_layouts(plans: list[Plan], say) -> list[dict]:
             (Path(tmp) / "plans.json").write_text(json.dumps([p.model_dump(mode="json") for p in chunk]))
             result = Path(tmp) / "out.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   "-m", "executor.worker", "--plans", str(Path(tmp) / "plans.json"), "--steps", str(STEPS),
+                   "-m", "berth.executor.worker", "--plans", str(Path(tmp) / "plans.json"), "--steps", str(STEPS),
                    "--warmup", str(WARMUP), "--out", str(result)]
             env = {**os.environ, "BERTH_DEVICE": "cpu", "BERTH_THREADS_PER_RANK": "1"}
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)

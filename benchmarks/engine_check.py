@@ -40,11 +40,11 @@ import types
 from pathlib import Path
 from typing import Any
 
-from planner.launch import ENGINE_VERSIONS, LaunchRefused, artifacts
-from planner.models import load_model
-from planner.search import predict_layouts, search
-from planner.specs import Layout, Plan, SearchSpec, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.planner.launch import ENGINE_VERSIONS, LaunchRefused, artifacts
+from berth.planner.models import load_model
+from berth.planner.search import predict_layouts, search
+from berth.planner.specs import Layout, Plan, SearchSpec, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 ENGINES = ("megatron", "deepspeed", "torchtitan")
 # (model, dgx-h100 nodes, seq_len, global batch): the README's launch example and its other llama cases

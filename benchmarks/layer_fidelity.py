@@ -38,16 +38,16 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
-from cost_models import compute
-from hardware_profiles import load_device
-from hardware_profiles.schema import (
+from berth.cost_models import compute
+from berth.hardware_profiles import load_device
+from berth.hardware_profiles.schema import (
     AttentionPassModel,
     AttentionShapeModel,
     DeviceProfile,
     GemmShapeModel,
 )
-from planner.models import presets
-from planner.specs import ModelSpec, TrainingSpec
+from berth.planner.models import presets
+from berth.planner.specs import ModelSpec, TrainingSpec
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "h100-microbench"
 OUT = Path(__file__).parent / "results" / "layer_fidelity.json"

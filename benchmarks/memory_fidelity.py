@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hardware_profiles import load_device, load_server
-from planner.models import model_from_dict
-from planner.search import predict_layouts
-from planner.specs import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.hardware_profiles import load_device, load_server
+from berth.planner.models import model_from_dict
+from berth.planner.search import predict_layouts
+from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 RESULTS = Path(__file__).parent / "results"

@@ -63,11 +63,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cost_models.candidates import Candidates
-from cost_models.step import evaluate
-from hardware_profiles import load_device
-from planner.specs import ClusterSpec, Layout, ModelSpec, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.cost_models.candidates import Candidates
+from berth.cost_models.step import evaluate
+from berth.hardware_profiles import load_device
+from berth.planner.specs import ClusterSpec, Layout, ModelSpec, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 FILES = ("published_runs_a100.json", "published_runs_more.json")
@@ -549,7 +549,7 @@ def predict(case: Case) -> Result:
     c = Candidates.from_layouts([case.layout])
     with np.errstate(divide="ignore", invalid="ignore"):
         ev = evaluate(case.model, case.training, case.cluster, c)
-    from cost_models.validity import describe
+    from berth.cost_models.validity import describe
     code = int(ev.reason[0])
     return Result(case, float(ev.step_time_s[0]), float(ev.peak_memory_bytes[0]) / GIB,
                   case.cluster.device.memory_bytes / GIB, describe(code) or None, float(ev.mfu[0]),

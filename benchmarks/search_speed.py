@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from planner.models import load_model
-from planner.search import search
-from planner.specs import SearchSpec, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.planner.models import load_model
+from berth.planner.search import search
+from berth.planner.specs import SearchSpec, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 CASES = [
     # name, model, cluster preset, nodes, seq, global batch (sequences)
@@ -62,7 +62,7 @@ def run_case(model_name, preset, nodes, seq, batch):
 
 def whole_process(model_name, preset, nodes, seq, batch) -> dict:
     """Wall time of `berth plan ...` as a fresh process (tables printed to /dev/null)."""
-    cmd = [sys.executable, "-m", "planner.cli", "plan", model_name, "--cluster", preset, "--nodes", str(nodes),
+    cmd = [sys.executable, "-m", "berth.planner.cli", "plan", model_name, "--cluster", preset, "--nodes", str(nodes),
            "--seq-len", str(seq), "--global-batch", str(batch)]
     walls = []
     for _ in range(WHOLE_REPEATS):

@@ -65,7 +65,7 @@ def start_server(workers: int, store: Path, cache: bool, **settings) -> tuple[su
     env = {**os.environ, "BERTH_STORE_PATH": str(store), **{f"BERTH_{k.upper()}": str(v) for k, v in settings.items()}}
     if not cache:
         env["BERTH_PLAN_CACHE_SIZE"] = "0"
-    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(port),
                              "--workers", str(workers)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hardware_profiles import load_device, load_server, server_names
-from planner.layouts import complete_layout, parse_spec
-from planner.search import predict_layouts
-from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from berth.hardware_profiles import load_device, load_server, server_names
+from berth.planner.layouts import complete_layout, parse_spec
+from berth.planner.search import predict_layouts
+from berth.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "h100-microbench"
 OUT = Path(__file__).parent / "results" / "single_gpu.json"

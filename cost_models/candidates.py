@@ -7,8 +7,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from planner.axes import RANK_AXES, with_cp
-from planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
+from berth.planner.axes import RANK_AXES, with_cp
+from berth.planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
 
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
 SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.specs import ClusterSpec
+from berth.planner.specs import ClusterSpec
 
 ALL_REDUCE_PASSES = 2.0  # reduce-scatter + all-gather
 HALF_PASSES = 1.0  # all-gather or reduce-scatter alone

@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cost_models.flops import BACKWARD_TO_FORWARD
-from hardware_profiles.schema import AttentionPassModel, DeviceProfile, FrameworkCompute
-from planner.specs import ModelSpec, TrainingSpec
+from berth.cost_models.flops import BACKWARD_TO_FORWARD
+from berth.hardware_profiles.schema import AttentionPassModel, DeviceProfile, FrameworkCompute
+from berth.planner.specs import ModelSpec, TrainingSpec
 
 # Named constants (each an assumption stated with its reason).
 CAUSAL_WORK_FRACTION = 0.5  # FlashAttention skips fully-masked blocks: ~half of s^2 (Dao 2023)

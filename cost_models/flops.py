@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
-from planner.specs import ModelSpec, TrainingSpec
+from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
+from berth.planner.specs import ModelSpec, TrainingSpec
 
 BACKWARD_TO_FORWARD = 2.0  # dgrad + wgrad GEMMs, each the size of the forward GEMM
 

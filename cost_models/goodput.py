@@ -26,9 +26,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from cost_models import memory
-from cost_models.candidates import Candidates
-from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from berth.cost_models import memory
+from berth.cost_models.candidates import Candidates
+from berth.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 
 SECONDS_PER_HOUR = 3600.0
 JOULES_PER_KWH = 3.6e6

@@ -53,11 +53,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE
-from cost_models.pipeline import layers_in_flight, microbatches_in_flight
-from hardware_profiles.schema import DeviceProfile
-from planner import stages
-from planner.specs import ModelSpec, TrainingSpec
+from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE
+from berth.cost_models.pipeline import layers_in_flight, microbatches_in_flight
+from berth.hardware_profiles.schema import DeviceProfile
+from berth.planner import stages
+from berth.planner.specs import ModelSpec, TrainingSpec
 
 FP32_BYTES = 4
 HALF_BYTES = 2  # a bf16/fp16 element

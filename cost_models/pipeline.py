@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
+from berth.cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
 
 
 def layers_in_flight(num_layers: int, pp, vpp, nmb, schedule, stage, stage_layers=None):

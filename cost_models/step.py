@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models import comm, compute, flops, goodput, memory
-from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
-from cost_models.pipeline import bubble_s
-from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
-from planner import stages
-from planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, TrainingSpec
+from berth.cost_models import comm, compute, flops, goodput, memory
+from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
+from berth.cost_models.pipeline import bubble_s
+from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
+from berth.planner import stages
+from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, TrainingSpec
 
 TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Shoeybi 2019, Fig. 4)
 # The fraction of a compute window that hides data-parallel communication is the cluster's
@@ -76,7 +76,7 @@ class Evaluation:
     mfu: np.ndarray
     hfu: np.ndarray
     peak_memory_bytes: np.ndarray
-    reason: np.ndarray  # 0 = feasible, else a code from cost_models.validity
+    reason: np.ndarray  # 0 = feasible, else a code from berth.cost_models.validity
     time_breakdown_s: dict[str, np.ndarray]
     memory_breakdown_bytes: dict[str, np.ndarray]
     bottleneck: np.ndarray  # index into BOTTLENECK_NAMES

@@ -27,9 +27,9 @@ from math import gcd
 
 import numpy as np
 
-from cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, Candidates
-from planner import stages
-from planner.specs import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, ClusterSpec, Layout, ModelSpec, TrainingSpec
+from berth.cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, Candidates
+from berth.planner import stages
+from berth.planner.specs import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, ClusterSpec, Layout, ModelSpec, TrainingSpec
 
 VALID = 0
 # The smallest load-balanced chunk (seq_len / (2 cp) tokens) a layout may use: below it each ring

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cost_models import terms
+from berth.cost_models import terms
 
 # term of time_breakdown_s -> (measured regions whose exclusive times add up to it, how it is measured):
 # read from the registry of terms (cost_models/terms.py)

@@ -1,6 +1,6 @@
 """The device an executor process runs on, and CUDA set up before anything asks it for memory.
 
-Every entry point (executor.worker, executor.proxy, executor.profile and its collective workers)
+Every entry point (berth.executor.worker, berth.executor.proxy, berth.executor.profile and its collective workers)
 gets its device here. On CUDA, `init_cuda` selects the device and initialises CUDA (the caching
 allocator and the device's context) before the first memory call: `torch.cuda.reset_peak_memory_stats`,
 `max_memory_reserved` and `memory_allocated` go straight to the allocator without initialising
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from executor.checks import REQUIRE_GPU_ENV
+from berth.executor.checks import REQUIRE_GPU_ENV
 
 _READY: set[int] = set()
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from planner.specs import ModelSpec
+from berth.planner.specs import ModelSpec
 
 ROPE_THETA = 10000.0
 INIT_STD = 0.02  # GPT-2 / Megatron initialization
@@ -183,7 +183,7 @@ class MoE(nn.Module):
     num_shared x their ffn, the same function as their sum). No capacity limit: no token is dropped,
     so one process and any ep give the same result up to summation order.
 
-    Expert parallelism (`executor.parallel.apply_ep`): the experts are a ModuleDict keyed by their
+    Expert parallelism (`berth.executor.parallel.apply_ep`): the experts are a ModuleDict keyed by their
     global index; a rank keeps its num_experts / ep of them and `ep_group` is set. The (token, expert)
     pairs are sorted by expert, sent to the rank holding the expert with one all-to-all (dispatch),
     run there, and sent back with a second (combine); backward runs the two in reverse."""

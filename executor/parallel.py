@@ -53,13 +53,13 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from executor import timing
-from executor.checks import UnsupportedLayout, check_layout  # noqa: F401 (re-exported)
-from executor.model import Attention, Decoder, MoE, build_model, loss_fn
-from planner import stages
-from planner.axes import MESH_DIMS
-from planner.placement import coordinates
-from planner.specs import Layout, ModelSpec, TrainingSpec
+from berth.executor import timing
+from berth.executor.checks import UnsupportedLayout, check_layout  # noqa: F401 (re-exported)
+from berth.executor.model import Attention, Decoder, MoE, build_model, loss_fn
+from berth.planner import stages
+from berth.planner.axes import MESH_DIMS
+from berth.planner.placement import coordinates
+from berth.planner.specs import Layout, ModelSpec, TrainingSpec
 
 LEARNING_RATE = 1e-3
 # MESH_DIMS (planner/axes.py): ("pp", "replicate", "shard", "cp", "tp"), torchtitan's order, outermost first
@@ -95,7 +95,7 @@ class Prepared:
 
 def apply_cp(model: nn.Module, group, rank: int, size: int) -> None:
     """All-gather KV context parallelism on every attention (executor/model.py, ContextParallel)."""
-    from executor.model import ContextParallel
+    from berth.executor.model import ContextParallel
 
     cp = ContextParallel(group, rank, size)
     for sub in model.modules():
@@ -216,7 +216,7 @@ def apply_ep(model: Decoder, layout: Layout, rank: int):
     """Mixture of experts on dp ranks only (tp = pp = 1, zero 0: executor/checks.py): ep ranks are
     consecutive dp ranks (rank = dp rank when dp is the only axis); each keeps num_experts / ep experts
     of every MoE layer (ep rank e: experts e x E/ep .. (e+1) x E/ep - 1) and dispatches tokens to the
-    others (executor.model.MoE). Returns the gradient reduction to run after the step's micro-batches:
+    others (berth.executor.model.MoE). Returns the gradient reduction to run after the step's micro-batches:
     non-expert gradients summed over all dp ranks, expert gradients over the expert-data-parallel
     group (the dp / ep ranks with the same ep rank, which hold the same experts), both divided by dp:
     each rank's loss is its own slice's mean, and the a2a backward already brings the ep peers'

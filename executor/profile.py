@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from executor.device import rank_device
-from hardware_profiles import PROFILE_FORMAT, load_device, load_server
-from hardware_profiles.schema import DeviceProfile, GemmCurve, LinkProfile, ServerProfile
+from berth.executor.device import rank_device
+from berth.hardware_profiles import PROFILE_FORMAT, load_device, load_server
+from berth.hardware_profiles.schema import DeviceProfile, GemmCurve, LinkProfile, ServerProfile
 
 GEMM_DIMS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 QUICK_GEMM_DIMS = (16, 64, 256, 1024)
@@ -185,7 +185,7 @@ def measure_memory_bandwidth(device: torch.device, quick: bool) -> float:
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> tuple[float, float]:
     """(forward, backward) FLOPs of causal attention as FlashAttention counts them: 4 b h s^2 d / 2
     forward, 2.5x that backward (h100-microbench/attention.json counts the same)."""
-    from cost_models.compute import ATTENTION_BACKWARD_FLOPS, CAUSAL_WORK_FRACTION
+    from berth.cost_models.compute import ATTENTION_BACKWARD_FLOPS, CAUSAL_WORK_FRACTION
 
     fwd = 4.0 * batch * heads * seq * seq * head_dim * CAUSAL_WORK_FRACTION
     return fwd, ATTENTION_BACKWARD_FLOPS * fwd
@@ -368,7 +368,7 @@ def measure_collectives(nprocs: int, quick: bool, compute: bool = False, timeout
         out = Path(tmp) / "comm.json"
         sizes = QUICK_COMM_SIZES if quick else COMM_SIZES
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-               "-m", "executor.profile", "--comm-worker", str(out), "--sizes", ",".join(map(str, sizes)),
+               "-m", "berth.executor.profile", "--comm-worker", str(out), "--sizes", ",".join(map(str, sizes)),
                "--reps", "3" if quick else "5"] + (["--compute"] if compute else []) + (["--quick"] if quick else [])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -436,7 +436,7 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
     median ratio of what the sweep measured to what the model predicts at the same shapes (the
     knees, which need thousands of timings to fit, stay the base fit's). Without the models (older
     profiles) nothing changes: the legacy curve above is used."""
-    from cost_models.compute import attention_efficiency, gemm_efficiency
+    from berth.cost_models.compute import attention_efficiency, gemm_efficiency
 
     out: dict = {}
     gemm = measurements["gemm"]
@@ -573,8 +573,8 @@ def build_profile(device_type: str, measurements: dict, comm: dict[int, dict], m
 def gpu_base(name: str) -> tuple[str, str]:
     """(device profile, server preset) of this GPU by its name (the nvidia_smi section of its device file);
     an unknown GPU is an error naming the known ones."""
-    from hardware_profiles import UnknownProfileError, nvidia_smi_device
-    from planner.errors import BerthError
+    from berth.hardware_profiles import UnknownProfileError, nvidia_smi_device
+    from berth.planner.errors import BerthError
 
     try:
         return nvidia_smi_device(name)

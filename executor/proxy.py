@@ -1,6 +1,6 @@
 """Rank-slice proxy: one rank's share of a plan too big for this machine, run on one device.
 
-    python -m executor.proxy --plan plan.json --stage first --layers 2 --steps 5 --warmup 2 --out r.json
+    python -m berth.executor.proxy --plan plan.json --stage first --layers 2 --steps 5 --warmup 2 --out r.json
 
 What the rank holds and does, built directly at its size (no collectives):
 - the layers of one pipeline stage (first or last; `--layers` shrinks the depth, nothing else),
@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from executor.checks import PROGRESS_PREFIX
-from executor.device import rank_device
-from executor.model import INIT_STD, Block, norm_layer
-from executor.parallel import apply_recompute
-from executor.train import PeakMemory
-from executor.worker import machine
-from planner.specs import Plan
+from berth.executor.checks import PROGRESS_PREFIX
+from berth.executor.device import rank_device
+from berth.executor.model import INIT_STD, Block, norm_layer
+from berth.executor.parallel import apply_recompute
+from berth.executor.train import PeakMemory
+from berth.executor.worker import machine
+from berth.planner.specs import Plan
 
 
 class SequenceParallelBlock(nn.Module):
@@ -133,7 +133,7 @@ def main() -> None:
     try:
         device = rank_device(0)
     except RuntimeError as err:
-        from executor.worker import _error_record
+        from berth.executor.worker import _error_record
 
         Path(f"{args.out}.rank0.error.json").write_text(json.dumps(_error_record(err, torch.device("cpu"))))
         raise
@@ -203,7 +203,7 @@ def main() -> None:
             print(PROGRESS_PREFIX + json.dumps(line), flush=True)
         memory.stop()
     except BaseException as err:
-        from executor.worker import _error_record
+        from berth.executor.worker import _error_record
 
         Path(f"{args.out}.rank0.error.json").write_text(json.dumps(_error_record(err, device)))
         raise

@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from executor.breakdown import OTHER
-from planner.axes import RANK_AXES
+from berth.executor.breakdown import OTHER
+from berth.planner.axes import RANK_AXES
 
 # spans of these prefixes opened inside the key are not opened: their time stays the key's
 # (the cost model counts a full recomputation's tensor-parallel collectives as recomputation)
@@ -328,7 +328,7 @@ def instrument(timer: StepTimer, coordinates: dict[str, Any] | None, modules: li
                schedule: Any = None, ddp: bool = False, groups: dict[str, str] | None = None) -> Iterator[StepTimer]:
     """Make `timer` the active one and wrap torch.distributed's issue and wait points (see the
     module docstring) until the block ends; everything is restored afterwards. `coordinates`:
-    the layout's (planner.placement.coordinates), `groups`: process group name -> axis."""
+    the layout's (berth.planner.placement.coordinates), `groups`: process group name -> axis."""
     global _ACTIVE
     import torch.distributed as dist
     from torch.distributed import _functional_collectives as funcol

@@ -10,7 +10,7 @@ the losses or step times) runs under torch.profiler with the regions as `berth:<
 and is written as a Chrome/Perfetto trace, `<trace_dir>/rank<R>.trace.json`.
 
 Test hook: `optimizer_delay_s` makes the rank sleep that long inside its optimizer step, every
-step: a known slowdown of one term. executor.worker sets it from $BERTH_TEST_SLOW_OPTIMIZER
+step: a known slowdown of one term. berth.executor.worker sets it from $BERTH_TEST_SLOW_OPTIMIZER
 ("RANK:SECONDS" or "RANK:SECONDS:PLAN", PLAN numbered from 1 in the worker's plan file), which
 only the tests set, to check that the report names the slowed term (tests/test_breakdown.py).
 """
@@ -28,13 +28,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from executor import timing
-from executor.device import init_cuda
-from executor.model import load_balanced_chunks, synthetic_batch
-from executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
-from planner.axes import MESH_DIM_AXIS, MESH_DIMS
-from planner.placement import coordinates
-from planner.specs import Layout, ModelSpec, TrainingSpec
+from berth.executor import timing
+from berth.executor.device import init_cuda
+from berth.executor.model import load_balanced_chunks, synthetic_batch
+from berth.executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
+from berth.planner.axes import MESH_DIM_AXIS, MESH_DIMS
+from berth.planner.placement import coordinates
+from berth.planner.specs import Layout, ModelSpec, TrainingSpec
 
 TRAIN_MARK = "berth.train_start"
 MEMORY_STEPS = 2  # the peak is reached once optimizer state exists: by the end of the second step

@@ -1,7 +1,7 @@
 """`berth validate`: run a plan for real on this machine and compare measured with predicted.
 
 The parent process never imports torch: it checks the plan, launches
-`torchrun --standalone --nproc-per-node=<world size> -m executor.worker`, follows rank 0's progress
+`torchrun --standalone --nproc-per-node=<world size> -m berth.executor.worker`, follows rank 0's progress
 lines, enforces a wall-clock watchdog, and turns the result (or the failure) into a
 ValidationReport, written to a file and appended to the SQLite results store.
 
@@ -32,13 +32,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from executor.breakdown import compare, terms_from_regions
-from executor.checks import PROGRESS_PREFIX, REQUIRE_GPU_ENV, UnsupportedLayout, check_layout
-from planner import __version__, stages
-from planner.errors import BerthError
-from planner.specs import Metrics, Plan, ValidationReport, pick_plan, plan_listing
-from planner.store import Store
-from planner.topology import local_gpus
+from berth.executor.breakdown import compare, terms_from_regions
+from berth.executor.checks import PROGRESS_PREFIX, REQUIRE_GPU_ENV, UnsupportedLayout, check_layout
+from berth.planner import __version__, stages
+from berth.planner.errors import BerthError
+from berth.planner.specs import Metrics, Plan, ValidationReport, pick_plan, plan_listing
+from berth.planner.store import Store
+from berth.planner.topology import local_gpus
 
 STARTUP_BUDGET_S = 120.0  # torchrun start, imports and model build, generously
 STEP_BUDGET_FACTOR = 20.0  # a step may run this many times slower than predicted before the watchdog fires
@@ -271,10 +271,10 @@ def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dic
 
     import numpy as np
 
-    from cost_models.candidates import Candidates
-    from cost_models.memory import stage_memory_breakdown
-    from cost_models.pipeline import microbatches_in_flight
-    from cost_models.step import stage_compute
+    from berth.cost_models.candidates import Candidates
+    from berth.cost_models.memory import stage_memory_breakdown
+    from berth.cost_models.pipeline import microbatches_in_flight
+    from berth.cost_models.step import stage_compute
 
     x = plan.layout
     model = plan.model.model_copy(update={"num_layers": layers * x.pp})
@@ -337,7 +337,7 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     work.mkdir(parents=True, exist_ok=True)
     (work / "plan.json").write_text(plan.model_dump_json())
     result_path = work / "result.json"
-    cmd = [sys.executable, "-m", "executor.proxy", "--plan", str(work / "plan.json"), "--stage", stage,
+    cmd = [sys.executable, "-m", "berth.executor.proxy", "--plan", str(work / "plan.json"), "--stage", stage,
            "--layers", str(layers), "--in-flight", str(in_flight), "--steps", str(steps), "--warmup", str(warmup),
            "--seed", str(seed), "--out", str(result_path)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -379,7 +379,7 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
 
 def report_from_result(plan: Plan, result: dict[str, Any], data: dict[str, Any], steps: int, warmup: int,
                        wall_s: float, predicted: Metrics | None = None) -> ValidationReport:
-    """A ValidationReport from one layout's entry of an executor.worker result file."""
+    """A ValidationReport from one layout's entry of a berth.executor.worker result file."""
     predicted = predicted or predicted_metrics(plan)
     measured, extra = measured_metrics(plan, result)
     return ValidationReport(
@@ -413,7 +413,7 @@ def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: 
     result_path = work / "result.json"
     world = plan.layout.world_size
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "executor.worker", "--plans", str(work / "plans.json"), "--steps", str(steps),
+           "-m", "berth.executor.worker", "--plans", str(work / "plans.json"), "--steps", str(steps),
            "--warmup", str(warmup), "--seed", str(seed), "--out", str(result_path)]
     if trace_dir is not None:
         trace = Path(trace_dir).resolve()

@@ -1,6 +1,6 @@
 """torchrun entry point: run the layouts of a plan file and write what every rank measured.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=N -m executor.worker \
+    python -m torch.distributed.run --standalone --nproc-per-node=N -m berth.executor.worker \
         --plans plans.json --steps 3 --warmup 2 --out result.json [--trace DIR]
 
 `plans.json` holds a list of Plan objects (all with the same world size); several layouts share
@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from executor.checks import PROGRESS_PREFIX
-from executor.device import rank_device
-from executor.train import run_steps
-from planner.specs import Plan
+from berth.executor.checks import PROGRESS_PREFIX
+from berth.executor.device import rank_device
+from berth.executor.train import run_steps
+from berth.planner.specs import Plan
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # a dead or hung peer turns a hang into an error
 SLOW_OPTIMIZER_ENV = "BERTH_TEST_SLOW_OPTIMIZER"  # test hook: "RANK:SECONDS[:PLAN]" (executor/train.py)
@@ -151,7 +151,7 @@ def main() -> None:
         tmp.write_text(json.dumps(data))
         tmp.replace(args.out)
         if args.report:
-            from executor.validate import report_from_result
+            from berth.executor.validate import report_from_result
 
             report = report_from_result(plans[0], results[0], data, args.steps, args.warmup,
                                         time.perf_counter() - started)

@@ -1,4 +1,4 @@
-"""`berth` command line: a thin edge over planner.planning. Bad input exits 2 with one line."""
+"""`berth` command line: a thin edge over berth.planner.planning. Bad input exits 2 with one line."""
 
 # No `from __future__ import annotations` here: typer would eval every option's annotation string
 # of every command at each start (30 ms of `berth plan`).
@@ -11,17 +11,17 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from planner import __version__
-from planner.errors import BerthError
-from planner.launch import formats_text
-from planner.specs import DEFAULT_MEMORY_HEADROOM
+from berth.planner import __version__
+from berth.planner.errors import BerthError
+from berth.planner.launch import formats_text
+from berth.planner.specs import DEFAULT_MEMORY_HEADROOM
 
 # Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
-# (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m planner.cli plan ...`;
+# (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m berth.planner.cli plan ...`;
 # tests/test_cli.py checks it).
 
 app = typer.Typer(no_args_is_help=True, help="berth: plan parallel layouts for training.")
-console = Console()  # the terminal's width (80 when piped): tables adapt, see planner.render.NARROW
+console = Console()  # the terminal's width (80 when piped): tables adapt, see berth.planner.render.NARROW
 
 
 def _version(value: bool) -> None:
@@ -100,8 +100,8 @@ Profile = Annotated[str | None, typer.Option("--profile", help="a `berth profile
 def _inputs(model: str, cluster: str, nodes: int, devices: int | None, seq_len: int, global_batch: int,
             precision: str | None, flash: bool, profile: str | None = None, fabric: tuple = ("rails", None, 1.0),
             operations: tuple = (None, None, None), token_budget: float | None = None, framework: str = "pytorch"):
-    from planner.models import load_model
-    from planner.planning import default_precision, make_cluster, make_training, with_operations
+    from berth.planner.models import load_model
+    from berth.planner.planning import default_precision, make_cluster, make_training, with_operations
 
     spec = load_model(model)
     failures, storage_gbps, price = operations
@@ -149,8 +149,8 @@ def plan_cmd(
     as_csv: Csv = False,
 ) -> None:
     """Search every valid layout and show the fastest that fit (exit 1 when none fits)."""
-    from planner.planning import lose_nodes, make_search, plan, plans_json, with_fallback
-    from planner.render import breakdown_table, count, goodput_table, plans_csv, plans_table, print_placement
+    from berth.planner.planning import lose_nodes, make_search, plan, plans_json, with_fallback
+    from berth.planner.render import breakdown_table, count, goodput_table, plans_csv, plans_table, print_placement
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -230,8 +230,8 @@ def compare_cmd(
     as_csv: Csv = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
-    from planner.planning import compare, compare_json, make_search, plan
-    from planner.render import breakdown_table, plans_csv, plans_table, print_placement, print_reasons
+    from berth.planner.planning import compare, compare_json, make_search, plan
+    from berth.planner.render import breakdown_table, plans_csv, plans_table, print_placement, print_reasons
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -272,7 +272,7 @@ def topology_cmd(
     as_json: Json = False,
 ) -> None:
     """Build a cluster's topology graph from presets (or read one) and show its fast domains."""
-    from planner.planning import load_graph_file, preset_graph
+    from berth.planner.planning import load_graph_file, preset_graph
 
     _out_file(out)
     if len(servers) == 1 and servers[0].endswith(".json"):
@@ -284,7 +284,7 @@ def topology_cmd(
     if as_json:
         print(json.dumps(data if data is not None else cl.model_dump(mode="json")))
         return
-    from planner.render import hierarchy_table
+    from berth.planner.render import hierarchy_table
 
     console.print(hierarchy_table(cl))
     for note in cl.notes:
@@ -299,9 +299,9 @@ def presets_cmd(as_json: Json = False) -> None:
     """List the model, cluster and device presets."""
     from rich.table import Table
 
-    from hardware_profiles import device_names, load_device, load_server, server_names
-    from planner.models import presets
-    from planner.render import count
+    from berth.hardware_profiles import device_names, load_device, load_server, server_names
+    from berth.planner.models import presets
+    from berth.planner.render import count
 
     servers = [load_server(n) for n in server_names()]
     devices = [load_device(n) for n in device_names()]
@@ -353,9 +353,9 @@ def validate_cmd(
     by term (`berth report` renders a saved report)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from executor.validate import validate, validate_proxy
-    from planner.render import measured_terms_table, validation_table
-    from planner.store import Store
+    from berth.executor.validate import validate, validate_proxy
+    from berth.planner.render import measured_terms_table, validation_table
+    from berth.planner.store import Store
 
     _at_least("steps", steps, 1)
     _at_least("warmup", warmup, 0)
@@ -421,9 +421,14 @@ def report_cmd(
     named; the traces it lists; with --png the timeline ("comb") and the bar chart."""
     from pydantic import ValidationError
 
-    from planner.errors import from_validation_error
-    from planner.render import measured_memory_table, measured_regions_line, measured_terms_table, validation_table
-    from planner.specs import ValidationReport
+    from berth.planner.errors import from_validation_error
+    from berth.planner.render import (
+        measured_memory_table,
+        measured_regions_line,
+        measured_terms_table,
+        validation_table,
+    )
+    from berth.planner.specs import ValidationReport
 
     path = Path(report_file)
     if not path.is_file():
@@ -435,7 +440,7 @@ def report_cmd(
     except ValidationError as err:
         raise from_validation_error(err, "report") from None
     if png is not None:
-        from planner.plots import EXTRA, have_matplotlib
+        from berth.planner.plots import EXTRA, have_matplotlib
 
         if not have_matplotlib():
             raise BerthError("png", png, f"needs matplotlib: pip install 'berth[{EXTRA}]'")
@@ -457,7 +462,7 @@ def report_cmd(
     if report.traces:
         console.print("traces (chrome://tracing or https://ui.perfetto.dev):\n  " + "\n  ".join(report.traces))
     if png is not None:
-        from planner.plots import terms_png, timeline_png
+        from berth.planner.plots import terms_png, timeline_png
 
         out = Path(png)
         out.mkdir(parents=True, exist_ok=True)
@@ -479,7 +484,7 @@ def launch_cmd(
 ) -> None:
     """Write the files that launch a plan: per-node torchrun scripts, an sbatch script or a PyTorchJob
     running the bundled executor, or Megatron-LM / DeepSpeed / torchtitan configs for the layout."""
-    from planner.launch import artifacts
+    from berth.planner.launch import artifacts
 
     _at_least("steps", steps, 1)
     _at_least("warmup", warmup, 0)
@@ -512,10 +517,10 @@ def profile_cmd(
     plan, compare and --cluster local accept with --profile."""
     _out_file(out)
     _at_least("max_procs", max_procs, 1)
-    from executor.validate import require_torch
+    from berth.executor.validate import require_torch
 
     require_torch("`berth profile`")
-    from executor.profile import run_profile
+    from berth.executor.profile import run_profile
 
     err = Console(stderr=True)
     with err.status("profiling") as status:
@@ -557,10 +562,10 @@ def calibrate_cmd(
     from pydantic import ValidationError
     from rich.table import Table
 
-    from planner.calibrate import PARAMETERS, calibrate, profile_document
-    from planner.errors import from_validation_error
-    from planner.specs import ValidationReport
-    from planner.store import read_validations
+    from berth.planner.calibrate import PARAMETERS, calibrate, profile_document
+    from berth.planner.errors import from_validation_error
+    from berth.planner.specs import ValidationReport
+    from berth.planner.store import read_validations
 
     if not 0.0 <= holdout < 1.0:
         raise BerthError("holdout", holdout, "must be in [0, 1)")
@@ -629,7 +634,7 @@ def serve_cmd(
     workers: Annotated[int, typer.Option("--workers", help="uvicorn worker processes")] = 1,
 ) -> None:
     """Serve the REST API (settings from BERTH_* environment variables; docs at /docs)."""
-    from api.server import serve
+    from berth.api.server import serve
 
     if not 1 <= port <= 65535:
         raise BerthError("port", port, "must be in 1..65535")
@@ -640,7 +645,7 @@ def serve_cmd(
 
 def _load_plan(path: str, pick: int):
     """One plan of a plan file; a file that is no text or no JSON is refused naming it."""
-    from executor.validate import load_plan
+    from berth.executor.validate import load_plan
 
     if not Path(path).is_file():
         raise BerthError("plan", path, "no such file" if not Path(path).exists() else "not a file")
@@ -658,7 +663,7 @@ def _store_file(path: str | None) -> None:
     if p.is_dir():
         raise BerthError("store", path, "is a directory; give a SQLite file path")
     if p.exists():
-        from planner.store import SQLITE_HEADER, file_header
+        from berth.planner.store import SQLITE_HEADER, file_header
 
         try:
             head = file_header(p)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from hardware_profiles.schema import LinkProfile
-from planner.specs import FabricLevel
+from berth.hardware_profiles.schema import LinkProfile
+from berth.planner.specs import FabricLevel
 
 # Achieved ring bus bandwidth / wire bandwidth per link kind when a link does not give its own
 # `efficiency` (presets do).

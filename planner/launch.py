@@ -1,6 +1,6 @@
 """Launch artifacts: a plan as the files that start it on the engine a team already uses.
 
-- torchrun: one script per node running the bundled executor (`executor.worker`), static
+- torchrun: one script per node running the bundled executor (`berth.executor.worker`), static
   rendezvous so that node n's local rank l is global rank n x G + l, exactly the plan's rank map
   (`Plan.placement.rank_map`: node = rank // gpus_per_node), GPUs in local order;
 - slurm: an sbatch script (one task per node, node rank from SLURM_NODEID);
@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from planner.errors import BerthError
-from planner.specs import ImageName, Plan
+from berth.planner.errors import BerthError
+from berth.planner.specs import ImageName, Plan
 
 DEFAULT_PORT = 29500
 # the Dockerfile built with --build-arg WITH_TORCH=1 (CPU torch); GPU clusters need an image whose
@@ -183,8 +183,8 @@ _IMAGE = TypeAdapter(ImageName)
 
 
 def _stages():
-    """planner.stages, imported at first use: it loads numpy, and the CLI reads LAUNCH_FORMATS at start-up."""
-    from planner import stages
+    """berth.planner.stages, imported at first use: it loads numpy, and the CLI reads LAUNCH_FORMATS at start-up."""
+    from berth.planner import stages
 
     return stages
 
@@ -222,7 +222,7 @@ class _Run:
             self.env["BERTH_DEVICE"] = "cpu"
 
     def worker_args(self) -> list[str]:
-        return ["-m", "executor.worker", "--plans", self.plan_file, "--steps", str(self.steps), "--warmup",
+        return ["-m", "berth.executor.worker", "--plans", self.plan_file, "--steps", str(self.steps), "--warmup",
                 str(self.warmup), "--out", "result.json", "--report", "report.json"]
 
     def torchrun_scripts(self) -> dict[str, str]:

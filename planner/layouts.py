@@ -7,9 +7,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cost_models.validity import RULE, Facts, listing, violations
-from planner.errors import BerthError, from_validation_error
-from planner.specs import (
+from berth.cost_models.validity import RULE, Facts, listing, violations
+from berth.planner.errors import BerthError, from_validation_error
+from berth.planner.specs import (
     AXIS_ORDER_CHOICES,
     LAYOUT_FIELDS,
     RECOMPUTE_CHOICES,
@@ -111,7 +111,7 @@ def check_values(values: dict[str, Any], field: str = "layout") -> None:
 
 def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
                     given: set[str] | None = None) -> list[tuple[str, str]]:
-    """(rule name, why) of every PLAN rule of cost_models.validity.RULES the layout breaks (the
+    """(rule name, why) of every PLAN rule of berth.cost_models.validity.RULES the layout breaks (the
     search's own vectorized predicates on a one-row Candidates), in the user's numbers; with
     `given`, only the rules that read a given field (a rule broken only through fields a user left
     free is no refusal of what the user gave)."""

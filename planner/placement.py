@@ -15,10 +15,10 @@ from itertools import permutations
 
 import numpy as np
 
-from cost_models import terms
-from cost_models.comm import group_level
-from planner.axes import ORDERED_AXES, RANK_AXES, with_cp
-from planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement
+from berth.cost_models import terms
+from berth.cost_models.comm import group_level
+from berth.planner.axes import ORDERED_AXES, RANK_AXES, with_cp
+from berth.planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement
 
 AXES = ORDERED_AXES  # the axes of axis_order: tp, dp, pp
 # RANK_AXES (planner/axes.py): with context parallelism, right outside tp

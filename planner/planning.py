@@ -14,13 +14,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cost_models.validity import divisors as search_divisors
-from hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
-from planner.errors import BerthError, from_validation_error
-from planner.graphs import cluster_graph, to_node_link
-from planner.layouts import check_layout, parse_spec
-from planner.search import SearchResult, predict_layouts, search
-from planner.specs import (
+from berth.cost_models.validity import divisors as search_divisors
+from berth.hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
+from berth.planner.errors import BerthError, from_validation_error
+from berth.planner.graphs import cluster_graph, to_node_link
+from berth.planner.layouts import check_layout, parse_spec
+from berth.planner.search import SearchResult, predict_layouts, search
+from berth.planner.specs import (
     DEFAULT_MEMORY_HEADROOM,
     MAX_MEMORY_HEADROOM,
     MAX_NODES,
@@ -31,7 +31,7 @@ from planner.specs import (
     SearchSpec,
     TrainingSpec,
 )
-from planner.topology import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
+from berth.planner.topology import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
 
 
 def load_profile(path: str | None):

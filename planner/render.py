@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from cost_models import terms
-from planner.specs import ClusterSpec, Plan, ValidationReport, with_cp
+from berth.cost_models import terms
+from berth.planner.specs import ClusterSpec, Plan, ValidationReport, with_cp
 
 GIB = 2**30
 # the breakdown's terms, their order and labels come from the registry (cost_models/terms.py)

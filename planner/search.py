@@ -13,20 +13,29 @@ from itertools import product
 
 import numpy as np
 
-from cost_models.candidates import (
+from berth.cost_models.candidates import (
     SCHEDULE_1F1B,
     SCHEDULE_GPIPE,
     SCHEDULE_INTERLEAVED,
     Candidates,
 )
-from cost_models.memory import allocator_capacity_bytes
-from cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
-from cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, REASONS, VALID, Facts, divisors, prune, structural_reasons
-from planner import __version__, stages
-from planner.errors import BerthError
-from planner.layouts import check_values, refuse_fix
-from planner.placement import innermost_cluster, placement
-from planner.specs import (
+from berth.cost_models.memory import allocator_capacity_bytes
+from berth.cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
+from berth.cost_models.validity import (
+    MEMORY_TIGHT,
+    OUT_OF_MEMORY,
+    REASONS,
+    VALID,
+    Facts,
+    divisors,
+    prune,
+    structural_reasons,
+)
+from berth.planner import __version__, stages
+from berth.planner.errors import BerthError
+from berth.planner.layouts import check_values, refuse_fix
+from berth.planner.placement import innermost_cluster, placement
+from berth.planner.specs import (
     AXIS_ORDER_CHOICES,
     DEFAULT_MEMORY_HEADROOM,
     RECOMPUTE_CHOICES,
@@ -258,7 +267,7 @@ def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: Clus
 
 
 def _fix_codes(fix: dict) -> dict[str, int]:
-    """search.fix (its values checked by `planner.layouts.check_values`) as column -> code."""
+    """search.fix (its values checked by `berth.planner.layouts.check_values`) as column -> code."""
     return {key: _CODES[key].index(value) if key in _CODES else int(value) for key, value in fix.items()}
 
 

@@ -11,10 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError, model_validator
 
-from cost_models import terms
-from hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
-from planner.axes import with_cp  # noqa: F401 (re-exported: the axis table's placement of cp)
-from planner.errors import BerthError, from_validation_error
+from berth.cost_models import terms
+from berth.hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
+from berth.planner.axes import with_cp  # noqa: F401 (re-exported: the axis table's placement of cp)
+from berth.planner.errors import BerthError, from_validation_error
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]

@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from planner.specs import ValidationReport
+from berth.planner.specs import ValidationReport
 
 BUSY_TIMEOUT_S = 30.0
 PRUNE_EVERY = 64  # inserts between retention checks (a check is two indexed queries)
@@ -95,7 +95,7 @@ def read_validations(path: str | Path | None = None, status: str | None = None) 
     """The validation reports of an existing results store, opened read-only: a missing file, a
     file that is not SQLite or a store without reports is a BerthError naming the `store`
     argument (nothing is created)."""
-    from planner.errors import BerthError
+    from berth.planner.errors import BerthError
 
     where = Path(path) if path else default_path()
     if not where.is_file():

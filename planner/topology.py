@@ -18,12 +18,12 @@ from typing import Any
 
 import networkx as nx
 
-from hardware_profiles import UnknownProfileError, device_names, load_device, load_server, nvidia_smi_device
-from hardware_profiles.schema import DeviceProfile, ServerProfile
-from planner.errors import BerthError
-from planner.graphs import check_fabric, cluster_graph
-from planner.hierarchy import GRAPH_LINK_EFFICIENCY, derive_levels, gpu_order
-from planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, check_host
+from berth.hardware_profiles import UnknownProfileError, device_names, load_device, load_server, nvidia_smi_device
+from berth.hardware_profiles.schema import DeviceProfile, ServerProfile
+from berth.planner.errors import BerthError
+from berth.planner.graphs import check_fabric, cluster_graph
+from berth.planner.hierarchy import GRAPH_LINK_EFFICIENCY, derive_levels, gpu_order
+from berth.planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, check_host
 
 
 def cluster_from_preset(preset: str, nodes: int, fabric: str = "rails", nodes_per_leaf: int | None = None,

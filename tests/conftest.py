@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.specs import ModelSpec, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.planner.specs import ModelSpec, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 

@@ -46,7 +46,7 @@ def test_plan_is_stored_and_survives_a_restart(tmp_path):
 
 def test_same_json_as_the_cli(server):
     api = httpx.post(server.url + "/v1/plans", json=PLAN_BODY, timeout=30).json()
-    cli = subprocess.run([sys.executable, "-m", "planner.cli", "plan", "llama3-70b", "--cluster", "dgx-h100",
+    cli = subprocess.run([sys.executable, "-m", "berth.planner.cli", "plan", "llama3-70b", "--cluster", "dgx-h100",
                           "--nodes", "8", "--seq-len", "8192", "--global-batch", "256", "--top", "3", "--json"],
                          capture_output=True, text=True, timeout=60)
     assert json.loads(cli.stdout)["plans"] == api["plans"]

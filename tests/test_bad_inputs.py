@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from planner.cli import main
+from berth.planner.cli import main
 
 BINARY = bytes(range(256)) * 4  # not UTF-8, not JSON, not SQLite
 
@@ -26,7 +26,7 @@ def files(tmp_path_factory):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "adir").mkdir()
     (tmp_path / "existing.txt").write_text("x")
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "plan", "tiny-gpt", "--cluster", "dgx-h100",
+    r = subprocess.run([sys.executable, "-m", "berth.planner.cli", "plan", "tiny-gpt", "--cluster", "dgx-h100",
                         "--seq-len", "256", "--global-batch", "8", "--top", "1", "--json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -176,7 +176,7 @@ def test_scripts_end_to_end(tmp_path):
     blob = tmp_path / "m.json"
     blob.write_bytes(BINARY)
     for args in (["plan", str(blob)], ["compare", "tiny-gpt", "--layout", "tp=3"]):
-        r = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "berth.planner.cli", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
 
@@ -193,7 +193,7 @@ def test_api_refuses_impossible_fix_and_layouts_with_422(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "store.sqlite")}
-    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -227,14 +227,14 @@ def test_one_layout_check_agrees_with_the_search():
     reject them."""
     import numpy as np
 
-    from cost_models.candidates import Candidates
-    from cost_models.validity import structural_reasons
-    from planner.errors import BerthError
-    from planner.layouts import check_layout
-    from planner.models import load_model
-    from planner.planning import make_cluster, make_training
-    from planner.search import enumerate_candidates
-    from planner.specs import Layout, SearchSpec
+    from berth.cost_models.candidates import Candidates
+    from berth.cost_models.validity import structural_reasons
+    from berth.planner.errors import BerthError
+    from berth.planner.layouts import check_layout
+    from berth.planner.models import load_model
+    from berth.planner.planning import make_cluster, make_training
+    from berth.planner.search import enumerate_candidates
+    from berth.planner.specs import Layout, SearchSpec
 
     model, cluster = load_model("llama3-8b"), make_cluster("dgx-h100", 2)
     training = make_training(seq_len=2048, global_batch_size=32)

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from executor.breakdown import OTHER, TERMS, compare
-from planner.specs import Layout, TrainingSpec, ValidationReport
+from berth.executor.breakdown import OTHER, TERMS, compare
+from berth.planner.specs import Layout, TrainingSpec, ValidationReport
 
 torch = pytest.importorskip("torch")
 
-from executor import timing  # noqa: E402
+from berth.executor import timing  # noqa: E402
 
-BERTH = [sys.executable, "-m", "planner.cli"]
+BERTH = [sys.executable, "-m", "berth.planner.cli"]
 TRAINING = TrainingSpec(seq_len=32, global_batch_size=4, precision="fp32")
 LAYOUTS = [
     Layout(dp=2, micro_batch_size=1, num_microbatches=2),
@@ -137,9 +137,9 @@ def test_largest_error_is_in_seconds_not_relative():
 
 
 def test_reports_from_before_the_breakdown_still_load(tmp_path):
-    from planner.models import presets
-    from planner.planning import make_cluster
-    from planner.search import predict_layouts
+    from berth.planner.models import presets
+    from berth.planner.planning import make_cluster
+    from berth.planner.search import predict_layouts
 
     plan = predict_layouts(presets()["tiny-gpt"], TRAINING, make_cluster("local", 1, 2), LAYOUTS[:1])[0]
     old = {"id": "old", "created": "2026-01-01", "berth_version": "0.1.0", "status": "ok", "plan": plan.model_dump(),
@@ -157,17 +157,17 @@ def test_reports_from_before_the_breakdown_still_load(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from executor.validate import report_from_result
-    from planner.models import presets
-    from planner.planning import make_cluster
-    from planner.search import predict_layouts
+    from berth.executor.validate import report_from_result
+    from berth.planner.models import presets
+    from berth.planner.planning import make_cluster
+    from berth.planner.search import predict_layouts
 
     tmp = tmp_path_factory.mktemp("breakdown")
     plans = predict_layouts(presets()["tiny-gpt"], TRAINING, make_cluster("local", 1, 2), LAYOUTS)
     (tmp / "plans.json").write_text(json.dumps([p.model_dump(mode="json") for p in plans]))
     out = tmp / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "executor.worker", "--plans", str(tmp / "plans.json"), "--steps", "1", "--warmup", "1", "--out", str(out),
+           "berth.executor.worker", "--plans", str(tmp / "plans.json"), "--steps", "1", "--warmup", "1", "--out", str(out),
            "--trace", str(tmp / "traces")]
     env = {**os.environ, "BERTH_DEVICE": "cpu", "BERTH_TEST_SLOW_OPTIMIZER": f"1:{SLOW_S}:5"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -248,7 +248,7 @@ def test_berth_report_png_exits_2_without_matplotlib(runs):
     tmp, reports = runs
     path = tmp / "pp.json"
     path.write_text(reports[2].model_dump_json())
-    hide = "import sys; sys.modules['matplotlib'] = None; from planner.cli import main; main()"  # not importable
+    hide = "import sys; sys.modules['matplotlib'] = None; from berth.planner.cli import main; main()"  # not importable
     r = subprocess.run([sys.executable, "-c", hide, "report", str(path), "--png", str(tmp / "nopng")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "berth[plot]" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -275,7 +275,7 @@ def test_metrics_of_a_report_without_prediction_have_no_errors():
 
 
 def test_every_measured_term_has_a_colour():
-    from executor.breakdown import OTHER, TERMS
-    from planner.plots import COLORS
+    from berth.executor.breakdown import OTHER, TERMS
+    from berth.planner.plots import COLORS
 
     assert set(TERMS) | {OTHER} <= set(COLORS)

@@ -9,16 +9,16 @@ import sys
 import numpy as np
 import pytest
 
-from executor.validate import proxy_prediction
-from planner.calibrate import PARAMETERS, apply, calibrate, current_values
-from planner.errors import BerthError
-from planner.models import presets
-from planner.planning import make_cluster
-from planner.search import predict_layouts
-from planner.specs import Layout, Metrics, TrainingSpec, ValidationReport
-from planner.store import Store
+from berth.executor.validate import proxy_prediction
+from berth.planner.calibrate import PARAMETERS, apply, calibrate, current_values
+from berth.planner.errors import BerthError
+from berth.planner.models import presets
+from berth.planner.planning import make_cluster
+from berth.planner.search import predict_layouts
+from berth.planner.specs import Layout, Metrics, TrainingSpec, ValidationReport
+from berth.planner.store import Store
 
-BERTH = [sys.executable, "-m", "planner.cli"]
+BERTH = [sys.executable, "-m", "berth.planner.cli"]
 
 
 def _report(i, plan, t, m, mode="full", per_rank=None):
@@ -166,7 +166,7 @@ def test_cli_reads_a_real_store_and_refuses_bad_stores(tmp_path):
 
 def _with_terms(reports_and_truth, noise=0.01, seed=0):
     """Full-run reports whose breakdown measured every step term at its true value (with noise)."""
-    from planner.specs import MeasuredBreakdown
+    from berth.planner.specs import MeasuredBreakdown
 
     rng = np.random.default_rng(seed)
     out = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BERTH = [sys.executable, "-m", "planner.cli"]
+BERTH = [sys.executable, "-m", "berth.planner.cli"]
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 PREDICTION_KEYS = {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "bottleneck",
                    "time_breakdown_s", "memory_breakdown_bytes"}
@@ -44,7 +44,7 @@ NOT_ON_PLAN_PATH = {"torch", "fastapi", "starlette", "uvicorn", "scipy", "yaml",
 def test_plan_path_imports_no_graph_library_service_stack_or_torch():
     code = f"""
 import sys
-from planner.cli import main
+from berth.planner.cli import main
 for argv in (["plan", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2", "--fallback"],
              ["plan", "llama3-8b", "--cluster", {str(EXAMPLES / "pcie-h100-bridged-pairs-2nodes.json")!r}, "--json"],
              ["compare", "llama3-8b", "--layout", "tp=8,pp=1,dp=1"]):
@@ -188,13 +188,13 @@ def test_gpipe_at_one_stage_holds_one_microbatch():
     activations at a time (it predicted 1,060 GiB against 164 GiB for the same layout)."""
     import numpy as np
 
-    from cost_models.candidates import SCHEDULE_1F1B, SCHEDULE_GPIPE
-    from cost_models.pipeline import layers_in_flight
-    from cost_models.step import evaluate
-    from planner.models import load_model
-    from planner.planning import make_cluster, make_training
-    from planner.search import Candidates
-    from planner.specs import Layout
+    from berth.cost_models.candidates import SCHEDULE_1F1B, SCHEDULE_GPIPE
+    from berth.cost_models.pipeline import layers_in_flight
+    from berth.cost_models.step import evaluate
+    from berth.planner.models import load_model
+    from berth.planner.planning import make_cluster, make_training
+    from berth.planner.search import Candidates
+    from berth.planner.specs import Layout
 
     pp, vpp, nmb = np.array([1, 1, 4]), np.array([1, 1, 1]), np.array([32, 32, 32])
     held = layers_in_flight(80, pp, vpp, nmb, np.array([SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_GPIPE]), 0)
@@ -213,12 +213,12 @@ def test_gpipe_at_one_stage_holds_one_microbatch():
 def test_bottleneck_memory_only_for_misfits():
     """A fitting plan whose largest overhead is recomputation says "recompute"; "memory" is kept
     for layouts that do not fit."""
-    from cost_models.step import BOTTLENECK_NAMES, evaluate
-    from cost_models.validity import OUT_OF_MEMORY
-    from planner.models import load_model
-    from planner.planning import make_cluster, make_training
-    from planner.search import enumerate_candidates
-    from planner.specs import SearchSpec
+    from berth.cost_models.step import BOTTLENECK_NAMES, evaluate
+    from berth.cost_models.validity import OUT_OF_MEMORY
+    from berth.planner.models import load_model
+    from berth.planner.planning import make_cluster, make_training
+    from berth.planner.search import enumerate_candidates
+    from berth.planner.specs import SearchSpec
 
     model, cluster = load_model("llama3-70b"), make_cluster("dgx-h100", 2)
     training = make_training(seq_len=4096, global_batch_size=64)
@@ -276,7 +276,7 @@ def test_tables_fit_80_columns_and_read_in_human_units():
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and max(len(x) for x in r.stdout.splitlines()) <= 80, r.stdout
     assert "memory" in r.stdout and "tp4 pp4" in r.stdout
-    from planner.render import _seconds, count
+    from berth.planner.render import _seconds, count
 
     assert (_seconds(26793.74), _seconds(0.0123), _seconds(3.5), _seconds(600)) == ("7.4 h", "12.3 ms", "3.50 s",
                                                                                     "10.0 min")
@@ -290,14 +290,14 @@ def test_executor_commands_without_torch_say_so_in_one_line(tmp_path):
     refuse in one line naming the extra: exit 2, no traceback, no run stored. torch is hidden from
     the process (sys.modules['torch'] = None: find_spec answers None, import raises) whether
     installed or not."""
-    from planner.store import Store
+    from berth.planner.store import Store
 
     plans = tmp_path / "plans.json"
     r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len",
                         "128", "--global-batch", "8", "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     plans.write_text(r.stdout)
-    hide = "import sys; sys.modules['torch'] = None; from planner.cli import main; main(sys.argv[1:])"
+    hide = "import sys; sys.modules['torch'] = None; from berth.planner.cli import main; main(sys.argv[1:])"
     store = str(tmp_path / "s.sqlite")
     for args, what in ((["validate", str(plans), "--store", store], "a validation"),
                        (["validate", str(plans), "--proxy", "rank-slice", "--store", store], "a validation"),

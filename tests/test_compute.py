@@ -23,11 +23,11 @@ import pytest
 
 from benchmarks import layer_fidelity as lf
 from benchmarks import single_gpu
-from cost_models import compute
-from hardware_profiles import load_device
-from hardware_profiles.schema import DeviceProfile
-from planner.models import presets
-from planner.specs import TrainingSpec
+from berth.cost_models import compute
+from berth.hardware_profiles import load_device
+from berth.hardware_profiles.schema import DeviceProfile
+from berth.planner.models import presets
+from berth.planner.specs import TrainingSpec
 from tests.conftest import require_reference
 
 
@@ -116,7 +116,7 @@ def test_thin_tp_slices_lose_efficiency(h100):
     training = TrainingSpec(seq_len=4096, global_batch_size=8)
     tp = np.array([1.0, 8.0])
     fwd, bwd, _ = compute.layer_compute_s(LLAMA8B, training, h100, 1.0, tp, np.zeros(2))
-    from cost_models import flops
+    from berth.cost_models import flops
     mfu = 3 * flops.layer_forward_flops(LLAMA8B, 4096, 1.0) / tp / ((fwd + bwd) * h100.peak_flops("bf16"))
     assert 0.35 < mfu[0] < 0.55 and mfu[1] < 0.6 * mfu[0]
 

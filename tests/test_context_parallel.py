@@ -5,15 +5,15 @@ with the sequence; the validity rules and the search's cp values."""
 import numpy as np
 import pytest
 
-from cost_models import compute, flops, memory, step
-from cost_models.candidates import Candidates
-from cost_models.validity import REASON_CODES, structural_reasons
-from planner.errors import BerthError
-from planner.layouts import check_layout
-from planner.models import load_model
-from planner.search import cp_options, search
-from planner.specs import Layout, SearchSpec, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.cost_models import compute, flops, memory, step
+from berth.cost_models.candidates import Candidates
+from berth.cost_models.validity import REASON_CODES, structural_reasons
+from berth.planner.errors import BerthError
+from berth.planner.layouts import check_layout
+from berth.planner.models import load_model
+from berth.planner.search import cp_options, search
+from berth.planner.specs import Layout, SearchSpec, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 MODEL = load_model("llama3-8b")
 CLUSTER = cluster_from_preset("dgx-h100", 2)
@@ -63,8 +63,8 @@ def test_kv_exchange_is_positive_unhidden_and_grows_with_seq(stride):
     assert b32 > f32  # backward sends K, V and dK, dV, and accumulates dQ, dK, dV
     hidden_f, hidden_b = exposed(32768, attention_s=1.0)  # a long attention step hides the transfer:
     assert 0 < hidden_f < f32 and 0 < hidden_b < b32  # the per-step merges of partial results remain
-    from cost_models.comm import p2p_s
-    from cost_models.compute import memory_bound_time_s
+    from berth.cost_models.comm import p2p_s
+    from berth.cost_models.compute import memory_bound_time_s
 
     q = 0.5 * 32768 * MODEL.num_attention_heads / 2 * MODEL.head_dim
     kv = 2 * 0.5 * 32768 * MODEL.kv_heads / 2 * MODEL.head_dim * 2  # K and V blocks, bf16
@@ -112,7 +112,7 @@ def test_search_enumerates_cp_by_its_rule_and_fix_reaches_it():
 def test_checkpoint_writers_count_the_cp_ranks_zero_shards_over():
     """ZeRO shards the state over shard x cp ranks: each writes its own share, and the shares add up
     to the checkpoint (pp = 1: one stage holds every parameter)."""
-    from cost_models.goodput import checkpoint_bytes
+    from berth.cost_models.goodput import checkpoint_bytes
 
     training = TrainingSpec(seq_len=8192, global_batch_size=16)
     c = Candidates.from_layouts([Layout(cp=2, dp=8, zero_stage=3, shard=8, micro_batch_size=1),

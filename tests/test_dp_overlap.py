@@ -6,12 +6,12 @@ from the step's own compute breakdown, not from the overlap formula under test."
 import numpy as np
 import pytest
 
-from cost_models import comm, memory
-from cost_models.candidates import Candidates
-from cost_models.step import OVERLAP_COMPUTE_SLOWDOWN, evaluate, overlapped_s, pipelined_exposed_s
-from planner.models import load_model
-from planner.specs import Layout, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.cost_models import comm, memory
+from berth.cost_models.candidates import Candidates
+from berth.cost_models.step import OVERLAP_COMPUTE_SLOWDOWN, evaluate, overlapped_s, pipelined_exposed_s
+from berth.planner.models import load_model
+from berth.planner.specs import Layout, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 
 def test_pipelined_exposure_bounds():

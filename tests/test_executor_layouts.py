@@ -15,11 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor.train import run_steps  # noqa: E402
-from planner import __version__  # noqa: E402
-from planner.models import presets  # noqa: E402
-from planner.specs import Layout, ModelSpec, Plan, TrainingSpec  # noqa: E402
-from planner.topology import cluster_from_preset  # noqa: E402
+from berth.executor.train import run_steps  # noqa: E402
+from berth.planner import __version__  # noqa: E402
+from berth.planner.models import presets  # noqa: E402
+from berth.planner.specs import Layout, ModelSpec, Plan, TrainingSpec  # noqa: E402
+from berth.planner.topology import cluster_from_preset  # noqa: E402
 
 STEPS = 3
 MODEL = presets()["tiny-gpt"]
@@ -63,7 +63,7 @@ def launch(tmp_path, layouts, nproc, model=MODEL, training=TRAINING):
     (tmp_path / "plans.json").write_text(json.dumps(plans))
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "executor.worker", "--plans", str(tmp_path / "plans.json"), "--steps", str(STEPS),
+           "-m", "berth.executor.worker", "--plans", str(tmp_path / "plans.json"), "--steps", str(STEPS),
            "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert out.is_file(), r.stderr[-3000:]
@@ -130,8 +130,8 @@ def test_uneven_pipeline_stages_match_single_process(tmp_path):
     """Stages of unequal depth (planner/stages.py): a 7-layer tiny-gpt on pp = 2 holds 4 and 3 layers
     (1F1B and GPipe), and with 2 virtual stages chunks of 2, 2, 2 and 1; each reproduces the
     single-process losses of the same 7-layer model."""
-    from executor.model import build_model
-    from executor.parallel import pipeline_chunk
+    from berth.executor.model import build_model
+    from berth.executor.parallel import pipeline_chunk
 
     model = MODEL.model_copy(update={"num_layers": 7})
     whole = build_model(model, 0)
@@ -155,7 +155,7 @@ def test_cp_layouts_match_single_process(tmp_path, reference):
     results = launch(tmp_path, two, 2)
     check(results, reference, 2)
     assert all("all-gather KV" in " ".join(r["executed_as"]) for r in results)
-    from executor.model import load_balanced_chunks, load_balanced_positions
+    from berth.executor.model import load_balanced_chunks, load_balanced_positions
 
     assert load_balanced_positions(4, 0, 2).tolist() == [0, 1, 6, 7]
     assert load_balanced_positions(4, 1, 2).tolist() == [2, 3, 4, 5]
@@ -186,7 +186,7 @@ def test_moe_expert_parallel_matches_single_process(tmp_path, model):
     with dp = 2 reproduce the single-process losses of the same seed. The router has no capacity limit
     (no token dropped), so only summation order differs. The executor's parameters equal
     ModelSpec.num_params."""
-    from executor.model import build_model
+    from berth.executor.model import build_model
 
     model = ModelSpec.model_validate(model.model_dump())  # validators run on the copy
     assert sum(p.numel() for p in build_model(model).parameters()) == model.num_params

@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor.model import build_model, loss_fn, synthetic_batch  # noqa: E402
-from planner.models import presets  # noqa: E402
-from planner.specs import ModelSpec  # noqa: E402
+from berth.executor.model import build_model, loss_fn, synthetic_batch  # noqa: E402
+from berth.planner.models import presets  # noqa: E402
+from berth.planner.specs import ModelSpec  # noqa: E402
 
 SMALL_LLAMA = ModelSpec(name="small-llama", num_layers=2, hidden_size=128, num_attention_heads=8,
                         num_kv_heads=2, ffn_hidden_size=352, vocab_size=512, mlp="swiglu", norm="rmsnorm")
@@ -40,7 +40,7 @@ def test_peak_counts_an_unseen_free_at_the_latest_when_its_address_is_reused():
     """The CPU profiler misses frees made on gloo worker threads (functional collectives' outputs):
     a block whose address is allocated again was freed by then; a known free releases its block;
     a free of a block the count never saw (allocated before profiling) changes nothing."""
-    from executor.train import peak_allocated
+    from berth.executor.train import peak_allocated
 
     mb = 2**20
     events = [(0, 1, 10 * mb),  # alive before training starts

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from cost_models import flops
-from cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTIVE
-from planner.specs import ModelSpec, TrainingSpec
+from berth.cost_models import flops
+from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTIVE
+from berth.planner.specs import ModelSpec, TrainingSpec
 from tests.conftest import gpt
 
 

@@ -215,10 +215,10 @@ LLAMA3_405B_TOLERANCE = 0.15  # predicted 399 and 359 (-7% and -10%) when added
 
 @pytest.mark.parametrize("nodes, tflops", LLAMA3_405B_META, ids=["8192gpu", "16384gpu"])
 def test_llama3_405b_as_meta_trained_it(nodes, tflops):
-    from planner.models import load_model
-    from planner.search import search
-    from planner.specs import SearchSpec, TrainingSpec
-    from planner.topology import cluster_from_preset
+    from berth.planner.models import load_model
+    from berth.planner.search import search
+    from berth.planner.specs import SearchSpec, TrainingSpec
+    from berth.planner.topology import cluster_from_preset
 
     cluster = cluster_from_preset("dgx-h100", nodes)
     result = search(load_model("llama3.1-405b"), TrainingSpec(seq_len=8192, global_batch_size=2048), cluster,
@@ -248,11 +248,11 @@ LLAMA3_405B_LONG_FULL_COUNT_TOLERANCE = 0.30
 
 
 def test_llama3_405b_long_context_with_cp16():
-    from cost_models import flops
-    from planner.models import load_model
-    from planner.search import search
-    from planner.specs import SearchSpec, TrainingSpec
-    from planner.topology import cluster_from_preset
+    from berth.cost_models import flops
+    from berth.planner.models import load_model
+    from berth.planner.search import search
+    from berth.planner.specs import SearchSpec, TrainingSpec
+    from berth.planner.topology import cluster_from_preset
 
     cluster = cluster_from_preset("dgx-h100", 2048)
     model, training = load_model("llama3.1-405b"), TrainingSpec(seq_len=131072, global_batch_size=128)

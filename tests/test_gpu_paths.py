@@ -15,11 +15,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="the executor's CUDA set-up and `berth profile` run on torch (the "
                             "executor extra)")
 
-import executor.device  # noqa: E402
-from executor import profile as prof  # noqa: E402
-from hardware_profiles import DeviceProfile, load_device, load_server  # noqa: E402
+import berth.executor.device  # noqa: E402
+from berth.executor import profile as prof  # noqa: E402
+from berth.hardware_profiles import DeviceProfile, load_device, load_server  # noqa: E402
 
-BERTH = [sys.executable, "-m", "planner.cli"]
+BERTH = [sys.executable, "-m", "berth.planner.cli"]
 H100_LINE = "NVIDIA H100 80GB HBM3, 81559"
 H100_BYTES = 81559 * 2**20
 QUERY = "--query-gpu=name,memory.total --format=csv,noheader,nounits"  # what planner/topology.py asks
@@ -95,8 +95,8 @@ def test_unknown_gpu_is_an_error_naming_the_known_ones(tmp_path):
 def test_api_local_preset_on_an_h100(gpu_path, tmp_path):
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
-    from api.settings import Settings
+    from berth.api.app import create_app
+    from berth.api.settings import Settings
 
     with TestClient(create_app(Settings(store_path=str(tmp_path / "api.sqlite")))) as client:
         body = {"model": "tiny-gpt", "training": {"seq_len": 512, "global_batch_size": 8},
@@ -123,8 +123,8 @@ class CudaRecorder:
         self.ready = False
 
     def install(self, monkeypatch):
-        executor.device._READY.clear()
-        monkeypatch.setattr(executor.device, "_READY", set())
+        berth.executor.device._READY.clear()
+        monkeypatch.setattr(berth.executor.device, "_READY", set())
         rec = self
 
         def record(name, result=None, needs_init=False):
@@ -171,10 +171,10 @@ def _keep_torch_threads():
 
 def _gpu_plan(tmp_path) -> Path:
     """A one-rank tiny-gpt plan for an H100 (what `--cluster local` gives on a one-GPU machine)."""
-    from planner.models import presets
-    from planner.search import predict_layouts
-    from planner.specs import Layout, TrainingSpec
-    from planner.topology import cluster_from_preset
+    from berth.planner.models import presets
+    from berth.planner.search import predict_layouts
+    from berth.planner.specs import Layout, TrainingSpec
+    from berth.planner.topology import cluster_from_preset
 
     plan = predict_layouts(presets()["tiny-gpt"], TrainingSpec(seq_len=128, global_batch_size=8),
                            cluster_from_preset("dgx-h100", 1), [Layout(micro_batch_size=4, num_microbatches=2)])[0]
@@ -185,7 +185,7 @@ def _gpu_plan(tmp_path) -> Path:
 
 
 def test_worker_initialises_cuda_before_the_peak_counters(tmp_path, monkeypatch):
-    from executor import worker
+    from berth.executor import worker
 
     rec = CudaRecorder().install(monkeypatch)
     (tmp_path / "plans.json").write_text("[" + _gpu_plan(tmp_path).read_text() + "]")
@@ -201,7 +201,7 @@ def test_worker_initialises_cuda_before_the_peak_counters(tmp_path, monkeypatch)
 
 
 def test_proxy_initialises_cuda_before_the_peak_counters(tmp_path, monkeypatch):
-    from executor import proxy
+    from berth.executor import proxy
 
     rec = CudaRecorder().install(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["proxy", "--plan", str(_gpu_plan(tmp_path)), "--layers", "1", "--in-flight",
@@ -219,14 +219,14 @@ def test_profile_initialises_cuda_first_and_names_the_gpu(monkeypatch):
     assert rec.calls.index("set_device") < rec.calls.index("get_device_name")
     assert rec.calls.index("init") < rec.calls.index("get_device_name")
     assert prof.gpu_base("NVIDIA H100 80GB HBM3") == ("h100-sxm", "dgx-h100")
-    from planner.errors import BerthError
+    from berth.planner.errors import BerthError
 
     with pytest.raises(BerthError, match="NVIDIA H100 80GB HBM3"):  # an unknown GPU names the known ones
         prof.gpu_base("NVIDIA Imaginary X1")
 
 
 def test_peak_memory_tracker_alone_initialises_cuda(monkeypatch):
-    from executor.train import PeakMemory
+    from berth.executor.train import PeakMemory
 
     rec = CudaRecorder().install(monkeypatch)
     tracker = PeakMemory(torch.device("cuda", 0))
@@ -362,7 +362,7 @@ def test_gpu_profile_document_builds_with_measurements_kept(monkeypatch):
     assert doc["measurements"]["gemm"] == meas["gemm"] and doc["measurements"]["attention"] == meas["attention"]
     assert doc["checks"]["peak_agrees"]
     path_doc = json.dumps(doc)
-    from hardware_profiles import DeviceProfile
+    from berth.hardware_profiles import DeviceProfile
 
     assert DeviceProfile.model_validate(json.loads(path_doc)["device"]).peak_flops("bf16") == 989e12
 
@@ -371,7 +371,7 @@ def test_gpu_profile_keeps_the_base_models_at_the_measured_level():
     """A profiled GPU keeps what the sweep does not measure (the frameworks' layer work, the
     allocator/driver memory, the shape models' knees) and moves the GEMM and attention asymptotes to
     the level it measured: timings 0.9x the base model's efficiency give 0.9x its asymptotes."""
-    from cost_models.compute import attention_efficiency, gemm_efficiency
+    from berth.cost_models.compute import attention_efficiency, gemm_efficiency
 
     base = load_device("h100-sxm")
     rng = np.random.default_rng(6)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.goodput import daly_interval_s, useful_fraction
-from planner.launch import (
+from berth.cost_models.goodput import daly_interval_s, useful_fraction
+from berth.planner.launch import (
     ENGINE_REFUSALS,
     ENGINE_VERSIONS,
     FIELD_KEYS,
@@ -22,13 +22,13 @@ from planner.launch import (
     LaunchRefused,
     artifacts,
 )
-from planner.models import load_model
-from planner.planning import fallback, make_search, plan, with_operations
-from planner.search import predict_layouts, search
-from planner.specs import LAYOUT_FIELDS, Layout, SearchSpec, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.planner.models import load_model
+from berth.planner.planning import fallback, make_search, plan, with_operations
+from berth.planner.search import predict_layouts, search
+from berth.planner.specs import LAYOUT_FIELDS, Layout, SearchSpec, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
-BERTH = [sys.executable, "-m", "planner.cli"]
+BERTH = [sys.executable, "-m", "berth.planner.cli"]
 
 # Argument names read from Megatron-LM (main @ d98e8a6): megatron/training/arguments.py and the config
 # dataclasses its arguments are generated from; DeepSpeed 0.19.8's deepspeed/runtime/constants.py,
@@ -411,9 +411,9 @@ def test_every_registered_format_is_offered_by_the_cli_and_the_api_and_builds():
     every entry builds its files, and only the engine formats carry a version and a refusal check."""
     import typer
 
-    from api.schemas import LaunchRequest
-    from planner.cli import app
-    from planner.launch import LAUNCH_FORMATS
+    from berth.api.schemas import LaunchRequest
+    from berth.planner.cli import app
+    from berth.planner.launch import LAUNCH_FORMATS
 
     launch = typer.main.get_command(app).commands["launch"]
     (fmt_option,) = [p for p in launch.params if p.name == "fmt"]

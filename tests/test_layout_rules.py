@@ -8,8 +8,8 @@ random layouts, valid and not, over models and trainings that exercise every rul
 import numpy as np
 import pytest
 
-from cost_models.candidates import Candidates
-from cost_models.validity import (
+from berth.cost_models.candidates import Candidates
+from berth.cost_models.validity import (
     EXECUTOR,
     EXECUTOR_RULES,
     PLAN,
@@ -22,12 +22,12 @@ from cost_models.validity import (
     reason_codes,
     violations,
 )
-from executor.checks import UnsupportedLayout
-from executor.checks import check_layout as executor_check
-from planner.errors import BerthError
-from planner.layouts import check_layout as planner_check
-from planner.search import predict_layouts, search
-from planner.specs import (
+from berth.executor.checks import UnsupportedLayout
+from berth.executor.checks import check_layout as executor_check
+from berth.planner.errors import BerthError
+from berth.planner.layouts import check_layout as planner_check
+from berth.planner.search import predict_layouts, search
+from berth.planner.specs import (
     AXIS_ORDER_CHOICES,
     RECOMPUTE_CHOICES,
     SCHEDULE_CHOICES,
@@ -36,7 +36,7 @@ from planner.specs import (
     SearchSpec,
     TrainingSpec,
 )
-from planner.topology import cluster_from_preset
+from berth.planner.topology import cluster_from_preset
 
 # vocabulary 50,257 (GPT-2's) divides by no tp > 1: the planner plans it (the engines pad the
 # vocabulary), the bundled executor does not split it

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from planner.errors import BerthError
-from planner.models import load_model, presets
+from berth.planner.errors import BerthError
+from berth.planner.models import load_model, presets
 
 PUBLISHED_PARAMS_B = {"llama2-7b": 6.74, "llama2-13b": 13.02, "llama2-70b": 68.98, "llama3-8b": 8.03,
                       "llama3-70b": 70.55, "llama3.1-405b": 405.85, "mistral-7b": 7.24,

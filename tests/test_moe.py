@@ -13,16 +13,16 @@ an MoE step adds all-to-alls and smaller expert GEMMs to the dense work, so it r
 import numpy as np
 import pytest
 
-from cost_models import comm, flops, memory
-from cost_models.candidates import Candidates
-from cost_models.step import MOE_IMBALANCE, evaluate
-from cost_models.validity import REASONS, structural_reasons
-from planner.errors import BerthError
-from planner.layouts import check_layout
-from planner.models import presets
-from planner.search import predict_layouts, search
-from planner.specs import Layout, SearchSpec, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.cost_models import comm, flops, memory
+from berth.cost_models.candidates import Candidates
+from berth.cost_models.step import MOE_IMBALANCE, evaluate
+from berth.cost_models.validity import REASONS, structural_reasons
+from berth.planner.errors import BerthError
+from berth.planner.layouts import check_layout
+from berth.planner.models import presets
+from berth.planner.search import predict_layouts, search
+from berth.planner.specs import Layout, SearchSpec, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 MIXTRAL = presets()["mixtral-8x7b"]
 DEEPSEEK = presets()["deepseek-v3-style"]
@@ -116,7 +116,7 @@ def test_checkpoint_writers_hold_distinct_expert_shares():
     """Each ep rank holds other experts: without ZeRO the writers are tp x pp x ep, with ZeRO-1 over 16
     ranks each of 16 writes its shard of the dense part and of its expert group's experts; the shares
     add up to the checkpoint (pp = 1)."""
-    from cost_models.goodput import checkpoint_bytes
+    from berth.cost_models.goodput import checkpoint_bytes
 
     c = Candidates.from_layouts([Layout(dp=16, ep=8, micro_batch_size=1, num_microbatches=16),
                                  Layout(dp=16, ep=8, zero_stage=1, shard=16, micro_batch_size=1,

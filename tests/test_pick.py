@@ -7,14 +7,14 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.settings import Settings
-from planner.cli import main
-from planner.errors import BerthError
-from planner.models import load_model
-from planner.search import predict_layouts
-from planner.specs import Layout, TrainingSpec, pick_plan, plan_listing
-from planner.topology import cluster_from_preset
+from berth.api.app import create_app
+from berth.api.settings import Settings
+from berth.planner.cli import main
+from berth.planner.errors import BerthError
+from berth.planner.models import load_model
+from berth.planner.search import predict_layouts
+from berth.planner.specs import Layout, TrainingSpec, pick_plan, plan_listing
+from berth.planner.topology import cluster_from_preset
 
 
 @pytest.fixture(scope="module")

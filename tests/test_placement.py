@@ -3,9 +3,9 @@ the axis order says."""
 
 import pytest
 
-from planner.placement import AXES, ORDERS, coordinates, process_groups, rank_map, spans
-from planner.specs import Layout
-from planner.topology import cluster_from_preset
+from berth.planner.placement import AXES, ORDERS, coordinates, process_groups, rank_map, spans
+from berth.planner.specs import Layout
+from berth.planner.topology import cluster_from_preset
 
 LAYOUTS = [Layout(tp=8, pp=4, dp=4), Layout(tp=2, pp=2, dp=8), Layout(tp=4, dp=16), Layout(pp=8, dp=8)]
 
@@ -26,7 +26,7 @@ def test_groups_partition_the_ranks(layout, order):
 
 def test_default_order_keeps_tp_inside_a_node_and_matches_the_executor():
     pytest.importorskip("torch", reason="compares with the executor's rank arithmetic (torch: the executor extra)")
-    from executor.parallel import Coordinates  # the executor's own rank arithmetic
+    from berth.executor.parallel import Coordinates  # the executor's own rank arithmetic
 
     cluster = cluster_from_preset("dgx-h100", 16)
     layout = Layout(tp=8, pp=4, dp=4)
@@ -48,7 +48,7 @@ def test_dp_innermost_puts_tp_across_nodes():
 @pytest.mark.parametrize("order", ORDERS, ids=lambda o: "-".join(o))
 def test_context_parallel_ranks_sit_right_outside_tp(order):
     """cp sits right outside tp in every axis order (torchtitan's mesh ..., cp, tp; Megatron's tp-cp-...)."""
-    from planner.placement import RANK_AXES, strides
+    from berth.planner.placement import RANK_AXES, strides
 
     layout = Layout(tp=4, cp=2, pp=2, dp=2, axis_order="-".join(order))
     groups = process_groups(layout)

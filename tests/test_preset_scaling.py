@@ -3,9 +3,9 @@ the result must equal the cluster derived from the full graph of every preset.""
 
 import pytest
 
-from hardware_profiles import load_server, server_names
-from planner.graphs import cluster_graph
-from planner.topology import RAILS_SAMPLE_NODES, _preset_cluster, cluster_from_graph
+from berth.hardware_profiles import load_server, server_names
+from berth.planner.graphs import cluster_graph
+from berth.planner.topology import RAILS_SAMPLE_NODES, _preset_cluster, cluster_from_graph
 
 
 @pytest.mark.parametrize("preset", [p for p in server_names() if p != "local-cpu"])

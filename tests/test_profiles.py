@@ -8,14 +8,14 @@ import sys
 import numpy as np
 import pytest
 
-from hardware_profiles import device_names, load_device, load_profile_file, load_server, server_names
-from planner.calibrate import PARAMETERS, apply, calibrate, current_values
-from planner.models import presets
-from planner.planning import make_cluster, make_search, plan
-from planner.search import predict_layouts
-from planner.specs import Layout, Metrics, TrainingSpec, ValidationReport
+from berth.hardware_profiles import device_names, load_device, load_profile_file, load_server, server_names
+from berth.planner.calibrate import PARAMETERS, apply, calibrate, current_values
+from berth.planner.models import presets
+from berth.planner.planning import make_cluster, make_search, plan
+from berth.planner.search import predict_layouts
+from berth.planner.specs import Layout, Metrics, TrainingSpec, ValidationReport
 
-BERTH = [sys.executable, "-m", "planner.cli"]
+BERTH = [sys.executable, "-m", "berth.planner.cli"]
 DEVICES = ("a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x", "l40s", "l4")
 
 
@@ -23,7 +23,7 @@ def test_every_gpu_device_lists_its_nvidia_smi_names_and_each_resolves_to_it():
     """The nvidia-smi names live with the device (its file's `nvidia_smi` section): every NVIDIA GPU
     profile lists some, each name resolves to that device and its server preset (whose device it is),
     no name belongs to two devices, and an unknown GPU is refused naming the known ones."""
-    from hardware_profiles import UnknownProfileError, nvidia_smi_device, nvidia_smi_names
+    from berth.hardware_profiles import UnknownProfileError, nvidia_smi_device, nvidia_smi_names
 
     seen: dict[str, str] = {}
     for device in device_names():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hardware_profiles import PROFILE_FORMAT
+from berth.hardware_profiles import PROFILE_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from planner.search import predict_layouts, search
-from planner.specs import (
+from berth.planner.search import predict_layouts, search
+from berth.planner.specs import (
     AXIS_ORDER_CHOICES,
     RECOMPUTE_CHOICES,
     SCHEDULE_CHOICES,
@@ -20,7 +20,7 @@ from planner.specs import (
     SearchSpec,
     TrainingSpec,
 )
-from planner.topology import cluster_from_preset
+from berth.planner.topology import cluster_from_preset
 
 
 def distinct_orders(tp, pp, dp):

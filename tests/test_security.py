@@ -47,8 +47,8 @@ class InProcessServer:
     def __init__(self, store):
         import uvicorn
 
-        from api.app import create_app
-        from api.settings import Settings
+        from berth.api.app import create_app
+        from berth.api.settings import Settings
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -132,8 +132,8 @@ def test_request_never_opens_a_server_file(tmp_path, monkeypatch):
 # --- 2. no command injection in generated scripts -----------------------------------------------
 
 def _plan(nodes=2):
-    from planner.models import presets
-    from planner.planning import make_cluster, make_search, make_training, plan
+    from berth.planner.models import presets
+    from berth.planner.planning import make_cluster, make_search, make_training, plan
 
     cluster = make_cluster("dgx-h100", nodes)
     return plan(presets()["tiny-gpt"], make_training(seq_len=128, global_batch_size=16 * nodes), cluster,
@@ -144,9 +144,9 @@ def _plan(nodes=2):
 def test_hostile_names_are_refused_by_the_spec_tree(payload):
     from pydantic import ValidationError
 
-    from planner.errors import BerthError
-    from planner.launch import artifacts
-    from planner.specs import ClusterSpec, ModelSpec
+    from berth.planner.errors import BerthError
+    from berth.planner.launch import artifacts
+    from berth.planner.specs import ClusterSpec, ModelSpec
 
     bad = payload.format(m="/tmp/pwned")
     shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128)
@@ -180,7 +180,7 @@ def test_generated_scripts_run_no_injected_command(tmp_path, payload):
     into every format; the torchrun and sbatch scripts are run with stubs on PATH."""
     import re
 
-    from planner.launch import FORMATS, artifacts
+    from berth.planner.launch import FORMATS, artifacts
 
     marker = tmp_path / "pwned"
     bad = payload.format(m=marker)
@@ -321,16 +321,16 @@ def test_nvidia_smi_runs_off_the_event_loop(tmp_path):
 # --- 4. bounded work and storage -----------------------------------------------------------------
 
 def _gpt_1t():
-    from planner.models import presets
-    from planner.planning import make_cluster, make_training
+    from berth.planner.models import presets
+    from berth.planner.planning import make_cluster, make_training
 
     return presets()["gpt-1t"], make_training(seq_len=2048, global_batch_size=3072), make_cluster("dgx-a100-80g", 384)
 
 
 def test_over_the_limit_search_is_refused_without_enumerating():
-    from planner.errors import BerthError
-    from planner.planning import make_search
-    from planner.search import count_candidates, search
+    from berth.planner.errors import BerthError
+    from berth.planner.planning import make_search
+    from berth.planner.search import count_candidates, search
 
     model, training, cluster = _gpt_1t()
     count = count_candidates(model, training, cluster, make_search(top=1))
@@ -346,9 +346,9 @@ def test_over_the_limit_search_is_refused_without_enumerating():
 
 
 def test_candidate_count_matches_the_enumeration():
-    from planner.models import presets
-    from planner.planning import make_cluster, make_search, make_training
-    from planner.search import count_candidates, enumerate_candidates, iter_candidates
+    from berth.planner.models import presets
+    from berth.planner.planning import make_cluster, make_search, make_training
+    from berth.planner.search import count_candidates, enumerate_candidates, iter_candidates
 
     model, training = presets()["llama3-70b"], make_training(seq_len=8192, global_batch_size=256)
     cluster = make_cluster("dgx-h100", 8)
@@ -356,7 +356,7 @@ def test_candidate_count_matches_the_enumeration():
         spec = make_search(fix=fix)
         every = enumerate_candidates(model, training, cluster, spec)
         assert count_candidates(model, training, cluster, spec) == len(every)
-        from planner.search import _groups
+        from berth.planner.search import _groups
         chunks = list(iter_candidates(_groups(model, training, cluster, spec), chunk=1000))
         assert all(len(c) == 1000 for c in chunks[:-1]) and sum(map(len, chunks)) == len(every)
         assert (chunks[0].tp == every.tp[:1000]).all()
@@ -364,8 +364,8 @@ def test_candidate_count_matches_the_enumeration():
 
 
 def test_search_memory_is_bounded_by_its_chunk(monkeypatch):
-    import planner.search as search_module
-    from planner.planning import make_search
+    import berth.planner.search as search_module
+    from berth.planner.planning import make_search
 
     model, training, cluster = _gpt_1t()
     count = search_module.count_candidates(model, training, cluster, make_search(top=3))
@@ -381,8 +381,8 @@ def test_search_memory_is_bounded_by_its_chunk(monkeypatch):
 
 
 def test_cancel_stops_the_search_thread():
-    from planner.planning import make_search
-    from planner.search import SearchTimeout, search
+    from berth.planner.planning import make_search
+    from berth.planner.search import SearchTimeout, search
 
     model, training, cluster = _gpt_1t()
     cancel = threading.Event()
@@ -439,7 +439,7 @@ def test_repeated_answers_are_stored_once(server, tmp_path):
 
 
 def test_store_retention_and_size_limits(tmp_path):
-    from planner.store import Store
+    from berth.planner.store import Store
 
     store = Store(tmp_path / "s.sqlite", max_plans=5, max_bytes=2000)
     for i in range(20):
@@ -496,7 +496,7 @@ def test_slow_header_connections_are_closed(tmp_path):
 def test_validation_without_a_key_refuses_to_start(tmp_path):
     env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "s.sqlite"), "BERTH_VALIDATION_ENABLED": "1"}
     env.pop("BERTH_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "serve", "--port", str(free_port())], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(free_port())], env=env,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=30)
@@ -639,7 +639,7 @@ def test_non_json_content_type_is_415(server, content_type):
 
 def test_fifo_is_never_opened_by_the_cli_edge_of_the_api(tmp_path):
     """The service refuses a path before touching it: the catalog is an enum in the schema."""
-    from api.schemas import PRESETS, PresetCluster
+    from berth.api.schemas import PRESETS, PresetCluster
 
     assert "local" in PRESETS and all(stat.S_ISREG(os.stat(ROOT / "hardware_profiles" / "servers" / f"{p}.json")
                                                .st_mode) for p in PRESETS if p != "local")

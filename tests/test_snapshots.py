@@ -50,7 +50,7 @@ def cli_options() -> dict[str, Any]:
     whether required, and help."""
     import typer
 
-    from planner.cli import app
+    from berth.planner.cli import app
 
     group = typer.main.get_command(app)
 
@@ -71,14 +71,14 @@ def cli_options() -> dict[str, Any]:
 
 
 def test_openapi_schema(tmp_path):
-    from api.app import create_app
-    from api.settings import Settings
+    from berth.api.app import create_app
+    from berth.api.settings import Settings
 
     _compare("openapi.json", create_app(Settings(store_path=str(tmp_path / "api.sqlite"))).openapi())
 
 
 def test_plan_json_schema():
-    from planner.specs import Plan
+    from berth.planner.specs import Plan
 
     _compare("plan.schema.json", Plan.model_json_schema())
 

@@ -4,17 +4,17 @@ weighs stages of unequal depth (the slowest stage sets the step, the largest the
 import numpy as np
 import pytest
 
-from cost_models import memory
-from cost_models.candidates import Candidates
-from cost_models.step import evaluate
-from cost_models.validity import REASON_CODES
-from planner import stages
-from planner.errors import BerthError
-from planner.layouts import check_layout
-from planner.models import load_model
-from planner.search import predict_layouts, search
-from planner.specs import Layout, SearchSpec, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.cost_models import memory
+from berth.cost_models.candidates import Candidates
+from berth.cost_models.step import evaluate
+from berth.cost_models.validity import REASON_CODES
+from berth.planner import stages
+from berth.planner.errors import BerthError
+from berth.planner.layouts import check_layout
+from berth.planner.models import load_model
+from berth.planner.search import predict_layouts, search
+from berth.planner.specs import Layout, SearchSpec, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 
 def test_the_rule_by_hand():
@@ -81,7 +81,7 @@ def test_the_slowest_stage_sets_the_step():
     layout = Layout(pp=2, dp=4, micro_batch_size=1, num_microbatches=4)
     seven, eight = (_one(base.model_copy(update={"num_layers": n}), training, cluster, layout) for n in (7, 8))
     c = Candidates.from_layouts([layout])
-    from cost_models import compute
+    from berth.cost_models import compute
 
     head = float(compute.lm_head_compute_s(base, training, cluster.device, np.array([1.0]), np.array([1.0]))[0])
     diff = eight.time_breakdown_s["compute"][0] - seven.time_breakdown_s["compute"][0]
@@ -104,7 +104,7 @@ def test_a_middle_stage_with_more_layers_is_costed():
                     sequence_parallel=True, recompute="selective")
     uneven = _one(model, training, cluster, layout)
     even = _one(model.model_copy(update={"num_layers": 128}), training, cluster, layout)
-    from cost_models import compute
+    from berth.cost_models import compute
 
     b, tp = np.array([1.0]), np.array([8.0])
     head = float(compute.lm_head_compute_s(model, training, cluster.device, b, tp)[0])

@@ -6,15 +6,15 @@ from io import StringIO
 
 from rich.console import Console
 
-from cost_models import terms
-from cost_models.step import BOTTLENECK_TERMS
-from executor.breakdown import MEMORY_MEASURED, TERM_REGIONS, TERMS
-from planner.models import load_model, presets
-from planner.placement import AXIS_TERMS
-from planner.render import breakdown_table
-from planner.search import predict_layouts
-from planner.specs import Layout, Prediction, TrainingSpec
-from planner.topology import cluster_from_preset
+from berth.cost_models import terms
+from berth.cost_models.step import BOTTLENECK_TERMS
+from berth.executor.breakdown import MEMORY_MEASURED, TERM_REGIONS, TERMS
+from berth.planner.models import load_model, presets
+from berth.planner.placement import AXIS_TERMS
+from berth.planner.render import breakdown_table
+from berth.planner.search import predict_layouts
+from berth.planner.specs import Layout, Prediction, TrainingSpec
+from berth.planner.topology import cluster_from_preset
 
 CLUSTER = cluster_from_preset("dgx-h100", 2)
 
@@ -62,7 +62,7 @@ def test_every_term_is_rendered_in_the_breakdown_table():
 
 
 def test_every_reader_takes_the_registry():
-    from planner.plots import COLORS
+    from berth.planner.plots import COLORS
 
     assert tuple(TERM_REGIONS) == TERMS == terms.TIME_NAMES
     assert all(regions and how for regions, how in TERM_REGIONS.values())

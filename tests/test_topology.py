@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from hardware_profiles import load_server
-from planner.errors import BerthError
-from planner.graphs import cluster_graph, to_node_link
-from planner.models import load_model
-from planner.planning import make_search, plan
-from planner.search import predict_layouts
-from planner.specs import Layout, ModelSpec, TrainingSpec
-from planner.topology import cluster_from_node_link, cluster_from_preset
+from berth.hardware_profiles import load_server
+from berth.planner.errors import BerthError
+from berth.planner.graphs import cluster_graph, to_node_link
+from berth.planner.models import load_model
+from berth.planner.planning import make_search, plan
+from berth.planner.search import predict_layouts
+from berth.planner.specs import Layout, ModelSpec, TrainingSpec
+from berth.planner.topology import cluster_from_node_link, cluster_from_preset
 
 GB = 1e9
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from executor.validate import _failure, load_plan, validate
-from planner.errors import BerthError
-from planner.store import Store
+from berth.executor.validate import _failure, load_plan, validate
+from berth.planner.errors import BerthError
+from berth.planner.store import Store
 
-BERTH = [sys.executable, "-m", "planner.cli"]
+BERTH = [sys.executable, "-m", "berth.planner.cli"]
 TORCH_REASON = "runs the plan with torch.distributed (torch: the executor extra)"
 TINY = ["tiny-gpt", "--seq-len", "128", "--global-batch", "8"]
 
