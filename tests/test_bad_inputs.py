@@ -176,7 +176,8 @@ def test_scripts_end_to_end(tmp_path):
     blob = tmp_path / "m.json"
     blob.write_bytes(BINARY)
     for args in (["plan", str(blob)], ["compare", "tiny-gpt", "--layout", "tp=3"]):
-        r = subprocess.run([sys.executable, "-m", "berth.planner.cli", *args], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "berth.planner.cli", *args], capture_output=True, text=True,
+                           timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
 

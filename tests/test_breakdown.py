@@ -167,8 +167,8 @@ def runs(tmp_path_factory):
     (tmp / "plans.json").write_text(json.dumps([p.model_dump(mode="json") for p in plans]))
     out = tmp / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "berth.executor.worker", "--plans", str(tmp / "plans.json"), "--steps", "1", "--warmup", "1", "--out", str(out),
-           "--trace", str(tmp / "traces")]
+           "berth.executor.worker", "--plans", str(tmp / "plans.json"), "--steps", "1", "--warmup", "1",
+           "--out", str(out), "--trace", str(tmp / "traces")]
     env = {**os.environ, "BERTH_DEVICE": "cpu", "BERTH_TEST_SLOW_OPTIMIZER": f"1:{SLOW_S}:5"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.is_file(), r.stderr[-3000:]

@@ -37,8 +37,8 @@ def test_plan_json_contract_and_tp_inside_node():
 
 
 # `berth plan` starts in well under a second (benchmarks/search_speed.py times it): these never load
-# on its path, whatever the cluster
-NOT_ON_PLAN_PATH = {"torch", "fastapi", "starlette", "uvicorn", "scipy", "yaml", "api", "executor"}
+# on its path, whatever the cluster (berth's own packages by their two-part names, berth.api)
+NOT_ON_PLAN_PATH = {"torch", "fastapi", "starlette", "uvicorn", "scipy", "yaml", "berth.api", "berth.executor"}
 
 
 def test_plan_path_imports_no_graph_library_service_stack_or_torch():
@@ -56,8 +56,9 @@ sys.stderr.write("\\nloaded: " + " ".join(sorted(sys.modules)))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    loaded = {name.split(".")[0] for name in r.stderr.rsplit("loaded: ", 1)[1].split()}
-    assert "planner" in loaded and "numpy" in loaded
+    loaded = {".".join(name.split(".")[:2]) if name.startswith("berth.") else name.split(".")[0]
+              for name in r.stderr.rsplit("loaded: ", 1)[1].split()}
+    assert "berth.planner" in loaded and "numpy" in loaded
     assert not loaded & NOT_ON_PLAN_PATH
 
 
