@@ -236,7 +236,8 @@ class _Run:
                 f"# berth launch (torchrun): node {n} of {self.nodes}, host {_comment(self.hosts[n])}; ranks "
                 f"{n * self.per_node}..{(n + 1) * self.per_node - 1} (plan placement: rank = node x "
                 f"{self.per_node} + local GPU, axis order {_comment(self.plan.layout.axis_order)})",
-                "# run from a checkout of berth with the plan file beside it; node 0 writes report.json",
+                "# run beside the plan file where berth is installed with torch (pip install -e '.[executor]' in its "
+                "checkout); node 0 writes report.json",
                 "set -e",
                 *(f"export {k}={shlex.quote(v)}" for k, v in self.env.items()),
                 f'if [ -z "${{MASTER_ADDR:-}}" ]; then MASTER_ADDR={shlex.quote(self._master())}; fi',
