@@ -53,8 +53,9 @@ def _bare_uses(text: str, name: str, strings: bool = True) -> list[str]:
             names = [node.module]
         elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
             s = node.value
-            module = MODULE_STRING.fullmatch(s) and (ROOT / s.split(":")[0].replace(".", "/")).with_suffix(
-                ".py").is_file()
+            path = ROOT / s.split(":")[0].replace(".", "/")
+            module = MODULE_STRING.fullmatch(s) and (path.with_suffix(".py").is_file()
+                                                     or (path / "__init__.py").is_file())
             if module or CODE_IN_STRING.search(s):
                 found.append(f"{name}:{node.lineno}: string {s[:80]!r}")
         found += [f"{name}:{node.lineno}: import {n}" for n in names if n.split(".")[0] in PACKAGES]
@@ -68,12 +69,12 @@ def test_scan_catches_the_old_style():
            'CMD = ["-m", "planner.cli"]\nAPP = "api.app:create_app"\nCODE = "from planner.cli import main"\n'
            'SH = "python -m executor.worker --plans p.json"\n'
            'import berth.planner.search\nfrom berth.api.app import create_app\nOK = ["-m", "berth.planner.cli"]\n'
-           'NOT_A_MODULE = "api.sqlite"\n')
+           'NOT_A_MODULE = "api.sqlite"\nPACKAGE = "hardware_profiles.schema"\n')
     found = [hit.split(": ", 1)[1] for hit in _bare_uses(old, "old.py")]
     assert sorted(found) == sorted([
         "import planner.search", "import api.app", "import executor", "import cost_models.step",
         "string 'planner.cli'", "string 'api.app:create_app'", "string 'from planner.cli import main'",
-        "string 'python -m executor.worker --plans p.json'"])
+        "string 'python -m executor.worker --plans p.json'", "string 'hardware_profiles.schema'"])
 
 
 def test_no_file_imports_or_runs_a_bare_package():
