@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the executor's CUDA set-up and `berth profile` run on torch (the "
                             "executor extra)")
 
-import berth.executor.device  # noqa: E402
+from berth.executor import device as executor_device  # noqa: E402 (`berth` is this module's CLI helper below)
 from berth.executor import profile as prof  # noqa: E402
 from berth.hardware_profiles import DeviceProfile, load_device, load_server  # noqa: E402
 
@@ -123,8 +123,8 @@ class CudaRecorder:
         self.ready = False
 
     def install(self, monkeypatch):
-        berth.executor.device._READY.clear()
-        monkeypatch.setattr(berth.executor.device, "_READY", set())
+        executor_device._READY.clear()
+        monkeypatch.setattr(executor_device, "_READY", set())
         rec = self
 
         def record(name, result=None, needs_init=False):
