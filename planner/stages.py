@@ -53,10 +53,12 @@ def _tabulated(rule, num_layers, pp, vpp):
     pp, vpp = np.asarray(pp), np.asarray(vpp)
     if np.ndim(num_layers) or max(pp.size, vpp.size) < TABULATE_FROM or pp.min() < 1 or vpp.min() < 1:
         return None
-    grid_pp, grid_vpp = np.meshgrid(np.arange(int(pp.max()) + 1), np.arange(int(vpp.max()) + 1), indexing="ij")
+    width = int(vpp.max()) + 1
+    grid_pp, grid_vpp = np.meshgrid(np.arange(int(pp.max()) + 1), np.arange(width), indexing="ij")
     grid_pp[0], grid_vpp[:, 0] = 1, 1  # unused rows (degree 0), kept valid for the rule
     table = rule(num_layers, grid_pp, grid_vpp)
-    return tuple(t[pp.astype(np.int64), vpp.astype(np.int64)] for t in table)
+    flat = pp.astype(np.int64, copy=False) * width + vpp.astype(np.int64, copy=False)  # one gather index
+    return tuple(np.take(np.broadcast_to(t, grid_pp.shape).ravel(), flat) for t in table)
 
 
 def split(num_layers, pp, vpp=1):
