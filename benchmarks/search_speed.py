@@ -6,7 +6,8 @@ Each case runs REPEATS times; the median is reported next to the min and max.
 
 Beside the in-process search, each case is timed as a user feels it: the whole `berth plan`
 process (interpreter start, imports, the cluster, the search, the tables), WHOLE_REPEATS runs,
-min and median. Targets: the gpt3-175b case under 1.0 s, the 405B on 2,048 nodes under 1.5 s.
+min and median, with berth's modules byte-compiled first (`compile_packages`: as an installed berth
+runs). Targets: the gpt3-175b case under 1.0 s, the 405B on 2,048 nodes under 1.5 s.
 On a shared machine these wall times are noisy: compare minima.
 """
 
@@ -60,8 +61,24 @@ def run_case(model_name, preset, nodes, seq, batch):
     }
 
 
+PACKAGES = ("berth.planner", "berth.api", "berth.cost_models", "berth.hardware_profiles", "berth.executor")
+
+
+def compile_packages() -> None:
+    """Byte-compile berth's modules, as installing a wheel does (and any run does where Python may write
+    its cache): a process started under PYTHONDONTWRITEBYTECODE from a fresh checkout would otherwise
+    compile every module from source on each start (about 0.2 s more here), which no installed berth does."""
+    import compileall
+    import importlib.util
+
+    for name in PACKAGES:
+        for folder in importlib.util.find_spec(name).submodule_search_locations:
+            compileall.compile_dir(folder, quiet=1)
+
+
 def whole_process(model_name, preset, nodes, seq, batch) -> dict:
-    """Wall time of `berth plan ...` as a fresh process (tables printed to /dev/null)."""
+    """Wall time of `berth plan ...` as a fresh process (tables printed to /dev/null), byte-compiled."""
+    compile_packages()
     cmd = [sys.executable, "-m", "berth.planner.cli", "plan", model_name, "--cluster", preset, "--nodes", str(nodes),
            "--seq-len", str(seq), "--global-batch", str(batch)]
     walls = []
