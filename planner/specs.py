@@ -401,7 +401,8 @@ class Layout(Spec):
                     "holding num_experts / ep experts; 1 for dense models")
     shard: int = Field(
         default=1, gt=0,
-        description="ranks of dp that ZeRO shards the model state over (shard = dp: fully sharded; 1 without ZeRO)")
+        description="ranks of dp that ZeRO shards the model state over, times cp (shard = dp: fully sharded; 1 "
+        "without ZeRO)")
     zero_stage: int = Field(
         default=0, ge=0, le=3,
         description="ZeRO stage (Rajbhandari et al. 2020): 0 none, 1 optimizer state, 2 plus gradients, 3 plus "
