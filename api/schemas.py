@@ -41,10 +41,11 @@ SpecText = Annotated[str, Field(min_length=1, max_length=512)]  # "tp=8,pp=2": a
 
 
 class TrainingRequest(Body):
-    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, examples=[8192])
-    global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, examples=[256])
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, examples=[8192], description="tokens per sequence")
+    global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, examples=[256], description="sequences per step")
     precision: Precision | None = Field(default=None, description="default: bf16 on GPUs, fp32 on CPU workers")
-    flash_attention: bool = True
+    flash_attention: bool = Field(
+        default=True, description="attention runs as a fused kernel that never stores the seq_len x seq_len scores")
     framework: Framework = Field(default="pytorch", description="whose memory behaviour to predict: 'pytorch' "
                                  "(DTensor, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron'")
     token_budget: float | None = Field(default=None, gt=0, le=1e16, description="tokens to train on, for the cost")
@@ -53,7 +54,7 @@ class TrainingRequest(Body):
 class PresetCluster(Body):
     preset: PresetName = Field(examples=["dgx-h100"], description="a cluster preset, or 'local' (the server's own "
                                "machine)")
-    nodes: int = Field(default=1, gt=0, le=MAX_NODES)
+    nodes: int = Field(default=1, gt=0, le=MAX_NODES, description="number of nodes")
     devices_per_node: int | None = Field(default=None, gt=0, le=MAX_GPUS_PER_NODE,
                                          description="with preset 'local' only")
     fabric: Literal["rails", "fat-tree"] = Field(default="rails", description="how the nodes' NICs are joined")
@@ -63,22 +64,33 @@ class PresetCluster(Body):
 
 class GraphCluster(Body):
     graph: dict[str, Any] = Field(description='networkx node-link: {"nodes": [...], "links": [...]}')
-    name: str = Field(default="graph", min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")
+    name: str = Field(
+        default="graph", min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="the cluster's label in tables and plans")
 
 
 class OperationsRequest(Body):
     """Failures, storage and price (defaults: see ClusterSpec)."""
 
-    failures_per_gpu_hour: float | None = Field(default=None, ge=1e-12, le=1)
-    storage_write_gbps_per_gpu: float | None = Field(default=None, ge=1e-6, le=1e4)
-    price_per_gpu_hour: float | None = Field(default=None, ge=0, le=1e6)
+    failures_per_gpu_hour: float | None = Field(
+        default=None, ge=1e-12, le=1, description="unexpected interruptions per GPU-hour (default: ClusterSpec's)")
+    storage_write_gbps_per_gpu: float | None = Field(
+        default=None, ge=1e-6, le=1e4,
+        description="the filesystem's aggregate write bandwidth per GPU, GB/s (1e9 bytes/s)")
+    price_per_gpu_hour: float | None = Field(
+        default=None, ge=0, le=1e6, description="currency units per GPU-hour (no cost without it)")
 
 
 class SearchRequest(Body):
-    top: int = Field(default=5, gt=0, le=100)
-    fix: SpecText | dict[str, int | SpecText | bool] = Field(default_factory=dict, examples=["tp=8", {"tp": 8}])
-    max_micro_batch_size: int | None = Field(default=None, gt=0, le=1024)
-    objective: Literal["throughput", "goodput", "cost"] = "throughput"
+    top: int = Field(default=5, gt=0, le=100, description="how many plans to return, best first")
+    fix: SpecText | dict[str, int | SpecText | bool] = Field(
+        default_factory=dict, examples=["tp=8", {"tp": 8}],
+        description="layout fields held fixed: 'tp=8,pp=2' (the CLI's syntax) or an object of Layout field names")
+    max_micro_batch_size: int | None = Field(
+        default=None, gt=0, le=1024, description="largest micro-batch size (sequences) the search tries")
+    objective: Literal["throughput", "goodput", "cost"] = Field(
+        default="throughput",
+        description="rank by tokens/s, by useful tokens/s after checkpoints and failures, or by cost per useful token")
     fallback: bool = Field(default=False, description="also plan the best layout with one node lost")
     memory_headroom: float = Field(default=DEFAULT_MEMORY_HEADROOM, ge=0, le=MAX_MEMORY_HEADROOM,
                                    description=SearchSpec.model_fields["memory_headroom"].description)
@@ -102,70 +114,81 @@ MODEL_DESCRIPTION = "a preset name, a ModelSpec object, or a Hugging Face config
 
 class PlanRequest(Body):
     model: ModelRef = Field(description=MODEL_DESCRIPTION, examples=["llama3-70b"])
-    training: TrainingRequest
-    cluster: ClusterRequest
-    operations: OperationsRequest = Field(default_factory=OperationsRequest)
-    search: SearchRequest = Field(default_factory=SearchRequest)
+    training: TrainingRequest = Field(description="sequence length, batch and precision")
+    cluster: ClusterRequest = Field(description="a preset cluster or a topology graph")
+    operations: OperationsRequest = Field(default_factory=OperationsRequest, description="failures, storage and price")
+    search: SearchRequest = Field(
+        default_factory=SearchRequest, description="what to search for and how many plans to return")
 
 
 class CompareRequest(Body):
     model: ModelRef = Field(description=MODEL_DESCRIPTION, examples=["llama3-70b"])
-    training: TrainingRequest
-    cluster: ClusterRequest
-    operations: OperationsRequest = Field(default_factory=OperationsRequest)
-    layouts: list[SpecText | dict[str, int | SpecText | bool]] = Field(min_length=1, max_length=64,
-                                                             examples=[["tp=8,pp=2", {"tp": 8, "zero_stage": 3}]])
+    training: TrainingRequest = Field(description="sequence length, batch and precision")
+    cluster: ClusterRequest = Field(description="a preset cluster or a topology graph")
+    operations: OperationsRequest = Field(default_factory=OperationsRequest, description="failures, storage and price")
+    layouts: list[SpecText | dict[str, int | SpecText | bool]] = Field(
+        min_length=1, max_length=64, examples=[["tp=8,pp=2", {"tp": 8, "zero_stage": 3}]],
+        description="the layouts to predict, each 'tp=8,pp=2' (the CLI's syntax) or an object of Layout field names")
     memory_headroom: float = Field(default=DEFAULT_MEMORY_HEADROOM, ge=0, le=MAX_MEMORY_HEADROOM,
                                    description=SearchSpec.model_fields["memory_headroom"].description)
 
 
 class PlanResponse(BaseModel):
-    id: str
-    created: str
-    plans: list[Plan]
-    searched: int
-    feasible: int
-    rejected: dict[str, int]
+    id: str = Field(description="the stored answer's id (plan_id for launch and validation requests)")
+    created: str = Field(description="when the answer was made (ISO 8601, UTC)")
+    plans: list[Plan] = Field(description="the best plans, best first")
+    searched: int = Field(description="layouts evaluated")
+    feasible: int = Field(description="layouts that can run and fit")
+    rejected: dict[str, int] = Field(description="layouts rejected, counted by reason code")
 
 
 class CompareResponse(BaseModel):
-    id: str
-    created: str
-    candidates: list[Plan]
-    best_searched: Plan | None
-    gap_to_best: list[float | None] | None = None
+    id: str = Field(description="the stored answer's id (plan_id for launch and validation requests)")
+    created: str = Field(description="when the answer was made (ISO 8601, UTC)")
+    candidates: list[Plan] = Field(description="one plan per requested layout, in request order")
+    best_searched: Plan | None = Field(
+        description="the best plan a search finds for the same inputs (null when none fits)")
+    gap_to_best: list[float | None] | None = Field(
+        default=None,
+        description="per candidate: its tokens/s over the best searched plan's, minus 1 (fraction; negative: slower); "
+        "null for an infeasible candidate")
 
 
 class LaunchRequest(Body):
-    plan_id: PlanId
+    plan_id: PlanId = Field(description="id of a stored plan or compare answer")
     pick: int = Field(default=1, ge=1, le=1000, description="which plan of the stored answer (1 = first)")
-    format: Literal[FORMATS]  # type: ignore[valid-type]  # the launch formats' registry (planner/launch.py)
-    steps: int = Field(default=20, ge=1, le=100000)
-    warmup: int = Field(default=3, ge=0, le=1000)
-    image: ImageName = "berth-executor:latest"
+    # the launch formats' registry (planner/launch.py)
+    format: Literal[FORMATS] = Field(description="the launch file format to write")  # type: ignore[valid-type]
+    steps: int = Field(default=20, ge=1, le=100000, description="training steps the launched job runs")
+    warmup: int = Field(default=3, ge=0, le=1000, description="untimed steps before the timed ones")
+    image: ImageName = Field(
+        default="berth-executor:latest", description="container image of the executor (container formats)")
 
 
 class LaunchResponse(BaseModel):
-    plan_id: str
-    format: str
-    files: dict[str, str]
+    plan_id: str = Field(description="the stored answer's id")
+    format: str = Field(description="the launch file format written")
+    files: dict[str, str] = Field(description="file name -> file contents")
 
 
 class ValidationRequest(Body):
-    plan_id: PlanId
+    plan_id: PlanId = Field(description="id of a stored plan or compare answer")
     pick: int = Field(default=1, ge=1, le=1000, description="which plan of the stored answer (1 = first)")
-    steps: int = Field(default=5, ge=1, le=200)
-    warmup: int = Field(default=2, ge=0, le=50)
-    proxy: Literal["rank-slice"] | None = None
-    layers: int | None = Field(default=None, ge=1, le=4096)
+    steps: int = Field(default=5, ge=1, le=200, description="timed steps")
+    warmup: int = Field(default=2, ge=0, le=50, description="untimed steps before the timed ones")
+    proxy: Literal["rank-slice"] | None = Field(
+        default=None,
+        description="'rank-slice': run one rank's share of one stage in one process instead of the whole plan")
+    layers: int | None = Field(
+        default=None, ge=1, le=4096, description="rank-slice only: decoder layers to run (default: one stage's)")
 
 
 class ValidationJob(BaseModel):
-    id: str
-    created: str
-    plan_id: str
-    status: Literal["queued", "running", "done", "failed"]
-    message: str | None = None
+    id: str = Field(description="the job's id")
+    created: str = Field(description="when the job was queued (ISO 8601, UTC)")
+    plan_id: str = Field(description="the stored answer validated")
+    status: Literal["queued", "running", "done", "failed"] = Field(description="queued, running, done or failed")
+    message: str | None = Field(default=None, description="why the job failed (null otherwise)")
     report: ValidationReport | None = Field(
         default=None, description="predicted vs measured; `report.breakdown` puts the measured step terms beside "
         "the predicted time_breakdown_s and memory_breakdown_bytes and names the term with the largest error "
@@ -173,37 +196,39 @@ class ValidationJob(BaseModel):
 
 
 class ModelInfo(BaseModel):
-    name: str
-    num_params: int
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    vocab_size: int
+    name: str = Field(description="the preset's name")
+    num_params: int = Field(description="parameters in total (all experts counted)")
+    num_layers: int = Field(description="decoder layers")
+    hidden_size: int = Field(description="model width h")
+    num_attention_heads: int = Field(description="query heads per attention layer")
+    num_kv_heads: int = Field(description="key/value heads per attention layer")
+    ffn_hidden_size: int = Field(description="inner width of a dense layer's MLP")
+    vocab_size: int = Field(description="tokens in the vocabulary")
     num_experts: int = Field(default=0, description="routed experts per MoE layer; 0 for a dense model")
-    experts_per_token: int = 0
+    experts_per_token: int = Field(
+        default=0, description="routed experts a token goes through (top-k); 0 for a dense model")
     active_params: int = Field(default=0, description="parameters a token goes through (num_params when dense)")
 
 
 class ClusterInfo(BaseModel):
-    name: str
-    display_name: str
-    device: str
-    gpus_per_node: int
-    intra_node: LinkProfile
-    inter_node: LinkProfile
+    name: str = Field(description="the preset's name (what a request's cluster.preset names)")
+    display_name: str = Field(description="human-readable name")
+    device: str = Field(description="the device profile's name")
+    gpus_per_node: int = Field(description="GPUs in each node")
+    intra_node: LinkProfile = Field(description="the link between GPUs inside a node")
+    inter_node: LinkProfile = Field(description="the link between nodes")
 
 
 class ProfileInfo(BaseModel):
-    name: str
-    display_name: str
-    kind: str
-    memory_bytes: float
-    peak_flops_per_s: dict[str, float]
+    name: str = Field(description="the profile's name")
+    display_name: str = Field(description="human-readable name")
+    kind: str = Field(description="'gpu' or 'cpu'")
+    memory_bytes: float = Field(description="device memory, bytes")
+    peak_flops_per_s: dict[str, float] = Field(description="dense peak FLOP/s per precision")
 
 
 class Health(BaseModel):
-    status: Literal["ok"]
-    version: str
-    validation_enabled: bool
+    status: Literal["ok"] = Field(description="'ok' when the service answers")
+    version: str = Field(description="the berth version serving")
+    validation_enabled: bool = Field(
+        description="the server accepts POST /v1/validations (BERTH_VALIDATION_ENABLED, with an API key)")

@@ -71,27 +71,45 @@ class Spec(BaseModel):
 class ModelSpec(Spec):
     """A decoder-only transformer's shape (Megatron/Llama family)."""
 
-    name: ModelName = "custom"
-    num_layers: int = Field(gt=0, le=MAX_LAYERS)
-    hidden_size: int = Field(gt=0, le=MAX_HIDDEN)
-    num_attention_heads: int = Field(gt=0, le=MAX_HEADS)
-    num_kv_heads: int | None = Field(default=None, gt=0, le=MAX_HEADS)
-    ffn_hidden_size: int = Field(gt=0, le=MAX_HIDDEN * 8)
-    vocab_size: int = Field(gt=0, le=MAX_VOCAB)
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    tied_embeddings: bool = False
-    dropout: bool = False
+    name: ModelName = Field(
+        default="custom",
+        description="the model's name in tables, plans and launch files (a preset name or Hugging Face repo id; "
+        "'custom' when given by its shape)")
+    num_layers: int = Field(gt=0, le=MAX_LAYERS, description="number of decoder layers (transformer blocks)")
+    hidden_size: int = Field(
+        gt=0, le=MAX_HIDDEN, description="model width h: the size of each token's hidden state (elements)")
+    num_attention_heads: int = Field(
+        gt=0, le=MAX_HEADS, description="query heads per attention layer; hidden_size must be divisible by it")
+    num_kv_heads: int | None = Field(
+        default=None, gt=0, le=MAX_HEADS,
+        description="key/value heads per attention layer (grouped-query attention); null: one per query head "
+        "(multi-head attention)")
+    ffn_hidden_size: int = Field(gt=0, le=MAX_HIDDEN * 8, description="inner width of a dense layer's MLP (elements)")
+    vocab_size: int = Field(
+        gt=0, le=MAX_VOCAB, description="tokens in the vocabulary: the rows of the input embedding and of the LM head")
+    mlp: Literal["gelu", "swiglu"] = Field(
+        default="gelu",
+        description="MLP kind: 'gelu' (two h x ffn weight matrices) or 'swiglu' (three: gate, up, down)")
+    norm: Literal["layernorm", "rmsnorm"] = Field(
+        default="layernorm",
+        description="normalization layers: 'layernorm' (weight and bias) or 'rmsnorm' (weight only)")
+    tied_embeddings: bool = Field(
+        default=False, description="the LM head shares the input embedding's weights (no separate head parameters)")
+    dropout: bool = Field(
+        default=False, description="dropout is applied (adds elementwise passes and mask memory to the cost model)")
     # Mixture of experts (Shazeer et al. 2017; Fedus et al. 2022; Mixtral, DeepSeek-V3): each MoE
     # layer replaces its MLP by `num_experts` routed experts of `moe_ffn_hidden_size` (same mlp kind),
     # of which a router (one h x E linear, top-k softmax) picks `experts_per_token` per token, plus
     # `num_shared_experts` experts every token goes through (DeepSeek). The first `first_k_dense`
     # layers keep the dense MLP of `ffn_hidden_size` (DeepSeek-V3: 3); num_experts = 0 is dense.
-    num_experts: int = Field(default=0, ge=0, le=1 << 14)
+    num_experts: int = Field(
+        default=0, ge=0, le=1 << 14, description="routed experts per MoE layer; 0 for a dense model")
     experts_per_token: int = Field(default=0, ge=0, le=1 << 10, description="top-k of the router")
     moe_ffn_hidden_size: int | None = Field(default=None, gt=0, le=MAX_HIDDEN * 8,
                                             description="one expert's ffn size (default: ffn_hidden_size)")
-    num_shared_experts: int = Field(default=0, ge=0, le=64)
+    num_shared_experts: int = Field(
+        default=0, ge=0, le=64,
+        description="experts every token goes through in each MoE layer, besides the routed ones (DeepSeek)")
     shared_expert_ffn_hidden_size: int | None = Field(default=None, gt=0, le=MAX_HIDDEN * 8,
                                                       description="one shared expert's ffn size (default: the "
                                                       "expert ffn size)")
@@ -250,11 +268,20 @@ class ModelSpec(Spec):
 
 
 class TrainingSpec(Spec):
-    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, description="tokens per sequence")
     global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, description="sequences per step")
-    precision: Precision = "bf16"
-    optimizer: Literal["adamw"] = "adamw"
-    flash_attention: bool = True
+    precision: Precision = Field(
+        default="bf16",
+        description="compute precision of parameters, activations and gradients (fp32: 4 bytes per element, else 2); "
+        "mixed precision keeps fp32 master weights in the optimizer state")
+    optimizer: Literal["adamw"] = Field(
+        default="adamw",
+        description="the optimizer whose state the memory and checkpoint model count (AdamW: 12 bytes per parameter in "
+        "mixed precision, 8 in fp32)")
+    flash_attention: bool = Field(
+        default=True,
+        description="attention runs as a fused kernel that never stores the seq_len x seq_len scores; false: unfused "
+        "matmul-softmax-matmul")
     attention_kernel: Literal["sdpa", "flash2", "flash1"] = Field(default="sdpa", description=(
         "which fused attention kernel runs when flash_attention is on: 'sdpa' (today's PyTorch "
         "scaled_dot_product_attention, what the device profile measured), 'flash2' (FlashAttention-2, e.g. PyTorch "
@@ -290,9 +317,11 @@ class FabricLevel(Spec):
     `bandwidth_bytes_per_s` the share each GPU gets when every GPU of the block sends at once
     (the bottleneck of the best path, a NIC shared by several GPUs, or an oversubscribed uplink)."""
 
-    name: str
-    gpus: int = Field(gt=0)
-    link: LinkProfile
+    name: str = Field(description="the level's label in tables (e.g. 'node', 'cluster', a switch or leaf name)")
+    gpus: int = Field(gt=0, description="GPUs in one block of this level (consecutive ranks)")
+    link: LinkProfile = Field(
+        description="the link a GPU's traffic to the other sub-blocks of its block takes, with the bandwidth share "
+        "each GPU gets")
     limited_by: str = Field(default="path", description="path (slowest hop), nic (one GPU's own port) or "
                             "shared (a link several GPUs cross at once)")
 
@@ -302,27 +331,39 @@ class ClusterSpec(Spec):
     node and a fabric between them. Presets and graphs (`topology.py`, `hierarchy.py`) also give
     `fabric`, the full hierarchy of fast domains; without it the hierarchy is node, then cluster."""
 
-    name: LabelText
-    nodes: int = Field(gt=0, le=MAX_NODES)
-    gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE)
-    device: DeviceProfile
-    intra_node: LinkProfile
-    inter_node: LinkProfile
-    collective_base_latency_s: float = Field(ge=0)
+    name: LabelText = Field(description="the cluster's label in tables and plans")
+    nodes: int = Field(gt=0, le=MAX_NODES, description="number of nodes (machines)")
+    gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE, description="GPUs (devices) in each node")
+    device: DeviceProfile = Field(
+        description="the GPU model's profile (memory, peak FLOP/s, measured kernel speeds); with mixed devices, the "
+        "slowest speed and smallest memory")
+    intra_node: LinkProfile = Field(description="the link between GPUs inside a node (NVLink/NVSwitch, PCIe)")
+    inter_node: LinkProfile = Field(description="the link between nodes (a NIC rail: InfiniBand, Ethernet)")
+    collective_base_latency_s: float = Field(
+        ge=0,
+        description="fixed start-up time of one collective call, seconds (added once per collective on top of the "
+        "per-hop latency)")
     comm_overlap_efficiency: float = Field(
         default=0.7, ge=0, le=1,
         description="fraction of a backward compute window that hides data-parallel traffic (cost_models/step.py)")
-    fabric: tuple[FabricLevel, ...] = ()
+    fabric: tuple[FabricLevel, ...] = Field(
+        default=(),
+        description="the hierarchy of fast domains, innermost first, the last spanning the cluster; empty: node, then "
+        "cluster")
     devices: dict[str, int] = Field(default_factory=dict,
                                     description="GPUs per device profile, when the cluster mixes several")
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = Field(
+        default=(),
+        description="remarks on how the cluster was built (e.g. a heterogeneous mix run at its slowest device's pace)")
     hosts: tuple[HostName, ...] = Field(default=(), description="host name of each node (graph clusters), in node "
                                         "order")
     # Failures and checkpoints (cost_models/goodput.py). Defaults from Meta's Llama 3 pre-training
     # (Dubey et al. 2024, "The Llama 3 Herd of Models", Sec. 3.3): 419 unexpected interruptions in
     # 54 days on 16,384 H100 GPUs = 1.97e-5 per GPU-hour; the Tectonic filesystem sustained 2 TB/s
     # for those 16,384 GPUs = 122 MB/s of write bandwidth per GPU.
-    failures_per_gpu_hour: float = Field(default=1.97e-5, ge=1e-12, le=1)
+    failures_per_gpu_hour: float = Field(
+        default=1.97e-5, ge=1e-12, le=1,
+        description="unexpected job interruptions per GPU-hour (default: Llama 3 pre-training, Dubey et al. 2024)")
     storage_write_bytes_per_s_per_gpu: float = Field(default=1.22e8, ge=1e3,
                                                     description="the filesystem's aggregate write bandwidth / GPUs")
     storage_client_write_bytes_per_s: float = Field(
@@ -348,21 +389,42 @@ class ClusterSpec(Spec):
 class Layout(Spec):
     """One parallel layout in DESIGN.md's vocabulary."""
 
-    tp: int = Field(default=1, gt=0)
+    tp: int = Field(
+        default=1, gt=0, description="tensor-parallel degree: ranks that split each layer's weight matrices (Megatron)")
     cp: int = Field(default=1, gt=0, description="context-parallel degree: each rank holds seq/cp tokens of every "
                     "sequence (load-balanced causal split into 2 cp chunks; ring attention, cost_models/step.py)")
-    pp: int = Field(default=1, gt=0)
-    dp: int = Field(default=1, gt=0)
+    pp: int = Field(
+        default=1, gt=0, description="pipeline-parallel degree: ranks that each hold a contiguous stage of the layers")
+    dp: int = Field(
+        default=1, gt=0, description="data-parallel degree: model replicas, each on its own share of the global batch")
     ep: int = Field(default=1, gt=0, description="expert-parallel degree (MoE models): ranks carved out of dp, each "
                     "holding num_experts / ep experts; 1 for dense models")
-    shard: int = Field(default=1, gt=0)
-    zero_stage: int = Field(default=0, ge=0, le=3)
-    recompute: Recompute = "none"
-    micro_batch_size: int = Field(default=1, gt=0)
-    num_microbatches: int = Field(default=1, gt=0)
-    virtual_stages: int = Field(default=1, gt=0)
-    schedule: Schedule = "1f1b"
-    sequence_parallel: bool = False
+    shard: int = Field(
+        default=1, gt=0,
+        description="ranks of dp that ZeRO shards the model state over, times cp (shard = dp: fully sharded; 1 "
+        "without ZeRO)")
+    zero_stage: int = Field(
+        default=0, ge=0, le=3,
+        description="ZeRO stage (Rajbhandari et al. 2020): 0 none, 1 optimizer state, 2 plus gradients, 3 plus "
+        "parameters sharded over `shard` x cp ranks")
+    recompute: Recompute = Field(
+        default="none",
+        description="activation recomputation: 'none', 'selective' (attention core only, Korthikanti et al. 2022) or "
+        "'full' (each layer's forward rerun in the backward)")
+    micro_batch_size: int = Field(default=1, gt=0, description="sequences per micro-batch on one data-parallel replica")
+    num_microbatches: int = Field(
+        default=1, gt=0,
+        description="micro-batches per step on one data-parallel replica; dp x micro_batch_size x num_microbatches = "
+        "global_batch_size")
+    virtual_stages: int = Field(
+        default=1, gt=0, description="model chunks per pipeline rank (interleaved 1F1B); 1 otherwise")
+    schedule: Schedule = Field(
+        default="1f1b",
+        description="pipeline schedule: 'gpipe', '1f1b' or 'interleaved_1f1b' (needs virtual_stages > 1)")
+    sequence_parallel: bool = Field(
+        default=False,
+        description="tensor-parallel ranks also split the norms' and dropouts' activations along the sequence "
+        "(Korthikanti et al. 2022)")
     axis_order: AxisOrder = Field(default="tp-dp-pp", description="parallel axes over ranks, innermost first")
 
     @property
@@ -416,7 +478,7 @@ MAX_MEMORY_HEADROOM = 0.5
 
 
 class SearchSpec(Spec):
-    top: int = Field(default=5, gt=0, le=1000)
+    top: int = Field(default=5, gt=0, le=1000, description="how many plans to return, best first")
     memory_headroom: float = Field(
         default=DEFAULT_MEMORY_HEADROOM, ge=0, le=MAX_MEMORY_HEADROOM,
         description="share of the device memory (what the caching allocator can reserve) a plan must leave free "
@@ -424,8 +486,12 @@ class SearchSpec(Spec):
         "(reason memory_tight) and is not ranked")
     objective: Objective = Field(default="throughput", description="rank by tokens/s, by useful tokens/s after "
                                  "checkpoints and failures, or by cost per useful token")
-    fix: dict[str, int | str | bool] = Field(default_factory=dict)
-    max_micro_batch_size: int | None = Field(default=None, gt=0)
+    fix: dict[str, int | str | bool] = Field(
+        default_factory=dict,
+        description="layout fields held at these values during the search (keys: Layout's field names)")
+    max_micro_batch_size: int | None = Field(
+        default=None, gt=0,
+        description="largest micro-batch size (sequences) the search tries; null: no limit beyond the batch")
 
     @model_validator(mode="after")
     def _fix_keys(self) -> SearchSpec:
@@ -438,50 +504,73 @@ class SearchSpec(Spec):
 class GoodputPrediction(Spec):
     """Checkpoints, failures and what they leave of the throughput (cost_models/goodput.py)."""
 
-    checkpoint_bytes_total: float
-    checkpoint_bytes_per_rank: float
-    checkpoint_writers: int
-    checkpoint_write_s: float
+    checkpoint_bytes_total: float = Field(description="bytes of one full checkpoint (weights and optimizer state)")
+    checkpoint_bytes_per_rank: float = Field(description="bytes the busiest writing rank writes per checkpoint")
+    checkpoint_writers: int = Field(description="ranks that write distinct state to a checkpoint")
+    checkpoint_write_s: float = Field(
+        description="seconds to write one checkpoint (aggregate storage or one rank's client bandwidth, whichever "
+        "binds)")
     mtbf_s: float = Field(description="mean time between failures of the whole job")
     checkpoint_interval_s: float = Field(description="Young/Daly optimum")
-    lost_work_per_failure_s: float
-    checkpoint_stall_s_per_step: float
-    goodput_fraction: float
-    goodput_tokens_per_s: float
-    cost_per_step: float | None = None
-    cost_per_million_tokens: float | None = None
-    cost_for_token_budget: float | None = None
-    energy_kwh_per_million_tokens: float | None = None
+    lost_work_per_failure_s: float = Field(
+        description="seconds lost per failure: the restart plus half a checkpoint interval and write")
+    checkpoint_stall_s_per_step: float = Field(
+        description="seconds of checkpoint writing per step, averaged over the interval")
+    goodput_fraction: float = Field(
+        description="fraction 0-1 of wall-clock time that is useful training after checkpoints and failures")
+    goodput_tokens_per_s: float = Field(description="useful tokens per second: tokens_per_s x goodput_fraction")
+    cost_per_step: float | None = Field(
+        default=None, description="price of one step in currency units (null without a price per GPU-hour)")
+    cost_per_million_tokens: float | None = Field(
+        default=None, description="price per million useful tokens in currency units (null without a price)")
+    cost_for_token_budget: float | None = Field(
+        default=None,
+        description="price of training on training.token_budget useful tokens (null without a price or budget)")
+    energy_kwh_per_million_tokens: float | None = Field(
+        default=None, description="kWh per million useful tokens at the devices' TDP (null without a TDP)")
 
 
 class Prediction(Spec):
-    step_time_s: float
-    tokens_per_s: float
-    mfu: float
-    hfu: float
-    peak_memory_bytes: float
-    memory_capacity_bytes: float
-    fits: bool
-    bottleneck: str
+    step_time_s: float = Field(
+        description="seconds per training step (the slowest pipeline stage, bubble, exposed communication, optimizer)")
+    tokens_per_s: float = Field(
+        description="training throughput, tokens per second (global_batch_size x seq_len / step_time_s)")
+    mfu: float = Field(
+        description="model FLOPs utilization, fraction 0-1: model FLOPs per step / (step time x peak FLOP/s of all "
+        "GPUs)")
+    hfu: float = Field(
+        description="hardware FLOPs utilization, fraction 0-1: as mfu with recomputation's FLOPs counted")
+    peak_memory_bytes: float = Field(
+        description="predicted peak bytes the caching allocator reserves on the busiest GPU")
+    memory_capacity_bytes: float = Field(
+        description="bytes the caching allocator can reserve on one GPU (device memory less driver, CUDA context and "
+        "communicator buffers)")
+    fits: bool = Field(description="the predicted peak is at most memory_capacity_bytes (the headroom not applied)")
+    bottleneck: str = Field(
+        description="the largest term: 'compute' when every overhead is small, a communication, bubble or recompute "
+        "term, or 'memory' when the layout does not fit")
     time_breakdown_s: dict[str, float] = Field(description="seconds per step by term (cost_models/terms.py): "
                                                + terms.describe(terms.TIME))
     memory_breakdown_bytes: dict[str, float] = Field(description="bytes per GPU at the peak by term "
                                                      "(cost_models/terms.py): " + terms.describe(terms.MEMORY))
-    model_flops_per_step: float
-    hardware_flops_per_step: float
-    goodput: GoodputPrediction | None = None
+    model_flops_per_step: float = Field(
+        description="FLOPs of one step's forward and backward, recomputation not counted")
+    hardware_flops_per_step: float = Field(description="FLOPs executed per step, recomputation included")
+    goodput: GoodputPrediction | None = Field(
+        default=None, description="checkpoints, failures and cost (null where not predicted)")
 
 
 class GroupPlacement(Spec):
     """Where the process groups of one parallel axis sit, and what their slowest link costs."""
 
-    axis: Literal["tp", "cp", "dp", "pp", "ep"]  # ep (MoE): consecutive dp ranks, the dp stride apart
-    size: int
+    # ep (MoE): consecutive dp ranks, the dp stride apart
+    axis: Literal["tp", "cp", "dp", "pp", "ep"] = Field(description="the parallel axis: tp, cp, dp, pp or ep (MoE)")
+    size: int = Field(description="ranks in one group of this axis (its degree)")
     count: int = Field(description="how many groups of this axis")
     stride: int = Field(description="rank distance between neighbours in a group")
     nodes_spanned: int = Field(description="nodes one group touches")
     level: str = Field(description="the smallest fast domain that holds a whole group")
-    link_kind: str
+    link_kind: str = Field(description="kind of the group's slowest link (nvlink, infiniband, ...)")
     bandwidth_bytes_per_s: float = Field(description="per GPU on the group's slowest level, shared as in the fabric")
     crosses_slow_link: bool = Field(description="the group leaves the innermost fast domain")
     time_s: float = Field(description="this axis's communication per step (exposed part)")
@@ -495,10 +584,11 @@ class Placement(Spec):
     the best plan of a search and for compared layouts, up to PLACEMENT_DETAIL_MAX_RANKS ranks;
     the others carry the per-axis summary (the rule above is exact, `planner/placement.py`)."""
 
-    axis_order: AxisOrder
-    groups: tuple[GroupPlacement, ...]
+    axis_order: AxisOrder = Field(description="parallel axes over ranks, innermost first")
+    groups: tuple[GroupPlacement, ...] = Field(description="one entry per parallel axis of the layout")
     rank_map: list[dict[str, int]] | None = Field(default=None, description="rank, node, local_rank, tp, cp, dp, pp")
-    process_groups: dict[str, list[list[int]]] | None = None
+    process_groups: dict[str, list[list[int]]] | None = Field(
+        default=None, description="for each axis, the rank lists of its process groups")
 
 
 PLACEMENT_DETAIL_MAX_RANKS = 4096
@@ -508,32 +598,34 @@ class Fallback(Spec):
     """What to run when a node is lost: the best layout on the remaining nodes, keeping the global
     batch where some layout splits it, else the nearest batch that one does."""
 
-    nodes_lost: int
-    world_size: int
-    global_batch_size: int
-    layout: Layout
-    step_time_s: float
-    tokens_per_s: float
-    peak_memory_bytes: float
-    changes: list[str]
+    nodes_lost: int = Field(description="nodes assumed lost")
+    world_size: int = Field(description="GPUs left")
+    global_batch_size: int = Field(description="sequences per step on the remaining nodes")
+    layout: Layout = Field(description="the best layout on the remaining nodes")
+    step_time_s: float = Field(description="predicted seconds per step of the fallback layout")
+    tokens_per_s: float = Field(description="predicted tokens per second of the fallback layout")
+    peak_memory_bytes: float = Field(description="predicted peak allocator bytes per GPU of the fallback layout")
+    changes: list[str] = Field(
+        description="what differs from the planned layout, one line each, with the throughput change")
 
 
 class Plan(Spec):
     """A layout with its prediction, self-contained: it carries the specs it was planned for."""
 
-    berth_version: str
-    model: ModelSpec
-    training: TrainingSpec
-    cluster: ClusterSpec
-    layout: Layout
-    prediction: Prediction | None
-    infeasible_reason: str | None = None
+    berth_version: str = Field(description="the berth version that made the plan")
+    model: ModelSpec = Field(description="the model planned for")
+    training: TrainingSpec = Field(description="the training setup planned for")
+    cluster: ClusterSpec = Field(description="the cluster planned for")
+    layout: Layout = Field(description="the parallel layout")
+    prediction: Prediction | None = Field(
+        description="the cost model's prediction (null when the layout is infeasible)")
+    infeasible_reason: str | None = Field(default=None, description="why the layout cannot run (null when it can)")
     stage_layers: list[int] | None = Field(
         default=None, description="decoder layers on each pipeline stage (pp rank, its virtual stages summed), "
         "first stage first: the split rule of planner/stages.py, uneven when pp x virtual_stages does not divide "
         "the layers; null when the layout has no valid split")
-    placement: Placement | None = None
-    fallback: Fallback | None = None
+    placement: Placement | None = Field(default=None, description="rank -> GPU mapping and process groups")
+    fallback: Fallback | None = Field(default=None, description="the best layout with one node lost (when asked for)")
 
 
 def plan_listing(data: Any) -> list[Any] | None:
@@ -562,10 +654,11 @@ def pick_plan(plans: list[Any], pick: int, holder: str) -> Plan:
 class Metrics(Spec):
     """The figures a validation compares; None where not measured or not predicted."""
 
-    step_time_s: float | None = None
-    tokens_per_s: float | None = None
-    peak_memory_bytes: float | None = None
-    loss: float | None = None
+    step_time_s: float | None = Field(default=None, description="seconds per step")
+    tokens_per_s: float | None = Field(default=None, description="tokens per second")
+    peak_memory_bytes: float | None = Field(
+        default=None, description="peak bytes reserved by the allocator on the busiest rank")
+    loss: float | None = Field(default=None, description="training loss (nats per token) of the first step")
 
 
 ValidationStatus = Literal["ok", "failed", "did_not_fit"]
@@ -574,18 +667,20 @@ ValidationStatus = Literal["ok", "failed", "did_not_fit"]
 class TermComparison(Spec):
     """One predicted step term beside what was measured for it (executor/breakdown.py says how)."""
 
-    predicted_s: float | None = None
+    predicted_s: float | None = Field(default=None, description="predicted seconds per step of this term")
     measured_s: float | None = Field(default=None, description="None: the run never entered this term's regions")
     error_s: float | None = Field(default=None, description="measured - predicted (a term not seen counts as 0)")
-    relative_error: float | None = None
-    measured_by: str = ""
+    relative_error: float | None = Field(
+        default=None, description="error_s / predicted_s (null when nothing was predicted)")
+    measured_by: str = Field(default="", description="how the executor measured the term (its timed regions)")
 
 
 class MemoryComparison(Spec):
-    predicted_bytes: float | None = None
-    measured_bytes: float | None = None
-    error_bytes: float | None = None
-    measured_by: str = ""
+    predicted_bytes: float | None = Field(default=None, description="predicted bytes of this memory term")
+    measured_bytes: float | None = Field(default=None, description="measured bytes of this memory term")
+    error_bytes: float | None = Field(
+        default=None, description="measured - predicted, bytes (null when either side is missing)")
+    measured_by: str = Field(default="", description="how the executor measured the term")
 
 
 class MeasuredBreakdown(Spec):
@@ -594,15 +689,18 @@ class MeasuredBreakdown(Spec):
     steps). Measured seconds are means over the timed steps of that rank (means add up: the
     terms plus `unattributed_s` are `step_time_s`)."""
 
-    rank: int
+    rank: int = Field(description="the rank compared (the one with the largest mean step)")
     method: str = Field(description="the clock: host wall clock (CPU) or CUDA events")
     step_time_s: float = Field(description="that rank's mean step over the timed steps")
-    terms: dict[str, TermComparison]
+    terms: dict[str, TermComparison] = Field(description="per time term: predicted and measured seconds per step")
     unattributed_s: float = Field(description="time of the step in no measured region (untimed glue)")
-    largest_error_term: str | None = None
-    largest_error_rule: str = ""
-    memory: dict[str, MemoryComparison] = Field(default_factory=dict)
-    memory_note: str = ""
+    largest_error_term: str | None = Field(
+        default=None, description="the term with the largest absolute error (null when none was scored)")
+    largest_error_rule: str = Field(default="", description="how largest_error_term is chosen")
+    memory: dict[str, MemoryComparison] = Field(
+        default_factory=dict, description="per memory term, and the total: predicted and measured bytes")
+    memory_note: str = Field(
+        default="", description="what the measured memory figures are and where they differ from the predicted terms")
 
 
 class ValidationReport(Spec):
@@ -615,26 +713,43 @@ class ValidationReport(Spec):
 
     model_config = ConfigDict(defer_build=True)  # its schema is built at first use: `berth plan` never needs it
 
-    id: str
-    created: str
-    berth_version: str
-    status: ValidationStatus
-    message: str | None = None
-    mode: Literal["full", "rank-slice"] = "full"
-    plan: Plan
-    machine: dict[str, Any] = Field(default_factory=dict)
-    steps: int
-    warmup: int
-    predicted: Metrics
-    measured: Metrics
-    relative_error: dict[str, float] = Field(default_factory=dict)
-    step_time_spread_s: dict[str, float] = Field(default_factory=dict)
-    step_times_s: list[float] = Field(default_factory=list)
-    losses: list[float] = Field(default_factory=list)
-    per_rank: list[dict[str, Any]] = Field(default_factory=list)
-    memory_method: str | None = None
-    executed_as: list[str] = Field(default_factory=list)
-    checks: dict[str, list[str]] = Field(default_factory=dict)
+    id: str = Field(description="the report's id in the results store")
+    created: str = Field(description="when the report was made (ISO 8601, UTC)")
+    berth_version: str = Field(description="the berth version that ran the validation")
+    status: ValidationStatus = Field(
+        description="'ok' (measured), 'failed' (the run failed) or 'did_not_fit' (out of memory)")
+    message: str | None = Field(default=None, description="why the run failed (null when ok)")
+    mode: Literal["full", "rank-slice"] = Field(
+        default="full",
+        description="'full' (every rank of the plan run) or 'rank-slice' (one rank's share of one stage, in one "
+        "process)")
+    plan: Plan = Field(description="the plan validated")
+    machine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="where it ran: host name, CPUs, torch version, GPU, world size, backend, wall time (s)")
+    steps: int = Field(description="timed steps")
+    warmup: int = Field(description="untimed steps before the timed ones")
+    predicted: Metrics = Field(description="what the plan predicted")
+    measured: Metrics = Field(
+        description="what the run measured (step time: median over timed steps of the slowest rank)")
+    relative_error: dict[str, float] = Field(
+        default_factory=dict, description="(measured - predicted) / predicted per metric both sides have")
+    step_time_spread_s: dict[str, float] = Field(
+        default_factory=dict, description="min, median, max (and stdev) of the timed steps, seconds")
+    step_times_s: list[float] = Field(
+        default_factory=list, description="seconds of each timed step (the slowest rank's)")
+    losses: list[float] = Field(default_factory=list, description="loss of each step, warm-up steps included")
+    per_rank: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="per-rank records: step time, peak memory, collective time and measured terms")
+    memory_method: str | None = Field(
+        default=None, description="how peak memory was measured (GPU: torch.cuda.max_memory_reserved; CPU: the "
+        "profiler's allocations replayed)")
+    executed_as: list[str] = Field(
+        default_factory=list, description="where the executor ran the layout differently from the plan, one line each")
+    checks: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="what a rank-slice validation checks and does not check ('checked', 'not_checked')")
     breakdown: MeasuredBreakdown | None = Field(default=None, description="predicted and measured step terms "
                                                 "(reports from before berth measured them have none)")
     traces: list[str] = Field(default_factory=list, description="Chrome/Perfetto trace files of one step, one "
