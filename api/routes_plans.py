@@ -1,0 +1,109 @@
+"""Plans: search (/v1/plans), score given layouts (/v1/compare), read a stored answer
+(/v1/plans/{id}) and the files that launch one of its plans (/v1/launch)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException
+from fastapi.responses import Response
+
+from berth.api.common import COMMON_ERRORS, ERROR, StrictRoute, json_response
+from berth.api.schemas import CompareRequest, CompareResponse, LaunchRequest, LaunchResponse, PlanRequest, PlanResponse
+from berth.api.service import Service, get_service
+from berth.planner.errors import BerthError
+from berth.planner.launch import artifacts
+from berth.planner.planning import (
+    cached_plan,
+    compare,
+    compare_json,
+    json_text,
+    make_search,
+    plan,
+    plans_text,
+    with_fallback,
+)
+from berth.planner.specs import pick_plan, plan_listing
+
+router = APIRouter(route_class=StrictRoute)
+ServiceDep = Annotated[Service, Depends(get_service)]
+
+
+@router.post("/v1/plans", response_model=PlanResponse, tags=["plans"], responses=COMMON_ERRORS)
+async def create_plan(req: PlanRequest, service: ServiceDep) -> Response:
+    settings = service.settings
+    spec = make_search(top=req.search.top, fix=req.search.fix, objective=req.search.objective,
+                       max_micro_batch_size=req.search.max_micro_batch_size,
+                       memory_headroom=req.search.memory_headroom)
+
+    def cached(model, training, cluster) -> str | None:
+        """A repeated question's answer, without waiting for a search thread."""
+        result = cached_plan(model, training, cluster, spec, settings.max_candidates)
+        return plans_text(result) if result is not None and not req.search.fallback else None
+
+    async def work(deadline: float, cancel: threading.Event) -> Response:
+        model, training, cluster, answer = await service.resolved(req, cancel, cached)
+
+        def search() -> str:
+            result = plan(model, training, cluster, spec, settings.max_candidates, deadline, cancel)
+            if req.search.fallback:
+                result = with_fallback(result, spec, deadline, cancel)
+            return plans_text(result)
+
+        if answer is None:
+            answer = await service.searches.run(search, cancel)
+        return await service.answered(answer, "plan")
+
+    return await service.within_budget(work)
+
+
+@router.post("/v1/compare", response_model=CompareResponse, tags=["plans"], responses=COMMON_ERRORS)
+async def create_compare(req: CompareRequest, service: ServiceDep) -> Response:
+    async def work(deadline: float, cancel: threading.Event) -> Response:
+        model, training, cluster = await service.resolved(req, cancel)
+
+        def score() -> str:
+            candidates = compare(model, training, cluster, req.layouts, req.memory_headroom)
+            try:
+                best = plan(model, training, cluster, make_search(top=1, memory_headroom=req.memory_headroom),
+                            service.settings.max_candidates, deadline, cancel)
+            except BerthError:
+                best = None
+            return json_text(compare_json(candidates, best))
+
+        return await service.answered(await service.searches.run(score, cancel), "compare")
+
+    return await service.within_budget(work)
+
+
+@router.post("/v1/launch", response_model=LaunchResponse, tags=["plans"],
+             responses={404: {"description": "no such plan", **ERROR}, **COMMON_ERRORS})
+async def create_launch(req: LaunchRequest, service: ServiceDep) -> Response:
+    """The files that launch a stored plan (the same as `berth launch`)."""
+    async def work(_: float, cancel: threading.Event) -> Response:
+        got = await service.stored(req.plan_id, cancel)
+        if got is None:
+            raise HTTPException(404, f"no plan with id {req.plan_id!r}")
+        plans = plan_listing(got["response"]) or []
+
+        def build() -> dict[str, str]:
+            chosen = pick_plan(plans, req.pick, f"plan {req.plan_id}")
+            return artifacts(chosen, req.format, steps=req.steps, warmup=req.warmup, image=req.image)
+
+        files = await service.light.run(build, cancel)
+        return json_response({"plan_id": req.plan_id, "format": req.format, "files": files})
+
+    return await service.within_budget(work)
+
+
+@router.get("/v1/plans/{plan_id}", response_model=PlanResponse | CompareResponse, tags=["plans"],
+            responses={404: {"description": "no such plan", **ERROR}})
+async def get_plan(plan_id: str, service: ServiceDep) -> Response:
+    async def work(_: float, cancel: threading.Event) -> Response:
+        got = await service.stored(plan_id[:64], cancel)
+        if got is None:
+            raise HTTPException(404, f"no plan with id {plan_id[:64]!r}")
+        return json_response(got["response"])
+
+    return await service.within_budget(work)
