@@ -22,7 +22,7 @@ def undocumented(models: list[type[BaseModel]]) -> list[str]:
             if not (info.description or "").strip()]
 
 
-@pytest.mark.parametrize("module", [specs, schemas], ids=["planner.specs", "api.schemas"])
+@pytest.mark.parametrize("module", [specs, schemas], ids=["specs", "schemas"])
 def test_every_field_has_a_description(module):
     models = models_of(module)
     assert len(models) >= 10, f"found only {len(models)} models in {module.__name__}"
