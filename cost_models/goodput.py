@@ -69,12 +69,7 @@ def checkpoint_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates):
     dense_ranks = np.where(zero, shard_cp, 1.0)
     expert_ranks = np.where(zero, np.maximum(np.asarray(c.shard, dtype=float) / ep, 1.0) * c.cp, 1.0)
     writers = (c.tp * c.pp) * np.where(zero, np.maximum(shard_cp, ep), ep)
-    stage = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep)
-    if model.is_moe:
-        expert = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
-        share = np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
-    else:
-        share = 0.0
+    stage, share = memory.expert_share(model, c)
     per_rank = stage * per_param * ((1.0 - share) / dense_ranks + share / expert_ranks)
     return total, per_rank, writers.astype(float)
 

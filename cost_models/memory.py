@@ -180,6 +180,16 @@ def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1):
     return np.maximum(ends, mid)
 
 
+def expert_share(model: ModelSpec, c) -> tuple[np.ndarray, np.ndarray]:
+    """(parameters on one rank of the largest stage, the share of them that are routed experts): the
+    split data-parallel costs (step.py) and the checkpoint (goodput.py) weigh dense and expert parts by."""
+    stage = largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep)
+    if not model.is_moe:
+        return stage, np.zeros_like(stage)
+    expert = stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
+    return stage, np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
+
+
 def expert_candidates(c, split_dp: bool = False):
     """The candidates as the routed experts see them: replicated over dp / ep ranks (the expert-data-
     parallel group: ep ranks are carved out of dp, as Megatron-LM and torchtitan do), so ZeRO shards

@@ -210,9 +210,7 @@ def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute,
     if not model.is_moe:
         return _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride,
                                     cp_stride)
-    stage = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep)
-    expert = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
-    share = np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
+    _, share = memory.expert_share(model, c)
     dense = _stage_dp_times_part(model, training, cluster, c, layers, fwd * (1 - share),
                                  bwd_and_recompute * (1 - share), dp_stride, cp_stride, part="dense")
     moe = _stage_dp_times_part(model, training, cluster, memory.expert_candidates(c, split_dp=True), layers,
