@@ -51,8 +51,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         service.close()
 
-    app = FastAPI(title="berth", version=__version__, lifespan=lifespan,
-                  description="Parallelism-layout planner for training large transformers.")
+    app = FastAPI(
+        title="berth",
+        version=__version__,
+        lifespan=lifespan,
+        description="Parallelism-layout planner for training large transformers.",
+    )
     app.router.route_class = StrictRoute
     app.state.settings, app.state.store, app.state.service = settings, service.store, service
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.header_timeout_s)

@@ -103,7 +103,8 @@ class BodyLimit:
         if has_body and kind != b"application/json" and not kind.endswith(b"+json"):
             shown = kind.decode("latin-1")[:100] or "none"
             return await json_response({"detail": f"content type {shown!r}: send application/json"}, 415)(
-                scope, receive, send)
+                scope, receive, send
+            )
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await self._too_big(scope, receive, send)
@@ -121,8 +122,9 @@ class BodyLimit:
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            return await json_response({"detail": f"the body did not arrive within {self.timeout_s:g} s"}, 408,
-                               {"Connection": "close"})(scope, receive, send)
+            return await json_response(
+                {"detail": f"the body did not arrive within {self.timeout_s:g} s"}, 408, {"Connection": "close"}
+            )(scope, receive, send)
         body, sent = b"".join(chunks), False
 
         async def replay():
@@ -136,7 +138,8 @@ class BodyLimit:
 
     async def _too_big(self, scope, receive, send):
         return await json_response({"detail": f"request body over {self.limit} bytes"}, 413, {"Connection": "close"})(
-            scope, receive, send)
+            scope, receive, send
+        )
 
 
 async def berth_error(_: Request, err: BerthError) -> Response:

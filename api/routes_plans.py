@@ -33,9 +33,13 @@ ServiceDep = Annotated[Service, Depends(get_service)]
 @router.post("/v1/plans", response_model=PlanResponse, tags=["plans"], responses=COMMON_ERRORS)
 async def create_plan(req: PlanRequest, service: ServiceDep) -> Response:
     settings = service.settings
-    spec = make_search(top=req.search.top, fix=req.search.fix, objective=req.search.objective,
-                       max_micro_batch_size=req.search.max_micro_batch_size,
-                       memory_headroom=req.search.memory_headroom)
+    spec = make_search(
+        top=req.search.top,
+        fix=req.search.fix,
+        objective=req.search.objective,
+        max_micro_batch_size=req.search.max_micro_batch_size,
+        memory_headroom=req.search.memory_headroom,
+    )
 
     def cached(model, training, cluster) -> str | None:
         """A repeated question's answer, without waiting for a search thread."""
@@ -66,8 +70,15 @@ async def create_compare(req: CompareRequest, service: ServiceDep) -> Response:
         def score() -> str:
             candidates = compare(model, training, cluster, req.layouts, req.memory_headroom)
             try:
-                best = plan(model, training, cluster, make_search(top=1, memory_headroom=req.memory_headroom),
-                            service.settings.max_candidates, deadline, cancel)
+                best = plan(
+                    model,
+                    training,
+                    cluster,
+                    make_search(top=1, memory_headroom=req.memory_headroom),
+                    service.settings.max_candidates,
+                    deadline,
+                    cancel,
+                )
             except BerthError:
                 best = None
             return json_text(compare_json(candidates, best))
@@ -77,10 +88,15 @@ async def create_compare(req: CompareRequest, service: ServiceDep) -> Response:
     return await service.within_budget(work)
 
 
-@router.post("/v1/launch", response_model=LaunchResponse, tags=["plans"],
-             responses={404: {"description": "no such plan", **ERROR}, **COMMON_ERRORS})
+@router.post(
+    "/v1/launch",
+    response_model=LaunchResponse,
+    tags=["plans"],
+    responses={404: {"description": "no such plan", **ERROR}, **COMMON_ERRORS},
+)
 async def create_launch(req: LaunchRequest, service: ServiceDep) -> Response:
     """The files that launch a stored plan (the same as `berth launch`)."""
+
     async def work(_: float, cancel: threading.Event) -> Response:
         got = await service.stored(req.plan_id, cancel)
         if got is None:
@@ -97,8 +113,12 @@ async def create_launch(req: LaunchRequest, service: ServiceDep) -> Response:
     return await service.within_budget(work)
 
 
-@router.get("/v1/plans/{plan_id}", response_model=PlanResponse | CompareResponse, tags=["plans"],
-            responses={404: {"description": "no such plan", **ERROR}})
+@router.get(
+    "/v1/plans/{plan_id}",
+    response_model=PlanResponse | CompareResponse,
+    tags=["plans"],
+    responses={404: {"description": "no such plan", **ERROR}},
+)
 async def get_plan(plan_id: str, service: ServiceDep) -> Response:
     async def work(_: float, cancel: threading.Event) -> Response:
         got = await service.stored(plan_id[:64], cancel)

@@ -21,13 +21,18 @@ VALIDATION_ERRORS: dict[int | str, dict[str, Any]] = {
     403: {"description": "validation disabled on this server", **ERROR},
     404: {"description": "no such plan or validation", **ERROR},
     429: {"description": "BERTH_MAX_QUEUED_VALIDATIONS queued or running", **ERROR},
-    400: COMMON_ERRORS[400], 413: COMMON_ERRORS[413], 415: COMMON_ERRORS[415]}
+    400: COMMON_ERRORS[400],
+    413: COMMON_ERRORS[413],
+    415: COMMON_ERRORS[415],
+}
 
 
-@router.post("/v1/validations", response_model=ValidationJob, status_code=202, tags=["validations"],
-             responses=VALIDATION_ERRORS)
-async def create_validation(req: ValidationRequest, service: ServiceDep,
-                            x_api_key: str | None = Header(default=None)) -> ValidationJob:
+@router.post(
+    "/v1/validations", response_model=ValidationJob, status_code=202, tags=["validations"], responses=VALIDATION_ERRORS
+)
+async def create_validation(
+    req: ValidationRequest, service: ServiceDep, x_api_key: str | None = Header(default=None)
+) -> ValidationJob:
     service.check_key(x_api_key)
     store = service.store
 
@@ -39,8 +44,9 @@ async def create_validation(req: ValidationRequest, service: ServiceDep,
         service.open_job()
         job = ValidationJob(id=uuid.uuid4().hex, created=utc_now(), plan_id=req.plan_id, status="queued")
         try:
-            await service.io.run(lambda: store.add_job(job.id, job.created, req.plan_id, req.model_dump(mode="json")),
-                                 cancel)
+            await service.io.run(
+                lambda: store.add_job(job.id, job.created, req.plan_id, req.model_dump(mode="json")), cancel
+            )
             service.validations.submit(service.run_validation, job.id, chosen, req)
         except BaseException:
             service.close_job()
@@ -50,10 +56,10 @@ async def create_validation(req: ValidationRequest, service: ServiceDep,
     return await service.within_budget(work)
 
 
-@router.get("/v1/validations/{job_id}", response_model=ValidationJob, tags=["validations"],
-            responses=VALIDATION_ERRORS)
-async def get_validation(job_id: str, service: ServiceDep,
-                         x_api_key: str | None = Header(default=None)) -> ValidationJob:
+@router.get("/v1/validations/{job_id}", response_model=ValidationJob, tags=["validations"], responses=VALIDATION_ERRORS)
+async def get_validation(
+    job_id: str, service: ServiceDep, x_api_key: str | None = Header(default=None)
+) -> ValidationJob:
     service.check_key(x_api_key)
     store = service.store
 
@@ -69,7 +75,13 @@ async def get_validation(job_id: str, service: ServiceDep,
         if got is None:
             raise HTTPException(404, f"no validation with id {job_id[:64]!r}")
         job, report = got
-        return ValidationJob(id=job["id"], created=job["created"], plan_id=job["plan_id"], status=job["status"],
-                             message=job["message"], report=report)
+        return ValidationJob(
+            id=job["id"],
+            created=job["created"],
+            plan_id=job["plan_id"],
+            status=job["status"],
+            message=job["message"],
+            report=report,
+        )
 
     return await service.within_budget(work)

@@ -45,18 +45,24 @@ class TrainingRequest(Body):
     global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, examples=[256], description="sequences per step")
     precision: Precision | None = Field(default=None, description="default: bf16 on GPUs, fp32 on CPU workers")
     flash_attention: bool = Field(
-        default=True, description="attention runs as a fused kernel that never stores the seq_len x seq_len scores")
-    framework: Framework = Field(default="pytorch", description="whose memory behaviour to predict: 'pytorch' "
-                                 "(DTensor, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron'")
+        default=True, description="attention runs as a fused kernel that never stores the seq_len x seq_len scores"
+    )
+    framework: Framework = Field(
+        default="pytorch",
+        description="whose memory behaviour to predict: 'pytorch' "
+        "(DTensor, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron'",
+    )
     token_budget: float | None = Field(default=None, gt=0, le=1e16, description="tokens to train on, for the cost")
 
 
 class PresetCluster(Body):
-    preset: PresetName = Field(examples=["dgx-h100"], description="a cluster preset, or 'local' (the server's own "
-                               "machine)")
+    preset: PresetName = Field(
+        examples=["dgx-h100"], description="a cluster preset, or 'local' (the server's own machine)"
+    )
     nodes: int = Field(default=1, gt=0, le=MAX_NODES, description="number of nodes")
-    devices_per_node: int | None = Field(default=None, gt=0, le=MAX_GPUS_PER_NODE,
-                                         description="with preset 'local' only")
+    devices_per_node: int | None = Field(
+        default=None, gt=0, le=MAX_GPUS_PER_NODE, description="with preset 'local' only"
+    )
     fabric: Literal["rails", "fat-tree"] = Field(default="rails", description="how the nodes' NICs are joined")
     nodes_per_leaf: int | None = Field(default=None, gt=0, le=MAX_NODES, description="fat-tree: nodes per leaf")
     oversubscription: float = Field(default=1.0, ge=1.0, le=64.0, description="fat-tree: leaf down/up bandwidth")
@@ -65,35 +71,52 @@ class PresetCluster(Body):
 class GraphCluster(Body):
     graph: dict[str, Any] = Field(description='networkx node-link: {"nodes": [...], "links": [...]}')
     name: str = Field(
-        default="graph", min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$",
-        description="the cluster's label in tables and plans")
+        default="graph",
+        min_length=1,
+        max_length=100,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="the cluster's label in tables and plans",
+    )
 
 
 class OperationsRequest(Body):
     """Failures, storage and price (defaults: see ClusterSpec)."""
 
     failures_per_gpu_hour: float | None = Field(
-        default=None, ge=1e-12, le=1, description="unexpected interruptions per GPU-hour (default: ClusterSpec's)")
+        default=None, ge=1e-12, le=1, description="unexpected interruptions per GPU-hour (default: ClusterSpec's)"
+    )
     storage_write_gbps_per_gpu: float | None = Field(
-        default=None, ge=1e-6, le=1e4,
-        description="the filesystem's aggregate write bandwidth per GPU, GB/s (1e9 bytes/s)")
+        default=None,
+        ge=1e-6,
+        le=1e4,
+        description="the filesystem's aggregate write bandwidth per GPU, GB/s (1e9 bytes/s)",
+    )
     price_per_gpu_hour: float | None = Field(
-        default=None, ge=0, le=1e6, description="currency units per GPU-hour (no cost without it)")
+        default=None, ge=0, le=1e6, description="currency units per GPU-hour (no cost without it)"
+    )
 
 
 class SearchRequest(Body):
     top: int = Field(default=5, gt=0, le=100, description="how many plans to return, best first")
     fix: SpecText | dict[str, int | SpecText | bool] = Field(
-        default_factory=dict, examples=["tp=8", {"tp": 8}],
-        description="layout fields held fixed: 'tp=8,pp=2' (the CLI's syntax) or an object of Layout field names")
+        default_factory=dict,
+        examples=["tp=8", {"tp": 8}],
+        description="layout fields held fixed: 'tp=8,pp=2' (the CLI's syntax) or an object of Layout field names",
+    )
     max_micro_batch_size: int | None = Field(
-        default=None, gt=0, le=1024, description="largest micro-batch size (sequences) the search tries")
+        default=None, gt=0, le=1024, description="largest micro-batch size (sequences) the search tries"
+    )
     objective: Literal["throughput", "goodput", "cost"] = Field(
         default="throughput",
-        description="rank by tokens/s, by useful tokens/s after checkpoints and failures, or by cost per useful token")
+        description="rank by tokens/s, by useful tokens/s after checkpoints and failures, or by cost per useful token",
+    )
     fallback: bool = Field(default=False, description="also plan the best layout with one node lost")
-    memory_headroom: float = Field(default=DEFAULT_MEMORY_HEADROOM, ge=0, le=MAX_MEMORY_HEADROOM,
-                                   description=SearchSpec.model_fields["memory_headroom"].description)
+    memory_headroom: float = Field(
+        default=DEFAULT_MEMORY_HEADROOM,
+        ge=0,
+        le=MAX_MEMORY_HEADROOM,
+        description=SearchSpec.model_fields["memory_headroom"].description,
+    )
 
 
 def _cluster_kind(value: Any) -> str | None:
@@ -118,7 +141,8 @@ class PlanRequest(Body):
     cluster: ClusterRequest = Field(description="a preset cluster or a topology graph")
     operations: OperationsRequest = Field(default_factory=OperationsRequest, description="failures, storage and price")
     search: SearchRequest = Field(
-        default_factory=SearchRequest, description="what to search for and how many plans to return")
+        default_factory=SearchRequest, description="what to search for and how many plans to return"
+    )
 
 
 class CompareRequest(Body):
@@ -127,10 +151,17 @@ class CompareRequest(Body):
     cluster: ClusterRequest = Field(description="a preset cluster or a topology graph")
     operations: OperationsRequest = Field(default_factory=OperationsRequest, description="failures, storage and price")
     layouts: list[SpecText | dict[str, int | SpecText | bool]] = Field(
-        min_length=1, max_length=64, examples=[["tp=8,pp=2", {"tp": 8, "zero_stage": 3}]],
-        description="the layouts to predict, each 'tp=8,pp=2' (the CLI's syntax) or an object of Layout field names")
-    memory_headroom: float = Field(default=DEFAULT_MEMORY_HEADROOM, ge=0, le=MAX_MEMORY_HEADROOM,
-                                   description=SearchSpec.model_fields["memory_headroom"].description)
+        min_length=1,
+        max_length=64,
+        examples=[["tp=8,pp=2", {"tp": 8, "zero_stage": 3}]],
+        description="the layouts to predict, each 'tp=8,pp=2' (the CLI's syntax) or an object of Layout field names",
+    )
+    memory_headroom: float = Field(
+        default=DEFAULT_MEMORY_HEADROOM,
+        ge=0,
+        le=MAX_MEMORY_HEADROOM,
+        description=SearchSpec.model_fields["memory_headroom"].description,
+    )
 
 
 class PlanResponse(BaseModel):
@@ -147,11 +178,13 @@ class CompareResponse(BaseModel):
     created: str = Field(description="when the answer was made (ISO 8601, UTC)")
     candidates: list[Plan] = Field(description="one plan per requested layout, in request order")
     best_searched: Plan | None = Field(
-        description="the best plan a search finds for the same inputs (null when none fits)")
+        description="the best plan a search finds for the same inputs (null when none fits)"
+    )
     gap_to_best: list[float | None] | None = Field(
         default=None,
         description="per candidate: its tokens/s over the best searched plan's, minus 1 (fraction; negative: slower); "
-        "null for an infeasible candidate")
+        "null for an infeasible candidate",
+    )
 
 
 class LaunchRequest(Body):
@@ -162,7 +195,8 @@ class LaunchRequest(Body):
     steps: int = Field(default=20, ge=1, le=100000, description="training steps the launched job runs")
     warmup: int = Field(default=3, ge=0, le=1000, description="untimed steps before the timed ones")
     image: ImageName = Field(
-        default="berth-executor:latest", description="container image of the executor (container formats)")
+        default="berth-executor:latest", description="container image of the executor (container formats)"
+    )
 
 
 class LaunchResponse(BaseModel):
@@ -178,9 +212,11 @@ class ValidationRequest(Body):
     warmup: int = Field(default=2, ge=0, le=50, description="untimed steps before the timed ones")
     proxy: Literal["rank-slice"] | None = Field(
         default=None,
-        description="'rank-slice': run one rank's share of one stage in one process instead of the whole plan")
+        description="'rank-slice': run one rank's share of one stage in one process instead of the whole plan",
+    )
     layers: int | None = Field(
-        default=None, ge=1, le=4096, description="rank-slice only: decoder layers to run (default: one stage's)")
+        default=None, ge=1, le=4096, description="rank-slice only: decoder layers to run (default: one stage's)"
+    )
 
 
 class ValidationJob(BaseModel):
@@ -190,9 +226,11 @@ class ValidationJob(BaseModel):
     status: Literal["queued", "running", "done", "failed"] = Field(description="queued, running, done or failed")
     message: str | None = Field(default=None, description="why the job failed (null otherwise)")
     report: ValidationReport | None = Field(
-        default=None, description="predicted vs measured; `report.breakdown` puts the measured step terms beside "
+        default=None,
+        description="predicted vs measured; `report.breakdown` puts the measured step terms beside "
         "the predicted time_breakdown_s and memory_breakdown_bytes and names the term with the largest error "
-        "(None in reports made before berth measured terms, which still load)")
+        "(None in reports made before berth measured terms, which still load)",
+    )
 
 
 class ModelInfo(BaseModel):
@@ -206,7 +244,8 @@ class ModelInfo(BaseModel):
     vocab_size: int = Field(description="tokens in the vocabulary")
     num_experts: int = Field(default=0, description="routed experts per MoE layer; 0 for a dense model")
     experts_per_token: int = Field(
-        default=0, description="routed experts a token goes through (top-k); 0 for a dense model")
+        default=0, description="routed experts a token goes through (top-k); 0 for a dense model"
+    )
     active_params: int = Field(default=0, description="parameters a token goes through (num_params when dense)")
 
 
@@ -231,4 +270,5 @@ class Health(BaseModel):
     status: Literal["ok"] = Field(description="'ok' when the service answers")
     version: str = Field(description="the berth version serving")
     validation_enabled: bool = Field(
-        description="the server accepts POST /v1/validations (BERTH_VALIDATION_ENABLED, with an API key)")
+        description="the server accepts POST /v1/validations (BERTH_VALIDATION_ENABLED, with an API key)"
+    )

@@ -59,16 +59,26 @@ def settings_or_error() -> Settings:
     except ValidationError as err:
         first = err.errors()[0]
         field = "BERTH_" + "_".join(str(x) for x in first.get("loc", ())).upper() if first.get("loc") else "BERTH_*"
-        raise BerthError(field.rstrip("_"), first.get("input") if first.get("loc") else None,
-                         first.get("msg", "invalid").removeprefix("Value error, ")) from None
+        raise BerthError(
+            field.rstrip("_"),
+            first.get("input") if first.get("loc") else None,
+            first.get("msg", "invalid").removeprefix("Value error, "),
+        ) from None
 
 
 def serve(host: str, port: int, workers: int) -> None:
     import uvicorn
 
     settings = settings_or_error()
-    uvicorn.run("berth.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info",
-                http=header_timeout_protocol(settings.header_timeout_s),
-                timeout_keep_alive=max(1, round(settings.timeout_keep_alive_s)),
-                limit_concurrency=settings.limit_concurrency,
-                h11_max_incomplete_event_size=settings.max_header_bytes)
+    uvicorn.run(
+        "berth.api.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="info",
+        http=header_timeout_protocol(settings.header_timeout_s),
+        timeout_keep_alive=max(1, round(settings.timeout_keep_alive_s)),
+        limit_concurrency=settings.limit_concurrency,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+    )

@@ -82,8 +82,11 @@ class Workers:
     async def run(self, fn: Callable[[], Any], cancel: threading.Event | None = None) -> Any:
         with self._lock:
             if self.pending >= self.limit:
-                raise busy(429, f"the server is busy ({self.name}: {self.limit} requests running or queued); "
-                           f"retry after {RETRY_AFTER_S} s")
+                raise busy(
+                    429,
+                    f"the server is busy ({self.name}: {self.limit} requests running or queued); "
+                    f"retry after {RETRY_AFTER_S} s",
+                )
             self.pending += 1
         future = self.pool.submit(fn)
         future.add_done_callback(self._done)
@@ -130,6 +133,7 @@ def _heavy(cluster_req: Any) -> bool:
 def build_cluster(cluster_req: PresetCluster | GraphCluster, max_gpus: int) -> ClusterSpec:
     """The cluster of a request (a preset of the catalog, `local`, or an inline graph), refused
     when it has more than `max_gpus` GPUs, counted before the graph is built."""
+
     def too_big(gpus: int) -> None:
         if gpus > max_gpus:
             raise BerthError("cluster", gpus, f"{gpus:,} GPUs is more than this server plans for ({max_gpus:,})")
@@ -142,9 +146,15 @@ def build_cluster(cluster_req: PresetCluster | GraphCluster, max_gpus: int) -> C
     else:
         if cluster_req.preset != LOCAL:
             too_big(load_server(cluster_req.preset).gpus_per_node * cluster_req.nodes)
-        cluster = make_cluster(cluster_req.preset, cluster_req.nodes, cluster_req.devices_per_node,
-                               fabric=cluster_req.fabric, nodes_per_leaf=cluster_req.nodes_per_leaf,
-                               oversubscription=cluster_req.oversubscription, allow_files=False)
+        cluster = make_cluster(
+            cluster_req.preset,
+            cluster_req.nodes,
+            cluster_req.devices_per_node,
+            fabric=cluster_req.fabric,
+            nodes_per_leaf=cluster_req.nodes_per_leaf,
+            oversubscription=cluster_req.oversubscription,
+            allow_files=False,
+        )
     too_big(cluster.world_size)
     return cluster
 
@@ -176,8 +186,11 @@ class Builds:
     async def run(self, cluster_req: Any, max_gpus: int) -> ClusterSpec:
         with self._lock:
             if self.pending >= self.limit:
-                raise busy(429, f"the server is busy ({self.limit} large clusters being built or queued); retry "
-                           f"after {RETRY_AFTER_S} s")
+                raise busy(
+                    429,
+                    f"the server is busy ({self.limit} large clusters being built or queued); retry "
+                    f"after {RETRY_AFTER_S} s",
+                )
             self.pending += 1
         pool = self._executor()
         try:
@@ -229,8 +242,9 @@ class Writer:
     def submit(self, plan_id: str, created: str, kind: str, answer: str) -> Future:
         with self._lock:
             if len(self.pending) >= self.max_pending:
-                raise busy(503, f"the store is not accepting writes ({len(self.pending)} answers waiting for "
-                           "it); retry later")
+                raise busy(
+                    503, f"the store is not accepting writes ({len(self.pending)} answers waiting for it); retry later"
+                )
             self.pending[plan_id] = (created, kind, answer)
         done: Future = Future()
         self._queue.put((plan_id, created, kind, answer, done))
@@ -279,8 +293,6 @@ class Writer:
         self._stop.set()
 
 
-
-
 class Service:
     """Everything one berth app holds: created by create_app (the store is opened and checked
     there, as the server starts), kept on app.state.service, closed by the app's lifespan."""
@@ -288,9 +300,13 @@ class Service:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.budget = settings.request_timeout_s
-        self.store = Store(settings.store_path, busy_timeout_s=min(BUSY_TIMEOUT_S, self.budget),
-                           max_plans=settings.store_max_plans, max_bytes=settings.store_max_bytes,
-                           retention_days=settings.store_retention_days)
+        self.store = Store(
+            settings.store_path,
+            busy_timeout_s=min(BUSY_TIMEOUT_S, self.budget),
+            max_plans=settings.store_max_plans,
+            max_bytes=settings.store_max_bytes,
+            retention_days=settings.store_retention_days,
+        )
         self.store.fail_unfinished_jobs("the server stopped before this validation finished")
         self.searches = Workers("search", settings.max_concurrent_searches, settings.max_queued_requests)
         self.light = Workers("light", LIGHT_THREADS, settings.max_queued_requests)
@@ -320,8 +336,9 @@ class Service:
         ops = req.operations
         if ops is not None:
             gbps = ops.storage_write_gbps_per_gpu
-            cluster = with_operations(cluster, ops.failures_per_gpu_hour, gbps * 1e9 if gbps else None,
-                                      ops.price_per_gpu_hour)
+            cluster = with_operations(
+                cluster, ops.failures_per_gpu_hour, gbps * 1e9 if gbps else None, ops.price_per_gpu_hour
+            )
         fields = req.training.model_dump()
         fields["precision"] = fields["precision"] or default_precision(cluster)
         return model, make_training(**fields), cluster
@@ -350,8 +367,9 @@ class Service:
                 return await work(deadline, cancel)
         except (TimeoutError, SearchTimeout):
             cancel.set()
-            raise busy(503, f"over this server's {budget:g} s budget for one request; narrow the search "
-                       "(search.fix) or retry") from None
+            raise busy(
+                503, f"over this server's {budget:g} s budget for one request; narrow the search (search.fix) or retry"
+            ) from None
 
     async def stored(self, plan_id: str, cancel: threading.Event | None = None) -> dict[str, Any] | None:
         return self.writer.get(plan_id) or await self.io.run(lambda: self.store.get_plan(plan_id), cancel)
@@ -379,8 +397,10 @@ class Service:
         if not hmac.compare_digest(given, (settings.api_key or "").encode()):
             raise HTTPException(401, "a valid X-API-Key header is required for validations")
         if importlib.util.find_spec("torch") is None:
-            raise HTTPException(403, "this server has no torch: run the executor image (docker build --build-arg "
-                                "WITH_TORCH=1) to validate")
+            raise HTTPException(
+                403,
+                "this server has no torch: run the executor image (docker build --build-arg WITH_TORCH=1) to validate",
+            )
 
     def open_job(self) -> None:
         """Count one more validation queued or running; 429 beyond BERTH_MAX_QUEUED_VALIDATIONS."""
@@ -404,13 +424,15 @@ class Service:
             with tempfile.TemporaryDirectory(prefix="berth-validate-") as run_dir:  # removed afterwards
                 self.run_dirs.add(run_dir)
                 if req.proxy:
-                    report = validate_proxy(chosen, layers=req.layers, steps=req.steps, warmup=req.warmup,
-                                            store=store, run_dir=run_dir)
+                    report = validate_proxy(
+                        chosen, layers=req.layers, steps=req.steps, warmup=req.warmup, store=store, run_dir=run_dir
+                    )
                 else:
                     report = validate(chosen, steps=req.steps, warmup=req.warmup, store=store, run_dir=run_dir)
                 self.run_dirs.discard(run_dir)
-            store.update_job(job_id, "done" if report.status == "ok" else "failed", report_id=report.id,
-                             message=report.message)
+            store.update_job(
+                job_id, "done" if report.status == "ok" else "failed", report_id=report.id, message=report.message
+            )
         except BerthError as err:
             store.update_job(job_id, "failed", message=f"refused before launch: {err}")
         except Exception as err:  # the job must end in a state, whatever happened

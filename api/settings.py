@@ -15,8 +15,9 @@ class Settings(BaseSettings):
     max_candidates: int = Field(default=2_000_000, gt=0, description="most layouts one search may score")
     request_timeout_s: float = Field(default=10.0, gt=0, description="time budget of one whole request")
     max_concurrent_searches: int = Field(default=2, gt=0, description="searches running at once (CPU-bound)")
-    max_queued_requests: int = Field(default=64, ge=0, description="requests waiting for a worker thread; "
-                                     "beyond that 429 with Retry-After at once")
+    max_queued_requests: int = Field(
+        default=64, ge=0, description="requests waiting for a worker thread; beyond that 429 with Retry-After at once"
+    )
     max_body_bytes: int = Field(default=1_048_576, gt=0, description="largest request body")
     store_max_plans: int = Field(default=1_000_000, gt=0, description="plan ids kept (oldest dropped first)")
     store_max_bytes: int = Field(default=1 << 30, gt=0, description="distinct answers' JSON kept, in bytes")
@@ -25,8 +26,11 @@ class Settings(BaseSettings):
     api_key: str | None = Field(default=None, description="required in X-API-Key for validations")
     max_queued_validations: int = Field(default=4, gt=0, description="validations queued or running; beyond 429")
     timeout_keep_alive_s: float = Field(default=5.0, gt=0, description="idle keep-alive connections closed after")
-    header_timeout_s: float = Field(default=10.0, gt=0, description="a request's headers (and body) must arrive "
-                                    "within this; slower connections are closed")
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a request's headers (and body) must arrive within this; slower connections are closed",
+    )
     limit_concurrency: int = Field(default=256, gt=0, description="connections and tasks at once; beyond 503")
     max_header_bytes: int = Field(default=16_384, gt=0, description="largest request head (h11)")
 

@@ -45,12 +45,16 @@ def scaled(device: DeviceProfile, scale: float) -> DeviceProfile:
     g = device.gemm_shape.model_copy(update={"max_fraction": min(1.0, device.gemm_shape.max_fraction * scale)})
 
     def p(pass_model):
-        return pass_model.model_copy(update={
-            "max_fraction": min(1.0, pass_model.max_fraction * scale),
-            "max_fraction_small_head": min(1.0, pass_model.max_fraction_small_head * scale)})
+        return pass_model.model_copy(
+            update={
+                "max_fraction": min(1.0, pass_model.max_fraction * scale),
+                "max_fraction_small_head": min(1.0, pass_model.max_fraction_small_head * scale),
+            }
+        )
 
-    a = device.attention_shape.model_copy(update={"forward": p(device.attention_shape.forward),
-                                                  "backward": p(device.attention_shape.backward)})
+    a = device.attention_shape.model_copy(
+        update={"forward": p(device.attention_shape.forward), "backward": p(device.attention_shape.backward)}
+    )
     return device.model_copy(update={"gemm_shape": g, "attention_shape": a})
 
 
@@ -64,8 +68,12 @@ def _errors(cases, scale: float) -> list[float]:
 
 
 def _stats(errs: list[float]) -> dict:
-    return {"runs": len(errs), "median_abs_error": statistics.median(abs(e) for e in errs),
-            "mean_error": statistics.fmean(errs), "worst_abs_error": max(abs(e) for e in errs)}
+    return {
+        "runs": len(errs),
+        "median_abs_error": statistics.median(abs(e) for e in errs),
+        "mean_error": statistics.fmean(errs),
+        "worst_abs_error": max(abs(e) for e in errs),
+    }
 
 
 def run() -> dict:
@@ -79,13 +87,19 @@ def run() -> dict:
 
     best = minimize_scalar(loss, bounds=SCALE_BOUNDS, method="bounded", options={"xatol": 1e-3})
     scale = float(best.x)
-    result = {"fit_families": list(FIT_FAMILIES), "scale": scale,
-              "asymptotes_before": {c.cluster.device.name: c.cluster.device.gemm_shape.max_fraction for c in a100},
-              "families": {}}
+    result = {
+        "fit_families": list(FIT_FAMILIES),
+        "scale": scale,
+        "asymptotes_before": {c.cluster.device.name: c.cluster.device.gemm_shape.max_fraction for c in a100},
+        "families": {},
+    }
     for fam in families:
         cs = [c for c in a100 if c.family == fam]
-        result["families"][fam] = {"role": "fit" if fam in FIT_FAMILIES else "scored",
-                                   "before": _stats(_errors(cs, 1.0)), "after": _stats(_errors(cs, scale))}
+        result["families"][fam] = {
+            "role": "fit" if fam in FIT_FAMILIES else "scored",
+            "before": _stats(_errors(cs, 1.0)),
+            "after": _stats(_errors(cs, scale)),
+        }
     return result
 
 
@@ -94,9 +108,11 @@ def main(argv: list[str]) -> int:
     print(f"A100 asymptote scale fitted on {', '.join(result['fit_families'])}: {result['scale']:.3f}")
     for fam, r in result["families"].items():
         b, a = r["before"], r["after"]
-        print(f"  {fam:<22} {r['role']:<6} n={b['runs']:>3}  median |err| {b['median_abs_error']:.3f} -> "
-              f"{a['median_abs_error']:.3f}  mean {b['mean_error']:+.3f} -> {a['mean_error']:+.3f}  "
-              f"worst {b['worst_abs_error']:.3f} -> {a['worst_abs_error']:.3f}")
+        print(
+            f"  {fam:<22} {r['role']:<6} n={b['runs']:>3}  median |err| {b['median_abs_error']:.3f} -> "
+            f"{a['median_abs_error']:.3f}  mean {b['mean_error']:+.3f} -> {a['mean_error']:+.3f}  "
+            f"worst {b['worst_abs_error']:.3f} -> {a['worst_abs_error']:.3f}"
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
     print(f"saved {OUT}")

@@ -69,13 +69,27 @@ def run_layouts(plans: list[Plan], say) -> list[dict]:
     world = plans[0].layout.world_size
     out: list[dict | None] = [None] * len(plans)
     for start in range(0, len(plans), PER_LAUNCH):
-        chunk = plans[start:start + PER_LAUNCH]
+        chunk = plans[start : start + PER_LAUNCH]
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "plans.json").write_text(json.dumps([p.model_dump(mode="json") for p in chunk]))
             result = Path(tmp) / "out.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   "-m", "berth.executor.worker", "--plans", str(Path(tmp) / "plans.json"), "--steps", str(STEPS),
-                   "--warmup", str(WARMUP), "--out", str(result)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={world}",
+                "-m",
+                "berth.executor.worker",
+                "--plans",
+                str(Path(tmp) / "plans.json"),
+                "--steps",
+                str(STEPS),
+                "--warmup",
+                str(WARMUP),
+                "--out",
+                str(result),
+            ]
             env = {**os.environ, "BERTH_DEVICE": "cpu", "BERTH_THREADS_PER_RANK": "1"}
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
             if result.is_file():
@@ -92,10 +106,15 @@ def metrics(pred_t, meas_t, pred_m, meas_m) -> dict[str, float]:
     pred_t, meas_t, pred_m, meas_m = map(np.asarray, (pred_t, meas_t, pred_m, meas_m))
     et, em = np.abs(pred_t / meas_t - 1), np.abs(pred_m / meas_m - 1)
     best_pred = int(np.argmin(pred_t))
-    return {"n": int(len(meas_t)), "step_time_mape": float(et.mean()), "step_time_max_error": float(et.max()),
-            "memory_mape": float(em.mean()), "memory_max_error": float(em.max()),
-            "spearman": float(spearmanr(pred_t, meas_t).statistic),
-            "top1_regret": float(meas_t[best_pred] / meas_t.min() - 1)}
+    return {
+        "n": int(len(meas_t)),
+        "step_time_mape": float(et.mean()),
+        "step_time_max_error": float(et.max()),
+        "memory_mape": float(em.mean()),
+        "memory_max_error": float(em.max()),
+        "spearman": float(spearmanr(pred_t, meas_t).statistic),
+        "top1_regret": float(meas_t[best_pred] / meas_t.min() - 1),
+    }
 
 
 def local_plans(profile: dict, world: int, layouts: list[Layout]) -> list[Plan]:
@@ -126,12 +145,19 @@ def measure(world: int, passes: int, quick: bool, seed: int, say) -> dict:
         for pos, i in enumerate(order):
             if ran[pos] is not None:  # keep what report_from_result reads
                 data = ran[pos]["data"]
-                results[i] = {"entry": ran[pos]["entry"],
-                              "data": {"machine": data["machine"], "world_size": data["world_size"]}}
+                results[i] = {
+                    "entry": ran[pos]["entry"],
+                    "data": {"machine": data["machine"], "world_size": data["world_size"]},
+                }
         per_pass.append(results)
-    return {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "profile": {"device": profile["device"],
-            "server": profile["server"]}, "world_size": world, "passes": passes,
-            "layouts": [p.layout.model_dump(mode="json") for p in plans], "results": per_pass}
+    return {
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "profile": {"device": profile["device"], "server": profile["server"]},
+        "world_size": world,
+        "passes": passes,
+        "layouts": [p.layout.model_dump(mode="json") for p in plans],
+        "results": per_pass,
+    }
 
 
 def score(measured: dict) -> dict:
@@ -149,14 +175,26 @@ def score(measured: dict) -> dict:
         reps = [report_from_result(plan, r["entry"], r["data"], STEPS, WARMUP, 0.0) for r in runs]
         times = [r.measured.step_time_s for r in reps]
         mems = [r.measured.peak_memory_bytes for r in reps]
-        rep = reps[0].model_copy(update={"measured": reps[0].measured.model_copy(update={
-            "step_time_s": float(np.mean(times)), "peak_memory_bytes": float(np.mean(mems))})})
+        rep = reps[0].model_copy(
+            update={
+                "measured": reps[0].measured.model_copy(
+                    update={"step_time_s": float(np.mean(times)), "peak_memory_bytes": float(np.mean(mems))}
+                )
+            }
+        )
         reports.append(rep)
-        cases.append({"layout": plan.layout.short(), "predicted_step_time_s": plan.prediction.step_time_s,
-                      "predicted_peak_memory_bytes": plan.prediction.peak_memory_bytes,
-                      "measured_step_time_s": float(np.mean(times)), "measured_step_time_per_pass_s": times,
-                      "measured_peak_memory_bytes": float(np.mean(mems)), "measured_peak_memory_per_pass": mems,
-                      "report_id": rep.id})
+        cases.append(
+            {
+                "layout": plan.layout.short(),
+                "predicted_step_time_s": plan.prediction.step_time_s,
+                "predicted_peak_memory_bytes": plan.prediction.peak_memory_bytes,
+                "measured_step_time_s": float(np.mean(times)),
+                "measured_step_time_per_pass_s": times,
+                "measured_peak_memory_bytes": float(np.mean(mems)),
+                "measured_peak_memory_per_pass": mems,
+                "report_id": rep.id,
+            }
+        )
     pt = [c["predicted_step_time_s"] for c in cases]
     mt = [c["measured_step_time_s"] for c in cases]
     pm = [c["predicted_peak_memory_bytes"] for c in cases]
@@ -164,13 +202,21 @@ def score(measured: dict) -> dict:
     raw = metrics(pt, mt, pm, mm)
     noise = {}
     if passes > 1:
-        spreads = [abs(c["measured_step_time_per_pass_s"][0] / c["measured_step_time_per_pass_s"][1] - 1)
-                   for c in cases if len(c["measured_step_time_per_pass_s"]) > 1]
-        mspreads = [abs(c["measured_peak_memory_per_pass"][0] / c["measured_peak_memory_per_pass"][1] - 1)
-                    for c in cases if len(c["measured_peak_memory_per_pass"]) > 1]
-        noise = {"step_time_pass_to_pass_mean": float(np.mean(spreads)),
-                 "step_time_pass_to_pass_max": float(np.max(spreads)),
-                 "memory_pass_to_pass_mean": float(np.mean(mspreads))}
+        spreads = [
+            abs(c["measured_step_time_per_pass_s"][0] / c["measured_step_time_per_pass_s"][1] - 1)
+            for c in cases
+            if len(c["measured_step_time_per_pass_s"]) > 1
+        ]
+        mspreads = [
+            abs(c["measured_peak_memory_per_pass"][0] / c["measured_peak_memory_per_pass"][1] - 1)
+            for c in cases
+            if len(c["measured_peak_memory_per_pass"]) > 1
+        ]
+        noise = {
+            "step_time_pass_to_pass_mean": float(np.mean(spreads)),
+            "step_time_pass_to_pass_max": float(np.max(spreads)),
+            "memory_pass_to_pass_mean": float(np.mean(mspreads)),
+        }
     # 2-fold cross-validated calibration: every case scored by a fit that never saw it
     cal_t, cal_m = np.zeros(len(reports)), np.zeros(len(reports))
     folds = [[r for j, r in enumerate(reports) if j % 2 == f] for f in (0, 1)]
@@ -186,11 +232,20 @@ def score(measured: dict) -> dict:
     for c, ti, mi in zip(cases, cal_t, cal_m, strict=True):
         c["calibrated_step_time_s"], c["calibrated_peak_memory_bytes"] = float(ti), float(mi)
     calibrated = metrics(cal_t, mt, cal_m, mm)
-    return {"measured_at": measured["measured_at"], "profile": profile, "world_size": world,
-            "oversubscribed": world > (os.cpu_count() or 1), "layouts": len(plans),
-            "measured_layouts": len(cases), "passes": passes,
-            "uncalibrated": raw, "calibrated_cross_validated": calibrated, "noise_floor": noise,
-            "calibration_folds": fits, "cases": cases}
+    return {
+        "measured_at": measured["measured_at"],
+        "profile": profile,
+        "world_size": world,
+        "oversubscribed": world > (os.cpu_count() or 1),
+        "layouts": len(plans),
+        "measured_layouts": len(cases),
+        "passes": passes,
+        "uncalibrated": raw,
+        "calibrated_cross_validated": calibrated,
+        "noise_floor": noise,
+        "calibration_folds": fits,
+        "cases": cases,
+    }
 
 
 def scatter(runs: list[dict], path: Path) -> None:
@@ -208,8 +263,13 @@ def scatter(runs: list[dict], path: Path) -> None:
         cs = run["cases"]
         mt = [c["measured_step_time_s"] * 1e3 for c in cs]
         axes[0].scatter(mt, [c["predicted_step_time_s"] * 1e3 for c in cs], s=12, label=f"run {k + 1}: profile only")
-        axes[0].scatter(mt, [c["calibrated_step_time_s"] * 1e3 for c in cs], s=12, marker="x",
-                        label=f"run {k + 1}: calibrated (held out)")
+        axes[0].scatter(
+            mt,
+            [c["calibrated_step_time_s"] * 1e3 for c in cs],
+            s=12,
+            marker="x",
+            label=f"run {k + 1}: calibrated (held out)",
+        )
         mm = [c["measured_peak_memory_bytes"] / 2**20 for c in cs]
         axes[1].scatter(mm, [c["predicted_peak_memory_bytes"] / 2**20 for c in cs], s=12, label=f"run {k + 1}")
     for ax, unit, title in ((axes[0], "ms", "step time"), (axes[1], "MiB", "peak memory per rank")):
@@ -231,11 +291,18 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2, help="launches per layout per run (noise floor)")
     ap.add_argument("--quick", action="store_true", help="quick profile and 12 sampled layouts")
     ap.add_argument("--machine", default=platform.node().split(".")[0] or "local")
-    ap.add_argument("--rescore", metavar="MEASUREMENTS.json",
-                    help="score the current cost model on saved measurements instead of running again "
-                    "(prints the scores; writes them only with --out)")
-    ap.add_argument("--out", metavar="RESULT.json", help="where to write the scores (and the .png beside); "
-                    f"default: {RESULTS}/accuracy-MACHINE.json, nothing with --rescore")
+    ap.add_argument(
+        "--rescore",
+        metavar="MEASUREMENTS.json",
+        help="score the current cost model on saved measurements instead of running again "
+        "(prints the scores; writes them only with --out)",
+    )
+    ap.add_argument(
+        "--out",
+        metavar="RESULT.json",
+        help="where to write the scores (and the .png beside); "
+        f"default: {RESULTS}/accuracy-MACHINE.json, nothing with --rescore",
+    )
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
     if out is not None and not out.parent.is_dir():
@@ -252,23 +319,35 @@ def main() -> None:
         try:
             measured = json.loads(Path(args.rescore).read_text())["runs"]
         except (ValueError, KeyError, TypeError):
-            ap.error(f"--rescore {args.rescore}: not a measurements file (JSON with \"runs\")")
+            ap.error(f'--rescore {args.rescore}: not a measurements file (JSON with "runs")')
         say(f"scoring the current cost model on {len(measured)} saved runs from {args.rescore}")
     else:
         measured = [measure(args.world, args.passes, args.quick, seed, say) for seed in range(args.runs)]
         (RESULTS / f"{stem}-measurements.json").write_text(json.dumps({"model": MODEL, "runs": measured}))
     runs = [score(m) for m in measured]
     keys = ("step_time_mape", "step_time_max_error", "memory_mape", "memory_max_error", "spearman", "top1_regret")
-    summary = {f"run{k + 1}": {"uncalibrated": {x: r["uncalibrated"][x] for x in keys},
-                               "calibrated_cross_validated": {x: r["calibrated_cross_validated"][x] for x in keys},
-                               "noise_floor": r["noise_floor"]} for k, r in enumerate(runs)}
-    doc = {**{k: runs[0]["calibrated_cross_validated"][k] for k in keys}, "headline": "run 1, calibrated, held out",
-           "summary": summary, "targets": {"step_time_mape": 0.10, "memory_mape": 0.05, "spearman": 0.9,
-                                           "top1_regret": 0.05},
-           "rescored_from": args.rescore, "model": MODEL, "seq_len": SEQ_LEN, "global_batch_size": GLOBAL_BATCH,
-           "steps": STEPS, "warmup": WARMUP,
-           "machine": {"hostname": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
-           "runs": runs}
+    summary = {
+        f"run{k + 1}": {
+            "uncalibrated": {x: r["uncalibrated"][x] for x in keys},
+            "calibrated_cross_validated": {x: r["calibrated_cross_validated"][x] for x in keys},
+            "noise_floor": r["noise_floor"],
+        }
+        for k, r in enumerate(runs)
+    }
+    doc = {
+        **{k: runs[0]["calibrated_cross_validated"][k] for k in keys},
+        "headline": "run 1, calibrated, held out",
+        "summary": summary,
+        "targets": {"step_time_mape": 0.10, "memory_mape": 0.05, "spearman": 0.9, "top1_regret": 0.05},
+        "rescored_from": args.rescore,
+        "model": MODEL,
+        "seq_len": SEQ_LEN,
+        "global_batch_size": GLOBAL_BATCH,
+        "steps": STEPS,
+        "warmup": WARMUP,
+        "machine": {"hostname": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "runs": runs,
+    }
     if out is None and not args.rescore:  # a fresh measurement is saved; a rescore only printed
         out = RESULTS / f"{stem}.json"
     if out is not None:
@@ -279,8 +358,10 @@ def main() -> None:
         for kind in ("uncalibrated", "calibrated_cross_validated"):
             print(f"{name + ' ' + kind:36s}" + "".join(f"{s[kind][k]:>20.3f}" for k in keys))
         if s["noise_floor"]:
-            print(f"{name + ' noise (pass to pass)':36s}{s['noise_floor']['step_time_pass_to_pass_mean']:>20.3f}"
-                  f"{'':>20s}{s['noise_floor']['memory_pass_to_pass_mean']:>20.3f}")
+            print(
+                f"{name + ' noise (pass to pass)':36s}{s['noise_floor']['step_time_pass_to_pass_mean']:>20.3f}"
+                f"{'':>20s}{s['noise_floor']['memory_pass_to_pass_mean']:>20.3f}"
+            )
     print(f"saved {out}" if out is not None else "not saved (give --out RESULT.json to keep the scores)")
 
 

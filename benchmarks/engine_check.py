@@ -48,38 +48,114 @@ from berth.planner.topology import cluster_from_preset
 
 ENGINES = ("megatron", "deepspeed", "torchtitan")
 # (model, dgx-h100 nodes, seq_len, global batch): the README's launch example and its other llama cases
-README_CASES = [("llama3-70b", 4, 4096, 64), ("llama3-70b", 8, 8192, 256), ("llama3-8b", 1, 4096, 64),
-                ("llama3-8b", 4, 4096, 64)]
+README_CASES = [
+    ("llama3-70b", 4, 4096, 64),
+    ("llama3-70b", 8, 8192, 256),
+    ("llama3-8b", 1, 4096, 64),
+    ("llama3-8b", 4, 4096, 64),
+]
 # (model, nodes, global batch, layout): what the searched plans may not cover
 LAYOUT_CASES = [
-    ("llama3-8b", 4, 64, Layout(pp=4, dp=8, zero_stage=1, shard=8, micro_batch_size=1, num_microbatches=8,
-                                recompute="full")),
-    ("llama3-70b", 4, 64, Layout(tp=8, pp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=1, num_microbatches=32,
-                                 schedule="interleaved_1f1b", virtual_stages=2, sequence_parallel=True,
-                                 recompute="selective")),
-    ("llama3-70b", 4, 64, Layout(tp=8, pp=4, dp=1, micro_batch_size=1, num_microbatches=64,
-                                 schedule="interleaved_1f1b", virtual_stages=5, sequence_parallel=True,
-                                 recompute="full")),
-    ("llama3-70b", 4, 64, Layout(tp=4, pp=4, dp=2, zero_stage=1, shard=2, micro_batch_size=1, num_microbatches=32,
-                                 axis_order="tp-pp-dp", recompute="full")),
+    (
+        "llama3-8b",
+        4,
+        64,
+        Layout(pp=4, dp=8, zero_stage=1, shard=8, micro_batch_size=1, num_microbatches=8, recompute="full"),
+    ),
+    (
+        "llama3-70b",
+        4,
+        64,
+        Layout(
+            tp=8,
+            pp=2,
+            dp=2,
+            zero_stage=3,
+            shard=2,
+            micro_batch_size=1,
+            num_microbatches=32,
+            schedule="interleaved_1f1b",
+            virtual_stages=2,
+            sequence_parallel=True,
+            recompute="selective",
+        ),
+    ),
+    (
+        "llama3-70b",
+        4,
+        64,
+        Layout(
+            tp=8,
+            pp=4,
+            dp=1,
+            micro_batch_size=1,
+            num_microbatches=64,
+            schedule="interleaved_1f1b",
+            virtual_stages=5,
+            sequence_parallel=True,
+            recompute="full",
+        ),
+    ),
+    (
+        "llama3-70b",
+        4,
+        64,
+        Layout(
+            tp=4,
+            pp=4,
+            dp=2,
+            zero_stage=1,
+            shard=2,
+            micro_batch_size=1,
+            num_microbatches=32,
+            axis_order="tp-pp-dp",
+            recompute="full",
+        ),
+    ),
     ("llama3-8b", 4, 64, Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),
     # context parallelism: Megatron --context-parallel-size, torchtitan context_parallel_degree, DeepSpeed refused
     ("llama3-8b", 4, 64, Layout(tp=4, cp=2, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True)),
-    ("llama3-8b", 4, 64, Layout(tp=4, dp=8, zero_stage=2, shard=8, micro_batch_size=2, num_microbatches=4,
-                                sequence_parallel=True)),
+    (
+        "llama3-8b",
+        4,
+        64,
+        Layout(tp=4, dp=8, zero_stage=2, shard=8, micro_batch_size=2, num_microbatches=4, sequence_parallel=True),
+    ),
     # ZeRO over dp alone: stage 2 (the executor's ZeRO-1 of an 8B model, DDP + a sharded optimizer over fp32
     # weights and gradients and the autocast copy, needs ~116 GiB: predicted not to fit, so not launchable)
-    ("llama3-8b", 4, 64, Layout(dp=32, zero_stage=2, shard=32, micro_batch_size=1, num_microbatches=2,
-                                recompute="full")),
+    (
+        "llama3-8b",
+        4,
+        64,
+        Layout(dp=32, zero_stage=2, shard=32, micro_batch_size=1, num_microbatches=2, recompute="full"),
+    ),
     ("llama3-8b", 4, 64, Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2)),
-    ("llama3-8b", 1, 64, Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=2, num_microbatches=4,
-                                recompute="full")),
+    ("llama3-8b", 1, 64, Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=2, num_microbatches=4, recompute="full")),
     # uneven pipeline stages (planner/stages.py): 32 layers on pp 3 (11, 11, 10), and 80 in 12 chunks (5, 7 x10, 5)
-    ("llama3-8b", 3, 64, Layout(tp=8, pp=3, dp=1, micro_batch_size=1, num_microbatches=64, sequence_parallel=True,
-                                recompute="selective")),
-    ("llama3-70b", 4, 64, Layout(tp=8, pp=4, dp=1, micro_batch_size=1, num_microbatches=64,
-                                 schedule="interleaved_1f1b", virtual_stages=3, sequence_parallel=True,
-                                 recompute="full")),
+    (
+        "llama3-8b",
+        3,
+        64,
+        Layout(
+            tp=8, pp=3, dp=1, micro_batch_size=1, num_microbatches=64, sequence_parallel=True, recompute="selective"
+        ),
+    ),
+    (
+        "llama3-70b",
+        4,
+        64,
+        Layout(
+            tp=8,
+            pp=4,
+            dp=1,
+            micro_batch_size=1,
+            num_microbatches=64,
+            schedule="interleaved_1f1b",
+            virtual_stages=3,
+            sequence_parallel=True,
+            recompute="full",
+        ),
+    ),
 ]
 
 
@@ -92,8 +168,12 @@ def plan_set() -> list[tuple[str, Plan]]:
             (p,) = search(load_model(model), training, cluster_from_preset("dgx-h100", nodes), SearchSpec(top=1)).plans
             out.append((f"{model}-{nodes}n-{framework}-top1", p))
     for model, nodes, batch, layout in LAYOUT_CASES:
-        (p,) = predict_layouts(load_model(model), TrainingSpec(seq_len=4096, global_batch_size=batch),
-                               cluster_from_preset("dgx-h100", nodes), [layout])
+        (p,) = predict_layouts(
+            load_model(model),
+            TrainingSpec(seq_len=4096, global_batch_size=batch),
+            cluster_from_preset("dgx-h100", nodes),
+            [layout],
+        )
         out.append((f"{model}-{nodes}n-{layout.short()}", p))
     return out
 
@@ -114,6 +194,7 @@ def available(engine: str) -> str | None:
 
 # --- DeepSpeed ----------------------------------------------------------------------------------------------
 
+
 def _deepspeed_comm():
     """A one-process gloo group for deepspeed.comm, without the shared-memory allreduce op its CPU accelerator
     would JIT-compile (the config parser never calls it)."""
@@ -125,6 +206,7 @@ def _deepspeed_comm():
     # stand-in: TorchBackend checks for None and skips the op
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -171,10 +253,16 @@ def load_deepspeed(plan: Plan, files: dict[str, str]) -> dict[str, Any]:
 
     c = DeepSpeedConfig(json.loads(files["ds_config.json"]), mpu=Mpu())
     precision = "bf16" if c.bfloat16_config.enabled else "fp16" if c.float16_config.enabled else "fp32"
-    return {"tp": max(1, c.tensor_parallel_config.autotp_size), "dp": int(c.world_size),
-            "zero": int(c.zero_optimization_stage), "micro_batch": c.train_micro_batch_size_per_gpu,
-            "global_batch": c.train_batch_size, "accumulation": c.gradient_accumulation_steps,
-            "precision": precision, "world": topo.world_size()}
+    return {
+        "tp": max(1, c.tensor_parallel_config.autotp_size),
+        "dp": int(c.world_size),
+        "zero": int(c.zero_optimization_stage),
+        "micro_batch": c.train_micro_batch_size_per_gpu,
+        "global_batch": c.train_batch_size,
+        "accumulation": c.gradient_accumulation_steps,
+        "precision": precision,
+        "world": topo.world_size(),
+    }
 
 
 # --- torchtitan ---------------------------------------------------------------------------------------------
@@ -195,6 +283,7 @@ def _torchtitan_importable():
 
         def kernel(*args, **kwargs):
             raise RuntimeError(f"{TRITON_KERNELS}.{name}: a Triton GPU kernel, not available on this machine")
+
         return kernel
 
     stand_in.__getattr__ = __getattr__
@@ -236,21 +325,31 @@ def load_torchtitan(plan: Plan, files: dict[str, str], workdir: Path) -> dict[st
     dp = dims.dp_replicate * dims.dp_shard
     zero = {"always": 3, "never": 2, "default": 0}[p.fsdp_reshard_after_forward] if dims.dp_shard > 1 else 0
     recompute = {FullAC.Config: "full", SelectiveAC.Config: "selective", type(None): "none"}[
-        type(c.activation_checkpoint)]
+        type(c.activation_checkpoint)
+    ]
     model = c.model_spec.model
     return {
-        "tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "vpp": stages // dims.pp, "dp": dp,
-        "shard": dims.dp_shard, "zero": zero,
+        "tp": dims.tp,
+        "cp": dims.cp,
+        "pp": dims.pp,
+        "vpp": stages // dims.pp,
+        "dp": dp,
+        "shard": dims.dp_shard,
+        "zero": zero,
         "micro_batch": p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size,
         "global_batch": t.global_batch_size,
         # torchtitan/trainer.py:430: accumulation = global / (local batch x data-parallel degree)
         "accumulation": t.global_batch_size // (t.local_batch_size * dp),
         "pipeline_microbatches": t.local_batch_size // p.pipeline_parallel_microbatch_size if dims.pp > 1 else 1,
         "schedule": get_schedule_class(p.pipeline_parallel_schedule).__name__ if dims.pp > 1 else None,
-        "layers_per_stage": layers_in, "recompute": recompute,
+        "layers_per_stage": layers_in,
+        "recompute": recompute,
         "sp": dims.tp > 1 and p.enable_sequence_parallel,
-        "precision": "bf16" if t.mixed_precision_param == "bfloat16" else "fp32", "seq_len": t.seq_len,
-        "world": dims.world_size, "num_layers": len(model.layers), "hidden": model.dim,
+        "precision": "bf16" if t.mixed_precision_param == "bfloat16" else "fp32",
+        "seq_len": t.seq_len,
+        "world": dims.world_size,
+        "num_layers": len(model.layers),
+        "hidden": model.dim,
         "vocab": model.vocab_size,
     }
 
@@ -304,8 +403,14 @@ def megatron_job(plan: Plan, files: dict[str, str]) -> dict[str, Any]:
 
 def run_megatron(jobs: list[dict[str, Any]], megatron_dir: str) -> list[dict[str, Any]] | str:
     """Megatron's parse_args + validate_args on each job, in one subprocess; or why it could not run."""
-    r = subprocess.run([sys.executable, "-c", _MEGATRON_RUNNER], input=json.dumps(jobs), capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "BERTH_MEGATRON_DIR": megatron_dir})
+    r = subprocess.run(
+        [sys.executable, "-c", _MEGATRON_RUNNER],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "BERTH_MEGATRON_DIR": megatron_dir},
+    )
     lines = [line for line in r.stdout.splitlines() if line.startswith(("[", "{"))]
     if r.returncode or not lines:
         return f"the Megatron runner failed (rc {r.returncode}): {r.stderr[-2000:]}"
@@ -319,22 +424,39 @@ def megatron_values(args: dict[str, Any]) -> dict[str, Any]:
     """Megatron's parsed arguments in the common vocabulary."""
     dp = args["data_parallel_size"]
     fsdp = args.get("use_megatron_fsdp")
-    zero = ({"optim_grads": 2, "optim_grads_params": 3}[args["data_parallel_sharding_strategy"]] if fsdp
-            else 1 if args["use_distributed_optimizer"] else 0)
+    zero = (
+        {"optim_grads": 2, "optim_grads_params": 3}[args["data_parallel_sharding_strategy"]]
+        if fsdp
+        else 1
+        if args["use_distributed_optimizer"]
+        else 0
+    )
     precision = "bf16" if args["bf16"] else "fp16" if args["fp16"] else "fp32"
     return {
-        "tp": args["tensor_model_parallel_size"], "cp": args["context_parallel_size"],
+        "tp": args["tensor_model_parallel_size"],
+        "cp": args["context_parallel_size"],
         "pp": args["pipeline_model_parallel_size"],
-        "vpp": args["virtual_pipeline_model_parallel_size"] or 1, "dp": dp, "zero": zero,
+        "vpp": args["virtual_pipeline_model_parallel_size"] or 1,
+        "dp": dp,
+        "zero": zero,
         "shard": dp // args["num_distributed_optimizer_instances"] if zero else 1,
-        "micro_batch": args["micro_batch_size"], "global_batch": args["global_batch_size"],
+        "micro_batch": args["micro_batch_size"],
+        "global_batch": args["global_batch_size"],
         "accumulation": args["global_batch_size"] // (args["micro_batch_size"] * dp),
-        "recompute": args["recompute_granularity"] or "none", "sp": args["sequence_parallel"],
-        "precision": precision, "seq_len": args["seq_length"], "num_layers": args["num_layers"],
-        "hidden": args["hidden_size"], "ffn": args["ffn_hidden_size"], "heads": args["num_attention_heads"],
+        "recompute": args["recompute_granularity"] or "none",
+        "sp": args["sequence_parallel"],
+        "precision": precision,
+        "seq_len": args["seq_length"],
+        "num_layers": args["num_layers"],
+        "hidden": args["hidden_size"],
+        "ffn": args["ffn_hidden_size"],
+        "heads": args["num_attention_heads"],
         "kv_heads": args["num_query_groups"] if args["group_query_attention"] else args["num_attention_heads"],
-        "rope": args["position_embedding_type"] == "rope", "bias": args["add_bias_linear"],
-        "swiglu": args["swiglu"], "norm": args["normalization"], "untied": args["untie_embeddings_and_output_weights"],
+        "rope": args["position_embedding_type"] == "rope",
+        "bias": args["add_bias_linear"],
+        "swiglu": args["swiglu"],
+        "norm": args["normalization"],
+        "untied": args["untie_embeddings_and_output_weights"],
         "tp_pp_dp": args["use_tp_pp_dp_mapping"],
     }
 

@@ -38,16 +38,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "models"
 # (name, model, seq, global batch): single-GPU examples whose states fit one 80 GB GPU
-EXAMPLES = [("llama-3.2-1b", str(MODELS / "llama-3.2-1b.json"), 4096, 16),
-            ("gpt2-xl", str(MODELS / "gpt2-xl.json"), 4096, 16),
-            ("llama-3.2-3b", str(MODELS / "llama-3.2-3b.json"), 4096, 16)]
+EXAMPLES = [
+    ("llama-3.2-1b", str(MODELS / "llama-3.2-1b.json"), 4096, 16),
+    ("gpt2-xl", str(MODELS / "gpt2-xl.json"), 4096, 16),
+    ("llama-3.2-3b", str(MODELS / "llama-3.2-3b.json"), 4096, 16),
+]
 # (name, model, cluster args, seq, global batch, layers to run of one stage)
-PROXIES = [("llama3-8b-dgx-h100", "llama3-8b", ["--cluster", "dgx-h100", "--nodes", "1"], 8192, 64, 4),
-           ("llama3-70b-8x-dgx-h100", "llama3-70b", ["--cluster", "dgx-h100", "--nodes", "8", "--fix", "tp=8"],
-            8192, 256, 2)]  # a tp=8 slice beside the 8B's full-width layers: two kinds of compute shapes
+PROXIES = [
+    ("llama3-8b-dgx-h100", "llama3-8b", ["--cluster", "dgx-h100", "--nodes", "1"], 8192, 64, 4),
+    ("llama3-70b-8x-dgx-h100", "llama3-70b", ["--cluster", "dgx-h100", "--nodes", "8", "--fix", "tp=8"], 8192, 256, 2),
+]  # a tp=8 slice beside the 8B's full-width layers: two kinds of compute shapes
 CPU_EXAMPLES = [("tiny-gpt", "tiny-gpt", 128, 8)]
-CPU_PROXIES = [("tiny-gpt-8-workers", "tiny-gpt",
-                ["--cluster", "local", "--devices-per-node", "8", "--fix", "tp=2,pp=2"], 128, 16, 1)]
+CPU_PROXIES = [
+    (
+        "tiny-gpt-8-workers",
+        "tiny-gpt",
+        ["--cluster", "local", "--devices-per-node", "8", "--fix", "tp=2,pp=2"],
+        128,
+        16,
+        1,
+    )
+]
 STEPS, WARMUP = 10, 3  # timed and untimed steps of each GPU validation
 CPU_STEPS, CPU_WARMUP = 2, 1
 HOLDOUT_MIN_REPORTS = 10  # with fewer successful runs every report is fitted (nothing held out)
@@ -97,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         env["BERTH_DEVICE"] = "cpu"  # CPU workers even where nvidia-smi answers
     slug = "cpu" if cpu else device_slug()
     if slug == "cpu" and not cpu:
-        print("gpu_validation: no NVIDIA GPU found (nvidia-smi); use --cpu-smoke for the CPU rehearsal",
-              file=sys.stderr)
+        print(
+            "gpu_validation: no NVIDIA GPU found (nvidia-smi); use --cpu-smoke for the CPU rehearsal", file=sys.stderr
+        )
         return 2
     out = Path(args.out_dir) if args.out_dir else ROOT / "benchmarks" / "results" / f"gpu-{slug}"
     out.mkdir(parents=True, exist_ok=True)
@@ -120,30 +132,86 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, model, seq, batch in examples:
         plans_file = out / f"plans-{name}.json"
-        r = run.berth(f"plan-{name}", "plan", model, *local, "--seq-len", str(seq), "--global-batch", str(batch),
-                      "--profile", str(profile), "--top", str(args.top), "--json")
+        r = run.berth(
+            f"plan-{name}",
+            "plan",
+            model,
+            *local,
+            "--seq-len",
+            str(seq),
+            "--global-batch",
+            str(batch),
+            "--profile",
+            str(profile),
+            "--top",
+            str(args.top),
+            "--json",
+        )
         plans_file.write_text(r.stdout)
         plans = json.loads(r.stdout)["plans"]
         for pick in range(1, min(args.top, len(plans)) + 1):
             report = out / f"report-{name}-{pick}.json"
-            r = run.berth(f"validate-{name}-{pick}", "validate", str(plans_file), "--pick", str(pick),
-                          "--steps", str(steps), "--warmup", str(warmup), "--store", str(store), "--out", str(report),
-                          "--json", ok_codes=(0, 1))  # 1: the run failed or did not fit: evidence, kept
+            r = run.berth(
+                f"validate-{name}-{pick}",
+                "validate",
+                str(plans_file),
+                "--pick",
+                str(pick),
+                "--steps",
+                str(steps),
+                "--warmup",
+                str(warmup),
+                "--store",
+                str(store),
+                "--out",
+                str(report),
+                "--json",
+                ok_codes=(0, 1),
+            )  # 1: the run failed or did not fit: evidence, kept
             rows.append(_row(name, model, seq, batch, pick, json.loads(report.read_text()), local))
 
     # 3. rank-slice proxies of plans larger than this machine
     for name, model, cluster, seq, batch, layers in proxies:
         plans_file = out / f"plans-{name}.json"
-        r = run.berth(f"plan-{name}", "plan", model, *cluster, "--seq-len", str(seq), "--global-batch", str(batch),
-                      "--profile", str(profile), "--top", "1", "--json")
+        r = run.berth(
+            f"plan-{name}",
+            "plan",
+            model,
+            *cluster,
+            "--seq-len",
+            str(seq),
+            "--global-batch",
+            str(batch),
+            "--profile",
+            str(profile),
+            "--top",
+            "1",
+            "--json",
+        )
         plans_file.write_text(r.stdout)
         layout = json.loads(r.stdout)["plans"][0]["layout"]
         vpp = layout["virtual_stages"]
         n = max(vpp, layers // vpp * vpp)
         report = out / f"report-{name}-rank-slice.json"
-        run.berth(f"validate-{name}-rank-slice", "validate", str(plans_file), "--proxy", "rank-slice", "--layers",
-                  str(n), "--steps", str(steps), "--warmup", str(warmup), "--store", str(store), "--out", str(report),
-                  "--json", ok_codes=(0, 1))
+        run.berth(
+            f"validate-{name}-rank-slice",
+            "validate",
+            str(plans_file),
+            "--proxy",
+            "rank-slice",
+            "--layers",
+            str(n),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--store",
+            str(store),
+            "--out",
+            str(report),
+            "--json",
+            ok_codes=(0, 1),
+        )
         rows.append(_row(name, model, seq, batch, 1, json.loads(report.read_text()), cluster))
 
     # 4. calibrate on every report of this run
@@ -158,8 +226,20 @@ def main(argv: list[str] | None = None) -> int:
         if not mine:
             continue
         layouts = [a for x in mine for a in ("--layout", x["layout"])]
-        r = run.berth(f"repredict-{name}", "compare", model, *local, "--seq-len", str(seq), "--global-batch",
-                      str(batch), "--profile", str(calibrated), *layouts, "--json")
+        r = run.berth(
+            f"repredict-{name}",
+            "compare",
+            model,
+            *local,
+            "--seq-len",
+            str(seq),
+            "--global-batch",
+            str(batch),
+            "--profile",
+            str(calibrated),
+            *layouts,
+            "--json",
+        )
         for x, cand in zip(mine, json.loads(r.stdout)["candidates"], strict=True):
             p = cand.get("prediction") or {}
             x["after_step_time_s"], x["after_peak_memory_bytes"] = p.get("step_time_s"), p.get("peak_memory_bytes")
@@ -172,19 +252,37 @@ def main(argv: list[str] | None = None) -> int:
 
 def _row(name, model, seq, batch, pick, report, cluster) -> dict:
     err = report.get("relative_error", {})
-    return {"example": name, "model": model, "seq_len": seq, "global_batch": batch, "pick": pick,
-            "mode": report["mode"], "status": report["status"], "layout": _layout_spec(report["plan"]["layout"]),
-            "cluster": cluster, "message": report.get("message"),
-            "predicted_step_time_s": report["predicted"].get("step_time_s"),
-            "measured_step_time_s": report["measured"].get("step_time_s"),
-            "predicted_peak_memory_bytes": report["predicted"].get("peak_memory_bytes"),
-            "measured_peak_memory_bytes": report["measured"].get("peak_memory_bytes"),
-            "step_time_error": err.get("step_time_s"), "memory_error": err.get("peak_memory_bytes")}
+    return {
+        "example": name,
+        "model": model,
+        "seq_len": seq,
+        "global_batch": batch,
+        "pick": pick,
+        "mode": report["mode"],
+        "status": report["status"],
+        "layout": _layout_spec(report["plan"]["layout"]),
+        "cluster": cluster,
+        "message": report.get("message"),
+        "predicted_step_time_s": report["predicted"].get("step_time_s"),
+        "measured_step_time_s": report["measured"].get("step_time_s"),
+        "predicted_peak_memory_bytes": report["predicted"].get("peak_memory_bytes"),
+        "measured_peak_memory_bytes": report["measured"].get("peak_memory_bytes"),
+        "step_time_error": err.get("step_time_s"),
+        "memory_error": err.get("peak_memory_bytes"),
+    }
 
 
 def _layout_spec(x: dict) -> str:
-    parts = [f"tp={x['tp']}", f"pp={x['pp']}", f"dp={x['dp']}", f"zero={x['zero_stage']}", f"shard={x['shard']}",
-             f"mbs={x['micro_batch_size']}", f"nmb={x['num_microbatches']}", f"recompute={x['recompute']}"]
+    parts = [
+        f"tp={x['tp']}",
+        f"pp={x['pp']}",
+        f"dp={x['dp']}",
+        f"zero={x['zero_stage']}",
+        f"shard={x['shard']}",
+        f"mbs={x['micro_batch_size']}",
+        f"nmb={x['num_microbatches']}",
+        f"recompute={x['recompute']}",
+    ]
     if x["pp"] > 1:
         parts += [f"schedule={x['schedule']}", f"vpp={x['virtual_stages']}"]
     if x["sequence_parallel"]:
@@ -200,8 +298,14 @@ def _summary(rows, log, seconds, slug) -> dict:
         x["after_step_time_error"] = rel(x.get("after_step_time_s"), x["measured_step_time_s"])
         x["after_memory_error"] = rel(x.get("after_peak_memory_bytes"), x["measured_peak_memory_bytes"])
     oom = [f"{x['example']} #1 ({x['layout']})" for x in rows if x["pick"] == 1 and x["status"] == "did_not_fit"]
-    return {"device": slug, "seconds": seconds, "runs": rows, "commands": log, "top_plans_out_of_memory": oom,
-            "statuses": {s: sum(x["status"] == s for x in rows) for s in {x["status"] for x in rows}}}
+    return {
+        "device": slug,
+        "seconds": seconds,
+        "runs": rows,
+        "commands": log,
+        "top_plans_out_of_memory": oom,
+        "statuses": {s: sum(x["status"] == s for x in rows) for s in {x["status"] for x in rows}},
+    }
 
 
 def _print(summary: dict) -> None:
@@ -211,10 +315,14 @@ def _print(summary: dict) -> None:
     print(f"\n{'run':34} {'status':12} {'time err':>9} {'after':>9} {'mem err':>9} {'after':>9}")
     for x in summary["runs"]:
         label = f"{x['example']} #{x['pick']}" + (" (rank-slice)" if x["mode"] == "rank-slice" else "")
-        print(f"{label:34} {x['status']:12} {pct(x['step_time_error']):>9} {pct(x.get('after_step_time_error')):>9} "
-              f"{pct(x['memory_error']):>9} {pct(x.get('after_memory_error')):>9}")
-    print(f"errors are (measured - predicted) / predicted; 'after' uses calibrated.json. {summary['seconds']:.0f} s; "
-          f"statuses {summary['statuses']}")
+        print(
+            f"{label:34} {x['status']:12} {pct(x['step_time_error']):>9} {pct(x.get('after_step_time_error')):>9} "
+            f"{pct(x['memory_error']):>9} {pct(x.get('after_memory_error')):>9}"
+        )
+    print(
+        f"errors are (measured - predicted) / predicted; 'after' uses calibrated.json. {summary['seconds']:.0f} s; "
+        f"statuses {summary['statuses']}"
+    )
     if summary["top_plans_out_of_memory"]:
         print("top-ranked plans that ran out of memory: " + "; ".join(summary["top_plans_out_of_memory"]))
 

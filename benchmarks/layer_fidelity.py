@@ -81,14 +81,20 @@ def host_dispatch(reference: Path = REFERENCE) -> dict[str, float]:
     rows = json.loads((reference / "bandwidth.json").read_text())["rows"]
     per_op = next(r["seconds"] for r in rows if r["op"] == TINY_OP) / 2.0
     kernels = executor_census()
-    return {"dispatch_fwd_s": kernels["forward"]["all_kernels"] * per_op,
-            "dispatch_bwd_s": kernels["backward"]["all_kernels"] * per_op}
+    return {
+        "dispatch_fwd_s": kernels["forward"]["all_kernels"] * per_op,
+        "dispatch_bwd_s": kernels["backward"]["all_kernels"] * per_op,
+    }
 
 
 def _mape(pred, meas) -> dict[str, float]:
     err = np.asarray(pred) / np.asarray(meas) - 1.0
-    return {"n": int(err.size), "mape": float(np.mean(np.abs(err))), "worst": float(np.max(np.abs(err))),
-            "bias": float(np.mean(err))}
+    return {
+        "n": int(err.size),
+        "mape": float(np.mean(np.abs(err))),
+        "worst": float(np.max(np.abs(err))),
+        "bias": float(np.mean(err)),
+    }
 
 
 # ----------------------------------------------------------------------------------------- GEMMs
@@ -165,8 +171,12 @@ def fit_attention_pass(rows, peak: float, which: str) -> tuple[AttentionPassMode
     mult = 1.0 if which == "fwd" else compute.ATTENTION_BACKWARD_FLOPS
 
     def model(x):
-        return AttentionPassModel(max_fraction=min(x[0], 1.0), max_fraction_small_head=min(x[1], 1.0),
-                                  seq_knee=x[2] * 1e3, rows_knee=x[3] * 1e4)
+        return AttentionPassModel(
+            max_fraction=min(x[0], 1.0),
+            max_fraction_small_head=min(x[1], 1.0),
+            seq_knee=x[2] * 1e3,
+            rows_knee=x[3] * 1e4,
+        )
 
     def res(x):
         return np.log((_attn_kernel_s(model(x), peak, heads, d, s, b, mult) + x[4] * 1e-5) / t)
@@ -219,22 +229,38 @@ def _spec(row) -> ModelSpec:
     known = presets().get(row["model"])
     if known is not None:
         return known
-    return ModelSpec(name=row["model"], num_layers=16, hidden_size=row["hidden"], num_attention_heads=row["heads"],
-                     num_kv_heads=row["kv_heads"], ffn_hidden_size=row["ffn"], vocab_size=128256, mlp="swiglu",
-                     norm="rmsnorm")
+    return ModelSpec(
+        name=row["model"],
+        num_layers=16,
+        hidden_size=row["hidden"],
+        num_attention_heads=row["heads"],
+        num_kv_heads=row["kv_heads"],
+        ffn_hidden_size=row["ffn"],
+        vocab_size=128256,
+        mlp="swiglu",
+        norm="rmsnorm",
+    )
 
 
 def usable_layer_rows(rows) -> tuple[np.ndarray, np.ndarray]:
     """(forward ok, forward+backward ok) per row: a figure more than MONOTONE_SLACK slower than a
     figure of the same model and tp slice with at least its sequence and batch is an outlier."""
+
     def ok(key):
         keep = np.ones(len(rows), bool)
         for i, r in enumerate(rows):
             for j, q in enumerate(rows):
-                if (i != j and q["model"] == r["model"] and q["tp"] == r["tp"] and q["seq"] >= r["seq"]
-                        and q["batch"] >= r["batch"] and q[key] * (1 + MONOTONE_SLACK) < r[key]):
+                if (
+                    i != j
+                    and q["model"] == r["model"]
+                    and q["tp"] == r["tp"]
+                    and q["seq"] >= r["seq"]
+                    and q["batch"] >= r["batch"]
+                    and q[key] * (1 + MONOTONE_SLACK) < r[key]
+                ):
                     keep[i] = False
         return keep
+
     return ok("fwd_s"), ok("fwd_bwd_s")
 
 
@@ -290,8 +316,11 @@ def layer_scores(device: DeviceProfile, rows, ok_f, ok_b, sel) -> dict:
     mb = np.array([r["fwd_bwd_s"] for r in rows])
     sf, sb = sel & ok_f, sel & ok_b
     both = np.concatenate([f[sf] / mf[sf], t[sb] / mb[sb]])
-    return {"forward": _mape(f[sf], mf[sf]), "forward_backward": _mape(t[sb], mb[sb]),
-            "both": _mape(both, np.ones_like(both))}
+    return {
+        "forward": _mape(f[sf], mf[sf]),
+        "forward_backward": _mape(t[sb], mb[sb]),
+        "both": _mape(both, np.ones_like(both)),
+    }
 
 
 def layer_two_fold(device: DeviceProfile, rows, reference: Path = REFERENCE, dispatch: dict | None = None) -> dict:
@@ -304,12 +333,20 @@ def layer_two_fold(device: DeviceProfile, rows, reference: Path = REFERENCE, dis
         sub = [r for r, keep in zip(rows, train, strict=True) if keep]
         values = fit_layer(device, sub, ok_f[train], ok_b[train])
         fitted = with_layer_values(device, values)
-        out[name] = {"fit_models": list(fit_models), "held_out_models": list(test_models), "values": values,
-                     "fit": layer_scores(fitted, rows, ok_f, ok_b, train),
-                     "held_out": layer_scores(fitted, rows, ok_f, ok_b, ~train)}
+        out[name] = {
+            "fit_models": list(fit_models),
+            "held_out_models": list(test_models),
+            "values": values,
+            "fit": layer_scores(fitted, rows, ok_f, ok_b, train),
+            "held_out": layer_scores(fitted, rows, ok_f, ok_b, ~train),
+        }
     out["profile"] = layer_scores(device, rows, ok_f, ok_b, np.ones(len(rows), bool))
-    out["unusable"] = [f"{r['model']} tp{r['tp']} s{r['seq']} b{r['batch']} {which}" for r, a, b in
-                       zip(rows, ok_f, ok_b, strict=True) for which, ok in (("fwd", a), ("fwd_bwd", b)) if not ok]
+    out["unusable"] = [
+        f"{r['model']} tp{r['tp']} s{r['seq']} b{r['batch']} {which}"
+        for r, a, b in zip(rows, ok_f, ok_b, strict=True)
+        for which, ok in (("fwd", a), ("fwd_bwd", b))
+        if not ok
+    ]
     return out
 
 
@@ -325,8 +362,9 @@ def predict_head(device: DeviceProfile, rows) -> np.ndarray:
     out = np.zeros(len(rows))
     h, v, tp, tokens, _ = _head_arrays(rows)
     for i in range(len(rows)):
-        spec = ModelSpec(num_layers=1, hidden_size=int(h[i]), num_attention_heads=16, ffn_hidden_size=int(h[i]),
-                         vocab_size=int(v[i]))
+        spec = ModelSpec(
+            num_layers=1, hidden_size=int(h[i]), num_attention_heads=16, ffn_hidden_size=int(h[i]), vocab_size=int(v[i])
+        )
         training = TrainingSpec(seq_len=int(tokens[i]), global_batch_size=1, framework=FRAMEWORK)
         t = compute.lm_head_compute_s(spec, training, device, 1.0, tp[i])
         out[i] = t - compute.memory_bound_time_s(device, fw.weight_bytes_bwd * v[i] * h[i] / tp[i])
@@ -354,8 +392,11 @@ def score_optimizer(device: DeviceProfile, rows) -> dict:
     for r in rows:
         if r["mode"] == "foreach_false":
             pred = float(compute.optimizer_step_s(device, training, float(r["params"])))
-            out[str(r["params"])] = {"measured_s": r["seconds"], "predicted_s": pred,
-                                     "error": pred / r["seconds"] - 1.0}
+            out[str(r["params"])] = {
+                "measured_s": r["seconds"],
+                "predicted_s": pred,
+                "error": pred / r["seconds"] - 1.0,
+            }
     return out
 
 
@@ -366,17 +407,25 @@ def run(fit: bool = False, reference: Path = REFERENCE, device: DeviceProfile | 
     gemm = load("gemm", reference)
     attn = attention_rows(load("attention", reference))
     layers = load("layer", reference)
-    result: dict = {"device": device.name, "framework": FRAMEWORK,
-                    "targets": {"mape": TARGET_MAPE, "worst": TARGET_WORST}}
+    result: dict = {
+        "device": device.name,
+        "framework": FRAMEWORK,
+        "targets": {"mape": TARGET_MAPE, "worst": TARGET_WORST},
+    }
     # the host floor of an isolated call belongs to the measurement, not to the device model:
     # it is refitted here and added to the profile's kernel times when they are scored
     g_fit, floor = fit_gemm(gemm, peak)
-    result["gemm"] = {"profile": score_gemm(device.gemm_shape, floor, peak, gemm), "call_floor_s": floor,
-                      "held_out_hidden_size": gemm_holdout(gemm, peak)}
+    result["gemm"] = {
+        "profile": score_gemm(device.gemm_shape, floor, peak, gemm),
+        "call_floor_s": floor,
+        "held_out_hidden_size": gemm_holdout(gemm, peak),
+    }
     a_fit, floors = fit_attention(attn, peak)
-    result["attention"] = {"profile": score_attention(device.attention_shape, floors, peak, attn),
-                           "call_floor_s": floors,
-                           "held_out_heads": attention_holdout(attn, peak)}
+    result["attention"] = {
+        "profile": score_attention(device.attention_shape, floors, peak, attn),
+        "call_floor_s": floors,
+        "held_out_heads": attention_holdout(attn, peak),
+    }
     dispatch = host_dispatch(reference)
     result["layer"] = layer_two_fold(device, layers, reference, dispatch)
     head = load("head", reference)
@@ -387,8 +436,12 @@ def run(fit: bool = False, reference: Path = REFERENCE, device: DeviceProfile | 
         dev = device.model_copy(update={"gemm_shape": g_fit, "attention_shape": a_fit})
         dev = with_layer_values(dev, dispatch)
         values = {**dispatch, **fit_layer(dev, layers, ok_f, ok_b)}
-        result["fitted"] = {"gemm_shape": g_fit.model_dump(), "attention_shape": a_fit.model_dump(),
-                            "layer": values, "head": fit_head(with_layer_values(dev, values), head)}
+        result["fitted"] = {
+            "gemm_shape": g_fit.model_dump(),
+            "attention_shape": a_fit.model_dump(),
+            "layer": values,
+            "head": fit_head(with_layer_values(dev, values), head),
+        }
     return result
 
 
@@ -417,8 +470,10 @@ def main(argv: list[str]) -> int:
     print(f"  unusable (timing outliers): {', '.join(lay['unusable'])}")
     print(_line("LM head + loss (head.json)", result["head"]))
     for n, o in result["optimizer"].items():
-        print(f"  AdamW foreach=False {int(n):>11,} params: measured {o['measured_s'] * 1e3:6.2f} ms, "
-              f"predicted {o['predicted_s'] * 1e3:6.2f} ms ({o['error']:+.2f})")
+        print(
+            f"  AdamW foreach=False {int(n):>11,} params: measured {o['measured_s'] * 1e3:6.2f} ms, "
+            f"predicted {o['predicted_s'] * 1e3:6.2f} ms ({o['error']:+.2f})"
+        )
     if "fitted" in result:
         print(json.dumps(result["fitted"], indent=2))
     OUT.parent.mkdir(parents=True, exist_ok=True)

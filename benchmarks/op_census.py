@@ -59,8 +59,15 @@ ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product
 NO_DATA = {"_unsafe_view", "detach", "alias", "ones_like"}  # views or the loss seed, not layer work
 TT_WEIGHT_BYTES_BWD = 6.0  # bf16 gradient cast to fp32 for the reduce-scatter (FSDP2 reduce_dtype fp32)
 ROPE_THETA = 500_000.0
-DERIVED = ("hidden_bytes_fwd", "hidden_bytes_bwd", "dispatch_fwd_s", "dispatch_bwd_s", "weight_bytes_fwd",
-           "weight_bytes_bwd", "dispatch_exposed_fraction")
+DERIVED = (
+    "hidden_bytes_fwd",
+    "hidden_bytes_bwd",
+    "dispatch_fwd_s",
+    "dispatch_bwd_s",
+    "weight_bytes_fwd",
+    "weight_bytes_bwd",
+    "dispatch_exposed_fraction",
+)
 
 
 class _Census(TorchDispatchMode):
@@ -208,15 +215,29 @@ def census(block: nn.Module, x: torch.Tensor, autocast: bool) -> dict:
         y.backward(grad)
 
     def per(c: _Census) -> dict:
-        return {"hidden_bytes": c.bytes["hidden"] / (tokens * HIDDEN), "ffn_bytes": c.bytes["ffn"] / (tokens * FFN),
-                "weight_bytes": c.bytes["weight"] / nparams, "kernels": c.kernels,
-                "all_kernels": sum(c.kernels.values())}
+        return {
+            "hidden_bytes": c.bytes["hidden"] / (tokens * HIDDEN),
+            "ffn_bytes": c.bytes["ffn"] / (tokens * FFN),
+            "weight_bytes": c.bytes["weight"] / nparams,
+            "kernels": c.kernels,
+            "all_kernels": sum(c.kernels.values()),
+        }
+
     return {"forward": per(fwd), "backward": per(bwd)}
 
 
 def executor_census() -> dict:
-    spec = ModelSpec(name="census", num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, num_kv_heads=KV_HEADS,
-                     ffn_hidden_size=FFN, vocab_size=1024, mlp="swiglu", norm="rmsnorm")
+    spec = ModelSpec(
+        name="census",
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        ffn_hidden_size=FFN,
+        vocab_size=1024,
+        mlp="swiglu",
+        norm="rmsnorm",
+    )
     torch.manual_seed(0)
     block = Block(spec)
     _fuse_norms(block)
@@ -240,13 +261,16 @@ def derive(executor_entry: dict, executor: dict, torchtitan: dict) -> dict:
     """The torchtitan entry from a device's executor entry and the two censuses (module docstring)."""
     ratio = {p: torchtitan[p]["hidden_bytes"] / executor[p]["hidden_bytes"] for p in ("forward", "backward")}
     kernels = {p: torchtitan[p]["all_kernels"] / executor[p]["all_kernels"] for p in ("forward", "backward")}
-    return {**executor_entry,
-            "hidden_bytes_fwd": round(executor_entry["hidden_bytes_fwd"] * ratio["forward"], 2),
-            "hidden_bytes_bwd": round(executor_entry["hidden_bytes_bwd"] * ratio["backward"], 2),
-            "dispatch_fwd_s": round(executor_entry["dispatch_fwd_s"] * kernels["forward"], 7),
-            "dispatch_bwd_s": round(executor_entry["dispatch_bwd_s"] * kernels["backward"], 7),
-            "weight_bytes_fwd": 0.0, "weight_bytes_bwd": TT_WEIGHT_BYTES_BWD,
-            "dispatch_exposed_fraction": executor_entry["dispatch_exposed_fraction"]}
+    return {
+        **executor_entry,
+        "hidden_bytes_fwd": round(executor_entry["hidden_bytes_fwd"] * ratio["forward"], 2),
+        "hidden_bytes_bwd": round(executor_entry["hidden_bytes_bwd"] * ratio["backward"], 2),
+        "dispatch_fwd_s": round(executor_entry["dispatch_fwd_s"] * kernels["forward"], 7),
+        "dispatch_bwd_s": round(executor_entry["dispatch_bwd_s"] * kernels["backward"], 7),
+        "weight_bytes_fwd": 0.0,
+        "weight_bytes_bwd": TT_WEIGHT_BYTES_BWD,
+        "dispatch_exposed_fraction": executor_entry["dispatch_exposed_fraction"],
+    }
 
 
 STACKS = {"torchtitan": torchtitan_census, "llmfoundry": mpt_census}  # derived entries, by profile key
@@ -255,8 +279,11 @@ STACKS = {"torchtitan": torchtitan_census, "llmfoundry": mpt_census}  # derived 
 def run(write: bool = False) -> dict:
     ex = executor_census()
     counts = {name: make() for name, make in STACKS.items()}
-    result = {"shape": {"hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "ffn": FFN, "seq": SEQ},
-              "census": {"executor": ex, **counts}, "devices": {}}
+    result = {
+        "shape": {"hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "ffn": FFN, "seq": SEQ},
+        "census": {"executor": ex, **counts},
+        "devices": {},
+    }
     for path in sorted(DEVICES.glob("*.json")):
         data = json.loads(path.read_text())
         frameworks = data.get("frameworks", {})
@@ -280,13 +307,17 @@ def main(argv: list[str]) -> int:
     result = run(write="--write" in argv)
     for name, c in result["census"].items():
         f, b = c["forward"], c["backward"]
-        print(f"{name:<12} forward: {f['hidden_bytes']:6.1f} B/token/hidden, {f['ffn_bytes']:4.1f} B/token/ffn, "
-              f"{f['weight_bytes']:3.1f} B/param, {f['all_kernels']:3d} kernels;  backward: {b['hidden_bytes']:6.1f}, "
-              f"{b['ffn_bytes']:4.1f}, {b['weight_bytes']:3.1f}, {b['all_kernels']:3d} kernels")
+        print(
+            f"{name:<12} forward: {f['hidden_bytes']:6.1f} B/token/hidden, {f['ffn_bytes']:4.1f} B/token/ffn, "
+            f"{f['weight_bytes']:3.1f} B/param, {f['all_kernels']:3d} kernels;  backward: {b['hidden_bytes']:6.1f}, "
+            f"{b['ffn_bytes']:4.1f}, {b['weight_bytes']:3.1f}, {b['all_kernels']:3d} kernels"
+        )
     for device, entries in result["devices"].items():
         for name, entry in entries.items():
-            print(f"  {device:<10} {name:<11} hidden {entry['hidden_bytes_fwd']}/{entry['hidden_bytes_bwd']} B, "
-                  f"dispatch {entry['dispatch_fwd_s'] * 1e3:.3f}/{entry['dispatch_bwd_s'] * 1e3:.3f} ms")
+            print(
+                f"  {device:<10} {name:<11} hidden {entry['hidden_bytes_fwd']}/{entry['hidden_bytes_bwd']} B, "
+                f"dispatch {entry['dispatch_fwd_s'] * 1e3:.3f}/{entry['dispatch_bwd_s'] * 1e3:.3f} ms"
+            )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {OUT}")

@@ -73,9 +73,11 @@ REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 FILES = ("published_runs_a100.json", "published_runs_more.json")
 # Records gathered for issue 17 (mixture of experts with expert parallelism; context parallelism and uneven
 # stages where a bf16 run was found), kept in the repository beside this module.
-LOCAL_FILES = (Path(__file__).parent / "data" / "published_runs_moe_cp.json",
-               # MosaicML's H100 80GB BF16 tables (llm-foundry 5e85bd62d), read like its A100 ones
-               Path(__file__).parent / "data" / "mosaicml_h100_bf16.json")
+LOCAL_FILES = (
+    Path(__file__).parent / "data" / "published_runs_moe_cp.json",
+    # MosaicML's H100 80GB BF16 tables (llm-foundry 5e85bd62d), read like its A100 ones
+    Path(__file__).parent / "data" / "mosaicml_h100_bf16.json",
+)
 OUT = Path(__file__).parent / "results" / "published.json"
 
 # Targets of issue 12 (median and worst |step-time error| per source family).
@@ -135,10 +137,10 @@ class Skip(Exception):
     """A run berth cannot predict as published; the message says why."""
 
 
-
 def model_name(row: dict) -> str:
     """The record's model name as a spec name (names are validated: no spaces, `planner/specs.py`)."""
     return re.sub(r"[^A-Za-z0-9_./:+@-]+", "-", row["model_name"]).strip("-") or "published"
+
 
 def load_runs(reference: Path = REFERENCE) -> list[dict]:
     """Every record of both files; a clear error when the data are missing (CI has ../shared)."""
@@ -146,8 +148,10 @@ def load_runs(reference: Path = REFERENCE) -> list[dict]:
     for name in FILES:
         path = reference / name
         if not path.is_file():
-            raise FileNotFoundError(f"published runs not found at {path}: the benchmark and tests/test_golden.py "
-                                    f"need ../shared/reference beside the checkout")
+            raise FileNotFoundError(
+                f"published runs not found at {path}: the benchmark and tests/test_golden.py "
+                f"need ../shared/reference beside the checkout"
+            )
         rows += json.loads(path.read_text())
     for path in LOCAL_FILES:
         if not path.is_file():
@@ -178,8 +182,12 @@ def _with_inter_node_bandwidth(cluster: ClusterSpec, per_gpu: float | None) -> C
     """The preset with its levels beyond one node set to the record's per-GPU bandwidth."""
     if per_gpu is None:
         return cluster
-    levels = tuple(lv.model_copy(update={"link": lv.link.model_copy(update={"bandwidth_bytes_per_s": per_gpu})})
-                   if lv.gpus > cluster.gpus_per_node else lv for lv in cluster.levels)
+    levels = tuple(
+        lv.model_copy(update={"link": lv.link.model_copy(update={"bandwidth_bytes_per_s": per_gpu})})
+        if lv.gpus > cluster.gpus_per_node
+        else lv
+        for lv in cluster.levels
+    )
     inter = cluster.inter_node.model_copy(update={"bandwidth_bytes_per_s": per_gpu})
     return cluster.model_copy(update={"fabric": levels, "inter_node": inter})
 
@@ -188,13 +196,15 @@ def h100_96gb_500w():
     """The torchtitan part: h100-sxm with 96 GB of HBM2e and power-capped clocks (module constants)."""
     base = load_device("h100-sxm")
     peak = {k: v * H100_96GB_CLOCK_DERATE for k, v in base.peak_flops_per_s.items()}
-    return base.model_copy(update={
-        "name": "h100-sxm-96g-500w",
-        "display_name": "NVIDIA H100 SXM 96GB HBM2e, 500 W cap (h100-sxm, derated; benchmarks/published.py)",
-        "memory_bytes": int(base.memory_bytes * H100_96GB_MEMORY_SCALE),
-        "memory_bandwidth_bytes_per_s": H100_96GB_MEMORY_BANDWIDTH,
-        "peak_flops_per_s": peak,
-    })
+    return base.model_copy(
+        update={
+            "name": "h100-sxm-96g-500w",
+            "display_name": "NVIDIA H100 SXM 96GB HBM2e, 500 W cap (h100-sxm, derated; benchmarks/published.py)",
+            "memory_bytes": int(base.memory_bytes * H100_96GB_MEMORY_SCALE),
+            "memory_bandwidth_bytes_per_s": H100_96GB_MEMORY_BANDWIDTH,
+            "peak_flops_per_s": peak,
+        }
+    )
 
 
 def _device_for(gpu_type: str):
@@ -275,10 +285,12 @@ def _megatron(row: dict) -> Case:
     if str(row["activation_recompute"]).startswith("selective +"):
         raise Skip("micro-batch-level recomputation (store some micro-batches fully): not expressible")
     if row["zero_stage"] == 3:
-        raise Skip("DeepSpeed ZeRO-3 of 2021 (Narayanan Table 2 baseline): the 175B step stays at 66.75 s from "
-                   "768 to 1536 GPUs while each GPU's compute halves, a fixed per-step cost of that implementation "
-                   "(per-module parameter fetch and partition bookkeeping), not of links or GEMMs; berth's "
-                   "FSDP-style ZeRO-3 predicts these 39-80% too fast")
+        raise Skip(
+            "DeepSpeed ZeRO-3 of 2021 (Narayanan Table 2 baseline): the 175B step stays at 66.75 s from "
+            "768 to 1536 GPUs while each GPU's compute halves, a fixed per-step cost of that implementation "
+            "(per-module parameter fetch and partition bookkeeping), not of links or GEMMs; berth's "
+            "FSDP-style ZeRO-3 predicts these 39-80% too fast"
+        )
     tp, pp = row["tp"] or d.get("tp"), row["pp"] or d.get("pp")
     if tp is None or pp is None:
         raise Skip("tensor/pipeline sizes not stated")
@@ -288,15 +300,36 @@ def _megatron(row: dict) -> Case:
     vpp = row["virtual_pipeline_stages"] or d.get("virtual_pipeline_stages") or 1
     recompute = "selective" if str(row["activation_recompute"]).startswith("selective") else "full"
     ffn = row["ffn_hidden_size"] or d.get("ffn_hidden_size") or 4 * row["hidden_size"]
-    model = ModelSpec(name=row["id"], num_layers=row["num_layers"], hidden_size=row["hidden_size"],
-                      num_attention_heads=row["num_attention_heads"], ffn_hidden_size=ffn,
-                      vocab_size=row["vocab_size"], mlp="gelu", tied_embeddings=True, dropout=True)
-    training = TrainingSpec(seq_len=row["seq_len"], global_batch_size=batch, precision=_precision(row),
-                            flash_attention=_flash_attention(row), framework="megatron")
+    model = ModelSpec(
+        name=row["id"],
+        num_layers=row["num_layers"],
+        hidden_size=row["hidden_size"],
+        num_attention_heads=row["num_attention_heads"],
+        ffn_hidden_size=ffn,
+        vocab_size=row["vocab_size"],
+        mlp="gelu",
+        tied_embeddings=True,
+        dropout=True,
+    )
+    training = TrainingSpec(
+        seq_len=row["seq_len"],
+        global_batch_size=batch,
+        precision=_precision(row),
+        flash_attention=_flash_attention(row),
+        framework="megatron",
+    )
     schedule = "interleaved_1f1b" if pp > 1 and vpp > 1 else "1f1b"
-    layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=batch // (dp * mbs),
-                    virtual_stages=vpp, schedule=schedule, recompute=recompute,
-                    sequence_parallel=bool(row["sequence_parallel"]))
+    layout = Layout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch_size=mbs,
+        num_microbatches=batch // (dp * mbs),
+        virtual_stages=vpp,
+        schedule=schedule,
+        recompute=recompute,
+        sequence_parallel=bool(row["sequence_parallel"]),
+    )
     check = None
     if row["step_time_s"]:
         measured, basis = float(row["step_time_s"]), "iteration time as printed"
@@ -344,17 +377,40 @@ def _mosaicml(row: dict) -> Case:
     zero, shard = zero_shard
     mbs, accum = row["micro_batch_size"], row["grad_accum_steps"]
     batch = dp * mbs * accum  # what a step ran (GBS = dp x mbs x accum for every row held)
-    model = ModelSpec(name=model_name(row), num_layers=row["num_layers"], hidden_size=row["hidden_size"],
-                      num_attention_heads=row["num_attention_heads"], num_kv_heads=row["num_kv_heads"],
-                      ffn_hidden_size=row["ffn_hidden_size"], vocab_size=row["vocab_size"], mlp="gelu",
-                      norm="layernorm", tied_embeddings=True, dropout=False)
+    model = ModelSpec(
+        name=model_name(row),
+        num_layers=row["num_layers"],
+        hidden_size=row["hidden_size"],
+        num_attention_heads=row["num_attention_heads"],
+        num_kv_heads=row["num_kv_heads"],
+        ffn_hidden_size=row["ffn_hidden_size"],
+        vocab_size=row["vocab_size"],
+        mlp="gelu",
+        norm="layernorm",
+        tied_embeddings=True,
+        dropout=False,
+    )
     # llm-foundry's default loss is its fused cross-entropy on the 16-bit logits (no fp32 copy)
-    training = TrainingSpec(seq_len=row["seq_len"], global_batch_size=batch, precision="bf16",
-                            flash_attention=True, attention_kernel=MOSAICML_ATTENTION, framework="pytorch",
-                            cross_entropy="fused")
+    training = TrainingSpec(
+        seq_len=row["seq_len"],
+        global_batch_size=batch,
+        precision="bf16",
+        flash_attention=True,
+        attention_kernel=MOSAICML_ATTENTION,
+        framework="pytorch",
+        cross_entropy="fused",
+    )
     recompute = "full" if row["activation_recompute"] == "full" else "none"
-    layout = Layout(tp=1, pp=1, dp=dp, shard=shard, zero_stage=zero, micro_batch_size=mbs, num_microbatches=accum,
-                    recompute=recompute)
+    layout = Layout(
+        tp=1,
+        pp=1,
+        dp=dp,
+        shard=shard,
+        zero_stage=zero,
+        micro_batch_size=mbs,
+        num_microbatches=accum,
+        recompute=recompute,
+    )
     tps = float(row["tokens_per_sec_per_gpu"])
     measured = batch * row["seq_len"] / (tps * n)
     # Cross-check: the README's model TFLOP/s back to tokens/s with its own FLOP count.
@@ -366,14 +422,31 @@ def _mosaicml(row: dict) -> Case:
         check = (row["tflops_per_gpu"] * 1e12 / flops_per_seq * s) / tps - 1.0
     notes = []
     if "PURE" in (row["precision"] or ""):
-        notes.append("bf16 (FSDP mixed_precision=PURE) reduces gradients in bf16: predicted with FSDP2's fp32 "
-                     "reduction (twice the gradient traffic)")
-    return Case(row["id"], row["source_id"], model, training, _cluster(row, MOSAICML_STACK), layout, measured,
-                "global batch tokens / (printed tokens/s per GPU x GPUs)", check, notes)
+        notes.append(
+            "bf16 (FSDP mixed_precision=PURE) reduces gradients in bf16: predicted with FSDP2's fp32 "
+            "reduction (twice the gradient traffic)"
+        )
+    return Case(
+        row["id"],
+        row["source_id"],
+        model,
+        training,
+        _cluster(row, MOSAICML_STACK),
+        layout,
+        measured,
+        "global batch tokens / (printed tokens/s per GPU x GPUs)",
+        check,
+        notes,
+    )
 
 
-SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved_1f1b",
-             "interleaved 1f1b": "interleaved_1f1b", "interleaved_1f1b": "interleaved_1f1b"}
+SCHEDULES = {
+    "1f1b": "1f1b",
+    "gpipe": "gpipe",
+    "interleaved1f1b": "interleaved_1f1b",
+    "interleaved 1f1b": "interleaved_1f1b",
+    "interleaved_1f1b": "interleaved_1f1b",
+}
 
 
 def _torchtitan(row: dict) -> Case:
@@ -397,23 +470,59 @@ def _torchtitan(row: dict) -> Case:
         if local % nmb:
             raise Skip(f"local batch {local} does not split into {nmb} pipeline micro-batches")
     batch = dp * local
-    model = ModelSpec(name=model_name(row), num_layers=row["num_layers"], hidden_size=row["hidden_size"],
-                      num_attention_heads=row["num_attention_heads"], num_kv_heads=row["num_kv_heads"],
-                      ffn_hidden_size=row["ffn_hidden_size"], vocab_size=row["vocab_size"] or LLAMA3_VOCAB,
-                      mlp="swiglu", norm="rmsnorm", tied_embeddings=False, dropout=False)
-    training = TrainingSpec(seq_len=seq, global_batch_size=batch, precision="bf16", flash_attention=True,
-                            attention_kernel=TORCHTITAN_ATTENTION, framework="pytorch")
-    layout = Layout(tp=tp, pp=pp, dp=dp, shard=shard if row["fsdp"] else 1, zero_stage=3 if row["fsdp"] else 0,
-                    micro_batch_size=local // nmb, num_microbatches=nmb, virtual_stages=vpp, schedule=schedule,
-                    recompute=row["activation_recompute"] or "none",
-                    sequence_parallel=tp > 1)  # torchtitan bundles TP with sequence parallelism (notes)
+    model = ModelSpec(
+        name=model_name(row),
+        num_layers=row["num_layers"],
+        hidden_size=row["hidden_size"],
+        num_attention_heads=row["num_attention_heads"],
+        num_kv_heads=row["num_kv_heads"],
+        ffn_hidden_size=row["ffn_hidden_size"],
+        vocab_size=row["vocab_size"] or LLAMA3_VOCAB,
+        mlp="swiglu",
+        norm="rmsnorm",
+        tied_embeddings=False,
+        dropout=False,
+    )
+    training = TrainingSpec(
+        seq_len=seq,
+        global_batch_size=batch,
+        precision="bf16",
+        flash_attention=True,
+        attention_kernel=TORCHTITAN_ATTENTION,
+        framework="pytorch",
+    )
+    layout = Layout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        shard=shard if row["fsdp"] else 1,
+        zero_stage=3 if row["fsdp"] else 0,
+        micro_batch_size=local // nmb,
+        num_microbatches=nmb,
+        virtual_stages=vpp,
+        schedule=schedule,
+        recompute=row["activation_recompute"] or "none",
+        sequence_parallel=tp > 1,
+    )  # torchtitan bundles TP with sequence parallelism (notes)
     measured = batch * seq / (float(row["tokens_per_sec_per_gpu"]) * row["num_gpus"])
-    notes = ["torchtitan 'selective' is op-level SAC (recomputes some matmuls); berth's selective recomputes the "
-             "attention core only"]
+    notes = [
+        "torchtitan 'selective' is op-level SAC (recomputes some matmuls); berth's selective recomputes the "
+        "attention core only"
+    ]
     if "96GB" in row["gpu_type"].replace(" ", ""):
         notes.insert(0, "device: h100-sxm with 96 GB of HBM2e and a 500 W clock derate (H100_96GB_*)")
-    return Case(row["id"], row["source_id"], model, training, _cluster(row, FSDP_BF16_STACK), layout, measured,
-                "global batch tokens / (printed tokens/s per GPU x GPUs)", None, notes)
+    return Case(
+        row["id"],
+        row["source_id"],
+        model,
+        training,
+        _cluster(row, FSDP_BF16_STACK),
+        layout,
+        measured,
+        "global batch tokens / (printed tokens/s per GPU x GPUs)",
+        None,
+        notes,
+    )
 
 
 # Megatron-LM's FLOP count changed on 2025-03-06 (8873b55d6a, "Fixes in number of floating-point operation
@@ -450,8 +559,10 @@ def _megatron_core(row: dict) -> Case:
     heads, hidden = row["num_attention_heads"], row["hidden_size"]
     head_dim = (row.get("extra_metrics") or {}).get("head_dim")
     if head_dim and head_dim * heads != hidden:
-        raise Skip(f"head_dim {head_dim} x {heads} heads = {head_dim * heads} != hidden_size {hidden}: berth's layers "
-                   "assume head_dim x heads = hidden_size (Qwen3)")
+        raise Skip(
+            f"head_dim {head_dim} x {heads} heads = {head_dim * heads} != hidden_size {hidden}: berth's layers "
+            "assume head_dim x heads = hidden_size (Qwen3)"
+        )
     if ep > 1 and cp > 1:
         raise Skip("expert parallelism with context parallelism is not modelled (validity reason ep_with_cp)")
     if row["activation_recompute"] not in ("none", "selective", "full"):
@@ -460,27 +571,61 @@ def _megatron_core(row: dict) -> Case:
     batch = row["global_batch_size"]
     if batch % (dp * mbs):
         raise Skip(f"global batch {batch} does not split into dp {dp} x micro-batch {mbs}")
-    model = ModelSpec(name=model_name(row), num_layers=row["num_layers"], hidden_size=row["hidden_size"],
-                      num_attention_heads=row["num_attention_heads"], num_kv_heads=row["num_kv_heads"],
-                      ffn_hidden_size=row["ffn_hidden_size"], vocab_size=row["vocab_size"], mlp="swiglu",
-                      norm="rmsnorm", tied_embeddings=False, dropout=False,
-                      num_experts=row.get("num_experts") or 0, experts_per_token=row.get("experts_per_token") or 0,
-                      moe_ffn_hidden_size=row.get("moe_ffn_hidden_size"))
-    training = TrainingSpec(seq_len=row["seq_len"], global_batch_size=batch, precision="bf16", flash_attention=True,
-                            framework="megatron")
+    model = ModelSpec(
+        name=model_name(row),
+        num_layers=row["num_layers"],
+        hidden_size=row["hidden_size"],
+        num_attention_heads=row["num_attention_heads"],
+        num_kv_heads=row["num_kv_heads"],
+        ffn_hidden_size=row["ffn_hidden_size"],
+        vocab_size=row["vocab_size"],
+        mlp="swiglu",
+        norm="rmsnorm",
+        tied_embeddings=False,
+        dropout=False,
+        num_experts=row.get("num_experts") or 0,
+        experts_per_token=row.get("experts_per_token") or 0,
+        moe_ffn_hidden_size=row.get("moe_ffn_hidden_size"),
+    )
+    training = TrainingSpec(
+        seq_len=row["seq_len"], global_batch_size=batch, precision="bf16", flash_attention=True, framework="megatron"
+    )
     zero = row.get("zero_stage") or 0
-    layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, zero_stage=zero, shard=dp if zero else 1,
-                    micro_batch_size=mbs, num_microbatches=batch // (dp * mbs), virtual_stages=vpp,
-                    schedule="interleaved_1f1b" if pp > 1 and vpp > 1 else "1f1b",
-                    recompute=row["activation_recompute"] or "none", sequence_parallel=bool(row["sequence_parallel"]))
+    layout = Layout(
+        tp=tp,
+        cp=cp,
+        pp=pp,
+        dp=dp,
+        ep=ep,
+        zero_stage=zero,
+        shard=dp if zero else 1,
+        micro_batch_size=mbs,
+        num_microbatches=batch // (dp * mbs),
+        virtual_stages=vpp,
+        schedule="interleaved_1f1b" if pp > 1 and vpp > 1 else "1f1b",
+        recompute=row["activation_recompute"] or "none",
+        sequence_parallel=bool(row["sequence_parallel"]),
+    )
     measured = megatron_core_flops(row, batch) / (n * row["tflops_per_gpu"] * 1e12)
     notes = [f"FLOPs: Megatron-LM's count with the {row['derived']['attention_flops']} attention products"]
     etp = row.get("expert_tp")
     if ep > 1 and etp is not None and etp != tp:
-        notes.append(f"published with MoE parallel folding (expert TP {etp}, the ep group inside a node); predicted "
-                     f"with expert TP = tp = {tp} and ep ranks at stride tp, berth's only expert layout")
-    return Case(row["id"], row["source_id"], model, training, _cluster(row), layout, measured,
-                "Megatron-LM FLOPs (megatron_core_flops) / (GPUs x printed TFLOP/s)", None, notes)
+        notes.append(
+            f"published with MoE parallel folding (expert TP {etp}, the ep group inside a node); predicted "
+            f"with expert TP = tp = {tp} and ep ranks at stride tp, berth's only expert layout"
+        )
+    return Case(
+        row["id"],
+        row["source_id"],
+        model,
+        training,
+        _cluster(row),
+        layout,
+        measured,
+        "Megatron-LM FLOPs (megatron_core_flops) / (GPUs x printed TFLOP/s)",
+        None,
+        notes,
+    )
 
 
 ACCOUNTING_CHECKS = {
@@ -489,10 +634,15 @@ ACCOUNTING_CHECKS = {
     "mosaicml_llmfoundry_h100": "model TFLOP/s through the README's MFU formula",
 }
 
-READERS = {"narayanan2021": _megatron, "korthikanti2022": _megatron, "mosaicml_llmfoundry": _mosaicml,
-           "mosaicml_llmfoundry_h100": _mosaicml,
-           "torchtitan_bench_202412": _torchtitan, "megatron_core_moe_readme_2024": _megatron_core,
-           "megatron_moe_modelzoo_2025": _megatron_core}
+READERS = {
+    "narayanan2021": _megatron,
+    "korthikanti2022": _megatron,
+    "mosaicml_llmfoundry": _mosaicml,
+    "mosaicml_llmfoundry_h100": _mosaicml,
+    "torchtitan_bench_202412": _torchtitan,
+    "megatron_core_moe_readme_2024": _megatron_core,
+    "megatron_moe_modelzoo_2025": _megatron_core,
+}
 
 
 def _reader(row: dict):
@@ -500,8 +650,12 @@ def _reader(row: dict):
     if row["source_id"] in READERS:
         return READERS[row["source_id"]]
     fw = (row.get("framework") or "").lower()
-    for key, reader in (("megatron", _megatron), ("torchtitan", _torchtitan), ("fsdp", _mosaicml),
-                        ("composer", _mosaicml)):
+    for key, reader in (
+        ("megatron", _megatron),
+        ("torchtitan", _torchtitan),
+        ("fsdp", _mosaicml),
+        ("composer", _mosaicml),
+    ):
         if key in fw:
             return reader
     raise Skip(f"source {row['source_id']} ({row.get('framework')}) has no reader")
@@ -550,10 +704,17 @@ def predict(case: Case) -> Result:
     with np.errstate(divide="ignore", invalid="ignore"):
         ev = evaluate(case.model, case.training, case.cluster, c)
     from berth.cost_models.validity import describe
+
     code = int(ev.reason[0])
-    return Result(case, float(ev.step_time_s[0]), float(ev.peak_memory_bytes[0]) / GIB,
-                  case.cluster.device.memory_bytes / GIB, describe(code) or None, float(ev.mfu[0]),
-                  {k: float(v[0]) for k, v in ev.time_breakdown_s.items()})
+    return Result(
+        case,
+        float(ev.step_time_s[0]),
+        float(ev.peak_memory_bytes[0]) / GIB,
+        case.cluster.device.memory_bytes / GIB,
+        describe(code) or None,
+        float(ev.mfu[0]),
+        {k: float(v[0]) for k, v in ev.time_breakdown_s.items()},
+    )
 
 
 def family_of(result: Result) -> str:
@@ -564,16 +725,27 @@ def summarize(results: list[Result]) -> dict:
     def stats(rs):
         errs = [r.error for r in rs]
         worst = max(rs, key=lambda r: abs(r.error))
-        return {"runs": len(rs), "median_abs_error": statistics.median(abs(e) for e in errs),
-                "mean_error": statistics.fmean(errs), "worst_abs_error": abs(worst.error),
-                "worst_run": worst.case.id, "worst_error": worst.error,
-                "meets_target": statistics.median(abs(e) for e in errs) <= TARGET_MEDIAN
-                and abs(worst.error) <= TARGET_WORST}
+        return {
+            "runs": len(rs),
+            "median_abs_error": statistics.median(abs(e) for e in errs),
+            "mean_error": statistics.fmean(errs),
+            "worst_abs_error": abs(worst.error),
+            "worst_run": worst.case.id,
+            "worst_error": worst.error,
+            "meets_target": statistics.median(abs(e) for e in errs) <= TARGET_MEDIAN
+            and abs(worst.error) <= TARGET_WORST,
+        }
+
     families = sorted({family_of(r) for r in results})
-    return {"families": {f: stats([r for r in results if family_of(r) == f]) for f in families},
-            "overall": stats(results),
-            "not_fitting": [{"id": r.case.id, "predicted_gib": r.peak_gib, "capacity_gib": r.capacity_gib}
-                            for r in results if not r.fits]}
+    return {
+        "families": {f: stats([r for r in results if family_of(r) == f]) for f in families},
+        "overall": stats(results),
+        "not_fitting": [
+            {"id": r.case.id, "predicted_gib": r.peak_gib, "capacity_gib": r.capacity_gib}
+            for r in results
+            if not r.fits
+        ],
+    }
 
 
 def run(reference: Path = REFERENCE) -> dict:
@@ -589,19 +761,28 @@ def main(argv: list[str] | None = None) -> int:
     results, skipped, summary = out["results"], out["skipped"], out["summary"]
     print(f"{'run':58s} {'measured s':>10s} {'predicted':>10s} {'error':>7s} {'MFU':>6s} {'GiB':>6s}/{'cap':<5s}")
     for r in results:
-        print(f"{r.case.id:58s} {r.case.measured_step_s:10.3f} {r.predicted_step_s:10.3f} {r.error:+7.1%} "
-              f"{r.mfu:6.1%} {r.peak_gib:6.1f}/{r.capacity_gib:<5.0f}{'' if r.fits else ' DOES NOT FIT'}")
+        print(
+            f"{r.case.id:58s} {r.case.measured_step_s:10.3f} {r.predicted_step_s:10.3f} {r.error:+7.1%} "
+            f"{r.mfu:6.1%} {r.peak_gib:6.1f}/{r.capacity_gib:<5.0f}{'' if r.fits else ' DOES NOT FIT'}"
+        )
     print(f"\n{'family':28s} {'runs':>5s} {'median |err|':>13s} {'mean err':>9s} {'worst':>8s}  worst run")
     for name, s in [*summary["families"].items(), ("overall", summary["overall"])]:
-        print(f"{name:28s} {s['runs']:5d} {s['median_abs_error']:13.1%} {s['mean_error']:+9.1%} "
-              f"{s['worst_error']:+8.1%}  {s['worst_run']}")
+        print(
+            f"{name:28s} {s['runs']:5d} {s['median_abs_error']:13.1%} {s['mean_error']:+9.1%} "
+            f"{s['worst_error']:+8.1%}  {s['worst_run']}"
+        )
     print(f"targets per family: median |error| <= {TARGET_MEDIAN:.0%}, worst <= {TARGET_WORST:.0%}")
     for name in summary["families"]:
-        checks = [abs(r.case.accounting_check) for r in results
-                  if r.case.family == name and r.case.accounting_check is not None]
+        checks = [
+            abs(r.case.accounting_check)
+            for r in results
+            if r.case.family == name and r.case.accounting_check is not None
+        ]
         if checks:
-            print(f"accounting cross-check, {name}: {len(checks)} runs, the step time from the source's other "
-                  f"figure ({ACCOUNTING_CHECKS.get(name, 'second figure')}) agrees within {max(checks):.2%}")
+            print(
+                f"accounting cross-check, {name}: {len(checks)} runs, the step time from the source's other "
+                f"figure ({ACCOUNTING_CHECKS.get(name, 'second figure')}) agrees within {max(checks):.2%}"
+            )
     print(f"\npredicted NOT to fit ({len(summary['not_fitting'])}):")
     for m in summary["not_fitting"]:
         print(f"  {m['id']}: {m['predicted_gib']:.1f} GiB > {m['capacity_gib']:.1f} GiB")
@@ -612,17 +793,36 @@ def main(argv: list[str] | None = None) -> int:
     for why, ids in reasons.items():
         print(f"  {len(ids):3d} x {why}\n        e.g. {', '.join(ids[:3])}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({
-        "targets": {"median_abs_error": TARGET_MEDIAN, "worst_abs_error": TARGET_WORST},
-        "summary": summary,
-        "runs": [{"id": r.case.id, "family": r.case.family, "layout": r.case.layout.short(),
-                  "device": r.case.cluster.device.name, "measured_step_s": r.case.measured_step_s,
-                  "measured_basis": r.case.measured_basis, "predicted_step_s": r.predicted_step_s,
-                  "error": r.error, "predicted_mfu": r.mfu, "predicted_peak_gib": r.peak_gib,
-                  "capacity_gib": r.capacity_gib, "fits": r.fits, "accounting_check": r.case.accounting_check,
-                  "breakdown_s": r.breakdown_s, "notes": r.case.notes} for r in results],
-        "skipped": skipped,
-    }, indent=1))
+    OUT.write_text(
+        json.dumps(
+            {
+                "targets": {"median_abs_error": TARGET_MEDIAN, "worst_abs_error": TARGET_WORST},
+                "summary": summary,
+                "runs": [
+                    {
+                        "id": r.case.id,
+                        "family": r.case.family,
+                        "layout": r.case.layout.short(),
+                        "device": r.case.cluster.device.name,
+                        "measured_step_s": r.case.measured_step_s,
+                        "measured_basis": r.case.measured_basis,
+                        "predicted_step_s": r.predicted_step_s,
+                        "error": r.error,
+                        "predicted_mfu": r.mfu,
+                        "predicted_peak_gib": r.peak_gib,
+                        "capacity_gib": r.capacity_gib,
+                        "fits": r.fits,
+                        "accounting_check": r.case.accounting_check,
+                        "breakdown_s": r.breakdown_s,
+                        "notes": r.case.notes,
+                    }
+                    for r in results
+                ],
+                "skipped": skipped,
+            },
+            indent=1,
+        )
+    )
     print(f"saved {OUT}")
     return 0
 

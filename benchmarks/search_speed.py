@@ -79,15 +79,32 @@ def compile_packages() -> None:
 def whole_process(model_name, preset, nodes, seq, batch) -> dict:
     """Wall time of `berth plan ...` as a fresh process (tables printed to /dev/null); main() byte-compiles
     berth first."""
-    cmd = [sys.executable, "-m", "berth.planner.cli", "plan", model_name, "--cluster", preset, "--nodes", str(nodes),
-           "--seq-len", str(seq), "--global-batch", str(batch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "berth.planner.cli",
+        "plan",
+        model_name,
+        "--cluster",
+        preset,
+        "--nodes",
+        str(nodes),
+        "--seq-len",
+        str(seq),
+        "--global-batch",
+        str(batch),
+    ]
     walls = []
     for _ in range(WHOLE_REPEATS):
         t0 = time.perf_counter()
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
         walls.append(time.perf_counter() - t0)
-    return {"command": "berth " + " ".join(cmd[3:]), "wall_s_min": min(walls),
-            "wall_s_median": statistics.median(walls), "walls_s": walls}
+    return {
+        "command": "berth " + " ".join(cmd[3:]),
+        "wall_s_min": min(walls),
+        "wall_s_median": statistics.median(walls),
+        "walls_s": walls,
+    }
 
 
 def main() -> None:
@@ -96,8 +113,10 @@ def main() -> None:
     for name, *args in CASES:
         r = run_case(*args)
         results[name] = r
-        print(f"{name:36s} {r['candidates']:11,d} {r['wall_s_median']:8.3f} {r['candidates_per_s']:12,.0f}  "
-              f"{r['best_layout']} (MFU {r['best_mfu']:.1%})")
+        print(
+            f"{name:36s} {r['candidates']:11,d} {r['wall_s_median']:8.3f} {r['candidates_per_s']:12,.0f}  "
+            f"{r['best_layout']} (MFU {r['best_mfu']:.1%})"
+        )
     print(f"\nwhole process (`berth plan ...`, {WHOLE_REPEATS} runs)")
     compile_packages()
     for name, *args in CASES:
@@ -108,15 +127,30 @@ def main() -> None:
         print(f"{name:36s} min {w['wall_s_min']:.3f} s, median {w['wall_s_median']:.3f} s{note}")
     first = results[CASES[0][0]]["wall_s_median"]
     worst = max(r["wall_s_median"] for r in results.values())
-    summary = {"first_case_under_1s": first < 1.0, "every_case_under_5s": worst < 5.0,
-               "whole_process_targets_met_by_min": {n: results[n]["whole_process"]["wall_s_min"] < t
-                                                    for n, t in WHOLE_TARGETS_S.items()}}
-    print(f"targets: first case {first:.3f} s (< 1 s: {summary['first_case_under_1s']}), "
-          f"worst {worst:.3f} s (< 5 s: {summary['every_case_under_5s']})")
+    summary = {
+        "first_case_under_1s": first < 1.0,
+        "every_case_under_5s": worst < 5.0,
+        "whole_process_targets_met_by_min": {
+            n: results[n]["whole_process"]["wall_s_min"] < t for n, t in WHOLE_TARGETS_S.items()
+        },
+    }
+    print(
+        f"targets: first case {first:.3f} s (< 1 s: {summary['first_case_under_1s']}), "
+        f"worst {worst:.3f} s (< 5 s: {summary['every_case_under_5s']})"
+    )
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"machine": platform.node(), "processor": platform.processor(),
-                               "python": platform.python_version(), "cases": results,
-                               "summary": summary}, indent=2))
+    OUT.write_text(
+        json.dumps(
+            {
+                "machine": platform.node(),
+                "processor": platform.processor(),
+                "python": platform.python_version(),
+                "cases": results,
+                "summary": summary,
+            },
+            indent=2,
+        )
+    )
     print(f"saved {OUT}")
 
 

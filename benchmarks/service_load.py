@@ -45,8 +45,12 @@ from pathlib import Path
 
 import httpx
 
-BODY = {"model": "llama3-70b", "training": {"seq_len": 8192, "global_batch_size": 256},
-        "cluster": {"preset": "dgx-h100", "nodes": 8}, "search": {"top": 5}}
+BODY = {
+    "model": "llama3-70b",
+    "training": {"seq_len": 8192, "global_batch_size": 256},
+    "cluster": {"preset": "dgx-h100", "nodes": 8},
+    "search": {"top": 5},
+}
 HUGE = {**BODY, "cluster": {"preset": "dgx-h100", "nodes": 8191}}
 OUT = Path(__file__).parent / "results" / "service_load.json"
 ABUSERS = 4  # clients sending 8,191-node requests during the abuse run
@@ -65,9 +69,12 @@ def start_server(workers: int, store: Path, cache: bool, **settings) -> tuple[su
     env = {**os.environ, "BERTH_STORE_PATH": str(store), **{f"BERTH_{k.upper()}": str(v) for k, v in settings.items()}}
     if not cache:
         env["BERTH_PLAN_CACHE_SIZE"] = "0"
-    proc = subprocess.Popen([sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(port),
-                             "--workers", str(workers)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(port), "--workers", str(workers)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(150):
         try:
@@ -81,14 +88,23 @@ def start_server(workers: int, store: Path, cache: bool, **settings) -> tuple[su
 
 def _request_bytes(host: str, port: int, payload: dict | None = None) -> bytes:
     body = json.dumps(payload or BODY).encode()
-    head = (f"POST /v1/plans HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n")
+    head = (
+        f"POST /v1/plans HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n"
+    )
     return head.encode() + body
 
 
-async def client(host: str, port: int, stop_at: float, latencies: list[float], errors: list[str],
-                 payload: dict | None = None, statuses: dict[int, int] | None = None,
-                 path: str = "/v1/plans") -> None:
+async def client(
+    host: str,
+    port: int,
+    stop_at: float,
+    latencies: list[float],
+    errors: list[str],
+    payload: dict | None = None,
+    statuses: dict[int, int] | None = None,
+    path: str = "/v1/plans",
+) -> None:
     """One keep-alive HTTP/1.1 connection sending requests back to back. Hand-rolled on asyncio
     streams: an httpx AsyncClient costs about 4 ms of client CPU per request here, enough to make
     the load generator, not the server, the bottleneck on two cores. A 429 (queue full) is counted
@@ -104,8 +120,11 @@ async def client(host: str, port: int, stop_at: float, latencies: list[float], e
             await writer.drain()
             head = await reader.readuntil(b"\r\n\r\n")
             status = int(head.split(b" ", 2)[1])
-            length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:"))
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
             body = await reader.readexactly(length)
             if statuses is not None:
                 statuses[status] = statuses.get(status, 0) + 1
@@ -129,9 +148,17 @@ def _summary(latencies: list[float], errors: list[str], wall: float) -> dict:
         q = statistics.quantiles(latencies, n=100, method="inclusive")
     else:
         q = [latencies[0] if latencies else 0.0] * 99
-    return {"requests": len(latencies), "errors": len(errors), "error_samples": errors[:5],
-            "requests_per_s": len(latencies) / wall, "p50_ms": q[49] * 1e3, "p90_ms": q[89] * 1e3,
-            "p99_ms": q[98] * 1e3, "max_ms": max(latencies, default=0.0) * 1e3, "wall_s": wall}
+    return {
+        "requests": len(latencies),
+        "errors": len(errors),
+        "error_samples": errors[:5],
+        "requests_per_s": len(latencies) / wall,
+        "p50_ms": q[49] * 1e3,
+        "p90_ms": q[89] * 1e3,
+        "p99_ms": q[98] * 1e3,
+        "max_ms": max(latencies, default=0.0) * 1e3,
+        "wall_s": wall,
+    }
 
 
 async def load(url: str, clients: int, duration: float) -> dict:
@@ -143,8 +170,9 @@ async def load(url: str, clients: int, duration: float) -> dict:
     errors: list[str] = []
     statuses: dict[int, int] = {}
     start = time.perf_counter()
-    await asyncio.gather(*(client(host, int(port), start + duration, latencies, errors, statuses=statuses)
-                           for _ in range(clients)))
+    await asyncio.gather(
+        *(client(host, int(port), start + duration, latencies, errors, statuses=statuses) for _ in range(clients))
+    )
     return {**_summary(latencies, errors, time.perf_counter() - start), "statuses": statuses}
 
 
@@ -183,20 +211,29 @@ async def abuse(url: str, store: Path, clients: int, duration: float) -> dict:
     start = time.perf_counter()
     try:
         await asyncio.gather(
-            *(client(host, int(port), start + duration, normal, normal_errors, statuses=normal_status)
-              for _ in range(clients)),
-            *(client(host, int(port), start + duration, huge_lat, huge_errors, HUGE, huge_status)
-              for _ in range(ABUSERS)),
-            client(host, int(port), start + duration, health, health_errors, path="/healthz"))
+            *(
+                client(host, int(port), start + duration, normal, normal_errors, statuses=normal_status)
+                for _ in range(clients)
+            ),
+            *(
+                client(host, int(port), start + duration, huge_lat, huge_errors, HUGE, huge_status)
+                for _ in range(ABUSERS)
+            ),
+            client(host, int(port), start + duration, health, health_errors, path="/healthz"),
+        )
     finally:
         stop.set()
         locker.join()
     wall = time.perf_counter() - start
-    return {"normal": {**_summary(normal, normal_errors, wall), "statuses": normal_status},
-            "healthz": _summary(health, health_errors, wall),
-            "huge_requests": {"statuses": huge_status, "errors": len(huge_errors), "samples": huge_errors[:3]},
-            "lock_held_s": sum(held), "abusers": ABUSERS, "budget_s": ABUSE_BUDGET_S,
-            "targets": {"healthz_p99_ms": 100, "normal_p99_ms": 500}}
+    return {
+        "normal": {**_summary(normal, normal_errors, wall), "statuses": normal_status},
+        "healthz": _summary(health, health_errors, wall),
+        "huge_requests": {"statuses": huge_status, "errors": len(huge_errors), "samples": huge_errors[:3]},
+        "lock_held_s": sum(held),
+        "abusers": ABUSERS,
+        "budget_s": ABUSE_BUDGET_S,
+        "targets": {"healthz_p99_ms": 100, "normal_p99_ms": 500},
+    }
 
 
 def main() -> None:
@@ -224,20 +261,34 @@ def main() -> None:
         r = runs[name]
         if name == "abuse":
             n, h = r["normal"], r["healthz"]
-            print(f"{name:10s} {args.clients} clients + {ABUSERS} sending 8,191-node requests + the SQLite lock "
-                  f"held {r['lock_held_s']:.0f} s: /healthz p99 {h['p99_ms']:.0f} ms (max {h['max_ms']:.0f}); "
-                  f"normal p99 {n['p99_ms']:.0f} ms, {n['requests_per_s']:.1f} req/s, statuses {n['statuses']}; "
-                  f"8,191-node requests: {r['huge_requests']['statuses']}")
+            print(
+                f"{name:10s} {args.clients} clients + {ABUSERS} sending 8,191-node requests + the SQLite lock "
+                f"held {r['lock_held_s']:.0f} s: /healthz p99 {h['p99_ms']:.0f} ms (max {h['max_ms']:.0f}); "
+                f"normal p99 {n['p99_ms']:.0f} ms, {n['requests_per_s']:.1f} req/s, statuses {n['statuses']}; "
+                f"8,191-node requests: {r['huge_requests']['statuses']}"
+            )
         else:
-            print(f"{name:10s} {args.clients} clients, {args.duration:.0f} s, {args.workers} server worker(s): "
-                  f"{r['requests_per_s']:.1f} req/s, p50 {r['p50_ms']:.0f} ms, p90 {r['p90_ms']:.0f} ms, "
-                  f"p99 {r['p99_ms']:.0f} ms, errors {r['errors']}, statuses {r['statuses']}")
-    result = {**runs["cache_hit"], "runs": runs, "clients": args.clients, "duration_s": args.duration,
-              "server_workers": args.workers, "request": BODY,
-              "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
-                          "platform": platform.platform(), "load_average": os.getloadavg(),
-                          "note": "shared with other engineers' jobs: timings are noisy"},
-              "target": {"p99_ms": 250, "errors": 0, "abuse_healthz_p99_ms": 100, "abuse_normal_p99_ms": 500}}
+            print(
+                f"{name:10s} {args.clients} clients, {args.duration:.0f} s, {args.workers} server worker(s): "
+                f"{r['requests_per_s']:.1f} req/s, p50 {r['p50_ms']:.0f} ms, p90 {r['p90_ms']:.0f} ms, "
+                f"p99 {r['p99_ms']:.0f} ms, errors {r['errors']}, statuses {r['statuses']}"
+            )
+    result = {
+        **runs["cache_hit"],
+        "runs": runs,
+        "clients": args.clients,
+        "duration_s": args.duration,
+        "server_workers": args.workers,
+        "request": BODY,
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_average": os.getloadavg(),
+            "note": "shared with other engineers' jobs: timings are noisy",
+        },
+        "target": {"p99_ms": 250, "errors": 0, "abuse_healthz_p99_ms": 100, "abuse_normal_p99_ms": 500},
+    }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))
 

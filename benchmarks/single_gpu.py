@@ -43,23 +43,37 @@ def local_h100() -> ClusterSpec:
     """One H100 as `--cluster local` sees it (planner/topology.py local_cluster, GPU branch)."""
     device = load_device(DEVICE).model_copy(update={"memory_bytes": GPU_MEMORY_MIB * 2**20})
     server = next(load_server(s) for s in server_names() if load_server(s).device == DEVICE)
-    return ClusterSpec(name="local", nodes=1, gpus_per_node=1, device=device, intra_node=server.intra_node,
-                       inter_node=server.inter_node, collective_base_latency_s=server.collective_base_latency_s,
-                       comm_overlap_efficiency=server.comm_overlap_efficiency)
+    return ClusterSpec(
+        name="local",
+        nodes=1,
+        gpus_per_node=1,
+        device=device,
+        intra_node=server.intra_node,
+        inter_node=server.inter_node,
+        collective_base_latency_s=server.collective_base_latency_s,
+        comm_overlap_efficiency=server.comm_overlap_efficiency,
+    )
 
 
 def predict_run(run: dict, cluster: ClusterSpec) -> dict:
     spec = run["model"]
     model = ModelSpec(**{k: v for k, v in spec.items() if k in ModelSpec.model_fields})
-    training = TrainingSpec(seq_len=run["seq_len"], global_batch_size=run["global_batch"], precision="bf16",
-                            framework="pytorch")
+    training = TrainingSpec(
+        seq_len=run["seq_len"], global_batch_size=run["global_batch"], precision="bf16", framework="pytorch"
+    )
     layout = complete_layout(parse_spec(run["layout"]), training, 1)
     plan = predict_layouts(model, training, cluster, [layout])[0]
     p = plan.prediction
-    return {"model": model.name, "layout": run["layout"], "status": run["status"],
-            "measured_step_time_s": run.get("measured_step_time_s"), "predicted_step_time_s": p.step_time_s,
-            "predicted_then_s": run["predicted_then"]["step_time_s"], "predicted_mfu": p.mfu,
-            "breakdown_s": {k: float(v) for k, v in (p.time_breakdown_s or {}).items()}}
+    return {
+        "model": model.name,
+        "layout": run["layout"],
+        "status": run["status"],
+        "measured_step_time_s": run.get("measured_step_time_s"),
+        "predicted_step_time_s": p.step_time_s,
+        "predicted_then_s": run["predicted_then"]["step_time_s"],
+        "predicted_mfu": p.mfu,
+        "breakdown_s": {k: float(v) for k, v in (p.time_breakdown_s or {}).items()},
+    }
 
 
 def run(reference: Path = REFERENCE) -> dict:
@@ -70,10 +84,17 @@ def run(reference: Path = REFERENCE) -> dict:
         r["error"] = r["predicted_step_time_s"] / r["measured_step_time_s"] - 1.0
     err = np.array([r["error"] for r in scored])
     then = np.array([r["predicted_then_s"] / r["measured_step_time_s"] - 1.0 for r in scored])
-    return {"device": DEVICE, "runs": rows, "n": len(scored), "mape": float(np.mean(np.abs(err))),
-            "worst": float(np.max(np.abs(err))), "bias": float(np.mean(err)),
-            "mape_before": float(np.mean(np.abs(then))), "target_mape": TARGET_MAPE,
-            "skipped": [f"{r['model']} {r['layout']} ({r['status']})" for r in rows if r not in scored]}
+    return {
+        "device": DEVICE,
+        "runs": rows,
+        "n": len(scored),
+        "mape": float(np.mean(np.abs(err))),
+        "worst": float(np.max(np.abs(err))),
+        "bias": float(np.mean(err)),
+        "mape_before": float(np.mean(np.abs(then))),
+        "target_mape": TARGET_MAPE,
+        "skipped": [f"{r['model']} {r['layout']} ({r['status']})" for r in rows if r not in scored],
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -81,12 +102,16 @@ def main(argv: list[str]) -> int:
     print(f"single-GPU steps on one H100 ({result['device']} profile, --cluster local, framework pytorch)")
     for r in result["runs"]:
         if "error" in r:
-            print(f"  {r['model']:<13} {r['layout']:<52} measured {r['measured_step_time_s']:6.3f} s  predicted "
-                  f"{r['predicted_step_time_s']:6.3f} s  ({r['error']:+.3f})  before {r['predicted_then_s']:6.3f} s")
+            print(
+                f"  {r['model']:<13} {r['layout']:<52} measured {r['measured_step_time_s']:6.3f} s  predicted "
+                f"{r['predicted_step_time_s']:6.3f} s  ({r['error']:+.3f})  before {r['predicted_then_s']:6.3f} s"
+            )
     for s in result["skipped"]:
         print(f"  skipped: {s}")
-    print(f"step-time MAPE {result['mape']:.3f} (worst {result['worst']:.3f}, bias {result['bias']:+.3f}); "
-          f"before this model {result['mape_before']:.3f}; target <= {TARGET_MAPE}")
+    print(
+        f"step-time MAPE {result['mape']:.3f} (worst {result['worst']:.3f}, bias {result['bias']:+.3f}); "
+        f"before this model {result['mape_before']:.3f}; target <= {TARGET_MAPE}"
+    )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2, default=float))
     print(f"saved {OUT}")

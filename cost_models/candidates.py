@@ -101,6 +101,4 @@ class Candidates:
 
     @classmethod
     def concat(cls, parts: list[Candidates]) -> Candidates:
-        return cls(
-            **{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)}
-        )
+        return cls(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)})

@@ -155,12 +155,11 @@ def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DevicePro
         rows = heads * s
         kernel = device.attention_kernel_scale(training.attention_kernel)
         fwd = flops / (peak * kernel * attention_efficiency(shape.forward, d, s_kernel, rows))
-        bwd = ATTENTION_BACKWARD_FLOPS * flops / (peak * kernel * attention_efficiency(shape.backward, d, s_kernel,
-                                                                                       rows))
+        bwd = (
+            ATTENTION_BACKWARD_FLOPS * flops / (peak * kernel * attention_efficiency(shape.backward, d, s_kernel, rows))
+        )
         return fwd, bwd
-    gemms = gemm_time_s(device, training, s, s, d, batch=heads) + gemm_time_s(
-        device, training, s, d, s, batch=heads
-    )
+    gemms = gemm_time_s(device, training, s, s, d, batch=heads) + gemm_time_s(device, training, s, d, s, batch=heads)
     passes = SOFTMAX_PASSES + (DROPOUT_PASSES if model.dropout else 0)
     fwd = gemms + _stream_s(device, passes * training.bytes_per_element * heads * s * s)
     return fwd, BACKWARD_TO_FORWARD * fwd

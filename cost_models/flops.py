@@ -40,9 +40,7 @@ def mlp_flops(model: ModelSpec, s: int, b):
 
 
 def layer_forward_flops(model: ModelSpec, s: int, b):
-    return attention_projection_flops(model, s, b) + attention_core_flops(model, s, b) + mlp_flops(
-        model, s, b
-    )
+    return attention_projection_flops(model, s, b) + attention_core_flops(model, s, b) + mlp_flops(model, s, b)
 
 
 def lm_head_flops(model: ModelSpec, s: int, b):
@@ -77,6 +75,4 @@ def recompute_flops_per_step(model: ModelSpec, training: TrainingSpec, recompute
     model = model.compute_view()
     full = L * layer_forward_flops(model, s, b)
     selective = L * attention_core_flops(model, s, b)
-    return np.where(
-        recompute == RECOMPUTE_FULL, full, np.where(recompute == RECOMPUTE_SELECTIVE, selective, 0.0)
-    )
+    return np.where(recompute == RECOMPUTE_FULL, full, np.where(recompute == RECOMPUTE_SELECTIVE, selective, 0.0))

@@ -89,8 +89,9 @@ def useful_fraction(interval_s, write_s, restart_s: float, mtbf_s: float):
     return np.clip(interval_s / (interval_s + write_s) * (1.0 - lost / mtbf_s), 0.0, 1.0)
 
 
-def goodput(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates, step_time_s,
-            tokens_per_s) -> Goodput:
+def goodput(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates, step_time_s, tokens_per_s
+) -> Goodput:
     total, per_rank, writers = checkpoint_bytes(model, training, c)
     aggregate = cluster.storage_write_bytes_per_s_per_gpu * cluster.world_size
     write_s = np.maximum(total / aggregate, per_rank / cluster.storage_client_write_bytes_per_s)
@@ -98,11 +99,17 @@ def goodput(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: C
     interval = np.maximum(daly_interval_s(write_s, mtbf_s), step_time_s)  # at most one checkpoint a step
     fraction = useful_fraction(interval, write_s, cluster.restart_s, mtbf_s)
     return Goodput(
-        checkpoint_bytes_total=total, checkpoint_bytes_per_rank=per_rank, checkpoint_writers=writers,
-        checkpoint_write_s=write_s, mtbf_s=mtbf_s, checkpoint_interval_s=interval,
+        checkpoint_bytes_total=total,
+        checkpoint_bytes_per_rank=per_rank,
+        checkpoint_writers=writers,
+        checkpoint_write_s=write_s,
+        mtbf_s=mtbf_s,
+        checkpoint_interval_s=interval,
         lost_work_per_failure_s=cluster.restart_s + (interval + write_s) / 2.0,
         checkpoint_stall_s_per_step=write_s * step_time_s / interval,
-        goodput_fraction=fraction, goodput_tokens_per_s=tokens_per_s * fraction)
+        goodput_fraction=fraction,
+        goodput_tokens_per_s=tokens_per_s * fraction,
+    )
 
 
 def cost(cluster: ClusterSpec, step_time_s, goodput_tokens_per_s, token_budget: float | None):

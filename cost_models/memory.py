@@ -150,9 +150,11 @@ def stage_params(model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = Fa
     """
     ep = np.asarray(ep, dtype=float)
     experts = model.expert_params_per_layer
-    per_layer = {"all": model.params_per_layer - experts + experts / ep,
-                 "dense": model.params_per_layer - experts + 0.0 * ep,
-                 "expert": experts / ep}[part]
+    per_layer = {
+        "all": model.params_per_layer - experts + experts / ep,
+        "dense": model.params_per_layer - experts + 0.0 * ep,
+        "expert": experts / ep,
+    }[part]
     edge = 0.0 if part == "expert" else 1.0
     first_layers, middle_layers, last_layers, _ = stages.stage_split(model.num_layers, pp, vpp)
     if middle:
@@ -217,8 +219,9 @@ def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray
     # ZeRO / FSDP shard over shard x cp ranks: the cp ranks hold the same parameters, and torchtitan's
     # FSDP mesh is dp_shard x cp, Megatron's distributed optimizer shards over dp x cp
     shard = np.asarray(c.shard, dtype=float) * _cp(c)
-    fsdp2 = (training.framework == "pytorch") & ((zero >= 2) | ((np.asarray(c.dp) * _cp(c) > 1)
-                                                               & ((np.asarray(c.tp) > 1) | (np.asarray(c.pp) > 1))))
+    fsdp2 = (training.framework == "pytorch") & (
+        (zero >= 2) | ((np.asarray(c.dp) * _cp(c) > 1) & ((np.asarray(c.tp) > 1) | (np.asarray(c.pp) > 1)))
+    )
     megatron = recipe == RECIPE_MEGATRON
     master = np.where(megatron, e, FP32_BYTES)  # bytes of a stored parameter
     p = params * master / np.where((zero >= 3) | fsdp2, shard, 1.0)
@@ -232,8 +235,16 @@ def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray
     o = params * np.where(megatron, adam + FP32_BYTES, adam) / opt_div
     autocast = np.where(recipe == RECIPE_AUTOCAST, params * HALF_BYTES, 0.0)
     step_extra = np.where(megatron & (training.precision == "fp16"), params * FP32_BYTES / opt_div, 0.0)
-    return {"parameters": p, "gathered": gathered, "gradients": g, "grad_element": grad_element,
-            "grad_buffer": grad_buffer, "optimizer_state": o, "autocast": autocast, "step_extra": step_extra}
+    return {
+        "parameters": p,
+        "gathered": gathered,
+        "gradients": g,
+        "grad_element": grad_element,
+        "grad_buffer": grad_buffer,
+        "optimizer_state": o,
+        "autocast": autocast,
+        "step_extra": step_extra,
+    }
 
 
 def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, recompute, recipe=None):
@@ -260,8 +271,11 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, 
     full_layer = unsplit + split / tp + scores / tp
     # selective: Megatron-LM recomputes the attention core (Korthikanti Sec. 5): the s^2 terms go,
     # which flash attention never stores; FSDP2 (torchtitan) runs op-level selective checkpointing
-    selective = np.where(recipe == RECIPE_FSDP2, _op_sac_bytes(model, training, b, tp, sp),
-                         full_layer - np.where(training.flash_attention, 0.0, scores / tp))
+    selective = np.where(
+        recipe == RECIPE_FSDP2,
+        _op_sac_bytes(model, training, b, tp, sp),
+        full_layer - np.where(training.flash_attention, 0.0, scores / tp),
+    )
     checkpoint = e * sbh / hidden_split
     auto_full, auto_selective, auto_checkpoint = _autocast_layer_bytes(model, training, b, tp, sp)
     autocast = recipe == RECIPE_AUTOCAST
@@ -372,20 +386,29 @@ def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
     if not model.is_moe:
         return 0.0
     tokens = b * training.seq_len / np.where(np.asarray(sp) > 0, tp, 1)
-    per_token = 2 * model.experts_per_token * model.hidden_size * training.bytes_per_element \
-        + FP32_BYTES * model.num_experts
+    per_token = (
+        2 * model.experts_per_token * model.hidden_size * training.bytes_per_element + FP32_BYTES * model.num_experts
+    )
     return model.num_moe_layers / model.num_layers * tokens * per_token
 
 
-def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, first: bool, layers=None,
-                     moe_model: ModelSpec | None = None):
+def activation_bytes(
+    model: ModelSpec,
+    training: TrainingSpec,
+    c,
+    stage: float,
+    first: bool,
+    layers=None,
+    moe_model: ModelSpec | None = None,
+):
     """(stored, working) activations of the stage: stored layers x in-flight micro-batches plus
     the embedding output on the first stage or the final norm input on the last; and (full
     recompute) the one layer re-materialized during its backward. `layers`: the stage's decoder
     layers (default: the first or last stage's by the split rule). `moe_model`: the MoE model whose
     compute view `model` is (`moe_activation_bytes` added to every layer not fully recomputed)."""
-    per_layer, full_layer = layer_activation_bytes(model, training, c.micro_batch_size, c.tp, c.sequence_parallel,
-                                                   c.recompute, precision_recipe(training, c))
+    per_layer, full_layer = layer_activation_bytes(
+        model, training, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, precision_recipe(training, c)
+    )
     if moe_model is not None and moe_model.is_moe:
         extra = moe_activation_bytes(moe_model, training, c.micro_batch_size, c.tp, c.sequence_parallel)
         per_layer = per_layer + np.where(c.recompute == RECOMPUTE_FULL, 0.0, extra)
@@ -393,8 +416,10 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, 
     if layers is None:
         split = stages.stage_split(model.num_layers, c.pp, c.virtual_stages)
         layers = split[0] if first else split[2]
-    held = layers_in_flight(model.num_layers, c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage,
-                            layers) * per_layer
+    held = (
+        layers_in_flight(model.num_layers, c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage, layers)
+        * per_layer
+    )
     working = np.where(c.recompute == RECOMPUTE_FULL, full_layer, 0.0)
     inflight = microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)
     edge = boundary_bytes(model, training, c) * (inflight if first else 1.0)
@@ -403,8 +428,13 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, c, stage: float, 
 
 def boundary_bytes(model: ModelSpec, training: TrainingSpec, c):
     """One micro-batch's hidden states between layers (split over tp under sequence parallelism)."""
-    return (training.bytes_per_element * c.micro_batch_size * training.seq_len * model.hidden_size
-            / np.where(c.sequence_parallel > 0, c.tp, 1))
+    return (
+        training.bytes_per_element
+        * c.micro_batch_size
+        * training.seq_len
+        * model.hidden_size
+        / np.where(c.sequence_parallel > 0, c.tp, 1)
+    )
 
 
 def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
@@ -461,8 +491,13 @@ def gradient_buckets(c, training: TrainingSpec):
     """1 where the data-parallel wrapper keeps a persistent unsharded gradient copy: PyTorch DDP
     with gradient_as_bucket_view, which the executor uses for zero <= 1 when dp is the only axis
     (Megatron's persistent buffer is its `grad_buffer`, counted by the recipe)."""
-    return ((np.asarray(c.zero_stage) < 2) & (np.asarray(c.dp) > 1) & (np.asarray(c.tp) == 1)
-            & (np.asarray(c.pp) == 1) & (training.framework == "pytorch")).astype(float)
+    return (
+        (np.asarray(c.zero_stage) < 2)
+        & (np.asarray(c.dp) > 1)
+        & (np.asarray(c.tp) == 1)
+        & (np.asarray(c.pp) == 1)
+        & (training.framework == "pytorch")
+    ).astype(float)
 
 
 def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> float:
@@ -477,8 +512,15 @@ def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> floa
     return float(device.memory_bytes - outside)
 
 
-def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c, first: bool,
-                           buckets: bool = True, middle: bool = False):
+def stage_memory_breakdown(
+    model: ModelSpec,
+    training: TrainingSpec,
+    device: DeviceProfile,
+    c,
+    first: bool,
+    buckets: bool = True,
+    middle: bool = False,
+):
     """Breakdown (dict of arrays, bytes) of the first or the last pipeline stage at its peak
     phase (module docstring); `middle`: the second stage (pp rank 1, the middle stage with the most
     micro-batches in flight; its layers only). `buckets=False` leaves out the data-parallel gradient
@@ -513,8 +555,9 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     persistent = gradient_buckets(c, training) * unsharded if buckets else np.zeros_like(p)
     held_grads = persistent + accumulated + st["grad_buffer"]
     # one layer's gradients and its largest backward temporary (an MLP activation gradient)
-    layer_grads = np.where((accumulated > 0) | (st["grad_buffer"] > 0), 0.0,
-                           local_layer_params(model, c.tp, c.ep) * st["grad_element"])
+    layer_grads = np.where(
+        (accumulated > 0) | (st["grad_buffer"] > 0), 0.0, local_layer_params(model, c.tp, c.ep) * st["grad_element"]
+    )
     mlp_temp = training.bytes_per_element * c.micro_batch_size * training.seq_len * act_model.ffn_hidden_size / c.tp
     # FSDP2 without resharding after forward (ZeRO-2, and zero 0 with tp/pp) keeps the whole
     # gathered stage from forward to backward beside its shards; after the backward it reshards:
@@ -524,26 +567,49 @@ def stage_memory_breakdown(model: ModelSpec, training: TrainingSpec, device: Dev
     autocast = st["autocast"]
     zeros = np.zeros_like(p)
     phases = [
-        {"parameters": fwd_params, "gradients": held_grads, "autocast_copies": autocast, "activations": stored,
-         "logits": logits, "sharding_buffers": buffers, "pipeline_buffers": receive},
-        {"parameters": fwd_params, "gradients": held_grads + layer_grads, "autocast_copies": autocast,
-         "activations": stored + working + mlp_temp, "logits": zeros, "sharding_buffers": buffers,
-         "pipeline_buffers": receive},
-        {"parameters": p, "gradients": np.maximum(g, persistent) + st["grad_buffer"] + st["step_extra"],
-         "autocast_copies": zeros, "activations": zeros, "logits": zeros, "sharding_buffers": zeros,
-         "pipeline_buffers": receive},
+        {
+            "parameters": fwd_params,
+            "gradients": held_grads,
+            "autocast_copies": autocast,
+            "activations": stored,
+            "logits": logits,
+            "sharding_buffers": buffers,
+            "pipeline_buffers": receive,
+        },
+        {
+            "parameters": fwd_params,
+            "gradients": held_grads + layer_grads,
+            "autocast_copies": autocast,
+            "activations": stored + working + mlp_temp,
+            "logits": zeros,
+            "sharding_buffers": buffers,
+            "pipeline_buffers": receive,
+        },
+        {
+            "parameters": p,
+            "gradients": np.maximum(g, persistent) + st["grad_buffer"] + st["step_extra"],
+            "autocast_copies": zeros,
+            "activations": zeros,
+            "logits": zeros,
+            "sharding_buffers": zeros,
+            "pipeline_buffers": receive,
+        },
     ]
     totals = np.stack([sum(ph.values()) for ph in phases])
     which = np.argmax(totals, axis=0)
     loss, layer, opt = phases
     at_loss, at_layer = which == 0, which == 1  # np.where, not np.choose, which first stacks its choices
     chosen = {k: np.where(at_loss, loss[k], np.where(at_layer, layer[k], opt[k])) for k in loss}
-    dynamic = (chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"]
-               + chosen["pipeline_buffers"])
+    dynamic = chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"] + chosen["pipeline_buffers"]
     transient = np.where(which < 2, largest_transient_bytes(act_model, training, c, holds_head), 0.0)
     if model.is_moe:  # the dispatched tokens (top-k copies of the micro-batch's hidden states) and their gradient
-        dispatched = training.bytes_per_element * np.asarray(c.micro_batch_size, dtype=float) * training.seq_len \
-            * model.experts_per_token * model.hidden_size
+        dispatched = (
+            training.bytes_per_element
+            * np.asarray(c.micro_batch_size, dtype=float)
+            * training.seq_len
+            * model.experts_per_token
+            * model.hidden_size
+        )
         transient = np.where(which < 2, np.maximum(transient, dispatched), 0.0)
     return {
         "parameters": chosen["parameters"],
@@ -575,8 +641,9 @@ def peak_memory(model: ModelSpec, training: TrainingSpec, device: DeviceProfile,
     use_first = total_first >= total_last
     breakdown = {k: np.where(use_first, first[k], last[k]) for k in first}
     peak = np.maximum(total_first, total_last)
-    uneven = ((np.asarray(c.pp) > 2)
-              & (np.asarray(model.num_layers) % (np.asarray(c.pp) * np.asarray(c.virtual_stages)) != 0))
+    uneven = (np.asarray(c.pp) > 2) & (
+        np.asarray(model.num_layers) % (np.asarray(c.pp) * np.asarray(c.virtual_stages)) != 0
+    )
     if np.any(uneven):
         mid = stage_memory_breakdown(model, training, device, c, first=False, middle=True)
         use_mid = uneven & (sum(mid.values()) > peak)

@@ -99,8 +99,9 @@ def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride):
     return TP_COLLECTIVES_PER_LAYER_PASS * comm.all_reduce_s(cluster, activation_bytes, tp, stride)
 
 
-def cp_exchange_s(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, b_local, tp, cp, cp_stride,
-                  attn_fwd_s, attn_bwd_s):
+def cp_exchange_s(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, b_local, tp, cp, cp_stride, attn_fwd_s, attn_bwd_s
+):
     """(forward, backward) exposed seconds of one layer's ring-attention KV exchange for one micro-batch.
 
     Ring attention (Liu et al. 2023; torchtitan `context_parallel`, Megatron-LM's p2p CP): cp - 1
@@ -125,8 +126,7 @@ def cp_exchange_s(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     merge_f = compute.memory_bound_time_s(cluster.device, CP_MERGE_PASSES * FP32 * q_elems)
     merge_b = compute.memory_bound_time_s(cluster.device, CP_MERGE_PASSES * FP32 * (q_elems + kv_elems))
     fwd = np.where(cp > 1, steps * (overlapped_s(send, np.maximum(send - window_f, 0.0)) + merge_f), 0.0)
-    bwd = np.where(cp > 1, steps * (overlapped_s(2.0 * send, np.maximum(2.0 * send - window_b, 0.0)) + merge_b),
-                   0.0)
+    bwd = np.where(cp > 1, steps * (overlapped_s(2.0 * send, np.maximum(2.0 * send - window_b, 0.0)) + merge_b), 0.0)
     return fwd, bwd
 
 
@@ -150,8 +150,9 @@ def pipelined_exposed_s(traffic_s, window_s, chunks, overlap):
     return per_chunk + (n - 1.0) * np.maximum(per_chunk - overlap * window_s / n, 0.0)
 
 
-def _dp_times(training, cluster, c, stage_params, fwd_window_s, bwd_window_s, layers_per_stage, dp_stride,
-              cp_stride=None):
+def _dp_times(
+    training, cluster, c, stage_params, fwd_window_s, bwd_window_s, layers_per_stage, dp_stride, cp_stride=None
+):
     """Exposed data-parallel time per step, layer by layer against the compute it overlaps.
 
     - ZeRO 0 (DDP, Li et al. 2020): the gradient all-reduce runs in buckets during the last
@@ -208,19 +209,39 @@ def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute,
     the dp stride apart; memory.expert_candidates), the rest over dp; the two share the compute
     window in proportion to their bytes on the rank."""
     if not model.is_moe:
-        return _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride,
-                                    cp_stride)
+        return _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride)
     _, share = memory.expert_share(model, c)
-    dense = _stage_dp_times_part(model, training, cluster, c, layers, fwd * (1 - share),
-                                 bwd_and_recompute * (1 - share), dp_stride, cp_stride, part="dense")
-    moe = _stage_dp_times_part(model, training, cluster, memory.expert_candidates(c, split_dp=True), layers,
-                               fwd * share, bwd_and_recompute * share, dp_stride * c.ep, cp_stride, part="expert",
-                               ep=c.ep)
+    dense = _stage_dp_times_part(
+        model,
+        training,
+        cluster,
+        c,
+        layers,
+        fwd * (1 - share),
+        bwd_and_recompute * (1 - share),
+        dp_stride,
+        cp_stride,
+        part="dense",
+    )
+    moe = _stage_dp_times_part(
+        model,
+        training,
+        cluster,
+        memory.expert_candidates(c, split_dp=True),
+        layers,
+        fwd * share,
+        bwd_and_recompute * share,
+        dp_stride * c.ep,
+        cp_stride,
+        part="expert",
+        ep=c.ep,
+    )
     return dense + moe
 
 
-def _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None,
-                         part="all", ep=1):
+def _stage_dp_times_part(
+    model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None, part="all", ep=1
+):
     """Exposed data-parallel time of the stage that takes longest: each rank reduces (and gathers) its
     own stage's parameters behind its own layers' compute. With an even split the first or the last
     stage (an embedding or head more, the same layers) is that stage; with an uneven one
@@ -230,8 +251,17 @@ def _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recom
     pl = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, ep=ep, part=part)
     even = (n_first == n_middle) & (n_last == n_middle)
     if np.all(even):
-        return _dp_times(training, cluster, c, np.maximum(pf, pl), n_first * fwd, n_first * bwd_and_recompute,
-                         n_first, dp_stride, cp_stride)
+        return _dp_times(
+            training,
+            cluster,
+            c,
+            np.maximum(pf, pl),
+            n_first * fwd,
+            n_first * bwd_and_recompute,
+            n_first,
+            dp_stride,
+            cp_stride,
+        )
 
     def at(params, n):
         return _dp_times(training, cluster, c, params, n * fwd, n * bwd_and_recompute, n, dp_stride, cp_stride)
@@ -277,8 +307,13 @@ def moe_layer_extra_s(model: ModelSpec, training: TrainingSpec, cluster: Cluster
     return share * (MOE_IMBALANCE * real_f - view_f), share * (MOE_IMBALANCE * real_b - view_b), a2a
 
 
-def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates,
-             memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> Evaluation:
+def evaluate(
+    model: ModelSpec,
+    training: TrainingSpec,
+    cluster: ClusterSpec,
+    c: Candidates,
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+) -> Evaluation:
     """`memory_headroom`: a layout whose predicted peak is above (1 - headroom) of what the
     allocator can reserve is "tight" (MEMORY_TIGHT), above all of it out of memory."""
     device = cluster.device
@@ -287,8 +322,9 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     # tokens per rank: b s / cp (the compute and memory terms take b / cp as the micro-batch)
     b = c.micro_batch_size.astype(float) / c.cp
     # decoder layers of the first, a middle and the last stage (planner/stages.py: L / pp each when even)
-    n_first, n_middle, n_last, _ = (np.asarray(a, dtype=float)
-                                    for a in stages.stage_split(model.num_layers, c.pp, c.virtual_stages))
+    n_first, n_middle, n_last, _ = (
+        np.asarray(a, dtype=float) for a in stages.stage_split(model.num_layers, c.pp, c.virtual_stages)
+    )
     stride = c.strides()
 
     cm = model.compute_view()  # MoE: the dense model with the same per-token work
@@ -298,13 +334,20 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     fwd, bwd = fwd + moe_fwd, bwd + moe_bwd
     act_bytes = e * b * s * h
     tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"])
-    cp_fwd, cp_bwd = cp_exchange_s(model, training, cluster, b, tp, c.cp, stride["cp"], lt.attention_forward,
-                                   lt.attention_backward)
+    cp_fwd, cp_bwd = cp_exchange_s(
+        model, training, cluster, b, tp, c.cp, stride["cp"], lt.attention_forward, lt.attention_backward
+    )
     selective = memory.selective_recompute_s(cm, training, c, fwd, attn, gemm_fwd)
     # full recompute runs the forward again, its KV exchange and its two all-to-alls included
-    recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd + tp_fwd + cp_fwd + 2.0 * a2a,
-                         np.where(c.recompute == RECOMPUTE_SELECTIVE, selective + np.where(
-                             memory.precision_recipe(training, c) == memory.RECIPE_FSDP2, 0.0, cp_fwd), 0.0))
+    recompute = np.where(
+        c.recompute == RECOMPUTE_FULL,
+        fwd + tp_fwd + cp_fwd + 2.0 * a2a,
+        np.where(
+            c.recompute == RECOMPUTE_SELECTIVE,
+            selective + np.where(memory.precision_recipe(training, c) == memory.RECIPE_FSDP2, 0.0, cp_fwd),
+            0.0,
+        ),
+    )
     tp_layer = 2.0 * tp_fwd  # forward + backward
     cp_layer = cp_fwd + cp_bwd
     ep_layer = A2A_PER_MOE_LAYER * a2a
@@ -330,21 +373,26 @@ def evaluate(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: 
     mean_mb = np.where(pp == 1, slowest, (first + last + (pp - 2.0) * middle) / pp)
 
     bubble = bubble_s(pp, vpp, mean_mb)
-    dp = _stage_dp_times(model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"],
-                         stride["cp"])
-    local_params = (memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep)
-                    / np.where(c.zero_stage >= 1, c.shard * c.cp, 1))
+    dp = _stage_dp_times(
+        model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"], stride["cp"]
+    )
+    local_params = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep) / np.where(
+        c.zero_stage >= 1, c.shard * c.cp, 1
+    )
     if model.is_moe:  # the routed experts' optimizer states shard over max(shard / ep, 1) ranks only
         experts = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
         expert_shard = np.maximum(c.shard / c.ep, 1.0) * c.cp
-        local_params = local_params + np.where(c.zero_stage >= 1,
-                                               experts / expert_shard - experts / (c.shard * c.cp), 0.0)
+        local_params = local_params + np.where(
+            c.zero_stage >= 1, experts / expert_shard - experts / (c.shard * c.cp), 0.0
+        )
     optimizer = compute.optimizer_step_s(device, training, local_params)
 
     edge_tp_twice = np.where(pp == 1, 2.0, 1.0) * edge_tp  # pp = 1: embedding and head together
     # the breakdown is the slowest stage's
-    slow = [np.where(middle_is_slowest, m, np.where(last_is_slowest, la, f))
-            for f, m, la in zip(first_body, middle_body, last_body, strict=True)]
+    slow = [
+        np.where(middle_is_slowest, m, np.where(last_is_slowest, la, f))
+        for f, m, la in zip(first_body, middle_body, last_body, strict=True)
+    ]
     time = {
         "compute": nmb * (slow[0] + np.where(~middle_is_slowest & (last_is_slowest | (pp == 1)), head, 0.0)),
         "recompute": nmb * slow[1],
@@ -398,8 +446,9 @@ def _bottleneck(time: dict[str, np.ndarray], step: np.ndarray, reason: np.ndarra
     return np.where((reason == OUT_OF_MEMORY) | (reason == MEMORY_TIGHT), BOTTLENECK_NAMES.index("memory"), index)
 
 
-def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates,
-                  first: bool) -> dict[str, np.ndarray]:
+def stage_compute(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates, first: bool
+) -> dict[str, np.ndarray]:
     """Per-step compute of one rank of the first or the last pipeline stage, communication
     excluded: its layers' forward and backward over all micro-batches (plus the LM head where the
     stage has it), the recomputation, and the optimizer step on its shard of the stage's
@@ -412,8 +461,9 @@ def stage_compute(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
     lt = compute.layer_times(cm, training, device, b, tp, c.sequence_parallel, c.cp)
     fwd, bwd = lt.forward, lt.backward
     selective = memory.selective_recompute_s(cm, training, c, fwd, lt.attention_forward, lt.gemm_forward)
-    recompute = np.where(c.recompute == RECOMPUTE_FULL, fwd,
-                         np.where(c.recompute == RECOMPUTE_SELECTIVE, selective, 0.0))
+    recompute = np.where(
+        c.recompute == RECOMPUTE_FULL, fwd, np.where(c.recompute == RECOMPUTE_SELECTIVE, selective, 0.0)
+    )
     has_head = (pp == 1) | (not first)
     head = np.where(has_head, compute.lm_head_compute_s(model, training, device, b, tp), 0.0)
     params = memory.stage_params(model, c.pp, c.tp, first, c.virtual_stages, ep=c.ep)

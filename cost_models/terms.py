@@ -47,72 +47,150 @@ class MemoryTerm:
 
 
 TIME: tuple[TimeTerm, ...] = (
-    TimeTerm("compute", "compute", "forward and backward GEMMs, attention and the rest of the layers, embedding, "
-             "LM head and loss", "#4c72b0", ("forward", "backward"),
-             "forward and backward of the rank's layers, embedding, LM head and loss (per micro-batch, or "
-             "PipelineStage.forward_one_chunk / backward_one_chunk and the schedule's loss), exclusive of "
-             "everything nested in them"),
-    TimeTerm("recompute", "recompute", "activation recomputation in the backward (selective: attention core; "
-             "full: the whole layer)", "#8172b3", ("recompute",),
-             "the checkpointed block (full) or attention core (selective) when it runs again inside "
-             "backward, tensor-parallel collectives of the re-run included (as the cost model has it)"),
-    TimeTerm("tp_comm", "tp_comm", "tensor-parallel collectives (all-reduce, or all-gather and reduce-scatter "
-             "under sequence parallelism)", "#dd8452",
-             ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "tp_all_to_all"),
-             "functional collectives (DTensor) on the tensor-parallel group: issue and wait_tensor, by kind",
-             axis="tp"),
-    TimeTerm("cp_comm", "cp_comm", "context-parallel exchange of keys and values, the part attention does not "
-             "hide", "#da8bc3", ("cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"),
-             "collectives on the context-parallel group: the executor's all-gather of K and V and the "
-             "reduce-scatter of their gradients (the cost model's ring exchange; its exposed part)",
-             axis="cp", shown_when="cp"),
-    TimeTerm("pp_comm", "pp_comm", "pipeline sends and receives of activations and their gradients", "#937860",
-             ("pp_transfer",),
-             "issuing the pipeline's sends and receives (the schedule's _batch_p2p); their transfer overlaps "
-             "the waits and is counted in bubble", axis="pp"),
-    TimeTerm("bubble", "bubble", "pipeline fill and drain (the schedule's idle time)", "#c8c8c8", ("pp_wait",),
-             "waiting for the pipeline's sends and receives to complete (the schedule's _wait_batch_p2p): the "
-             "neighbouring stage not there yet (fill, drain, stage imbalance) and the transfer itself, which one "
-             "rank's clock cannot tell apart (a gloo send completes only once the peer has posted its receive)"),
-    TimeTerm("dp_comm", "dp_comm", "data-parallel gradient reduction and ZeRO/FSDP gathers, the part the "
-             "backward does not hide", "#55a868",
-             ("dp_all_reduce", "dp_all_gather", "dp_reduce_scatter", "dp_broadcast"),
-             "collectives on the data-parallel groups: FSDP2 unshard / wait_for_unshard (all-gather with its "
-             "copy-in and copy-out) and post_backward (reduce-scatter, HSDP all-reduce), ZeRO-1 broadcasts; "
-             "DDP: from the last gradient accumulated to the end of backward (the wait for the buckets' "
-             "all-reduce)", axis="dp"),
-    TimeTerm("optimizer", "optimizer", "the optimizer step (memory-bound over the local parameters)", "#c44e52",
-             ("optimizer",), "optimizer.step(), exclusive of collectives it issues (ZeRO-1)"),
-    TimeTerm("ep_comm", "ep_comm", "mixture of experts: the token dispatch and combine all-to-alls", "#64b5cd",
-             ("dp_all_to_all", "ep_all_to_all"),
-             "the MoE token dispatch and combine (all_to_all_single on the expert-parallel group, ep ranks of dp)",
-             axis="ep", shown_when=EMITTED),
+    TimeTerm(
+        "compute",
+        "compute",
+        "forward and backward GEMMs, attention and the rest of the layers, embedding, LM head and loss",
+        "#4c72b0",
+        ("forward", "backward"),
+        "forward and backward of the rank's layers, embedding, LM head and loss (per micro-batch, or "
+        "PipelineStage.forward_one_chunk / backward_one_chunk and the schedule's loss), exclusive of "
+        "everything nested in them",
+    ),
+    TimeTerm(
+        "recompute",
+        "recompute",
+        "activation recomputation in the backward (selective: attention core; full: the whole layer)",
+        "#8172b3",
+        ("recompute",),
+        "the checkpointed block (full) or attention core (selective) when it runs again inside "
+        "backward, tensor-parallel collectives of the re-run included (as the cost model has it)",
+    ),
+    TimeTerm(
+        "tp_comm",
+        "tp_comm",
+        "tensor-parallel collectives (all-reduce, or all-gather and reduce-scatter under sequence parallelism)",
+        "#dd8452",
+        ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "tp_all_to_all"),
+        "functional collectives (DTensor) on the tensor-parallel group: issue and wait_tensor, by kind",
+        axis="tp",
+    ),
+    TimeTerm(
+        "cp_comm",
+        "cp_comm",
+        "context-parallel exchange of keys and values, the part attention does not hide",
+        "#da8bc3",
+        ("cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"),
+        "collectives on the context-parallel group: the executor's all-gather of K and V and the "
+        "reduce-scatter of their gradients (the cost model's ring exchange; its exposed part)",
+        axis="cp",
+        shown_when="cp",
+    ),
+    TimeTerm(
+        "pp_comm",
+        "pp_comm",
+        "pipeline sends and receives of activations and their gradients",
+        "#937860",
+        ("pp_transfer",),
+        "issuing the pipeline's sends and receives (the schedule's _batch_p2p); their transfer overlaps "
+        "the waits and is counted in bubble",
+        axis="pp",
+    ),
+    TimeTerm(
+        "bubble",
+        "bubble",
+        "pipeline fill and drain (the schedule's idle time)",
+        "#c8c8c8",
+        ("pp_wait",),
+        "waiting for the pipeline's sends and receives to complete (the schedule's _wait_batch_p2p): the "
+        "neighbouring stage not there yet (fill, drain, stage imbalance) and the transfer itself, which one "
+        "rank's clock cannot tell apart (a gloo send completes only once the peer has posted its receive)",
+    ),
+    TimeTerm(
+        "dp_comm",
+        "dp_comm",
+        "data-parallel gradient reduction and ZeRO/FSDP gathers, the part the backward does not hide",
+        "#55a868",
+        ("dp_all_reduce", "dp_all_gather", "dp_reduce_scatter", "dp_broadcast"),
+        "collectives on the data-parallel groups: FSDP2 unshard / wait_for_unshard (all-gather with its "
+        "copy-in and copy-out) and post_backward (reduce-scatter, HSDP all-reduce), ZeRO-1 broadcasts; "
+        "DDP: from the last gradient accumulated to the end of backward (the wait for the buckets' "
+        "all-reduce)",
+        axis="dp",
+    ),
+    TimeTerm(
+        "optimizer",
+        "optimizer",
+        "the optimizer step (memory-bound over the local parameters)",
+        "#c44e52",
+        ("optimizer",),
+        "optimizer.step(), exclusive of collectives it issues (ZeRO-1)",
+    ),
+    TimeTerm(
+        "ep_comm",
+        "ep_comm",
+        "mixture of experts: the token dispatch and combine all-to-alls",
+        "#64b5cd",
+        ("dp_all_to_all", "ep_all_to_all"),
+        "the MoE token dispatch and combine (all_to_all_single on the expert-parallel group, ep ranks of dp)",
+        axis="ep",
+        shown_when=EMITTED,
+    ),
 )
 
 MEMORY: tuple[MemoryTerm, ...] = (
-    MemoryTerm("parameters", "parameters", "the rank's stored parameters (shards under ZeRO-3/FSDP2) and, from "
-               "forward to backward, a gathered stage that is not resharded after forward",
-               "local bytes of the rank's parameters (shards under FSDP/ZeRO) at the end of the step"),
-    MemoryTerm("gradients", "gradients", "gradients held: accumulated, in data-parallel buckets, Megatron's "
-               "persistent buffer, or one layer's in the backward",
-               "local bytes of .grad at the end of the step (after the optimizer, before zero_grad)"),
-    MemoryTerm("optimizer_state", "optimizer_state", "the optimizer's states of the precision recipe (sharded for "
-               "ZeRO >= 1)",
-               "local bytes of the optimizer's state tensors at the end of the step"),
-    MemoryTerm("autocast_copies", "autocast_copies", "autocast's cast cache: 16-bit copies of fp32 weights "
-               "inside the autocast region"),
-    MemoryTerm("activations", "activations", "activations saved for the backward, and the "
-               "working set of the layer in backward"),
-    MemoryTerm("logits", "logits", "the LM head's logits and their loss intermediates, of the "
-               "micro-batches past the head"),
-    MemoryTerm("sharding_buffers", "sharding_buffers", "unsharded buffers of ZeRO-2/3 and FSDP "
-               "(gathered layers, gradient reduce-scatter)"),
-    MemoryTerm("pipeline_buffers", "pipeline_buffers", "receive buffers torch.distributed.pipelining allocates "
-               "for every micro-batch"),
-    MemoryTerm("fragmentation", "fragmentation", "what the caching allocator reserves beyond "
-               "the allocated peak (a share of the dynamic terms and transient blocks)"),
-    MemoryTerm("framework", "framework", "tensors the framework allocates beside the "
-               "model's terms (the device profile's framework_overhead_bytes)"),
+    MemoryTerm(
+        "parameters",
+        "parameters",
+        "the rank's stored parameters (shards under ZeRO-3/FSDP2) and, from "
+        "forward to backward, a gathered stage that is not resharded after forward",
+        "local bytes of the rank's parameters (shards under FSDP/ZeRO) at the end of the step",
+    ),
+    MemoryTerm(
+        "gradients",
+        "gradients",
+        "gradients held: accumulated, in data-parallel buckets, Megatron's "
+        "persistent buffer, or one layer's in the backward",
+        "local bytes of .grad at the end of the step (after the optimizer, before zero_grad)",
+    ),
+    MemoryTerm(
+        "optimizer_state",
+        "optimizer_state",
+        "the optimizer's states of the precision recipe (sharded for ZeRO >= 1)",
+        "local bytes of the optimizer's state tensors at the end of the step",
+    ),
+    MemoryTerm(
+        "autocast_copies",
+        "autocast_copies",
+        "autocast's cast cache: 16-bit copies of fp32 weights inside the autocast region",
+    ),
+    MemoryTerm(
+        "activations", "activations", "activations saved for the backward, and the working set of the layer in backward"
+    ),
+    MemoryTerm(
+        "logits", "logits", "the LM head's logits and their loss intermediates, of the micro-batches past the head"
+    ),
+    MemoryTerm(
+        "sharding_buffers",
+        "sharding_buffers",
+        "unsharded buffers of ZeRO-2/3 and FSDP (gathered layers, gradient reduce-scatter)",
+    ),
+    MemoryTerm(
+        "pipeline_buffers",
+        "pipeline_buffers",
+        "receive buffers torch.distributed.pipelining allocates for every micro-batch",
+    ),
+    MemoryTerm(
+        "fragmentation",
+        "fragmentation",
+        "what the caching allocator reserves beyond "
+        "the allocated peak (a share of the dynamic terms and transient blocks)",
+    ),
+    MemoryTerm(
+        "framework",
+        "framework",
+        "tensors the framework allocates beside the model's terms (the device profile's framework_overhead_bytes)",
+    ),
 )
 
 TIME_NAMES: tuple[str, ...] = tuple(t.name for t in TIME)

@@ -85,6 +85,7 @@ def listing(values: list) -> str:
 
 # --- the details: each rule in the user's numbers, with the valid values where they are few ---
 
+
 def _world(x: Layout, f: Facts) -> str:
     cp = x.cp > 1 or "cp" in f.given  # the product names cp only where the layout has it
     if "dp" in f.given:
@@ -101,8 +102,10 @@ def _tp_heads(x: Layout, f: Facts) -> str:
 def _cp_chunks(x: Layout, f: Facts) -> str:
     s = f.training.seq_len
     valid = [1] + [d for d in divisors(f.world) if d > 1 and s % (2 * d) == 0 and s // (2 * d) >= CP_MIN_CHUNK_TOKENS]
-    return (f"context parallelism splits each sequence into 2 x cp chunks of at least {CP_MIN_CHUNK_TOKENS} "
-            f"tokens: seq_len {s} / (2 x {x.cp}) does not; valid: {listing(valid)}")
+    return (
+        f"context parallelism splits each sequence into 2 x cp chunks of at least {CP_MIN_CHUNK_TOKENS} "
+        f"tokens: seq_len {s} / (2 x {x.cp}) does not; valid: {listing(valid)}"
+    )
 
 
 def _stages(x: Layout, f: Facts) -> str:
@@ -112,9 +115,11 @@ def _stages(x: Layout, f: Facts) -> str:
 
 
 def _batch(x: Layout, f: Facts) -> str:
-    return (f"dp x micro_batch_size x num_microbatches = {x.dp} x {x.micro_batch_size} x "
-            f"{x.num_microbatches} = {x.dp * x.micro_batch_size * x.num_microbatches} must equal the "
-            f"global batch {f.training.global_batch_size}")
+    return (
+        f"dp x micro_batch_size x num_microbatches = {x.dp} x {x.micro_batch_size} x "
+        f"{x.num_microbatches} = {x.dp * x.micro_batch_size * x.num_microbatches} must equal the "
+        f"global batch {f.training.global_batch_size}"
+    )
 
 
 def _interleaved(x: Layout, f: Facts) -> str:
@@ -125,8 +130,10 @@ def _interleaved(x: Layout, f: Facts) -> str:
 
 def _ep_dp(x: Layout, f: Facts) -> str:
     valid = divisors(gcd(x.dp, f.model.num_experts or 1))
-    return (f"ep = {x.ep} must divide dp = {x.dp} (expert-parallel ranks are carved out of the data-parallel "
-            f"ranks); valid: {listing(valid)}")
+    return (
+        f"ep = {x.ep} must divide dp = {x.dp} (expert-parallel ranks are carved out of the data-parallel "
+        f"ranks); valid: {listing(valid)}"
+    )
 
 
 def _one_f_one_b(c: Candidates) -> np.ndarray:
@@ -137,107 +144,218 @@ def _megatron(c: Candidates, f: Facts) -> np.ndarray:
     """The vectorized form of planner/launch.py _megatron_refusal (tests/test_launch.py checks they agree)."""
     if f.training.framework != "megatron":
         return np.zeros(len(c), dtype=bool)
-    return (((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1)) | ~np.isin(c.axis_order, MEGATRON_ORDERS)
-            | ((c.zero_stage >= 2) & (c.shard < c.dp))
-            | ((f.model.num_experts > 0) & (c.tp > 1) & (c.sequence_parallel == 0)))
+    return (
+        ((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1))
+        | ~np.isin(c.axis_order, MEGATRON_ORDERS)
+        | ((c.zero_stage >= 2) & (c.shard < c.dp))
+        | ((f.model.num_experts > 0) & (c.tp > 1) & (c.sequence_parallel == 0))
+    )
 
 
 _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
-    Rule("world_size_mismatch", ("tp", "cp", "pp", "dp"),
-         lambda c, f: c.tp * c.cp * c.pp * c.dp != f.world,
-         "tp x cp x pp x dp must equal the number of GPUs", _world),
-    Rule("tp_not_divide_heads", ("tp",), lambda c, f: f.model.num_attention_heads % c.tp != 0,
-         "tp must divide the attention heads", _tp_heads),
-    Rule("tp_not_divide_kv_heads", ("tp",), lambda c, f: f.model.kv_heads % c.tp != 0,
-         "tp must divide the key/value heads", _tp_heads),
-    Rule("cp_not_divide_seq", ("cp",), lambda c, f: (c.cp > 1) & (f.training.seq_len % (2 * c.cp) != 0),
-         "context parallelism splits each sequence into 2 x cp chunks (load-balanced causal split): seq_len must "
-         "be divisible by 2 x cp", _cp_chunks),
+    Rule(
+        "world_size_mismatch",
+        ("tp", "cp", "pp", "dp"),
+        lambda c, f: c.tp * c.cp * c.pp * c.dp != f.world,
+        "tp x cp x pp x dp must equal the number of GPUs",
+        _world,
+    ),
+    Rule(
+        "tp_not_divide_heads",
+        ("tp",),
+        lambda c, f: f.model.num_attention_heads % c.tp != 0,
+        "tp must divide the attention heads",
+        _tp_heads,
+    ),
+    Rule(
+        "tp_not_divide_kv_heads",
+        ("tp",),
+        lambda c, f: f.model.kv_heads % c.tp != 0,
+        "tp must divide the key/value heads",
+        _tp_heads,
+    ),
+    Rule(
+        "cp_not_divide_seq",
+        ("cp",),
+        lambda c, f: (c.cp > 1) & (f.training.seq_len % (2 * c.cp) != 0),
+        "context parallelism splits each sequence into 2 x cp chunks (load-balanced causal split): seq_len must "
+        "be divisible by 2 x cp",
+        _cp_chunks,
+    ),
     # engines only: the bundled executor runs any chunk and attends without flash kernels
-    Rule("cp_chunk_too_small", ("cp",),
-         lambda c, f: (c.cp > 1) & (f.training.seq_len // (2 * c.cp) < CP_MIN_CHUNK_TOKENS),
-         f"context parallelism needs chunks of seq_len / (2 x cp) >= {CP_MIN_CHUNK_TOKENS} tokens", _cp_chunks,
-         applies=frozenset({PLAN})),
-    Rule("cp_needs_flash_attention", ("cp",), lambda c, f: (c.cp > 1) & (not f.training.flash_attention),
-         "context parallelism (ring attention) runs on flash attention: cp > 1 needs training.flash_attention",
-         lambda x, f: f"cp = {x.cp} > 1 runs ring attention on flash attention kernels: it needs "
-                      "training.flash_attention",
-         applies=frozenset({PLAN})),
-    Rule("stage_without_layers", ("pp", "virtual_stages"),
-         lambda c, f: ~stages.split(f.model.num_layers, c.pp, c.virtual_stages)[3],
-         "the layer split over pp x virtual_stages leaves a pipeline stage without a layer (planner/stages.py)",
-         _stages),
-    Rule("batch_not_divisible", ("dp", "micro_batch_size", "num_microbatches"),
-         lambda c, f: c.dp * c.micro_batch_size * c.num_microbatches != f.training.global_batch_size,
-         "dp x micro_batch_size x num_microbatches must equal the global batch", _batch),
-    Rule("shard_not_divide_dp", ("shard", "dp"), lambda c, f: c.dp % c.shard != 0, "shard must divide dp",
-         lambda x, f: f"shard must divide dp = {x.dp}; valid: {listing(divisors(x.dp))}"),
-    Rule("shard_without_zero", ("shard", "zero_stage"), lambda c, f: (c.zero_stage == 0) & (c.shard > 1),
-         "shard > 1 needs zero_stage >= 1",
-         lambda x, f: f"shard = {x.shard} > 1 needs zero >= 1 (sharding is what ZeRO does)"),
-    Rule("virtual_stages_need_interleaved", ("virtual_stages", "schedule"),
-         lambda c, f: (c.virtual_stages > 1) & (c.schedule != SCHEDULE_INTERLEAVED),
-         "virtual_stages > 1 needs schedule interleaved_1f1b",
-         lambda x, f: f"virtual_stages = {x.virtual_stages} > 1 needs schedule interleaved_1f1b"),
-    Rule("interleaved_needs_virtual_stages", ("schedule", "virtual_stages", "pp"),
-         lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & ((c.virtual_stages == 1) | (c.pp == 1)),
-         "interleaved_1f1b needs virtual_stages > 1 and pp > 1", _interleaved),
-    Rule("sequence_parallel_needs_tp", ("sequence_parallel", "tp"),
-         lambda c, f: (c.sequence_parallel > 0) & (c.tp == 1),
-         "sequence_parallel needs tp > 1",
-         lambda x, f: "sequence parallelism splits the tensor-parallel group's activations: it needs tp > 1"),
-    Rule("too_few_microbatches", ("num_microbatches", "pp", "schedule"),
-         lambda c, f: _one_f_one_b(c) & (c.num_microbatches < c.pp), "1F1B schedules need num_microbatches >= pp",
-         lambda x, f: f"1F1B schedules need num_microbatches >= pp; {x.num_microbatches} < {x.pp}"),
-    Rule("microbatches_not_multiple_of_pp", ("num_microbatches", "pp", "schedule"),
-         lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & (c.num_microbatches % c.pp != 0),
-         "interleaved_1f1b needs num_microbatches divisible by pp",
-         lambda x, f: f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}"),
+    Rule(
+        "cp_chunk_too_small",
+        ("cp",),
+        lambda c, f: (c.cp > 1) & (f.training.seq_len // (2 * c.cp) < CP_MIN_CHUNK_TOKENS),
+        f"context parallelism needs chunks of seq_len / (2 x cp) >= {CP_MIN_CHUNK_TOKENS} tokens",
+        _cp_chunks,
+        applies=frozenset({PLAN}),
+    ),
+    Rule(
+        "cp_needs_flash_attention",
+        ("cp",),
+        lambda c, f: (c.cp > 1) & (not f.training.flash_attention),
+        "context parallelism (ring attention) runs on flash attention: cp > 1 needs training.flash_attention",
+        lambda x, f: (
+            f"cp = {x.cp} > 1 runs ring attention on flash attention kernels: it needs training.flash_attention"
+        ),
+        applies=frozenset({PLAN}),
+    ),
+    Rule(
+        "stage_without_layers",
+        ("pp", "virtual_stages"),
+        lambda c, f: ~stages.split(f.model.num_layers, c.pp, c.virtual_stages)[3],
+        "the layer split over pp x virtual_stages leaves a pipeline stage without a layer (planner/stages.py)",
+        _stages,
+    ),
+    Rule(
+        "batch_not_divisible",
+        ("dp", "micro_batch_size", "num_microbatches"),
+        lambda c, f: c.dp * c.micro_batch_size * c.num_microbatches != f.training.global_batch_size,
+        "dp x micro_batch_size x num_microbatches must equal the global batch",
+        _batch,
+    ),
+    Rule(
+        "shard_not_divide_dp",
+        ("shard", "dp"),
+        lambda c, f: c.dp % c.shard != 0,
+        "shard must divide dp",
+        lambda x, f: f"shard must divide dp = {x.dp}; valid: {listing(divisors(x.dp))}",
+    ),
+    Rule(
+        "shard_without_zero",
+        ("shard", "zero_stage"),
+        lambda c, f: (c.zero_stage == 0) & (c.shard > 1),
+        "shard > 1 needs zero_stage >= 1",
+        lambda x, f: f"shard = {x.shard} > 1 needs zero >= 1 (sharding is what ZeRO does)",
+    ),
+    Rule(
+        "virtual_stages_need_interleaved",
+        ("virtual_stages", "schedule"),
+        lambda c, f: (c.virtual_stages > 1) & (c.schedule != SCHEDULE_INTERLEAVED),
+        "virtual_stages > 1 needs schedule interleaved_1f1b",
+        lambda x, f: f"virtual_stages = {x.virtual_stages} > 1 needs schedule interleaved_1f1b",
+    ),
+    Rule(
+        "interleaved_needs_virtual_stages",
+        ("schedule", "virtual_stages", "pp"),
+        lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & ((c.virtual_stages == 1) | (c.pp == 1)),
+        "interleaved_1f1b needs virtual_stages > 1 and pp > 1",
+        _interleaved,
+    ),
+    Rule(
+        "sequence_parallel_needs_tp",
+        ("sequence_parallel", "tp"),
+        lambda c, f: (c.sequence_parallel > 0) & (c.tp == 1),
+        "sequence_parallel needs tp > 1",
+        lambda x, f: "sequence parallelism splits the tensor-parallel group's activations: it needs tp > 1",
+    ),
+    Rule(
+        "too_few_microbatches",
+        ("num_microbatches", "pp", "schedule"),
+        lambda c, f: _one_f_one_b(c) & (c.num_microbatches < c.pp),
+        "1F1B schedules need num_microbatches >= pp",
+        lambda x, f: f"1F1B schedules need num_microbatches >= pp; {x.num_microbatches} < {x.pp}",
+    ),
+    Rule(
+        "microbatches_not_multiple_of_pp",
+        ("num_microbatches", "pp", "schedule"),
+        lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & (c.num_microbatches % c.pp != 0),
+        "interleaved_1f1b needs num_microbatches divisible by pp",
+        lambda x, f: f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}",
+    ),
     # engine megatron only (the bundled executor is a PyTorch stack)
-    Rule("megatron_cannot_express",
-         ("axis_order", "dp", "pp", "schedule", "sequence_parallel", "shard", "tp", "zero_stage"), _megatron,
-         "framework megatron: Megatron-LM runs no GPipe, orders axes tp-dp-pp or tp-pp-dp, ZeRO-2/3 (Megatron "
-         "FSDP) shard over all of dp, and mixture of experts with tp needs sequence parallelism (planner/launch.py "
-         "refuses the rest)", applies=frozenset({PLAN})),
-    Rule("ep_needs_moe", ("ep",), lambda c, f: (c.ep > 1) & (f.model.num_experts == 0),
-         "ep > 1 needs a mixture-of-experts model (num_experts > 0)",
-         lambda x, f: f"ep = {x.ep} > 1 needs a mixture-of-experts model; {f.model.name} is dense (num_experts 0)"),
-    Rule("ep_not_divide_experts", ("ep",),
-         lambda c, f: (c.ep > 1) & (f.model.num_experts % np.maximum(c.ep, 1) != 0),
-         "ep must divide num_experts (each ep rank holds num_experts / ep experts)",
-         lambda x, f: f"ep must divide the {f.model.num_experts} experts; valid: "
-                      f"{listing(divisors(f.model.num_experts))}"),
-    Rule("ep_not_divide_dp", ("ep", "dp"), lambda c, f: c.dp % np.maximum(c.ep, 1) != 0,
-         "ep must divide dp (expert-parallel ranks are carved out of the data-parallel ranks)", _ep_dp),
-    Rule("ep_with_cp", ("ep", "cp"), lambda c, f: (c.ep > 1) & (c.cp > 1),
-         "ep > 1 with cp > 1 is not modelled (Megatron-LM and torchtitan fold the cp ranks into the "
-         "expert-parallel group; berth carves ep out of dp only)"),
+    Rule(
+        "megatron_cannot_express",
+        ("axis_order", "dp", "pp", "schedule", "sequence_parallel", "shard", "tp", "zero_stage"),
+        _megatron,
+        "framework megatron: Megatron-LM runs no GPipe, orders axes tp-dp-pp or tp-pp-dp, ZeRO-2/3 (Megatron "
+        "FSDP) shard over all of dp, and mixture of experts with tp needs sequence parallelism (planner/launch.py "
+        "refuses the rest)",
+        applies=frozenset({PLAN}),
+    ),
+    Rule(
+        "ep_needs_moe",
+        ("ep",),
+        lambda c, f: (c.ep > 1) & (f.model.num_experts == 0),
+        "ep > 1 needs a mixture-of-experts model (num_experts > 0)",
+        lambda x, f: f"ep = {x.ep} > 1 needs a mixture-of-experts model; {f.model.name} is dense (num_experts 0)",
+    ),
+    Rule(
+        "ep_not_divide_experts",
+        ("ep",),
+        lambda c, f: (c.ep > 1) & (f.model.num_experts % np.maximum(c.ep, 1) != 0),
+        "ep must divide num_experts (each ep rank holds num_experts / ep experts)",
+        lambda x, f: (
+            f"ep must divide the {f.model.num_experts} experts; valid: {listing(divisors(f.model.num_experts))}"
+        ),
+    ),
+    Rule(
+        "ep_not_divide_dp",
+        ("ep", "dp"),
+        lambda c, f: c.dp % np.maximum(c.ep, 1) != 0,
+        "ep must divide dp (expert-parallel ranks are carved out of the data-parallel ranks)",
+        _ep_dp,
+    ),
+    Rule(
+        "ep_with_cp",
+        ("ep", "cp"),
+        lambda c, f: (c.ep > 1) & (c.cp > 1),
+        "ep > 1 with cp > 1 is not modelled (Megatron-LM and torchtitan fold the cp ranks into the "
+        "expert-parallel group; berth carves ep out of dp only)",
+    ),
 )
 
 # What the bundled executor cannot run and the engines can (executor/parallel.py, executor/model.py).
 _EXECUTOR_RULES: tuple[Rule, ...] = (
-    Rule("tp_not_divide_ffn", ("tp",), lambda c, f: f.model.ffn_hidden_size % c.tp != 0,
-         "the bundled executor splits the feed-forward layer evenly over tp: tp must divide ffn_hidden_size",
-         lambda x, f: f"tp={x.tp} does not divide ffn {f.model.ffn_hidden_size} (the bundled executor splits the "
-                      "feed-forward layer evenly)", applies=frozenset({EXECUTOR})),
-    Rule("tp_not_divide_vocab", ("tp",), lambda c, f: f.model.vocab_size % c.tp != 0,
-         "the bundled executor splits the embedding and the LM head evenly over tp (the engines pad the "
-         "vocabulary): tp must divide vocab_size",
-         lambda x, f: f"tp={x.tp} does not divide vocab {f.model.vocab_size} (the bundled executor splits the "
-                      "embedding and LM head evenly; Megatron-LM and torchtitan pad the vocabulary)",
-         applies=frozenset({EXECUTOR})),
-    Rule("sequence_parallel_tokens", ("sequence_parallel", "tp", "cp"),
-         lambda c, f: (c.sequence_parallel > 0) & ((f.training.seq_len // c.cp) % c.tp != 0),
-         "the bundled executor's sequence parallelism needs tp to divide the tokens of each sequence on a rank",
-         lambda x, f: f"sequence parallel needs tp={x.tp} to divide the {f.training.seq_len // x.cp} tokens of "
-                      "each sequence on a rank", applies=frozenset({EXECUTOR})),
-    Rule("tied_embeddings_model_parallel", ("tp", "pp"),
-         lambda c, f: f.model.tied_embeddings & ((c.tp > 1) | (c.pp > 1)),
-         "tied embeddings with tp or pp > 1 are not supported by the executor", applies=frozenset({EXECUTOR})),
-    Rule("moe_beyond_dp", ("tp", "cp", "pp", "zero_stage"),
-         lambda c, f: (f.model.num_experts > 0) & ((c.tp > 1) | (c.pp > 1) | (c.cp > 1) | (c.zero_stage > 0)),
-         "the executor runs mixture-of-experts models on dp (with ep) only: tp = cp = pp = 1, zero 0",
-         applies=frozenset({EXECUTOR})),
+    Rule(
+        "tp_not_divide_ffn",
+        ("tp",),
+        lambda c, f: f.model.ffn_hidden_size % c.tp != 0,
+        "the bundled executor splits the feed-forward layer evenly over tp: tp must divide ffn_hidden_size",
+        lambda x, f: (
+            f"tp={x.tp} does not divide ffn {f.model.ffn_hidden_size} (the bundled executor splits the "
+            "feed-forward layer evenly)"
+        ),
+        applies=frozenset({EXECUTOR}),
+    ),
+    Rule(
+        "tp_not_divide_vocab",
+        ("tp",),
+        lambda c, f: f.model.vocab_size % c.tp != 0,
+        "the bundled executor splits the embedding and the LM head evenly over tp (the engines pad the "
+        "vocabulary): tp must divide vocab_size",
+        lambda x, f: (
+            f"tp={x.tp} does not divide vocab {f.model.vocab_size} (the bundled executor splits the "
+            "embedding and LM head evenly; Megatron-LM and torchtitan pad the vocabulary)"
+        ),
+        applies=frozenset({EXECUTOR}),
+    ),
+    Rule(
+        "sequence_parallel_tokens",
+        ("sequence_parallel", "tp", "cp"),
+        lambda c, f: (c.sequence_parallel > 0) & ((f.training.seq_len // c.cp) % c.tp != 0),
+        "the bundled executor's sequence parallelism needs tp to divide the tokens of each sequence on a rank",
+        lambda x, f: (
+            f"sequence parallel needs tp={x.tp} to divide the {f.training.seq_len // x.cp} tokens of "
+            "each sequence on a rank"
+        ),
+        applies=frozenset({EXECUTOR}),
+    ),
+    Rule(
+        "tied_embeddings_model_parallel",
+        ("tp", "pp"),
+        lambda c, f: f.model.tied_embeddings & ((c.tp > 1) | (c.pp > 1)),
+        "tied embeddings with tp or pp > 1 are not supported by the executor",
+        applies=frozenset({EXECUTOR}),
+    ),
+    Rule(
+        "moe_beyond_dp",
+        ("tp", "cp", "pp", "zero_stage"),
+        lambda c, f: (f.model.num_experts > 0) & ((c.tp > 1) | (c.pp > 1) | (c.cp > 1) | (c.zero_stage > 0)),
+        "the executor runs mixture-of-experts models on dp (with ep) only: tp = cp = pp = 1, zero 0",
+        applies=frozenset({EXECUTOR}),
+    ),
 )
 
 _MEMORY: tuple[tuple[str, str], ...] = (
@@ -251,8 +369,11 @@ _MEMORY: tuple[tuple[str, str], ...] = (
 RULES: tuple[Rule, ...] = _RULES_BEFORE_MEMORY + _EXECUTOR_RULES
 RULE: dict[str, Rule] = {r.name: r for r in RULES}
 REASONS: tuple[tuple[str, str], ...] = (
-    (("", ""),) + tuple((r.name, r.text) for r in _RULES_BEFORE_MEMORY) + _MEMORY
-    + tuple((r.name, r.text) for r in _EXECUTOR_RULES))
+    (("", ""),)
+    + tuple((r.name, r.text) for r in _RULES_BEFORE_MEMORY)
+    + _MEMORY
+    + tuple((r.name, r.text) for r in _EXECUTOR_RULES)
+)
 REASON_CODES = {name: i for i, (name, _) in enumerate(REASONS)}
 OUT_OF_MEMORY = REASON_CODES["out_of_memory"]
 MEMORY_TIGHT = REASON_CODES["memory_tight"]  # fits, but closer to the capacity than the search's memory headroom
@@ -300,8 +421,10 @@ def prune(facts: Facts, **columns: np.ndarray) -> np.ndarray:
     full candidates (a rule that reads a field still free cannot be judged yet)."""
     n = len(next(iter(columns.values())))
     default = Candidates.from_layouts([Layout()])
-    c = Candidates(**{f.name: np.repeat(getattr(default, f.name), n) for f in fields(Candidates)}
-                   | {k: np.asarray(v, dtype=np.int64) for k, v in columns.items()})
+    c = Candidates(
+        **{f.name: np.repeat(getattr(default, f.name), n) for f in fields(Candidates)}
+        | {k: np.asarray(v, dtype=np.int64) for k, v in columns.items()}
+    )
     known = set(columns)  # Candidates columns are named as the Layout fields
     rules = tuple(r for r in PLAN_RULES if set(r.reads) <= known)
     keep = np.ones(n, dtype=bool)

@@ -35,10 +35,12 @@ LARGEST_ERROR_RULE = "largest |measured - predicted| in seconds"
 
 # memory: what is measured per term (tensors held at the end of a step) beside memory_breakdown_bytes
 MEMORY_MEASURED = {t.name: t.measured_by for t in terms.MEMORY if t.measured_by}
-MEMORY_NOTE = ("total: the peak (CUDA: max_memory_reserved; CPU: the profiler's allocations replayed by address) "
-               "of the rank whose step is shown; parameters, gradients and optimizer_state: tensors held at the "
-               "end of a step, measured by walking them; the other terms (activations, logits, buffers, "
-               "fragmentation, framework) are not measured apart: they are in the total only")
+MEMORY_NOTE = (
+    "total: the peak (CUDA: max_memory_reserved; CPU: the profiler's allocations replayed by address) "
+    "of the rank whose step is shown; parameters, gradients and optimizer_state: tensors held at the "
+    "end of a step, measured by walking them; the other terms (activations, logits, buffers, "
+    "fragmentation, framework) are not measured apart: they are in the total only"
+)
 
 
 def term_of(region: str) -> str:
@@ -79,14 +81,27 @@ def compare(prediction: Any, ranks: list[dict[str, Any]], method: str) -> dict[s
         p, m = predicted.get(term), measured.get(term)
         # a term predicted but never seen counts as measured 0; one neither predicted nor seen has no error
         error = None if not predicted or (m is None and not p) else (m or 0.0) - (p or 0.0)
-        rows[term] = {"predicted_s": p, "measured_s": m, "error_s": error, "relative_error": _relative(error, p),
-                      "measured_by": how}
+        rows[term] = {
+            "predicted_s": p,
+            "measured_s": m,
+            "error_s": error,
+            "relative_error": _relative(error, p),
+            "measured_by": how,
+        }
     scored = {t: abs(r["error_s"]) for t, r in rows.items() if r["error_s"] is not None}
     largest = max(scored, key=scored.get) if scored else None
     memory = memory_rows(prediction, rank)
-    return {"rank": rank["rank"], "method": method, "step_time_s": rank["step_time_mean_s"],
-            "terms": rows, "unattributed_s": measured.get(OTHER, 0.0), "largest_error_term": largest,
-            "largest_error_rule": LARGEST_ERROR_RULE, "memory": memory, "memory_note": MEMORY_NOTE}
+    return {
+        "rank": rank["rank"],
+        "method": method,
+        "step_time_s": rank["step_time_mean_s"],
+        "terms": rows,
+        "unattributed_s": measured.get(OTHER, 0.0),
+        "largest_error_term": largest,
+        "largest_error_rule": LARGEST_ERROR_RULE,
+        "memory": memory,
+        "memory_note": MEMORY_NOTE,
+    }
 
 
 def memory_rows(prediction: Any, rank: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -95,11 +110,18 @@ def memory_rows(prediction: Any, rank: dict[str, Any]) -> dict[str, dict[str, An
     rows = {}
     for term, how in MEMORY_MEASURED.items():
         p, m = predicted.get(term), state.get(term)
-        rows[term] = {"predicted_bytes": p, "measured_bytes": m,
-                      "error_bytes": m - p if p is not None and m is not None else None, "measured_by": how}
+        rows[term] = {
+            "predicted_bytes": p,
+            "measured_bytes": m,
+            "error_bytes": m - p if p is not None and m is not None else None,
+            "measured_by": how,
+        }
     total_p = sum(predicted.values()) if predicted else None
     total_m = rank.get("peak_memory_bytes")
-    rows["total"] = {"predicted_bytes": total_p, "measured_bytes": total_m,
-                     "error_bytes": total_m - total_p if total_p is not None and total_m is not None else None,
-                     "measured_by": "peak of the rank (see memory_note)"}
+    rows["total"] = {
+        "predicted_bytes": total_p,
+        "measured_bytes": total_m,
+        "error_bytes": total_m - total_p if total_p is not None and total_m is not None else None,
+        "measured_by": "peak of the rank (see memory_note)",
+    }
     return rows

@@ -44,8 +44,10 @@ def rank_device(local_rank: int | None = None, need_gpu: bool | None = None) -> 
         need_gpu = os.environ.get(REQUIRE_GPU_ENV) == "1"
     if not cuda_wanted():
         if need_gpu:
-            raise RuntimeError("the plan is for GPUs but torch sees no CUDA device (torch "
-                               f"{torch.__version__}, BERTH_DEVICE={os.environ.get('BERTH_DEVICE', 'auto')})")
+            raise RuntimeError(
+                "the plan is for GPUs but torch sees no CUDA device (torch "
+                f"{torch.__version__}, BERTH_DEVICE={os.environ.get('BERTH_DEVICE', 'auto')})"
+            )
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     return init_cuda(torch.device("cuda", local))

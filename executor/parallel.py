@@ -203,12 +203,14 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
         if block.feed_forward.w3 is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
         if sp:
-            plan.update({
-                "attention_norm": SequenceParallel(),
-                "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    "attention_norm": SequenceParallel(),
+                    "ffn_norm": SequenceParallel(),
+                    "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
         parallelize_module(block, tp_mesh, plan)
 
 
@@ -252,6 +254,7 @@ def apply_ep(model: Decoder, layout: Layout, rank: int):
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=group)
                 p.grad /= dp
+
     return sync
 
 
@@ -279,8 +282,15 @@ def _schedule_class(layout: Layout):
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[layout.schedule]
 
 
-def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, device: torch.device,
-            mesh: DeviceMesh | None, coords: Coordinates) -> Prepared:
+def prepare(
+    spec: ModelSpec,
+    training: TrainingSpec,
+    layout: Layout,
+    seed: int,
+    device: torch.device,
+    mesh: DeviceMesh | None,
+    coords: Coordinates,
+) -> Prepared:
     """Model parts, optimizer and schedule of this rank, built in the order the reference gives."""
     model = build_model(spec, seed).to(device)
     mp = None
@@ -295,8 +305,10 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
         apply_cp(model, mesh["cp"].get_group(), coords.cp_rank, layout.cp)
         executed_as.append("cp runs all-gather KV attention (Megatron's all_gather CP, Llama 3), not a ring")
         if layout.zero_stage >= 1:
-            executed_as.append(f"zero {layout.zero_stage} shards over dp only, then averages gradients over cp "
-                               "(the cost model shards over dp x cp: measured parameter and state memory is higher)")
+            executed_as.append(
+                f"zero {layout.zero_stage} shards over dp only, then averages gradients over cp "
+                "(the cost model shards over dp x cp: measured parameter and state memory is higher)"
+            )
     if spec.is_moe:  # dp only (executor/checks.py), with or without ep: an explicit gradient reduction
         apply_recompute(model, layout.recompute)
         sync = apply_ep(model, layout, coords.rank)
@@ -306,19 +318,25 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
         apply_recompute(model, layout.recompute)
         # gradient_as_bucket_view: gradients live in DDP's buckets (no second copy), as in Megatron's
         # contiguous gradient buffer, which is what the memory model counts.
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True)
+        ddp = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
         if layout.zero_stage == 1:
-            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                          process_group=mesh["shard"].get_group(), lr=LEARNING_RATE)
+            opt = ZeroRedundancyOptimizer(
+                ddp.parameters(),
+                optimizer_class=torch.optim.AdamW,
+                process_group=mesh["shard"].get_group(),
+                lr=LEARNING_RATE,
+            )
         else:
             opt = _optimizer(ddp.parameters())
         return Prepared([ddp], opt, executed_as=executed_as)
 
     chunks = layout.pp * layout.virtual_stages
     stage_ids = [coords.pp_rank + k * layout.pp for k in range(layout.virtual_stages)]
-    parts = [pipeline_chunk(model, i, layout.pp, layout.virtual_stages) for i in stage_ids] if layout.pp > 1 \
-        else [model]
+    parts = (
+        [pipeline_chunk(model, i, layout.pp, layout.virtual_stages) for i in stage_ids] if layout.pp > 1 else [model]
+    )
     del model
     for part in parts:
         if layout.tp > 1:
@@ -342,8 +360,9 @@ def prepare(spec: ModelSpec, training: TrainingSpec, layout: Layout, seed: int, 
     return Prepared(parts, opt, schedule, executed_as, cp_group)
 
 
-def run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, targets: torch.Tensor,
-                     coords: Coordinates) -> torch.Tensor | None:
+def run_microbatches(
+    prepared: Prepared, layout: Layout, tokens: torch.Tensor, targets: torch.Tensor, coords: Coordinates
+) -> torch.Tensor | None:
     """Forward and backward of one step's micro-batches on this rank (gradient accumulation, or
     the pipeline schedule); returns the mean micro-batch loss where this rank sees the loss."""
     if layout.tp > 1:
@@ -358,8 +377,9 @@ def run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, t
     return loss
 
 
-def _run_microbatches(prepared: Prepared, layout: Layout, tokens: torch.Tensor, targets: torch.Tensor,
-                      coords: Coordinates) -> torch.Tensor | None:
+def _run_microbatches(
+    prepared: Prepared, layout: Layout, tokens: torch.Tensor, targets: torch.Tensor, coords: Coordinates
+) -> torch.Tensor | None:
     if prepared.schedule is not None:
         first, last = coords.pp_rank == 0, coords.pp_rank == layout.pp - 1
         losses: list[torch.Tensor] = []

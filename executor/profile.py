@@ -124,9 +124,13 @@ def _dtype(device: torch.device) -> tuple[torch.dtype, str]:
     return (torch.bfloat16, "bf16") if device.type == "cuda" else (torch.float32, "fp32")
 
 
-def layer_gemm_shapes(hidden: tuple[int, ...] = GPU_HIDDEN, tps: tuple[int, ...] = GPU_TP,
-                      tokens: tuple[int, ...] = GPU_TOKENS, ffn_ratio: float = FFN_RATIO,
-                      limit: tuple[int, int, int] = MAX_GEMM) -> list[tuple[int, int, int]]:
+def layer_gemm_shapes(
+    hidden: tuple[int, ...] = GPU_HIDDEN,
+    tps: tuple[int, ...] = GPU_TP,
+    tokens: tuple[int, ...] = GPU_TOKENS,
+    ffn_ratio: float = FFN_RATIO,
+    limit: tuple[int, int, int] = MAX_GEMM,
+) -> list[tuple[int, int, int]]:
     """(m, n, k) of the projections of a decoder layer (Llama-style, GQA with 8 kv heads of 128,
     SwiGLU) for each hidden size, tp degree and micro-batch token count: QKV (m x h)@(h x (h + 2 kv)/tp),
     output (m x h/tp)@(h/tp x h), gate+up (m x h)@(h x 2 ffn/tp), down (m x ffn/tp)@(ffn/tp x h).
@@ -166,8 +170,7 @@ def measure_gemm(device: torch.device, quick: bool, shapes: list[tuple[int, int,
         flops = 2.0 * m * n * k
         reps = MIN_REPS if device.type == "cuda" else max(3, min(50, int(2e9 / flops)))
         t = measure(lambda a=a, b=b: a @ b, reps)
-        out.append({"m": m, "n": n, "k": k, "rows": m, "min_dim": min(m, n, k), "seconds": t,
-                    "flops_per_s": flops / t})
+        out.append({"m": m, "n": n, "k": k, "rows": m, "min_dim": min(m, n, k), "seconds": t, "flops_per_s": flops / t})
         del a, b
     return out
 
@@ -208,22 +211,33 @@ def measure_attention(device: torch.device, quick: bool) -> list[dict]:
     for b, heads, s, d in attention_shapes(device.type, quick):
         fwd_s, bwd_s, backend = _time_attention(device, measure, b, heads, s, d, 3 if quick else 8)
         f_fwd, f_bwd = attention_flops(b, heads, s, d)
-        rows.append({"batch": b, "heads": heads, "seq": s, "head_dim": d, "forward_s": fwd_s, "backward_s": bwd_s,
-                     "forward_flops": f_fwd, "backward_flops": f_bwd, "flops_per_s": (f_fwd + f_bwd) / (fwd_s + bwd_s),
-                     "backend": backend})
+        rows.append(
+            {
+                "batch": b,
+                "heads": heads,
+                "seq": s,
+                "head_dim": d,
+                "forward_s": fwd_s,
+                "backward_s": bwd_s,
+                "forward_flops": f_fwd,
+                "backward_flops": f_bwd,
+                "flops_per_s": (f_fwd + f_bwd) / (fwd_s + bwd_s),
+                "backend": backend,
+            }
+        )
     return rows
 
 
-def _time_attention(device: torch.device, measure, b: int, heads: int, s: int, d: int,
-                    reps: int) -> tuple[float, float, str]:
+def _time_attention(
+    device: torch.device, measure, b: int, heads: int, s: int, d: int, reps: int
+) -> tuple[float, float, str]:
     """(forward s, backward s, backend) of one shape; q, k, v laid out as a layer produces them:
     (b, s, heads, d) viewed as (b, heads, s, d)."""
     dtype, _ = _dtype(device)
     q, k, v = (torch.randn(b, s, heads, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 
     def forward():
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
 
     def timed() -> tuple[float, float]:
         fwd_s = measure(forward, reps)
@@ -307,19 +321,27 @@ def _concurrent_compute(quick: bool, world: int) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
-    mine = {"gemm": measure_gemm(torch.device("cpu"), quick),
-            "memory_bandwidth": measure_memory_bandwidth(torch.device("cpu"), quick),
-            "attention": measure_attention(torch.device("cpu"), quick),
-            "op_overhead": measure_op_overhead(torch.device("cpu"))}
+    mine = {
+        "gemm": measure_gemm(torch.device("cpu"), quick),
+        "memory_bandwidth": measure_memory_bandwidth(torch.device("cpu"), quick),
+        "attention": measure_attention(torch.device("cpu"), quick),
+        "op_overhead": measure_op_overhead(torch.device("cpu")),
+    }
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
-    def mean_rows(key: str, fields: tuple[str, ...]) -> list[dict]:
-        return [dict(row, **{f: float(np.mean([e[key][i][f] for e in everyone])) for f in fields})
-                for i, row in enumerate(mine[key])]
 
-    return {"gemm": mean_rows("gemm", ("seconds", "flops_per_s")), "processes": world,
-            "attention": mean_rows("attention", ("forward_s", "backward_s", "flops_per_s")),
-            **{k: float(np.mean([e[k] for e in everyone])) for k in ("memory_bandwidth", "op_overhead")}}
+    def mean_rows(key: str, fields: tuple[str, ...]) -> list[dict]:
+        return [
+            dict(row, **{f: float(np.mean([e[key][i][f] for e in everyone])) for f in fields})
+            for i, row in enumerate(mine[key])
+        ]
+
+    return {
+        "gemm": mean_rows("gemm", ("seconds", "flops_per_s")),
+        "processes": world,
+        "attention": mean_rows("attention", ("forward_s", "backward_s", "flops_per_s")),
+        **{k: float(np.mean([e[k] for e in everyone])) for k in ("memory_bandwidth", "op_overhead")},
+    }
 
 
 def _comm_worker(out: str, sizes: list[int], reps: int, compute: bool = False, quick: bool = False) -> None:
@@ -357,8 +379,9 @@ def _comm_worker(out: str, sizes: list[int], reps: int, compute: bool = False, q
             results[op].append([full, float(t.item())])
     concurrent = _concurrent_compute(quick, world) if compute else None
     if rank == 0:
-        Path(out).write_text(json.dumps({"world": world, "backend": dist.get_backend(), "results": results,
-                                         "compute": concurrent}))
+        Path(out).write_text(
+            json.dumps({"world": world, "backend": dist.get_backend(), "results": results, "compute": concurrent})
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -367,9 +390,25 @@ def measure_collectives(nprocs: int, quick: bool, compute: bool = False, timeout
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "comm.json"
         sizes = QUICK_COMM_SIZES if quick else COMM_SIZES
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-               "-m", "berth.executor.profile", "--comm-worker", str(out), "--sizes", ",".join(map(str, sizes)),
-               "--reps", "3" if quick else "5"] + (["--compute"] if compute else []) + (["--quick"] if quick else [])
+        cmd = (
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nprocs}",
+                "-m",
+                "berth.executor.profile",
+                "--comm-worker",
+                str(out),
+                "--sizes",
+                ",".join(map(str, sizes)),
+                "--reps",
+                "3" if quick else "5",
+            ]
+            + (["--compute"] if compute else [])
+            + (["--quick"] if quick else [])
+        )
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         if not out.is_file():
@@ -450,14 +489,21 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
         passes = {}
         for index, name in enumerate(("forward", "backward")):
             model = getattr(base.attention_shape, name)
-            measured = [attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] / a[f"{name}_s"]
-                        / reference for a in attention]
-            predicted = [attention_efficiency(model, a["head_dim"], a["seq"], a["batch"] * a["heads"] * a["seq"])
-                         for a in attention]
+            measured = [
+                attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] / a[f"{name}_s"] / reference
+                for a in attention
+            ]
+            predicted = [
+                attention_efficiency(model, a["head_dim"], a["seq"], a["batch"] * a["heads"] * a["seq"])
+                for a in attention
+            ]
             ratio = _median_ratio(measured, predicted)
-            passes[name] = model.model_copy(update={
-                "max_fraction": float(min(1.0, model.max_fraction * ratio)),
-                "max_fraction_small_head": float(min(1.0, model.max_fraction_small_head * ratio))})
+            passes[name] = model.model_copy(
+                update={
+                    "max_fraction": float(min(1.0, model.max_fraction * ratio)),
+                    "max_fraction_small_head": float(min(1.0, model.max_fraction_small_head * ratio)),
+                }
+            )
         out["attention_shape"] = base.attention_shape.model_copy(update=passes)
     return out
 
@@ -480,13 +526,17 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: str) -> t
     dims, fractions = gemm_curve(gemm, reference, monotone=gpu)
     attention = [a["flops_per_s"] / reference for a in measurements["attention"]]
     bandwidth = measurements["memory_bandwidth_bytes_per_s"]
-    fields = {"peak_flops_per_s": {**base.peak_flops_per_s, precision: reference},
-              "gemm": GemmCurve(min_dim=dims, peak_fraction=fractions),
-              "attention_peak_fraction": min(1.0, float(np.median(attention))),
-              "kernel_overhead_s": measurements["op_overhead_s"]}
+    fields = {
+        "peak_flops_per_s": {**base.peak_flops_per_s, precision: reference},
+        "gemm": GemmCurve(min_dim=dims, peak_fraction=fractions),
+        "attention_peak_fraction": min(1.0, float(np.median(attention))),
+        "kernel_overhead_s": measurements["op_overhead_s"],
+    }
     if gpu:
-        fields.update(memory_bandwidth_bytes_per_s=base.memory_bandwidth_bytes_per_s,
-                      memory_bandwidth_fraction=min(1.0, bandwidth / base.memory_bandwidth_bytes_per_s))
+        fields.update(
+            memory_bandwidth_bytes_per_s=base.memory_bandwidth_bytes_per_s,
+            memory_bandwidth_fraction=min(1.0, bandwidth / base.memory_bandwidth_bytes_per_s),
+        )
         fields.update(shape_models_rescaled(measurements, base, reference))
     else:
         fields.update(memory_bandwidth_bytes_per_s=bandwidth, memory_bandwidth_fraction=1.0)
@@ -494,18 +544,24 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: str) -> t
     square = square_matmul(gemm) if gpu else None
     if square is not None:
         top = fractions[-1] * reference
-        checks.update(square_matmul_flops_per_s=square["flops_per_s"], curve_top_flops_per_s=top,
-                      curve_top_vs_square=top / square["flops_per_s"] - 1,
-                      peak_agrees=abs(top / square["flops_per_s"] - 1) <= PEAK_AGREEMENT)
+        checks.update(
+            square_matmul_flops_per_s=square["flops_per_s"],
+            curve_top_flops_per_s=top,
+            curve_top_vs_square=top / square["flops_per_s"] - 1,
+            peak_agrees=abs(top / square["flops_per_s"] - 1) <= PEAK_AGREEMENT,
+        )
     what = "datasheet peak (base profile)" if gpu else "best GEMM of the sweep"
-    sources = {f"peak_flops_per_s.{precision}": what,
-               "gemm": f"{len(gemm)} GEMMs binned by min dim {[int(d) for d in dims]}, median measured / {what}, "
-                       + ("fitted non-decreasing" if gpu else "as measured"),
-               "attention_peak_fraction": f"median over {len(attention)} causal SDPA shapes of forward+backward "
-                                          f"FLOP/s / {what}",
-               "memory_bandwidth_bytes_per_s": "datasheet, with memory_bandwidth_fraction = streaming multiply / "
-                                               "datasheet" if gpu else "streaming multiply (achieved: fraction 1.0)",
-               "kernel_overhead_s": "dispatch of a tiny op (host clock over 2000 launches)"}
+    sources = {
+        f"peak_flops_per_s.{precision}": what,
+        "gemm": f"{len(gemm)} GEMMs binned by min dim {[int(d) for d in dims]}, median measured / {what}, "
+        + ("fitted non-decreasing" if gpu else "as measured"),
+        "attention_peak_fraction": f"median over {len(attention)} causal SDPA shapes of forward+backward "
+        f"FLOP/s / {what}",
+        "memory_bandwidth_bytes_per_s": "datasheet, with memory_bandwidth_fraction = streaming multiply / datasheet"
+        if gpu
+        else "streaming multiply (achieved: fraction 1.0)",
+        "kernel_overhead_s": "dispatch of a tiny op (host clock over 2000 launches)",
+    }
     return fields, sources, checks
 
 
@@ -522,23 +578,45 @@ def build_profile(device_type: str, measurements: dict, comm: dict[int, dict], m
     if device_type == "cuda":
         # everything not measured (the frameworks' layer work, the allocator and driver memory, the
         # shape models' knees, TDP) stays the base GPU profile's, with its sources
-        device = DeviceProfile.model_validate({
-            **base.model_dump(), **{k: v for k, v in fields.items()},
-            "name": f"{base.name}-profiled", "display_name": f"{base.display_name}, profiled on {machine['hostname']}",
-            # torch's total is nvidia-smi's less what the driver keeps, which the capacity takes off again
-            "memory_bytes": (machine["gpu_memory_bytes"] + base.driver_reserved_bytes
-                             if machine.get("gpu_memory_bytes") else base.memory_bytes),
-            "sources": {**base.sources, **measured}})
+        device = DeviceProfile.model_validate(
+            {
+                **base.model_dump(),
+                **{k: v for k, v in fields.items()},
+                "name": f"{base.name}-profiled",
+                "display_name": f"{base.display_name}, profiled on {machine['hostname']}",
+                # torch's total is nvidia-smi's less what the driver keeps, which the capacity takes off again
+                "memory_bytes": (
+                    machine["gpu_memory_bytes"] + base.driver_reserved_bytes
+                    if machine.get("gpu_memory_bytes")
+                    else base.memory_bytes
+                ),
+                "sources": {**base.sources, **measured},
+            }
+        )
     else:
         device = DeviceProfile(
-            name=f"{base.name}-profiled", display_name=f"{base.display_name}, profiled on {machine['hostname']}",
-            kind=base.kind, memory_bytes=machine.get("gpu_memory_bytes") or base.memory_bytes,
-            kernels_per_layer_fwd=base.kernels_per_layer_fwd, framework_overhead_bytes=base.framework_overhead_bytes,
-            allocator_fragmentation_fraction=base.allocator_fragmentation_fraction, tdp_watts=base.tdp_watts,
-            tp_kernel_overhead_s=base.tp_kernel_overhead_s, **fields, sources=measured,
-            assumptions={k: v for k, v in base.assumptions.items()
-                         if k in ("memory_bytes", "framework_overhead_bytes", "allocator_fragmentation_fraction",
-                                  "kernels_per_layer_fwd")},
+            name=f"{base.name}-profiled",
+            display_name=f"{base.display_name}, profiled on {machine['hostname']}",
+            kind=base.kind,
+            memory_bytes=machine.get("gpu_memory_bytes") or base.memory_bytes,
+            kernels_per_layer_fwd=base.kernels_per_layer_fwd,
+            framework_overhead_bytes=base.framework_overhead_bytes,
+            allocator_fragmentation_fraction=base.allocator_fragmentation_fraction,
+            tdp_watts=base.tdp_watts,
+            tp_kernel_overhead_s=base.tp_kernel_overhead_s,
+            **fields,
+            sources=measured,
+            assumptions={
+                k: v
+                for k, v in base.assumptions.items()
+                if k
+                in (
+                    "memory_bytes",
+                    "framework_overhead_bytes",
+                    "allocator_fragmentation_fraction",
+                    "kernels_per_layer_fwd",
+                )
+            },
         )
     server_base = load_server("local-cpu" if device_type == "cpu" else machine.get("server_base", "dgx-h100"))
     link = server_base.intra_node
@@ -554,20 +632,35 @@ def build_profile(device_type: str, measurements: dict, comm: dict[int, dict], m
         # all-reduce latency over n ranks = base + 2 (n - 1) hops; split half and half
         hop = ar["latency_s"] / (2 * (n - 1)) / 2
         base_latency = ar["latency_s"] / 2
-        link = LinkProfile(kind=link.kind, bandwidth_bytes_per_s=bw, collective_efficiency=1.0,
-                           hop_latency_s=hop, op_time_scale=scale)
-        sources = {"intra_node": f"{comm[n]['backend']} collectives on {n} processes fitted to latency + bytes / "
-                                 f"bus bandwidth, {src}",
-                   "op_time_scale": "each op's fitted bus bandwidth relative to all-reduce's"}
+        link = LinkProfile(
+            kind=link.kind, bandwidth_bytes_per_s=bw, collective_efficiency=1.0, hop_latency_s=hop, op_time_scale=scale
+        )
+        sources = {
+            "intra_node": f"{comm[n]['backend']} collectives on {n} processes fitted to latency + bytes / "
+            f"bus bandwidth, {src}",
+            "op_time_scale": "each op's fitted bus bandwidth relative to all-reduce's",
+        }
     server = ServerProfile(
-        name="local-profiled", display_name=f"{machine['hostname']} (profiled)", device=device.name,
-        gpus_per_node=max(comm) if comm else machine.get("gpus", 1), intra_node=link, inter_node=link,
-        collective_base_latency_s=base_latency, comm_overlap_efficiency=server_base.comm_overlap_efficiency,
-        sources=sources, assumptions={"one_node": "the profile describes one machine; inter_node = intra_node"})
-    return {"format": PROFILE_FORMAT, "created": datetime.now(UTC).isoformat(), "machine": machine,
-            "device": device.model_dump(mode="json"), "server": server.model_dump(mode="json"), "checks": checks,
-            "measurements": {**measurements, "collectives": {str(k): v for k, v in comm.items()},
-                             "collective_fits": fits}}
+        name="local-profiled",
+        display_name=f"{machine['hostname']} (profiled)",
+        device=device.name,
+        gpus_per_node=max(comm) if comm else machine.get("gpus", 1),
+        intra_node=link,
+        inter_node=link,
+        collective_base_latency_s=base_latency,
+        comm_overlap_efficiency=server_base.comm_overlap_efficiency,
+        sources=sources,
+        assumptions={"one_node": "the profile describes one machine; inter_node = intra_node"},
+    )
+    return {
+        "format": PROFILE_FORMAT,
+        "created": datetime.now(UTC).isoformat(),
+        "machine": machine,
+        "device": device.model_dump(mode="json"),
+        "server": server.model_dump(mode="json"),
+        "checks": checks,
+        "measurements": {**measurements, "collectives": {str(k): v for k, v in comm.items()}, "collective_fits": fits},
+    }
 
 
 def gpu_base(name: str) -> tuple[str, str]:
@@ -579,8 +672,9 @@ def gpu_base(name: str) -> tuple[str, str]:
     try:
         return nvidia_smi_device(name)
     except UnknownProfileError as err:
-        raise BerthError("device", name, f"no device profile for this GPU; known GPUs: {', '.join(err.known)}") \
-            from None
+        raise BerthError(
+            "device", name, f"no device profile for this GPU; known GPUs: {', '.join(err.known)}"
+        ) from None
 
 
 def run_profile(quick: bool = False, max_procs: int | None = None, progress: Progress | None = None) -> dict:
@@ -589,15 +683,23 @@ def run_profile(quick: bool = False, max_procs: int | None = None, progress: Pro
     cuda = device.type == "cuda"
     if not cuda:
         torch.set_num_threads(int(os.environ.get("BERTH_THREADS_PER_RANK", "1")))
-    machine = {"hostname": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-               "device": device.type, "threads": torch.get_num_threads(), "quick": quick}
+    machine = {
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": device.type,
+        "threads": torch.get_num_threads(),
+        "quick": quick,
+    }
     if cuda:
         machine["gpu"] = torch.cuda.get_device_name(device)
         machine["gpu_memory_bytes"] = float(torch.cuda.get_device_properties(device).total_memory)
         machine["gpus"] = torch.cuda.device_count()
         machine["profile_base"], machine["server_base"] = gpu_base(machine["gpu"])
-        machine["timing"] = (f"CUDA events, median of >= {MIN_REPS} repetitions filling "
-                             f"{QUICK_TIMED_BUDGET_S if quick else TIMED_BUDGET_S} s after {CUDA_WARMUP} warm-ups")
+        machine["timing"] = (
+            f"CUDA events, median of >= {MIN_REPS} repetitions filling "
+            f"{QUICK_TIMED_BUDGET_S if quick else TIMED_BUDGET_S} s after {CUDA_WARMUP} warm-ups"
+        )
     say("GEMM sweep" + (" (layer shapes, CUDA events)" if cuda else ""))
     gemm = measure_gemm(device, quick)
     say("memory bandwidth")
@@ -619,8 +721,12 @@ def run_profile(quick: bool = False, max_procs: int | None = None, progress: Pro
             c = comm[n]["compute"]
             gemm, bandwidth, attention, overhead = c["gemm"], c["memory_bandwidth"], c["attention"], c["op_overhead"]
             machine["compute_measured_with_processes"] = n
-    measurements = {"gemm": gemm, "memory_bandwidth_bytes_per_s": bandwidth, "attention": attention,
-                    "op_overhead_s": overhead}
+    measurements = {
+        "gemm": gemm,
+        "memory_bandwidth_bytes_per_s": bandwidth,
+        "attention": attention,
+        "op_overhead_s": overhead,
+    }
     return build_profile(device.type, measurements, comm, machine)
 
 

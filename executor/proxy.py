@@ -66,8 +66,9 @@ class StageSlice(nn.Module):
         self.sp_tp = tp if sp else 1
         self.embed = nn.Embedding(spec.vocab_size // tp, spec.hidden_size) if first else None
         blocks = [Block(spec, tp) for _ in range(layers)]
-        self.layers = nn.ModuleDict({str(i): SequenceParallelBlock(blk, tp) if sp else blk
-                                     for i, blk in enumerate(blocks)})
+        self.layers = nn.ModuleDict(
+            {str(i): SequenceParallelBlock(blk, tp) if sp else blk for i, blk in enumerate(blocks)}
+        )
         self.norm = norm_layer(spec) if last else None
         self.head = nn.Linear(spec.hidden_size, spec.vocab_size // tp, bias=False) if last else None
         for p in self.parameters():
@@ -152,11 +153,14 @@ def main() -> None:
         s_in = training.seq_len // (x.tp if x.sequence_parallel and x.tp > 1 and not first else 1)
         g = torch.Generator(device="cpu").manual_seed(args.seed)
         if first:
-            inputs = [torch.randint(0, spec.vocab_size // x.tp, (x.micro_batch_size, training.seq_len), generator=g)
-                      for _ in range(x.num_microbatches)]
+            inputs = [
+                torch.randint(0, spec.vocab_size // x.tp, (x.micro_batch_size, training.seq_len), generator=g)
+                for _ in range(x.num_microbatches)
+            ]
         else:
-            inputs = [torch.randn(x.micro_batch_size, s_in, spec.hidden_size, generator=g)
-                      for _ in range(x.num_microbatches)]
+            inputs = [
+                torch.randn(x.micro_batch_size, s_in, spec.hidden_size, generator=g) for _ in range(x.num_microbatches)
+            ]
         inputs = [t.to(device) for t in inputs]
         order = schedule_order(x.schedule, x.pp, stage, x.num_microbatches, args.in_flight)
         dtype = torch.bfloat16 if training.precision == "bf16" else torch.float16
@@ -198,8 +202,13 @@ def main() -> None:
             rec["backward_s"].append(bwd)
             rec["optimizer_s"].append(opt_s)
             rec["step_compute_s"].append(fwd + bwd + opt_s)
-            line = {"plan": 0, "step": step + 1, "of": args.warmup + args.steps, "loss": None,
-                    "step_time_s": fwd + bwd + opt_s}
+            line = {
+                "plan": 0,
+                "step": step + 1,
+                "of": args.warmup + args.steps,
+                "loss": None,
+                "step_time_s": fwd + bwd + opt_s,
+            }
             print(PROGRESS_PREFIX + json.dumps(line), flush=True)
         memory.stop()
     except BaseException as err:
@@ -207,10 +216,19 @@ def main() -> None:
 
         Path(f"{args.out}.rank0.error.json").write_text(json.dumps(_error_record(err, device)))
         raise
-    result = {**rec, "warmup": args.warmup, "peak_memory_bytes": memory.peak, "memory_method": memory.method,
-              "device": device.type, "machine": machine(), "stage": stage, "layers": args.layers,
-              "params": sum(p.numel() for p in params), "optimizer_params": sum(p.numel() for p in opt_params),
-              "order": order}
+    result = {
+        **rec,
+        "warmup": args.warmup,
+        "peak_memory_bytes": memory.peak,
+        "memory_method": memory.method,
+        "device": device.type,
+        "machine": machine(),
+        "stage": stage,
+        "layers": args.layers,
+        "params": sum(p.numel() for p in params),
+        "optimizer_params": sum(p.numel() for p in opt_params),
+        "order": order,
+    }
     Path(args.out).write_text(json.dumps(result))
 
 

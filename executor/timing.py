@@ -188,8 +188,9 @@ class _Span:
 
     def __enter__(self) -> _Span:
         t = self.timer
-        if t._start is None or any(outer in t._open and self.name.startswith(prefixes)
-                                   for outer, prefixes in ABSORBED.items()):
+        if t._start is None or any(
+            outer in t._open and self.name.startswith(prefixes) for outer, prefixes in ABSORBED.items()
+        ):
             return self
         if t.annotate:
             self.ranges = torch.autograd.profiler.record_function("berth:" + self.name)
@@ -229,26 +230,42 @@ def in_backward() -> bool:
 
 def recomputed(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` timed as `recompute` when it runs inside backward (a checkpoint re-running it)."""
+
     def run(*args: Any, **kwargs: Any) -> Any:
         if _ACTIVE is None or not in_backward():
             return fn(*args, **kwargs)
         with span("recompute"):
             return fn(*args, **kwargs)
+
     return run
 
 
 # ---------------------------------------------------------------------------------------------
 # instrumenting torch.distributed while a layout runs
 
-FUNCOL_KINDS = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
-                "all_gather_single": "all_gather", "all_gather_tensor": "all_gather",
-                "all_gather_tensor_autograd": "all_gather", "reduce_scatter_single": "reduce_scatter",
-                "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_autograd": "reduce_scatter",
-                "all_to_all_single": "all_to_all", "all_to_all_single_autograd": "all_to_all"}
-DIST_KINDS = {"all_reduce": "all_reduce", "all_gather_single": "all_gather",
-              "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
-              "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-              "reduce_scatter": "reduce_scatter", "broadcast": "broadcast", "all_to_all_single": "all_to_all"}
+FUNCOL_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_single": "all_gather",
+    "all_gather_tensor": "all_gather",
+    "all_gather_tensor_autograd": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_autograd": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "all_to_all_single_autograd": "all_to_all",
+}
+DIST_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
+}
 
 
 class _Patches:
@@ -301,8 +318,11 @@ class _Axes:
     def _axis(self, ranks: list[int]) -> str:
         if self.coordinates is None:
             return OTHER
-        varying = {axis for axis in RANK_AXES
-                   if axis in self.coordinates and len({int(self.coordinates[axis][r]) for r in ranks}) > 1}
+        varying = {
+            axis
+            for axis in RANK_AXES
+            if axis in self.coordinates and len({int(self.coordinates[axis][r]) for r in ranks}) > 1
+        }
         if varying == {"dp", "cp"}:
             return "dp"  # FSDP/ZeRO and gradient reduction span dp x cp (the cost model's dp_comm)
         return varying.pop() if len(varying) == 1 else OTHER
@@ -320,12 +340,19 @@ def _group_of(fn: Callable[..., Any]) -> Callable[[tuple, dict], Any]:
             return sig.bind_partial(*args, **kwargs).arguments.get("group")
         except TypeError:
             return None
+
     return get
 
 
 @contextlib.contextmanager
-def instrument(timer: StepTimer, coordinates: dict[str, Any] | None, modules: list[torch.nn.Module],
-               schedule: Any = None, ddp: bool = False, groups: dict[str, str] | None = None) -> Iterator[StepTimer]:
+def instrument(
+    timer: StepTimer,
+    coordinates: dict[str, Any] | None,
+    modules: list[torch.nn.Module],
+    schedule: Any = None,
+    ddp: bool = False,
+    groups: dict[str, str] | None = None,
+) -> Iterator[StepTimer]:
     """Make `timer` the active one and wrap torch.distributed's issue and wait points (see the
     module docstring) until the block ends; everything is restored afterwards. `coordinates`:
     the layout's (berth.planner.placement.coordinates), `groups`: process group name -> axis."""
@@ -354,6 +381,7 @@ def instrument(timer: StepTimer, coordinates: dict[str, Any] | None, modules: li
                     issued[elem.data_ptr()] = region
             last[0] = region
             return out
+
         return run
 
     def wrap_wait(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -362,6 +390,7 @@ def instrument(timer: StepTimer, coordinates: dict[str, Any] | None, modules: li
                 return fn(tensor)
             with timer.span(issued.pop(tensor.data_ptr(), last[0])):
                 return fn(tensor)
+
         return run
 
     def wrap_dist(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -372,12 +401,14 @@ def instrument(timer: StepTimer, coordinates: dict[str, Any] | None, modules: li
                 return fn(*args, **kwargs)
             with timer.span(_region(axes.of_group(group_of(args, kwargs)), kind)):
                 return fn(*args, **kwargs)
+
         return run
 
     def wrap_as(region: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             with span(region):
                 return fn(*args, **kwargs)
+
         return run
 
     for name, kind in FUNCOL_KINDS.items():
@@ -389,8 +420,11 @@ def instrument(timer: StepTimer, coordinates: dict[str, Any] | None, modules: li
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-        for method, region in (("unshard", "dp_all_gather"), ("wait_for_unshard", "dp_all_gather"),
-                               ("post_backward", "dp_reduce_scatter")):
+        for method, region in (
+            ("unshard", "dp_all_gather"),
+            ("wait_for_unshard", "dp_all_gather"),
+            ("post_backward", "dp_reduce_scatter"),
+        ):
             patches.set(FSDPParamGroup, method, lambda fn, region=region: wrap_as(region, fn))
     except ImportError:  # pragma: no cover - torch without FSDP2
         pass
@@ -422,6 +456,7 @@ def instrument(timer: StepTimer, coordinates: dict[str, Any] | None, modules: li
 
 def model_state_bytes(modules: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Bytes this rank holds in parameters, gradients and optimizer state (local shards)."""
+
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
@@ -434,6 +469,8 @@ def model_state_bytes(modules: list[torch.nn.Module], optimizer: torch.optim.Opt
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
     for s in inner.state.values():
         state += sum(nbytes(v) for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return {"parameters": float(sum(nbytes(p) for p in params.values())),
-            "gradients": float(sum(nbytes(p.grad) for p in params.values() if p.grad is not None)),
-            "optimizer_state": float(state)}
+    return {
+        "parameters": float(sum(nbytes(p) for p in params.values())),
+        "gradients": float(sum(nbytes(p.grad) for p in params.values() if p.grad is not None)),
+        "optimizer_state": float(state),
+    }

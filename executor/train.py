@@ -108,8 +108,9 @@ class PeakMemory:
         events = list(self._prof.profiler.kineto_results.events())
         marks = [e.start_ns() for e in events if e.name() == TRAIN_MARK]
         since = marks[0] if marks else 0
-        self.collective_s = sum(e.duration_ns() for e in events
-                                if e.name().startswith("gloo:") and e.start_ns() >= since) / 1e9
+        self.collective_s = (
+            sum(e.duration_ns() for e in events if e.name().startswith("gloo:") and e.start_ns() >= since) / 1e9
+        )
         allocations, tree_marks = _allocations(self._prof)
         # no allocation recorded after the mark: the profiler lost the events (seen once for the
         # 7th layout of one worker process); report no measurement rather than 0 bytes
@@ -164,10 +165,18 @@ def peak_allocated(allocations: list[tuple[int, int, int]], since: int) -> float
     return float(peak) if seen else None
 
 
-def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: int, seed: int = 0,
-              warmup: int = 0, device: torch.device | None = None,
-              on_step: Callable[[int, float, float], None] | None = None,
-              trace_dir: str | None = None, optimizer_delay_s: float = 0.0) -> StepRecord:
+def run_steps(
+    spec: ModelSpec,
+    training: TrainingSpec,
+    layout: Layout,
+    steps: int,
+    seed: int = 0,
+    warmup: int = 0,
+    device: torch.device | None = None,
+    on_step: Callable[[int, float, float], None] | None = None,
+    trace_dir: str | None = None,
+    optimizer_delay_s: float = 0.0,
+) -> StepRecord:
     """Train warmup + steps steps. Returns the global-batch mean loss and the wall time of every
     step (warm-up included; callers drop the first `warmup`), where each step's time went, this
     rank's peak memory and model-state bytes, and with `trace_dir` the trace of one more step."""
@@ -212,8 +221,9 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
 
     ddp = isinstance(prepared.modules[0], DistributedDataParallel)
     groups = {mesh.get_group(d).group_name: MESH_DIM_AXIS[d] for d in MESH_DIMS} if mesh is not None else {}
-    with timing.instrument(timer, coordinates(layout) if world > 1 else None, prepared.modules,
-                           prepared.schedule, ddp=ddp, groups=groups):
+    with timing.instrument(
+        timer, coordinates(layout) if world > 1 else None, prepared.modules, prepared.schedule, ddp=ddp, groups=groups
+    ):
         memory.mark()
         for step in range(warmup + steps):
             elapsed, spent, local = one_step(step)
@@ -234,8 +244,9 @@ def run_steps(spec: ModelSpec, training: TrainingSpec, layout: Layout, steps: in
     return record
 
 
-def _trace_step(one_step: Callable, step: int, timer: timing.StepTimer, device: torch.device, trace_dir: str,
-                rank: int) -> str:
+def _trace_step(
+    one_step: Callable, step: int, timer: timing.StepTimer, device: torch.device, trace_dir: str, rank: int
+) -> str:
     """One more step under torch.profiler, its regions as ranges; the Chrome trace's path."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     path = os.path.join(trace_dir, f"rank{rank}.trace.json")

@@ -71,8 +71,9 @@ def require_torch(what: str = "a validation") -> None:
     """The executor runs on torch (the `executor` extra): without it, refused in one line naming the
     extra before anything starts, not a traceback or a failed run."""
     if importlib.util.find_spec("torch") is None:
-        raise BerthError("executor", "torch", f"{what} needs torch: pip install 'berth[executor]' (torch 2.13.0, "
-                         "the CPU wheel)")
+        raise BerthError(
+            "executor", "torch", f"{what} needs torch: pip install 'berth[executor]' (torch 2.13.0, the CPU wheel)"
+        )
 
 
 def preflight(plan: Plan, oversubscribe: bool = False) -> None:
@@ -86,17 +87,26 @@ def preflight(plan: Plan, oversubscribe: bool = False) -> None:
     kind, count = local_devices()
     want = plan.cluster.device.kind
     if want == "gpu" and kind != "gpu":
-        raise BerthError("plan.cluster.device", plan.cluster.device.name,
-                         "the plan is for GPUs and this machine has none; plan with --cluster local")
+        raise BerthError(
+            "plan.cluster.device",
+            plan.cluster.device.name,
+            "the plan is for GPUs and this machine has none; plan with --cluster local",
+        )
     if want == "cpu" and kind == "gpu" and os.environ.get("BERTH_DEVICE") != "cpu":
-        raise BerthError("plan.cluster.device", plan.cluster.device.name,
-                         "the plan is for CPU workers and this machine has GPUs; set BERTH_DEVICE=cpu to run it on CPU")
+        raise BerthError(
+            "plan.cluster.device",
+            plan.cluster.device.name,
+            "the plan is for CPU workers and this machine has GPUs; set BERTH_DEVICE=cpu to run it on CPU",
+        )
     world = plan.layout.world_size
     if world > count and not (kind == "cpu" and oversubscribe):
         hint = " (--oversubscribe runs more CPU workers than cores)" if kind == "cpu" else ""
-        raise BerthError("plan.layout", plan.layout.short(),
-                         f"needs {world} {'GPUs' if kind == 'gpu' else 'CPU workers'}, this machine has {count}; "
-                         f"use --proxy rank-slice to run one rank's share{hint}")
+        raise BerthError(
+            "plan.layout",
+            plan.layout.short(),
+            f"needs {world} {'GPUs' if kind == 'gpu' else 'CPU workers'}, this machine has {count}; "
+            f"use --proxy rank-slice to run one rank's share{hint}",
+        )
     require_torch()
 
 
@@ -105,8 +115,9 @@ def predicted_metrics(plan: Plan) -> Metrics:
     initial_loss = math.log(plan.model.vocab_size)
     if p is None:
         return Metrics(loss=initial_loss)
-    return Metrics(step_time_s=p.step_time_s, tokens_per_s=p.tokens_per_s, peak_memory_bytes=p.peak_memory_bytes,
-                   loss=initial_loss)
+    return Metrics(
+        step_time_s=p.step_time_s, tokens_per_s=p.tokens_per_s, peak_memory_bytes=p.peak_memory_bytes, loss=initial_loss
+    )
 
 
 def relative_errors(predicted: Metrics, measured: Metrics) -> dict[str, float]:
@@ -123,19 +134,19 @@ def _watchdog_s(plan: Plan, steps: int) -> float:
     return STARTUP_BUDGET_S + STEP_BUDGET_FACTOR * predicted * steps
 
 
-def _launch(cmd: list[str], env: dict[str, str], deadline_s: float, on_progress: Progress | None,
-            stderr_path: Path) -> tuple[int | None, bool]:
+def _launch(
+    cmd: list[str], env: dict[str, str], deadline_s: float, on_progress: Progress | None, stderr_path: Path
+) -> tuple[int | None, bool]:
     """Run torchrun in its own process group; returns (exit code, timed out)."""
     with stderr_path.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
 
         def follow() -> None:
             for line in proc.stdout:
                 at = line.find(PROGRESS_PREFIX)
                 if at >= 0 and on_progress is not None:
                     with contextlib.suppress(json.JSONDecodeError, TypeError):
-                        on_progress(json.loads(line[at + len(PROGRESS_PREFIX):]))
+                        on_progress(json.loads(line[at + len(PROGRESS_PREFIX) :]))
 
         reader = threading.Thread(target=follow, daemon=True)
         reader.start()
@@ -163,8 +174,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _failure(out: Path, stderr_path: Path, rc: int | None, timed_out: bool, deadline_s: float,
-             plan: Plan) -> tuple[str, str]:
+def _failure(
+    out: Path, stderr_path: Path, rc: int | None, timed_out: bool, deadline_s: float, plan: Plan
+) -> tuple[str, str]:
     """(status, message) of a launch that left no result file."""
     errors = []
     for f in sorted(out.parent.glob(out.name + ".rank*.error.json")):
@@ -177,9 +189,11 @@ def _failure(out: Path, stderr_path: Path, rc: int | None, timed_out: bool, dead
         rank, e = oom[0]
         available = e.get("available_memory_bytes") or plan.cluster.device.memory_bytes
         predicted = plan.prediction.peak_memory_bytes if plan.prediction else float("nan")
-        return "did_not_fit", (f"did not fit: rank {rank} ran out of memory (predicted peak "
-                               f"{predicted / 2**30:.2f} GiB, available {available / 2**30:.2f} GiB): "
-                               f"{e['message'][:300]}")
+        return "did_not_fit", (
+            f"did not fit: rank {rank} ran out of memory (predicted peak "
+            f"{predicted / 2**30:.2f} GiB, available {available / 2**30:.2f} GiB): "
+            f"{e['message'][:300]}"
+        )
     if timed_out:
         return "failed", f"timed out: the run outlived its {deadline_s:.0f} s watchdog and was killed"
     tail = stderr_path.read_text(errors="replace") if stderr_path.is_file() else ""
@@ -200,11 +214,24 @@ def _failure(out: Path, stderr_path: Path, rc: int | None, timed_out: bool, dead
 _SIGNALS = {int(s) for s in signal.Signals}
 
 
-def _failed_report(common: dict[str, Any], result_path: Path, stderr_path: Path, rc: int | None, timed_out: bool,
-                   deadline: float, plan: Plan, started: float) -> ValidationReport:
+def _failed_report(
+    common: dict[str, Any],
+    result_path: Path,
+    stderr_path: Path,
+    rc: int | None,
+    timed_out: bool,
+    deadline: float,
+    plan: Plan,
+    started: float,
+) -> ValidationReport:
     status, message = _failure(result_path, stderr_path, rc, timed_out, deadline, plan)
-    return ValidationReport(**common, status=status, message=message, measured=Metrics(),
-                            machine={"wall_time_s": time.perf_counter() - started})
+    return ValidationReport(
+        **common,
+        status=status,
+        message=message,
+        measured=Metrics(),
+        machine={"wall_time_s": time.perf_counter() - started},
+    )
 
 
 def _save(report: ValidationReport, out: str | Path | None, store: Store | None) -> ValidationReport:
@@ -223,24 +250,43 @@ def measured_metrics(plan: Plan, result: dict[str, Any]) -> tuple[Metrics, dict[
     median = statistics.median(per_step)
     tokens = plan.training.global_batch_size * plan.training.seq_len
     peaks = [r["peak_memory_bytes"] for r in ranks if r["peak_memory_bytes"] is not None]
-    metrics = Metrics(step_time_s=median, tokens_per_s=tokens / median, peak_memory_bytes=max(peaks) if peaks else None,
-                      loss=result["losses"][0])
+    metrics = Metrics(
+        step_time_s=median,
+        tokens_per_s=tokens / median,
+        peak_memory_bytes=max(peaks) if peaks else None,
+        loss=result["losses"][0],
+    )
     extra = {
         "step_times_s": per_step,
-        "spread": {"min": min(per_step), "median": median, "max": max(per_step),
-                   "stdev": statistics.stdev(per_step) if len(per_step) > 1 else 0.0},
+        "spread": {
+            "min": min(per_step),
+            "median": median,
+            "max": max(per_step),
+            "stdev": statistics.stdev(per_step) if len(per_step) > 1 else 0.0,
+        },
         "per_rank": [_rank_entry(r, warm) for r in ranks],
     }
     return metrics, extra
 
 
 def _rank_entry(r: dict[str, Any], warm: int) -> dict[str, Any]:
-    entry = {"rank": r["rank"], "step_time_median_s": statistics.median(r["step_times_s"][warm:]),
-             "peak_memory_bytes": r["peak_memory_bytes"], "collective_s_per_step": r.get("collective_s_per_step")}
+    entry = {
+        "rank": r["rank"],
+        "step_time_median_s": statistics.median(r["step_times_s"][warm:]),
+        "peak_memory_bytes": r["peak_memory_bytes"],
+        "collective_s_per_step": r.get("collective_s_per_step"),
+    }
     if r.get("regions_s") is not None:  # what this rank's steps went to (executor/breakdown.py)
-        entry.update({"step_time_mean_s": r["step_time_mean_s"], "terms_s": terms_from_regions(r["regions_s"]),
-                      "regions_s": r["regions_s"], "model_state_bytes": r.get("model_state_bytes"),
-                      "timeline": r.get("timeline"), "trace_file": r.get("trace_file")})
+        entry.update(
+            {
+                "step_time_mean_s": r["step_time_mean_s"],
+                "terms_s": terms_from_regions(r["regions_s"]),
+                "regions_s": r["regions_s"],
+                "model_state_bytes": r.get("model_state_bytes"),
+                "timeline": r.get("timeline"),
+                "trace_file": r.get("trace_file"),
+            }
+        )
     return entry
 
 
@@ -283,8 +329,12 @@ def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dic
     c = dataclasses.replace(c, dp=np.ones_like(c.dp))
     with np.errstate(divide="ignore", invalid="ignore"):
         comp = {k: float(v[0]) for k, v in stage_compute(model, plan.training, plan.cluster, c, first).items()}
-        mem = {k: float(v[0]) for k, v in
-               stage_memory_breakdown(model, plan.training, plan.cluster.device, c, first, buckets=False).items()}
+        mem = {
+            k: float(v[0])
+            for k, v in stage_memory_breakdown(
+                model, plan.training, plan.cluster.device, c, first, buckets=False
+            ).items()
+        }
         stage = 0 if first else x.pp - 1
         in_flight = float(microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)[0])
     mem["framework"] = 0.0
@@ -293,10 +343,19 @@ def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dic
     return metrics, breakdown, max(1, math.ceil(in_flight - 1e-9))
 
 
-def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = None, steps: int = 5,
-                   warmup: int = 2, seed: int = 0, store: Store | None = None, out: str | Path | None = None,
-                   on_progress: Progress | None = None, timeout_s: float | None = None,
-                   run_dir: str | Path | None = None) -> ValidationReport:
+def validate_proxy(
+    plan: Plan,
+    layers: int | None = None,
+    stage: str | None = None,
+    steps: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+    store: Store | None = None,
+    out: str | Path | None = None,
+    on_progress: Progress | None = None,
+    timeout_s: float | None = None,
+    run_dir: str | Path | None = None,
+) -> ValidationReport:
     """Run one rank's share of the plan in one process (executor/proxy.py) and compare it with
     the cost model's per-rank figures for that stage."""
     x = plan.layout
@@ -312,19 +371,30 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     if plan.infeasible_reason:
         raise BerthError("plan.infeasible_reason", plan.infeasible_reason, "the plan is not feasible; pick another")
     if x.cp > 1:
-        raise BerthError("plan.layout.cp", x.cp, "the rank-slice proxy does not emulate context parallelism (the "
-                         "chunked sequence and its KV exchange); validate the whole layout instead")
+        raise BerthError(
+            "plan.layout.cp",
+            x.cp,
+            "the rank-slice proxy does not emulate context parallelism (the "
+            "chunked sequence and its KV exchange); validate the whole layout instead",
+        )
     if plan.model.is_moe:
-        raise BerthError("plan.model", plan.model.name, "the rank-slice proxy does not emulate mixture-of-experts "
-                         "layers (its slice would hold every expert); validate the whole layout instead")
+        raise BerthError(
+            "plan.model",
+            plan.model.name,
+            "the rank-slice proxy does not emulate mixture-of-experts "
+            "layers (its slice would hold every expert); validate the whole layout instead",
+        )
     try:
         check_layout(plan.model, plan.training, x, x.world_size)
     except UnsupportedLayout as err:
         raise BerthError("plan.layout", x.short(), str(err)) from None
     kind, _ = local_devices()
     if plan.cluster.device.kind == "gpu" and kind != "gpu":
-        raise BerthError("plan.cluster.device", plan.cluster.device.name,
-                         "the plan is for GPUs and this machine has none: a CPU proxy would not measure that device")
+        raise BerthError(
+            "plan.cluster.device",
+            plan.cluster.device.name,
+            "the plan is for GPUs and this machine has none: a CPU proxy would not measure that device",
+        )
     require_torch()
     predicted_full = predicted_metrics(plan)
     first_mem = proxy_prediction(plan, layers, True)[0].peak_memory_bytes
@@ -337,9 +407,27 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     work.mkdir(parents=True, exist_ok=True)
     (work / "plan.json").write_text(plan.model_dump_json())
     result_path = work / "result.json"
-    cmd = [sys.executable, "-m", "berth.executor.proxy", "--plan", str(work / "plan.json"), "--stage", stage,
-           "--layers", str(layers), "--in-flight", str(in_flight), "--steps", str(steps), "--warmup", str(warmup),
-           "--seed", str(seed), "--out", str(result_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "berth.executor.proxy",
+        "--plan",
+        str(work / "plan.json"),
+        "--stage",
+        stage,
+        "--layers",
+        str(layers),
+        "--in-flight",
+        str(in_flight),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--seed",
+        str(seed),
+        "--out",
+        str(result_path),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if plan.cluster.device.kind == "cpu":
         env["BERTH_DEVICE"] = "cpu"
@@ -348,56 +436,112 @@ def validate_proxy(plan: Plan, layers: int | None = None, stage: str | None = No
     deadline = timeout_s or STARTUP_BUDGET_S + STEP_BUDGET_FACTOR * (predicted.step_time_s or 10.0) * (steps + warmup)
     started = time.perf_counter()
     rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "proxy.stderr")
-    common = {"id": uuid.uuid4().hex, "created": datetime.now(UTC).isoformat(), "berth_version": __version__,
-              "plan": plan, "steps": steps, "warmup": warmup, "predicted": predicted, "mode": "rank-slice",
-              "checks": PROXY_CHECKS}
+    common = {
+        "id": uuid.uuid4().hex,
+        "created": datetime.now(UTC).isoformat(),
+        "berth_version": __version__,
+        "plan": plan,
+        "steps": steps,
+        "warmup": warmup,
+        "predicted": predicted,
+        "mode": "rank-slice",
+        "checks": PROXY_CHECKS,
+    }
     if result_path.is_file():
         r = json.loads(result_path.read_text())
         timed = r["step_compute_s"][warmup:]
         med = statistics.median
         measured = Metrics(step_time_s=med(timed), peak_memory_bytes=r["peak_memory_bytes"])
         nmb = x.num_microbatches
-        rank = {"rank": 0, "stage": r["stage"], "layers": layers, "micro_batches_in_flight": in_flight,
-                "forward_per_microbatch_s": med(r["forward_s"][warmup:]) / nmb,
-                "backward_per_microbatch_s": med(r["backward_s"][warmup:]) / nmb,
-                "optimizer_s": med(r["optimizer_s"][warmup:]),
-                "predicted_forward_backward_per_microbatch_s": (breakdown["time.forward_backward"]
-                                                                + breakdown["time.recompute"]) / nmb,
-                "predicted_optimizer_s": breakdown["time.optimizer"],
-                "parameters": r["params"], "optimizer_parameters": r["optimizer_params"],
-                "predicted_breakdown": breakdown, "plan_prediction": predicted_full.model_dump()}
+        rank = {
+            "rank": 0,
+            "stage": r["stage"],
+            "layers": layers,
+            "micro_batches_in_flight": in_flight,
+            "forward_per_microbatch_s": med(r["forward_s"][warmup:]) / nmb,
+            "backward_per_microbatch_s": med(r["backward_s"][warmup:]) / nmb,
+            "optimizer_s": med(r["optimizer_s"][warmup:]),
+            "predicted_forward_backward_per_microbatch_s": (
+                breakdown["time.forward_backward"] + breakdown["time.recompute"]
+            )
+            / nmb,
+            "predicted_optimizer_s": breakdown["time.optimizer"],
+            "parameters": r["params"],
+            "optimizer_parameters": r["optimizer_params"],
+            "predicted_breakdown": breakdown,
+            "plan_prediction": predicted_full.model_dump(),
+        }
         report = ValidationReport(
-            **common, status="ok", machine={**r["machine"], "device": r["device"],
-                                            "wall_time_s": time.perf_counter() - started},
-            measured=measured, relative_error=relative_errors(predicted, measured),
+            **common,
+            status="ok",
+            machine={**r["machine"], "device": r["device"], "wall_time_s": time.perf_counter() - started},
+            measured=measured,
+            relative_error=relative_errors(predicted, measured),
             step_time_spread_s={"min": min(timed), "median": med(timed), "max": max(timed)},
-            step_times_s=timed, per_rank=[rank], memory_method=r["memory_method"])
+            step_times_s=timed,
+            per_rank=[rank],
+            memory_method=r["memory_method"],
+        )
     else:
         report = _failed_report(common, result_path, work / "proxy.stderr", rc, timed_out, deadline, plan, started)
     return _save(report, out, store)
 
 
-def report_from_result(plan: Plan, result: dict[str, Any], data: dict[str, Any], steps: int, warmup: int,
-                       wall_s: float, predicted: Metrics | None = None) -> ValidationReport:
+def report_from_result(
+    plan: Plan,
+    result: dict[str, Any],
+    data: dict[str, Any],
+    steps: int,
+    warmup: int,
+    wall_s: float,
+    predicted: Metrics | None = None,
+) -> ValidationReport:
     """A ValidationReport from one layout's entry of a berth.executor.worker result file."""
     predicted = predicted or predicted_metrics(plan)
     measured, extra = measured_metrics(plan, result)
     return ValidationReport(
-        id=uuid.uuid4().hex, created=datetime.now(UTC).isoformat(), berth_version=__version__, plan=plan,
-        steps=steps, warmup=warmup, predicted=predicted, status="ok",
-        machine={**data["machine"], "world_size": data["world_size"], "device": result["device"],
-                 "backend": result["backend"], "wall_time_s": wall_s},
-        measured=measured, relative_error=relative_errors(predicted, measured),
-        step_time_spread_s=extra["spread"], step_times_s=extra["step_times_s"], losses=result["losses"],
-        per_rank=extra["per_rank"], memory_method=result["memory_method"], executed_as=result["executed_as"],
+        id=uuid.uuid4().hex,
+        created=datetime.now(UTC).isoformat(),
+        berth_version=__version__,
+        plan=plan,
+        steps=steps,
+        warmup=warmup,
+        predicted=predicted,
+        status="ok",
+        machine={
+            **data["machine"],
+            "world_size": data["world_size"],
+            "device": result["device"],
+            "backend": result["backend"],
+            "wall_time_s": wall_s,
+        },
+        measured=measured,
+        relative_error=relative_errors(predicted, measured),
+        step_time_spread_s=extra["spread"],
+        step_times_s=extra["step_times_s"],
+        losses=result["losses"],
+        per_rank=extra["per_rank"],
+        memory_method=result["memory_method"],
+        executed_as=result["executed_as"],
         breakdown=compare(plan.prediction, result["ranks"], result.get("timing_method", "")),
-        traces=[r["trace_file"] for r in result["ranks"] if r.get("trace_file")])
+        traces=[r["trace_file"] for r in result["ranks"] if r.get("trace_file")],
+    )
 
 
-def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: Store | None = None,
-             out: str | Path | None = None, on_progress: Progress | None = None, oversubscribe: bool = False,
-             timeout_s: float | None = None, collective_timeout_s: float = 60.0,
-             run_dir: str | Path | None = None, trace_dir: str | Path | None = None) -> ValidationReport:
+def validate(
+    plan: Plan,
+    steps: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+    store: Store | None = None,
+    out: str | Path | None = None,
+    on_progress: Progress | None = None,
+    oversubscribe: bool = False,
+    timeout_s: float | None = None,
+    collective_timeout_s: float = 60.0,
+    run_dir: str | Path | None = None,
+    trace_dir: str | Path | None = None,
+) -> ValidationReport:
     """Check, launch, measure and report. Failures come back as a report with status failed or
     did_not_fit (and are stored); bad input raises BerthError before anything starts.
     `trace_dir`: one more step per rank runs under torch.profiler and is written there as a
@@ -412,9 +556,25 @@ def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: 
     (work / "plans.json").write_text(json.dumps([plan.model_dump(mode="json")]))
     result_path = work / "result.json"
     world = plan.layout.world_size
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "berth.executor.worker", "--plans", str(work / "plans.json"), "--steps", str(steps),
-           "--warmup", str(warmup), "--seed", str(seed), "--out", str(result_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "berth.executor.worker",
+        "--plans",
+        str(work / "plans.json"),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--seed",
+        str(seed),
+        "--out",
+        str(result_path),
+    ]
     if trace_dir is not None:
         trace = Path(trace_dir).resolve()
         try:
@@ -422,8 +582,12 @@ def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: 
         except OSError as err:
             raise BerthError("trace", str(trace_dir), f"cannot create the directory: {err.strerror}") from None
         cmd += ["--trace", str(trace)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "BERTH_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
-           "BERTH_RUN_DIR": str(work)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "BERTH_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
+        "BERTH_RUN_DIR": str(work),
+    }
     if plan.cluster.device.kind == "cpu":
         env["BERTH_DEVICE"] = "cpu"
     else:
@@ -432,13 +596,20 @@ def validate(plan: Plan, steps: int = 5, warmup: int = 2, seed: int = 0, store: 
     started = time.perf_counter()
     rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "torchrun.stderr")
     predicted = predicted_metrics(plan)
-    common = {"id": uuid.uuid4().hex, "created": datetime.now(UTC).isoformat(), "berth_version": __version__,
-              "plan": plan, "steps": steps, "warmup": warmup, "predicted": predicted}
+    common = {
+        "id": uuid.uuid4().hex,
+        "created": datetime.now(UTC).isoformat(),
+        "berth_version": __version__,
+        "plan": plan,
+        "steps": steps,
+        "warmup": warmup,
+        "predicted": predicted,
+    }
     if result_path.is_file():
         data = json.loads(result_path.read_text())
-        report = report_from_result(plan, data["results"][0], data, steps, warmup, time.perf_counter() - started,
-                                    predicted)
+        report = report_from_result(
+            plan, data["results"][0], data, steps, warmup, time.perf_counter() - started, predicted
+        )
     else:
-        report = _failed_report(common, result_path, work / "torchrun.stderr", rc, timed_out, deadline, plan,
-                                started)
+        report = _failed_report(common, result_path, work / "torchrun.stderr", rc, timed_out, deadline, plan, started)
     return _save(report, out, store)

@@ -52,8 +52,12 @@ def optimizer_delay_s(rank: int, plan_number: int) -> float:
 
 
 def machine() -> dict:
-    info = {"hostname": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "threads_per_rank": torch.get_num_threads()}
+    info = {
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads_per_rank": torch.get_num_threads(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
@@ -62,8 +66,12 @@ def machine() -> dict:
 
 def _error_record(err: BaseException, device: torch.device) -> dict:
     oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-    record = {"type": type(err).__name__, "message": str(err)[:2000], "out_of_memory": oom,
-              "traceback": traceback.format_exc()[-4000:]}
+    record = {
+        "type": type(err).__name__,
+        "message": str(err)[:2000],
+        "out_of_memory": oom,
+        "traceback": traceback.format_exc()[-4000:],
+    }
     if oom and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         record["available_memory_bytes"] = total
@@ -81,8 +89,11 @@ def step_terms(timings: list) -> dict:
         for name, seconds in t.regions_s.items():
             regions[name] = regions.get(name, 0.0) + seconds / n
     median = sorted(timings, key=lambda t: t.step_s)[n // 2]
-    return {"regions_s": regions, "step_time_mean_s": sum(t.step_s for t in timings) / n,
-            "timeline": [[round(a, 7), round(b, 7), name] for a, b, name in median.segments]}
+    return {
+        "regions_s": regions,
+        "step_time_mean_s": sum(t.step_s for t in timings) / n,
+        "timeline": [[round(a, 7), round(b, 7), name] for a, b, name in median.segments],
+    }
 
 
 def main() -> None:
@@ -92,10 +103,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--trace", help="write a Chrome/Perfetto trace of one more step per rank into this directory "
-                    "(one subdirectory per plan when several)")
-    ap.add_argument("--report", help="also write the ValidationReport of the first plan here (rank 0): what "
-                    "`berth launch` scripts use, so a launch on any cluster ends in predicted vs measured")
+    ap.add_argument(
+        "--trace",
+        help="write a Chrome/Perfetto trace of one more step per rank into this directory "
+        "(one subdirectory per plan when several)",
+    )
+    ap.add_argument(
+        "--report",
+        help="also write the ValidationReport of the first plan here (rank 0): what "
+        "`berth launch` scripts use, so a launch on any cluster ends in predicted vs measured",
+    )
     args = ap.parse_args()
     started = time.perf_counter()
     # Pipeline stages hand FSDP2 outputs on as views; nothing modifies them in place.
@@ -113,35 +130,67 @@ def main() -> None:
         Path(os.environ["BERTH_RUN_DIR"], f"rank{rank}.pid").write_text(str(os.getpid()))
     timeout = timedelta(seconds=float(os.environ.get("BERTH_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S)))
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
     results = []
     try:
         for index, plan in enumerate(plans):
+
             def progress(step: int, loss: float, seconds: float, index: int = index) -> None:
                 if rank == 0:
-                    line = {"plan": index, "step": step + 1, "of": args.warmup + args.steps, "loss": loss,
-                            "step_time_s": seconds}
+                    line = {
+                        "plan": index,
+                        "step": step + 1,
+                        "of": args.warmup + args.steps,
+                        "loss": loss,
+                        "step_time_s": seconds,
+                    }
                     print(PROGRESS_PREFIX + json.dumps(line), flush=True)
 
             trace = None
             if args.trace:
                 trace = args.trace if len(plans) == 1 else str(Path(args.trace, f"plan{index + 1}"))
-            rec = run_steps(plan.model, plan.training, plan.layout, args.steps, args.seed, warmup=args.warmup,
-                            device=device, on_step=progress, trace_dir=trace,
-                            optimizer_delay_s=optimizer_delay_s(rank, index + 1))
-            mine = {"rank": rank, "step_times_s": rec.step_times_s, "peak_memory_bytes": rec.peak_memory_bytes,
-                    "collective_s_per_step": rec.collective_s_per_step,
-                    **step_terms(rec.step_timings[args.warmup:] or rec.step_timings),
-                    "model_state_bytes": rec.model_state_bytes, "trace_file": rec.trace_file}
+            rec = run_steps(
+                plan.model,
+                plan.training,
+                plan.layout,
+                args.steps,
+                args.seed,
+                warmup=args.warmup,
+                device=device,
+                on_step=progress,
+                trace_dir=trace,
+                optimizer_delay_s=optimizer_delay_s(rank, index + 1),
+            )
+            mine = {
+                "rank": rank,
+                "step_times_s": rec.step_times_s,
+                "peak_memory_bytes": rec.peak_memory_bytes,
+                "collective_s_per_step": rec.collective_s_per_step,
+                **step_terms(rec.step_timings[args.warmup :] or rec.step_timings),
+                "model_state_bytes": rec.model_state_bytes,
+                "trace_file": rec.trace_file,
+            }
             ranks = [None] * world if world > 1 else [mine]
             if world > 1:
                 dist.all_gather_object(ranks, mine)
-            results.append({"layout": plan.layout.model_dump(), "losses": rec.losses,
-                            "step_times_s": rec.step_times_s, "warmup": args.warmup, "ranks": ranks,
-                            "memory_method": rec.memory_method, "executed_as": rec.executed_as,
-                            "timing_method": rec.timing_method,
-                            "device": str(device.type), "backend": dist.get_backend() if world > 1 else None})
+            results.append(
+                {
+                    "layout": plan.layout.model_dump(),
+                    "losses": rec.losses,
+                    "step_times_s": rec.step_times_s,
+                    "warmup": args.warmup,
+                    "ranks": ranks,
+                    "memory_method": rec.memory_method,
+                    "executed_as": rec.executed_as,
+                    "timing_method": rec.timing_method,
+                    "device": str(device.type),
+                    "backend": dist.get_backend() if world > 1 else None,
+                }
+            )
     except BaseException as err:
         Path(f"{args.out}.rank{rank}.error.json").write_text(json.dumps(_error_record(err, device)))
         raise
@@ -153,11 +202,15 @@ def main() -> None:
         if args.report:
             from berth.executor.validate import report_from_result
 
-            report = report_from_result(plans[0], results[0], data, args.steps, args.warmup,
-                                        time.perf_counter() - started)
+            report = report_from_result(
+                plans[0], results[0], data, args.steps, args.warmup, time.perf_counter() - started
+            )
             Path(args.report).write_text(report.model_dump_json(indent=1))
-            print(f"berth: report written to {args.report}: step time {report.measured.step_time_s:.3f} s "
-                  f"measured vs {report.predicted.step_time_s:.3f} s predicted", flush=True)
+            print(
+                f"berth: report written to {args.report}: step time {report.measured.step_time_s:.3f} s "
+                f"measured vs {report.predicted.step_time_s:.3f} s predicted",
+                flush=True,
+            )
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

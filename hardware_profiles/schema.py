@@ -95,8 +95,12 @@ class FrameworkCompute(_Frozen):
     weight_bytes_fwd: float = Field(ge=0, description="bytes per parameter of the layer per forward (weight casts)")
     weight_bytes_bwd: float = Field(ge=0, description="bytes per parameter per backward (gradient cast, accumulation)")
     dispatch_exposed_fraction: float = Field(
-        default=1.0, ge=0, le=1, description="share of the smaller of host dispatch and device time that does not "
-        "overlap the other: pass time = max(dispatch, device) + this x min(dispatch, device); 1 = serial")
+        default=1.0,
+        ge=0,
+        le=1,
+        description="share of the smaller of host dispatch and device time that does not "
+        "overlap the other: pass time = max(dispatch, device) + this x min(dispatch, device); 1 = serial",
+    )
     head_dispatch_s: float = Field(ge=0, description="host time of the LM head and loss, forward + backward")
     loss_bytes_per_logit: float = Field(ge=0, description="bytes per logit of the cross-entropy, forward + backward")
     optimizer_bytes_per_param: float = Field(gt=0, description="bytes the optimizer step moves per parameter")
@@ -127,33 +131,54 @@ class DeviceProfile(_Frozen):
     kernel_overhead_s: float = Field(ge=0)
     kernels_per_layer_fwd: float = Field(ge=0)
     tp_kernel_overhead_s: float = Field(
-        default=0.0, ge=0, description="extra dispatch time per kernel of a tensor-parallel layer (DTensor and "
-        "collective launch overhead; 0 for fused GPU stacks, fitted by `berth calibrate`)")
+        default=0.0,
+        ge=0,
+        description="extra dispatch time per kernel of a tensor-parallel layer (DTensor and "
+        "collective launch overhead; 0 for fused GPU stacks, fitted by `berth calibrate`)",
+    )
     gemm_shape: GemmShapeModel | None = Field(
-        default=None, description="GEMM efficiency by (m, n, k); when absent the `gemm` curve by min dim is used")
+        default=None, description="GEMM efficiency by (m, n, k); when absent the `gemm` curve by min dim is used"
+    )
     attention_shape: AttentionShapeModel | None = Field(
-        default=None, description="flash attention efficiency by shape; when absent attention_peak_fraction")
+        default=None, description="flash attention efficiency by shape; when absent attention_peak_fraction"
+    )
     attention_kernel_speed: dict[Literal["flash2", "flash1"], float] = Field(
-        default_factory=dict, description="speed of an older fused attention kernel (TrainingSpec.attention_kernel) "
+        default_factory=dict,
+        description="speed of an older fused attention kernel (TrainingSpec.attention_kernel) "
         "as a multiple of the measured `sdpa` efficiency; absent: flash2 1.0 (the measured kernel is FlashAttention-2 "
-        "class) and flash1 half of flash2")
+        "class) and flash1 half of flash2",
+    )
     frameworks: dict[str, FrameworkCompute] = Field(
-        default_factory=dict, description="non-GEMM layer work per training stack (TrainingSpec.framework); when "
-        "absent, memory-bound elementwise passes plus kernels_per_layer_fwd x kernel_overhead_s")
+        default_factory=dict,
+        description="non-GEMM layer work per training stack (TrainingSpec.framework); when "
+        "absent, memory-bound elementwise passes plus kernels_per_layer_fwd x kernel_overhead_s",
+    )
     framework_overhead_bytes: float = Field(ge=0)
     allocator_fragmentation_fraction: float = Field(ge=0, lt=1)
     allocator_transient_blocks: float = Field(
-        default=0.0, ge=0, le=4, description="blocks the size of the step's largest short-lived tensor (the fp32 "
-        "logits of a micro-batch) that the caching allocator holds reserved beyond the allocated peak")
+        default=0.0,
+        ge=0,
+        le=4,
+        description="blocks the size of the step's largest short-lived tensor (the fp32 "
+        "logits of a micro-batch) that the caching allocator holds reserved beyond the allocated peak",
+    )
     cuda_context_bytes: float = Field(
-        default=0.0, ge=0, description="memory a process uses outside the caching allocator (CUDA context, kernel "
-        "images, library handles); taken off the capacity, not added to the predicted (reserved) peak")
+        default=0.0,
+        ge=0,
+        description="memory a process uses outside the caching allocator (CUDA context, kernel "
+        "images, library handles); taken off the capacity, not added to the predicted (reserved) peak",
+    )
     driver_reserved_bytes: float = Field(
-        default=0.0, ge=0, description="memory of `memory_bytes` no process can allocate (nvidia-smi's total less "
-        "the total torch reports)")
+        default=0.0,
+        ge=0,
+        description="memory of `memory_bytes` no process can allocate (nvidia-smi's total less "
+        "the total torch reports)",
+    )
     communicator_bytes: float = Field(
-        default=0.0, ge=0, description="collective-library buffers outside the allocator when a rank has peers "
-        "(NCCL channels)")
+        default=0.0,
+        ge=0,
+        description="collective-library buffers outside the allocator when a rank has peers (NCCL channels)",
+    )
     tdp_watts: float | None = None
     sources: dict[str, str] = Field(default_factory=dict)
     assumptions: dict[str, str] = Field(default_factory=dict)
@@ -174,9 +199,7 @@ class LinkProfile(_Frozen):
 
     kind: Literal["nvlink", "nvswitch", "pcie", "infiniband", "ethernet", "loopback"]
     bandwidth_bytes_per_s: float = Field(gt=0, description="per direction, per GPU")
-    collective_efficiency: float = Field(
-        gt=0, le=1, description="achieved ring bus bandwidth / wire bandwidth"
-    )
+    collective_efficiency: float = Field(gt=0, le=1, description="achieved ring bus bandwidth / wire bandwidth")
     hop_latency_s: float = Field(ge=0)
     op_time_scale: dict[CollectiveOp, float] = Field(
         default_factory=dict,
@@ -212,6 +235,7 @@ class ServerProfile(_Frozen):
     pcie: PcieWiring | None = None
     collective_base_latency_s: float = Field(ge=0)
     comm_overlap_efficiency: float = Field(
-        default=0.7, ge=0, le=1, description="fraction of a backward compute window that hides data-parallel traffic")
+        default=0.7, ge=0, le=1, description="fraction of a backward compute window that hides data-parallel traffic"
+    )
     sources: dict[str, str] = Field(default_factory=dict)
     assumptions: dict[str, str] = Field(default_factory=dict)

@@ -44,12 +44,13 @@ class AxisFacts:
 
 
 AXES: dict[Axis, AxisFacts] = {
-    a.axis: a for a in (
+    a.axis: a
+    for a in (
         AxisFacts(Axis.TP, "tensor", ordered=True, spans_world=True, outside=None, within=None, mesh_dims=("tp",)),
-        AxisFacts(Axis.CP, "context", ordered=False, spans_world=True, outside=Axis.TP, within=None,
-                  mesh_dims=("cp",)),
-        AxisFacts(Axis.DP, "data", ordered=True, spans_world=True, outside=None, within=None,
-                  mesh_dims=("replicate", "shard")),  # FSDP2's hybrid mesh: replicate outside shard
+        AxisFacts(Axis.CP, "context", ordered=False, spans_world=True, outside=Axis.TP, within=None, mesh_dims=("cp",)),
+        AxisFacts(
+            Axis.DP, "data", ordered=True, spans_world=True, outside=None, within=None, mesh_dims=("replicate", "shard")
+        ),  # FSDP2's hybrid mesh: replicate outside shard
         AxisFacts(Axis.PP, "pipeline", ordered=True, spans_world=True, outside=None, within=None, mesh_dims=("pp",)),
         AxisFacts(Axis.EP, "expert", ordered=False, spans_world=False, outside=None, within=Axis.DP, mesh_dims=()),
     )

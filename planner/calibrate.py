@@ -66,35 +66,47 @@ PARAMETERS: dict[str, tuple[float, float, str]] = {
 
 def current_values(cluster: ClusterSpec) -> dict[str, float]:
     d = cluster.device
-    return {"compute_scale": 1.0, "attention_peak_fraction": d.attention_peak_fraction,
-            "kernel_overhead_s": max(d.kernel_overhead_s, 1e-7),
-            "tp_kernel_overhead_s": max(d.tp_kernel_overhead_s, 1e-8),
-            "memory_bandwidth_fraction": d.memory_bandwidth_fraction,
-            "comm_scale": 1.0, "comm_overlap_efficiency": cluster.comm_overlap_efficiency,
-            "framework_overhead_bytes": d.framework_overhead_bytes,
-            "allocator_fragmentation_fraction": d.allocator_fragmentation_fraction}
+    return {
+        "compute_scale": 1.0,
+        "attention_peak_fraction": d.attention_peak_fraction,
+        "kernel_overhead_s": max(d.kernel_overhead_s, 1e-7),
+        "tp_kernel_overhead_s": max(d.tp_kernel_overhead_s, 1e-8),
+        "memory_bandwidth_fraction": d.memory_bandwidth_fraction,
+        "comm_scale": 1.0,
+        "comm_overlap_efficiency": cluster.comm_overlap_efficiency,
+        "framework_overhead_bytes": d.framework_overhead_bytes,
+        "allocator_fragmentation_fraction": d.allocator_fragmentation_fraction,
+    }
 
 
 def apply(cluster: ClusterSpec, values: dict[str, float]) -> ClusterSpec:
     """The cluster spec with these parameter values."""
     d = cluster.device
-    device = d.model_copy(update={
-        "peak_flops_per_s": {k: v * values["compute_scale"] for k, v in d.peak_flops_per_s.items()},
-        "attention_peak_fraction": values["attention_peak_fraction"],
-        "kernel_overhead_s": values["kernel_overhead_s"],
-        "tp_kernel_overhead_s": values["tp_kernel_overhead_s"],
-        "memory_bandwidth_fraction": values["memory_bandwidth_fraction"],
-        "framework_overhead_bytes": values["framework_overhead_bytes"],
-        "allocator_fragmentation_fraction": values["allocator_fragmentation_fraction"],
-    })
+    device = d.model_copy(
+        update={
+            "peak_flops_per_s": {k: v * values["compute_scale"] for k, v in d.peak_flops_per_s.items()},
+            "attention_peak_fraction": values["attention_peak_fraction"],
+            "kernel_overhead_s": values["kernel_overhead_s"],
+            "tp_kernel_overhead_s": values["tp_kernel_overhead_s"],
+            "memory_bandwidth_fraction": values["memory_bandwidth_fraction"],
+            "framework_overhead_bytes": values["framework_overhead_bytes"],
+            "allocator_fragmentation_fraction": values["allocator_fragmentation_fraction"],
+        }
+    )
 
     def link(lk):
         return lk.model_copy(update={"bandwidth_bytes_per_s": lk.bandwidth_bytes_per_s / values["comm_scale"]})
 
     fabric = tuple(lv.model_copy(update={"link": link(lv.link)}) for lv in cluster.fabric)
-    return cluster.model_copy(update={"device": device, "intra_node": link(cluster.intra_node),
-                                      "inter_node": link(cluster.inter_node), "fabric": fabric,
-                                      "comm_overlap_efficiency": values["comm_overlap_efficiency"]})
+    return cluster.model_copy(
+        update={
+            "device": device,
+            "intra_node": link(cluster.intra_node),
+            "inter_node": link(cluster.inter_node),
+            "fabric": fabric,
+            "comm_overlap_efficiency": values["comm_overlap_efficiency"],
+        }
+    )
 
 
 def _encode(name: str, value: float) -> float:
@@ -119,10 +131,12 @@ def _bounds(names):
 
 def usable(reports: list[ValidationReport]) -> list[ValidationReport]:
     """Successful full runs, and rank-slice proxies that say which stage and how many layers they ran."""
+
     def ok(r: ValidationReport) -> bool:
         if r.status != "ok" or not r.measured.step_time_s:
             return False
         return r.mode == "full" or bool(r.per_rank and {"stage", "layers"} <= set(r.per_rank[0]))
+
     return [r for r in reports if ok(r)]
 
 
@@ -138,8 +152,9 @@ def predict(reports: list[ValidationReport], values: dict[str, float] | None = N
     return times, mems
 
 
-def predict_with_terms(reports: list[ValidationReport], values: dict[str, float] | None = None
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def predict_with_terms(
+    reports: list[ValidationReport], values: dict[str, float] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`predict`, and the predicted step terms (reports x TERMS; NaN for a rank-slice proxy)."""
     from berth.executor.validate import proxy_prediction  # torch-free: the parent side of `berth validate`
 
@@ -157,8 +172,9 @@ def predict_with_terms(reports: list[ValidationReport], values: dict[str, float]
         groups.setdefault(key, []).append(i)
     for idx in groups.values():
         first = reports[idx[0]]
-        plans = predict_layouts(first.plan.model, first.plan.training, _cluster_of(first, values),
-                                [reports[i].plan.layout for i in idx])
+        plans = predict_layouts(
+            first.plan.model, first.plan.training, _cluster_of(first, values), [reports[i].plan.layout for i in idx]
+        )
         for i, p in zip(idx, plans, strict=True):
             if p.prediction is None:  # structurally invalid now: a large, finite miss
                 times[i], mems[i] = np.inf, np.inf
@@ -191,20 +207,29 @@ def measured_terms(reports: list[ValidationReport], predicted: np.ndarray) -> tu
 # what each parameter needs among the reports: a predicate on one report, and the words for it
 KINDS_NEEDED: dict[str, tuple[str, object]] = {
     "compute_scale": ("reports with a step time (full or rank-slice)", lambda r: True),
-    "attention_peak_fraction": ("reports with a step time at two or more sequence lengths or attention shares",
-                                lambda r: True),
-    "kernel_overhead_s": ("reports with a step time at two or more micro-batch sizes or layer counts",
-                          lambda r: True),
+    "attention_peak_fraction": (
+        "reports with a step time at two or more sequence lengths or attention shares",
+        lambda r: True,
+    ),
+    "kernel_overhead_s": ("reports with a step time at two or more micro-batch sizes or layer counts", lambda r: True),
     "tp_kernel_overhead_s": ("full runs with tp > 1", lambda r: r.mode == "full" and r.plan.layout.tp > 1),
-    "memory_bandwidth_fraction": ("reports with a step time whose optimizer or elementwise share differs",
-                                  lambda r: True),
-    "comm_scale": ("full runs on 2 or more ranks (tp, dp or pp > 1)",
-                   lambda r: r.mode == "full" and r.plan.layout.world_size > 1),
+    "memory_bandwidth_fraction": (
+        "reports with a step time whose optimizer or elementwise share differs",
+        lambda r: True,
+    ),
+    "comm_scale": (
+        "full runs on 2 or more ranks (tp, dp or pp > 1)",
+        lambda r: r.mode == "full" and r.plan.layout.world_size > 1,
+    ),
     "comm_overlap_efficiency": ("full runs with dp > 1", lambda r: r.mode == "full" and r.plan.layout.dp > 1),
-    "framework_overhead_bytes": ("full runs with a measured peak memory",
-                                 lambda r: r.mode == "full" and bool(r.measured.peak_memory_bytes)),
-    "allocator_fragmentation_fraction": ("reports with a measured peak memory at two or more activation sizes",
-                                         lambda r: bool(r.measured.peak_memory_bytes)),
+    "framework_overhead_bytes": (
+        "full runs with a measured peak memory",
+        lambda r: r.mode == "full" and bool(r.measured.peak_memory_bytes),
+    ),
+    "allocator_fragmentation_fraction": (
+        "reports with a measured peak memory at two or more activation sizes",
+        lambda r: bool(r.measured.peak_memory_bytes),
+    ),
 }
 IDENTIFIABLE_TOLERANCE = 0.05  # a column less than 5 % independent of the kept ones: its standard error would be 20x
 MIN_REPORTS_PER_KIND = 2  # a parameter needs two reports of its kind: one report fits anything exactly
@@ -214,8 +239,9 @@ MAX_EVALUATIONS = 60  # Jacobian evaluations of the fit: a well-posed fit conver
 FIT_TOLERANCE = 1e-6  # relative change of cost or step at which the fit stops: far below report noise (~1 %)
 
 
-def identifiable(reports: list[ValidationReport], jacobian: np.ndarray, names: tuple[str, ...],
-                 n_residuals: int) -> tuple[list[str], dict[str, str]]:
+def identifiable(
+    reports: list[ValidationReport], jacobian: np.ndarray, names: tuple[str, ...], n_residuals: int
+) -> tuple[list[str], dict[str, str]]:
     """(parameters the reports determine, {parameter: why not} for the others), in PARAMETERS
     order: a parameter is kept when at least MIN_REPORTS_PER_KIND reports are of the kind it needs,
     its (column-normalized) Jacobian column adds a direction the kept ones do not span (smallest
@@ -224,8 +250,10 @@ def identifiable(reports: list[ValidationReport], jacobian: np.ndarray, names: t
     keep: list[int] = []
     why: dict[str, str] = {}
     norms = np.linalg.norm(jacobian, axis=0)
-    budget = {"time": sum(1 for r in reports if r.measured.step_time_s) // REPORTS_PER_PARAMETER,
-              "memory": sum(1 for r in reports if r.measured.peak_memory_bytes) // REPORTS_PER_PARAMETER}
+    budget = {
+        "time": sum(1 for r in reports if r.measured.step_time_s) // REPORTS_PER_PARAMETER,
+        "memory": sum(1 for r in reports if r.measured.peak_memory_bytes) // REPORTS_PER_PARAMETER,
+    }
     for j, name in enumerate(names):
         kind, pred = KINDS_NEEDED[name]
         count = sum(1 for r in reports if pred(r))
@@ -237,8 +265,10 @@ def identifiable(reports: list[ValidationReport], jacobian: np.ndarray, names: t
             continue
         quantity = "memory" if name in MEMORY_PARAMETERS else "time"
         if budget[quantity] < 1 or len(keep) + 1 >= n_residuals:
-            why[name] = (f"{REPORTS_PER_PARAMETER} more reports with a measured {quantity} needed for one more "
-                         f"{quantity} parameter")
+            why[name] = (
+                f"{REPORTS_PER_PARAMETER} more reports with a measured {quantity} needed for one more "
+                f"{quantity} parameter"
+            )
             continue
         cols = jacobian[:, keep + [j]] / norms[keep + [j]]
         if np.linalg.svd(cols, compute_uv=False)[-1] < IDENTIFIABLE_TOLERANCE:
@@ -278,8 +308,12 @@ def uncertainty(names: list[str], x: np.ndarray, jacobian: np.ndarray, residual:
         value = _decode(name, x[j])
         kind = PARAMETERS[name][2]
         value_se = value * se if kind == "log" else se * MIB if kind == "mib" else se
-        out[name] = {"value": value, "standard_error": value_se, "ci95": [_decode(name, a), _decode(name, b)],
-                     "relative_standard_error": value_se / abs(value) if value else float("inf")}
+        out[name] = {
+            "value": value,
+            "standard_error": value_se,
+            "ci95": [_decode(name, a), _decode(name, b)],
+            "relative_standard_error": value_se / abs(value) if value else float("inf"),
+        }
     return out
 
 
@@ -306,8 +340,11 @@ def errors(reports: list[ValidationReport], values: dict[str, float] | None = No
         return {}
     t, m = predict(reports, values)
     mt = np.array([r.measured.step_time_s for r in reports])
-    out = {"n": float(len(reports)), "step_time_mape": float(np.mean(np.abs(t / mt - 1))),
-           "step_time_max_error": float(np.max(np.abs(t / mt - 1)))}
+    out = {
+        "n": float(len(reports)),
+        "step_time_mape": float(np.mean(np.abs(t / mt - 1))),
+        "step_time_max_error": float(np.max(np.abs(t / mt - 1))),
+    }
     mm = np.array([r.measured.peak_memory_bytes or np.nan for r in reports])
     ok = np.isfinite(mm)
     if ok.any():
@@ -318,6 +355,7 @@ def errors(reports: list[ValidationReport], values: dict[str, float] | None = No
 
 def split(reports: list[ValidationReport], holdout: float, seed: int = 0):
     """A deterministic split by report id hash: (fit, held out)."""
+
     def key(r):
         return int(hashlib.sha256(f"{seed}:{r.id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
@@ -328,16 +366,24 @@ def split(reports: list[ValidationReport], holdout: float, seed: int = 0):
 def report_kinds(reports: list[ValidationReport]) -> dict[str, int]:
     """How many reports of each kind: what determines which parameters."""
     full = [r for r in reports if r.mode == "full"]
-    return {"full": len(full), "rank-slice": len(reports) - len(full),
-            "full with tp > 1": sum(r.plan.layout.tp > 1 for r in full),
-            "full with dp > 1": sum(r.plan.layout.dp > 1 for r in full),
-            "full with pp > 1": sum(r.plan.layout.pp > 1 for r in full),
-            "with recompute": sum(r.plan.layout.recompute != "none" for r in reports),
-            "with peak memory": sum(bool(r.measured.peak_memory_bytes) for r in reports)}
+    return {
+        "full": len(full),
+        "rank-slice": len(reports) - len(full),
+        "full with tp > 1": sum(r.plan.layout.tp > 1 for r in full),
+        "full with dp > 1": sum(r.plan.layout.dp > 1 for r in full),
+        "full with pp > 1": sum(r.plan.layout.pp > 1 for r in full),
+        "with recompute": sum(r.plan.layout.recompute != "none" for r in reports),
+        "with peak memory": sum(bool(r.measured.peak_memory_bytes) for r in reports),
+    }
 
 
-def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int = 0,
-              names: tuple[str, ...] | None = None, terms: bool = True) -> Fit:
+def calibrate(
+    reports: list[ValidationReport],
+    holdout: float = 0.0,
+    seed: int = 0,
+    names: tuple[str, ...] | None = None,
+    terms: bool = True,
+) -> Fit:
     """Fit the parameters the reports determine. `names`: fit exactly these (refused, naming the
     reports needed, when the reports do not determine them all); None: every parameter the
     reports determine, the others kept at the profile's values. `terms`: also fit to the step
@@ -356,8 +402,12 @@ def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int =
         raise BerthError("params", ",".join(unknown), f"unknown parameter; known: {', '.join(PARAMETERS)}")
     if len(fit_set) < MIN_REPORTS_PER_KIND:
         needs = "; ".join(f"{n}: {MIN_REPORTS_PER_KIND}+ {KINDS_NEEDED[n][0]}" for n in candidates)
-        raise BerthError("reports", len(fit_set), f"{len(fit_set)} report(s) in the fit set cannot determine "
-                         f"{len(candidates)} parameters ({len(held)} held out); needs {needs}")
+        raise BerthError(
+            "reports",
+            len(fit_set),
+            f"{len(fit_set)} report(s) in the fit set cannot determine "
+            f"{len(candidates)} parameters ({len(held)} held out); needs {needs}",
+        )
     initial = current_values(reports[0].plan.cluster)
     mt = np.array([r.measured.step_time_s for r in fit_set])
     mm = np.array([r.measured.peak_memory_bytes or np.nan for r in fit_set])
@@ -380,6 +430,7 @@ def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int =
             p = pt[use]
             rterm = np.log(np.where(np.isfinite(p) & (p > 0), p, 1e-12) / term_measured[use])
             return np.concatenate([rt, rm, rterm])
+
         return residuals, values_of
 
     residuals, _ = make_residuals(candidates)
@@ -389,23 +440,49 @@ def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int =
     chosen, not_fitted = identifiable(fit_set, jac0, candidates, jac0.shape[0])
     kinds = report_kinds(fit_set)
     if explicit and not_fitted:
-        raise BerthError("params", ",".join(not_fitted), "the reports do not determine: " + "; ".join(
-            f"{n} {w}" for n, w in not_fitted.items()) + f" (fit set: {kinds})")
+        raise BerthError(
+            "params",
+            ",".join(not_fitted),
+            "the reports do not determine: "
+            + "; ".join(f"{n} {w}" for n, w in not_fitted.items())
+            + f" (fit set: {kinds})",
+        )
     if not chosen:
-        raise BerthError("reports", len(fit_set), "these reports determine none of the parameters: " + "; ".join(
-            f"{n} {w}" for n, w in not_fitted.items()))
+        raise BerthError(
+            "reports",
+            len(fit_set),
+            "these reports determine none of the parameters: " + "; ".join(f"{n} {w}" for n, w in not_fitted.items()),
+        )
     residuals, values_of = make_residuals(tuple(chosen))
     lo, hi = _bounds(chosen)
     x0 = np.clip(np.array([_encode(n, initial[n]) for n in chosen]), lo + 1e-9, hi - 1e-9)
-    result = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-3, x_scale="jac", max_nfev=MAX_EVALUATIONS,
-                           ftol=FIT_TOLERANCE, xtol=FIT_TOLERANCE, gtol=FIT_TOLERANCE)
+    result = least_squares(
+        residuals,
+        x0,
+        bounds=(lo, hi),
+        diff_step=1e-3,
+        x_scale="jac",
+        max_nfev=MAX_EVALUATIONS,
+        ftol=FIT_TOLERANCE,
+        xtol=FIT_TOLERANCE,
+        gtol=FIT_TOLERANCE,
+    )
     values = values_of(result.x)
     fitted = apply(reports[0].plan.cluster, values)
     used = {t: int(n) for t, n in zip(TERMS, use.sum(axis=0), strict=True) if n}
-    fit = Fit(values=values, initial=initial, fit_ids=[r.id for r in fit_set], held_out_ids=[r.id for r in held],
-              cluster=fitted, fitted=list(chosen), not_fitted=not_fitted, kinds=kinds,
-              uncertainty=uncertainty(list(chosen), result.x, result.jac, result.fun),
-              touched=touched_terms(fit_set, initial, list(chosen), used), term_residuals=used)
+    fit = Fit(
+        values=values,
+        initial=initial,
+        fit_ids=[r.id for r in fit_set],
+        held_out_ids=[r.id for r in held],
+        cluster=fitted,
+        fitted=list(chosen),
+        not_fitted=not_fitted,
+        kinds=kinds,
+        uncertainty=uncertainty(list(chosen), result.x, result.jac, result.fun),
+        touched=touched_terms(fit_set, initial, list(chosen), used),
+        term_residuals=used,
+    )
     fit.errors = {"fit_before": errors(fit_set), "fit_after": errors(fit_set, values)}
     if held:
         fit.errors.update({"held_out_before": errors(held), "held_out_after": errors(held, values)})
@@ -415,8 +492,9 @@ def calibrate(reports: list[ValidationReport], holdout: float = 0.0, seed: int =
 TOUCH_TOLERANCE = 1e-6  # a relative change of a predicted term below this is no touch
 
 
-def touched_terms(reports: list[ValidationReport], initial: dict[str, float], names: list[str],
-                  used: dict[str, int]) -> dict[str, dict[str, int]]:
+def touched_terms(
+    reports: list[ValidationReport], initial: dict[str, float], names: list[str], used: dict[str, int]
+) -> dict[str, dict[str, int]]:
     """For each parameter, the step terms whose prediction it moves on these reports (a 10 %
     change of the parameter, in its fitted coordinate, from the initial values), each with the
     number of measured terms of that kind that entered the fit (0: moved, but only the step total
@@ -430,8 +508,11 @@ def touched_terms(reports: list[ValidationReport], initial: dict[str, float], na
         x = x + step if x + step <= hi[0] else x - step
         moved = np.nan_to_num(predict_with_terms(reports, {**initial, name: _decode(name, x)})[2])
         change = np.abs(moved - base) / np.maximum(np.abs(base), 1e-30)
-        out[name] = {t: used.get(t, 0) for j, t in enumerate(TERMS)
-                     if np.any((change[:, j] > TOUCH_TOLERANCE) & (np.maximum(base[:, j], moved[:, j]) > 0))}
+        out[name] = {
+            t: used.get(t, 0)
+            for j, t in enumerate(TERMS)
+            if np.any((change[:, j] > TOUCH_TOLERANCE) & (np.maximum(base[:, j], moved[:, j]) > 0))
+        }
     return out
 
 
@@ -440,16 +521,41 @@ def profile_document(fit: Fit, source: str) -> dict:
     c = fit.cluster
     name = f"{c.device.name}-calibrated"
     server = ServerProfile(
-        name="calibrated", display_name=f"{c.name}, calibrated", device=name, gpus_per_node=c.gpus_per_node,
-        intra_node=c.intra_node, inter_node=c.inter_node, collective_base_latency_s=c.collective_base_latency_s,
+        name="calibrated",
+        display_name=f"{c.name}, calibrated",
+        device=name,
+        gpus_per_node=c.gpus_per_node,
+        intra_node=c.intra_node,
+        inter_node=c.inter_node,
+        collective_base_latency_s=c.collective_base_latency_s,
         comm_overlap_efficiency=c.comm_overlap_efficiency,
-        sources={"calibration": f"{len(fit.fit_ids)} validation reports ({source}), berth calibrate"})
-    device = c.device.model_copy(update={"name": name, "sources": {
-        **c.device.sources, "calibration": f"fitted by berth calibrate: {fit.fitted}; kept at the profile: "
-        f"{sorted(fit.not_fitted)}"}})
-    return {"format": PROFILE_FORMAT, "device": device.model_dump(mode="json"),
-            "server": server.model_dump(mode="json"),
-            "calibration": {"values": fit.values, "initial": fit.initial, "errors": fit.errors,
-                            "fitted": fit.fitted, "not_fitted": fit.not_fitted, "uncertainty": fit.uncertainty,
-                            "report_kinds": fit.kinds, "fit_ids": fit.fit_ids, "held_out_ids": fit.held_out_ids,
-                            "touched_terms": fit.touched, "term_residuals": fit.term_residuals}}
+        sources={"calibration": f"{len(fit.fit_ids)} validation reports ({source}), berth calibrate"},
+    )
+    device = c.device.model_copy(
+        update={
+            "name": name,
+            "sources": {
+                **c.device.sources,
+                "calibration": f"fitted by berth calibrate: {fit.fitted}; kept at the profile: "
+                f"{sorted(fit.not_fitted)}",
+            },
+        }
+    )
+    return {
+        "format": PROFILE_FORMAT,
+        "device": device.model_dump(mode="json"),
+        "server": server.model_dump(mode="json"),
+        "calibration": {
+            "values": fit.values,
+            "initial": fit.initial,
+            "errors": fit.errors,
+            "fitted": fit.fitted,
+            "not_fitted": fit.not_fitted,
+            "uncertainty": fit.uncertainty,
+            "report_kinds": fit.kinds,
+            "fit_ids": fit.fit_ids,
+            "held_out_ids": fit.held_out_ids,
+            "touched_terms": fit.touched,
+            "term_residuals": fit.term_residuals,
+        },
+    }

@@ -31,8 +31,11 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                help="print the version and exit")] = False) -> None:
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
     """berth: plan parallel layouts for training."""
 
 
@@ -61,55 +64,104 @@ def _at_least(field: str, value: float | None, low: float) -> None:
     if value is not None and value < low:
         raise BerthError(field, value, f"must be at least {low:g}")
 
+
 Model = Annotated[str, typer.Argument(help="preset name, a model YAML/JSON file, or an HF config.json")]
-Cluster = Annotated[str, typer.Option(
-    "--cluster", help="cluster preset (dgx-h100, dgx-a100-80g, dgx-b200, aws-p5, ...: see `berth presets`), "
-    "a topology graph FILE.json (see `berth topology`), or 'local': this machine")]
+Cluster = Annotated[
+    str,
+    typer.Option(
+        "--cluster",
+        help="cluster preset (dgx-h100, dgx-a100-80g, dgx-b200, aws-p5, ...: see `berth presets`), "
+        "a topology graph FILE.json (see `berth topology`), or 'local': this machine",
+    ),
+]
 Fabric = Annotated[str, typer.Option("--fabric", help="with a preset: rails (one rail switch per NIC) or fat-tree")]
 PerLeaf = Annotated[int | None, typer.Option("--nodes-per-leaf", help="fat-tree: nodes per leaf switch")]
 Oversub = Annotated[float, typer.Option("--oversubscription", help="fat-tree: leaf downlink / uplink bandwidth")]
-Objective = Annotated[str, typer.Option("--objective", help="rank by throughput, goodput (after checkpoints and "
-                                        "failures) or cost")]
-Failures = Annotated[float | None, typer.Option("--failures-per-gpu-hour", help="default 1.97e-5 (Llama 3 "
-                                                "pre-training)")]
-Storage = Annotated[float | None, typer.Option("--storage-gbps-per-gpu", help="filesystem write GB/s per GPU "
-                                               "(default 0.122, Llama 3's Tectonic)")]
+Objective = Annotated[
+    str, typer.Option("--objective", help="rank by throughput, goodput (after checkpoints and failures) or cost")
+]
+Failures = Annotated[
+    float | None, typer.Option("--failures-per-gpu-hour", help="default 1.97e-5 (Llama 3 pre-training)")
+]
+Storage = Annotated[
+    float | None,
+    typer.Option("--storage-gbps-per-gpu", help="filesystem write GB/s per GPU (default 0.122, Llama 3's Tectonic)"),
+]
 Price = Annotated[float | None, typer.Option("--price-per-gpu-hour", help="for cost per step and per token")]
 Budget = Annotated[float | None, typer.Option("--token-budget", help="tokens to train on, for the total cost")]
 Nodes = Annotated[int, typer.Option("--nodes", help="number of nodes")]
-Devices = Annotated[int | None, typer.Option(
-    "--devices-per-node", help="with --cluster local: GPUs to use, or CPU worker processes (default: all)")]
+Devices = Annotated[
+    int | None,
+    typer.Option(
+        "--devices-per-node", help="with --cluster local: GPUs to use, or CPU worker processes (default: all)"
+    ),
+]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="sequence length (tokens)")]
 Batch = Annotated[int, typer.Option("--global-batch", help="global batch (sequences per step)")]
-Precision = Annotated[str | None, typer.Option(
-    "--precision", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)")]
+Precision = Annotated[
+    str | None, typer.Option("--precision", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)")
+]
 Flash = Annotated[bool, typer.Option("--flash-attention/--no-flash-attention", help="FlashAttention kernels")]
-FrameworkOpt = Annotated[str, typer.Option("--framework", help="whose memory behaviour to predict: pytorch (DTensor, "
-                                           "FSDP2, DDP: the bundled executor, torchtitan) or megatron")]
+FrameworkOpt = Annotated[
+    str,
+    typer.Option(
+        "--framework",
+        help="whose memory behaviour to predict: pytorch (DTensor, "
+        "FSDP2, DDP: the bundled executor, torchtitan) or megatron",
+    ),
+]
 Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
-Headroom = Annotated[float, typer.Option(
-    "--memory-headroom", help=f"share of the device memory a plan must leave free to be ranked as fitting "
-    f"(default {DEFAULT_MEMORY_HEADROOM}); closer to the capacity it is 'memory_tight' and not ranked")]
+Headroom = Annotated[
+    float,
+    typer.Option(
+        "--memory-headroom",
+        help=f"share of the device memory a plan must leave free to be ranked as fitting "
+        f"(default {DEFAULT_MEMORY_HEADROOM}); closer to the capacity it is 'memory_tight' and not ranked",
+    ),
+]
 Csv = Annotated[bool, typer.Option("--csv", help="print the plans as CSV (SI units) instead of tables")]
 
 
-Profile = Annotated[str | None, typer.Option("--profile", help="a `berth profile` output: measured device "
-                                             "(and, with --cluster local, links)")]
+Profile = Annotated[
+    str | None,
+    typer.Option("--profile", help="a `berth profile` output: measured device (and, with --cluster local, links)"),
+]
 
 
-def _inputs(model: str, cluster: str, nodes: int, devices: int | None, seq_len: int, global_batch: int,
-            precision: str | None, flash: bool, profile: str | None = None, fabric: tuple = ("rails", None, 1.0),
-            operations: tuple = (None, None, None), token_budget: float | None = None, framework: str = "pytorch"):
+def _inputs(
+    model: str,
+    cluster: str,
+    nodes: int,
+    devices: int | None,
+    seq_len: int,
+    global_batch: int,
+    precision: str | None,
+    flash: bool,
+    profile: str | None = None,
+    fabric: tuple = ("rails", None, 1.0),
+    operations: tuple = (None, None, None),
+    token_budget: float | None = None,
+    framework: str = "pytorch",
+):
     from berth.planner.models import load_model
     from berth.planner.planning import default_precision, make_cluster, make_training, with_operations
 
     spec = load_model(model)
     failures, storage_gbps, price = operations
-    cl = with_operations(make_cluster(cluster, nodes, devices, profile, *fabric), failures,
-                         storage_gbps * 1e9 if storage_gbps is not None else None, price)
-    training = make_training(seq_len=seq_len, global_batch_size=global_batch,
-                             precision=precision or default_precision(cl), flash_attention=flash,
-                             framework=framework, token_budget=token_budget)
+    cl = with_operations(
+        make_cluster(cluster, nodes, devices, profile, *fabric),
+        failures,
+        storage_gbps * 1e9 if storage_gbps is not None else None,
+        price,
+    )
+    training = make_training(
+        seq_len=seq_len,
+        global_batch_size=global_batch,
+        precision=precision or default_precision(cl),
+        flash_attention=flash,
+        framework=framework,
+        token_budget=token_budget,
+    )
     return spec, training, cl
 
 
@@ -141,10 +193,12 @@ def plan_cmd(
     storage_gbps: Storage = None,
     price: Price = None,
     token_budget: Budget = None,
-    show_fallback: Annotated[bool, typer.Option("--fallback", help="also plan the best layout for the cluster "
-                                                "with one node lost")] = False,
-    spare_nodes: Annotated[int, typer.Option("--spare-nodes", help="keep this many nodes as hot spares: plan on "
-                                             "the rest")] = 0,
+    show_fallback: Annotated[
+        bool, typer.Option("--fallback", help="also plan the best layout for the cluster with one node lost")
+    ] = False,
+    spare_nodes: Annotated[
+        int, typer.Option("--spare-nodes", help="keep this many nodes as hot spares: plan on the rest")
+    ] = 0,
     as_json: Json = False,
     as_csv: Csv = False,
 ) -> None:
@@ -154,15 +208,28 @@ def plan_cmd(
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
-    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile,
-                                 (fabric, nodes_per_leaf, oversubscription), (failures, storage_gbps, price),
-                                 token_budget, framework)
+    spec, training, cl = _inputs(
+        model,
+        cluster,
+        nodes,
+        devices,
+        seq_len,
+        global_batch,
+        precision,
+        flash,
+        profile,
+        (fabric, nodes_per_leaf, oversubscription),
+        (failures, storage_gbps, price),
+        token_budget,
+        framework,
+    )
     if spare_nodes:
         if not 0 < spare_nodes < cl.nodes:
             raise BerthError("spare_nodes", spare_nodes, f"must be in 1..{cl.nodes - 1} (of {cl.nodes} nodes)")
         cl = lose_nodes(cl, spare_nodes)
-    search_spec = make_search(top=top, fix=fix, max_micro_batch_size=max_mbs, objective=objective,
-                              memory_headroom=memory_headroom)
+    search_spec = make_search(
+        top=top, fix=fix, max_micro_batch_size=max_mbs, objective=objective, memory_headroom=memory_headroom
+    )
     result = plan(spec, training, cl, search_spec)
     if show_fallback:
         result = with_fallback(result, search_spec)
@@ -174,10 +241,15 @@ def plan_cmd(
         _no_fit(result, cl, as_json or as_csv)
     if as_json or as_csv:
         return
-    moe = (f", MoE {spec.num_experts} experts top-{spec.experts_per_token}, {count(spec.active_params)} active"
-           if spec.is_moe else "")
-    head = (f"{spec.name} ({count(spec.num_params)} params{moe}) on {cl.nodes} x {cl.name} "
-            f"({cl.world_size} {_unit(cl)}), seq {seq_len}, global batch {global_batch}, {training.precision}")
+    moe = (
+        f", MoE {spec.num_experts} experts top-{spec.experts_per_token}, {count(spec.active_params)} active"
+        if spec.is_moe
+        else ""
+    )
+    head = (
+        f"{spec.name} ({count(spec.num_params)} params{moe}) on {cl.nodes} x {cl.name} "
+        f"({cl.world_size} {_unit(cl)}), seq {seq_len}, global batch {global_batch}, {training.precision}"
+    )
     console.print(plans_table(result.plans, head, width=console.width))
     rejected = ", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none"
     console.print(f"searched {result.searched:,} layouts: {result.feasible:,} feasible; rejected: {rejected}")
@@ -189,8 +261,10 @@ def plan_cmd(
         if show_fallback and fb is None:
             console.print("[red]fallback[/red]: no layout fits the cluster with one node lost")
         if fb is not None:
-            console.print(f"fallback with {fb.nodes_lost} node lost: {fb.layout.short()}, "
-                          f"{fb.tokens_per_s:,.0f} tokens/s; " + "; ".join(fb.changes))
+            console.print(
+                f"fallback with {fb.nodes_lost} node lost: {fb.layout.short()}, "
+                f"{fb.tokens_per_s:,.0f} tokens/s; " + "; ".join(fb.changes)
+            )
 
 
 def _no_fit(result, cluster, quiet: bool) -> None:
@@ -200,9 +274,11 @@ def _no_fit(result, cluster, quiet: bool) -> None:
         console.print(f"searched {result.searched:,} layouts: {result.feasible:,} feasible; rejected: {rejected}")
     if result.closest is not None:
         layout, peak = result.closest
-        why = (f"the smallest predicted peak is {peak / 2**30:,.1f} GiB of "
-               f"{cluster.device.memory_bytes / 2**30:,.1f} GiB per {_unit(cluster)[:-1]} ({layout}); "
-               "more GPUs, a shorter sequence or a smaller global batch")
+        why = (
+            f"the smallest predicted peak is {peak / 2**30:,.1f} GiB of "
+            f"{cluster.device.memory_bytes / 2**30:,.1f} GiB per {_unit(cluster)[:-1]} ({layout}); "
+            "more GPUs, a shorter sequence or a smaller global batch"
+        )
     else:
         why = "every layout breaks a rule: " + (", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none")
     Console(stderr=True).print(f"[red]no layout fits[/red]: {why}", highlight=False, soft_wrap=True)
@@ -235,8 +311,19 @@ def compare_cmd(
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
-    spec, training, cl = _inputs(model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile,
-                                 (fabric, nodes_per_leaf, oversubscription), framework=framework)
+    spec, training, cl = _inputs(
+        model,
+        cluster,
+        nodes,
+        devices,
+        seq_len,
+        global_batch,
+        precision,
+        flash,
+        profile,
+        (fabric, nodes_per_leaf, oversubscription),
+        framework=framework,
+    )
     candidates = compare(spec, training, cl, layout, memory_headroom)
     try:
         best = plan(spec, training, cl, make_search(top=1, memory_headroom=memory_headroom))
@@ -250,8 +337,9 @@ def compare_cmd(
     if as_csv:
         sys.stdout.write(plans_csv(candidates, ref))
         return
-    console.print(plans_table(candidates, f"{spec.name} on {cl.world_size} {_unit(cl)}: candidates", ref,
-                              width=console.width))
+    console.print(
+        plans_table(candidates, f"{spec.name} on {cl.world_size} {_unit(cl)}: candidates", ref, width=console.width)
+    )
     print_reasons(console, candidates)
     if best and best.plans:
         b = best.plans[0]
@@ -263,8 +351,13 @@ def compare_cmd(
 
 @app.command("topology")
 def topology_cmd(
-    servers: Annotated[list[str], typer.Argument(help="PRESET[:NODES]..., e.g. dgx-h100:4, or a graph FILE.json "
-                                                 "to inspect; several presets make a mixed cluster")],
+    servers: Annotated[
+        list[str],
+        typer.Argument(
+            help="PRESET[:NODES]..., e.g. dgx-h100:4, or a graph FILE.json "
+            "to inspect; several presets make a mixed cluster"
+        ),
+    ],
     fabric: Fabric = "rails",
     nodes_per_leaf: PerLeaf = None,
     oversubscription: Oversub = 1.0,
@@ -290,8 +383,10 @@ def topology_cmd(
     for note in cl.notes:
         console.print(f"[yellow]note[/yellow]: {note}")
     if out and data is not None:
-        console.print(f"graph ({len(data['nodes'])} nodes, {len(data['links'])} links) written to {out}; "
-                      f"plan on it with --cluster {out}")
+        console.print(
+            f"graph ({len(data['nodes'])} nodes, {len(data['links'])} links) written to {out}; "
+            f"plan on it with --cluster {out}"
+        )
 
 
 @app.command("presets")
@@ -306,23 +401,40 @@ def presets_cmd(as_json: Json = False) -> None:
     servers = [load_server(n) for n in server_names()]
     devices = [load_device(n) for n in device_names()]
     if as_json:
-        print(json.dumps({"models": sorted(presets()), "clusters": [s.name for s in servers],
-                          "devices": [d.name for d in devices]}))
+        print(
+            json.dumps(
+                {
+                    "models": sorted(presets()),
+                    "clusters": [s.name for s in servers],
+                    "devices": [d.name for d in devices],
+                }
+            )
+        )
         return
     t = Table(title="cluster presets (per node)", header_style="bold")
     for col in ("name", "device", "GPUs", "intra-node GB/s", "inter-node GB/s per GPU", "description"):
         t.add_column(col)
     for s in servers:
-        t.add_row(s.name, s.device, str(s.gpus_per_node), f"{s.intra_node.bandwidth_bytes_per_s / 1e9:g} "
-                  f"{s.intra_node.kind}", f"{s.inter_node.bandwidth_bytes_per_s / 1e9:g} {s.inter_node.kind}",
-                  s.display_name)
+        t.add_row(
+            s.name,
+            s.device,
+            str(s.gpus_per_node),
+            f"{s.intra_node.bandwidth_bytes_per_s / 1e9:g} {s.intra_node.kind}",
+            f"{s.inter_node.bandwidth_bytes_per_s / 1e9:g} {s.inter_node.kind}",
+            s.display_name,
+        )
     console.print(t)
     d = Table(title="devices", header_style="bold")
     for col in ("name", "bf16 TFLOP/s", "memory GiB", "memory TB/s", "description"):
         d.add_column(col)
     for x in devices:
-        d.add_row(x.name, f"{x.peak_flops('bf16') / 1e12:g}", f"{x.memory_bytes / 2**30:.0f}",
-                  f"{x.memory_bandwidth_bytes_per_s / 1e12:.3g}", x.display_name)
+        d.add_row(
+            x.name,
+            f"{x.peak_flops('bf16') / 1e12:g}",
+            f"{x.memory_bytes / 2**30:.0f}",
+            f"{x.memory_bandwidth_bytes_per_s / 1e12:.3g}",
+            x.display_name,
+        )
     console.print(d)
     console.print("models: " + ", ".join(f"{n} ({count(m.num_params)})" for n, m in sorted(presets().items())))
 
@@ -334,19 +446,40 @@ def validate_cmd(
     steps: Annotated[int, typer.Option("--steps", help="timed steps")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="untimed steps first")] = 2,
     out: Annotated[str | None, typer.Option("--out", help="write the ValidationReport JSON here")] = None,
-    store: Annotated[str | None, typer.Option("--store", help="SQLite results store (default $BERTH_STORE_PATH "
-                                              "or ~/.local/share/berth/berth.sqlite)")] = None,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="watchdog in seconds (default: from the "
-                                                  "predicted step time)")] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store", help="SQLite results store (default $BERTH_STORE_PATH or ~/.local/share/berth/berth.sqlite)"
+        ),
+    ] = None,
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", help="watchdog in seconds (default: from the predicted step time)")
+    ] = None,
     oversubscribe: Annotated[bool, typer.Option("--oversubscribe", help="allow more CPU workers than cores")] = False,
-    proxy: Annotated[str | None, typer.Option("--proxy", help="rank-slice: run one rank's share of a plan "
-                                              "larger than this machine in one process")] = None,
-    layers: Annotated[int | None, typer.Option("--layers", help="with --proxy: layers of the stage to run "
-                                               "(default: all of one stage)")] = None,
-    stage: Annotated[str | None, typer.Option("--stage", help="with --proxy: first or last pipeline stage "
-                                              "(default: the one predicted to hold more memory)")] = None,
-    trace: Annotated[str | None, typer.Option("--trace", help="write a Chrome/Perfetto trace of one more step "
-                                              "per rank into this directory (torch.profiler)")] = None,
+    proxy: Annotated[
+        str | None,
+        typer.Option(
+            "--proxy", help="rank-slice: run one rank's share of a plan larger than this machine in one process"
+        ),
+    ] = None,
+    layers: Annotated[
+        int | None,
+        typer.Option("--layers", help="with --proxy: layers of the stage to run (default: all of one stage)"),
+    ] = None,
+    stage: Annotated[
+        str | None,
+        typer.Option(
+            "--stage",
+            help="with --proxy: first or last pipeline stage (default: the one predicted to hold more memory)",
+        ),
+    ] = None,
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            "--trace",
+            help="write a Chrome/Perfetto trace of one more step per rank into this directory (torch.profiler)",
+        ),
+    ] = None,
     as_json: Json = False,
 ) -> None:
     """Run a plan on this machine with torch.distributed and compare measured with predicted, term
@@ -376,22 +509,49 @@ def validate_cmd(
     db = Store(store)
     err = Console(stderr=True)
     total = steps + warmup
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
         what = "one rank's slice in 1 process" if proxy else f"{chosen.layout.world_size} processes"
         task = bar.add_task(f"validating {chosen.layout.short()} on {what} (starting)", total=total)
 
         def progress(p: dict) -> None:
             loss = f"  loss {p['loss']:.4f}" if p.get("loss") is not None else ""
-            bar.update(task, completed=p["step"],
-                       description=f"step {p['step']}/{p['of']}{loss}  {p['step_time_s'] * 1e3:.0f} ms")
+            bar.update(
+                task,
+                completed=p["step"],
+                description=f"step {p['step']}/{p['of']}{loss}  {p['step_time_s'] * 1e3:.0f} ms",
+            )
 
         if proxy:
-            report = validate_proxy(chosen, layers=layers, stage=stage, steps=steps, warmup=warmup, store=db,
-                                    out=out, on_progress=progress, timeout_s=timeout)
+            report = validate_proxy(
+                chosen,
+                layers=layers,
+                stage=stage,
+                steps=steps,
+                warmup=warmup,
+                store=db,
+                out=out,
+                on_progress=progress,
+                timeout_s=timeout,
+            )
         else:
-            report = validate(chosen, steps=steps, warmup=warmup, store=db, out=out, on_progress=progress,
-                              oversubscribe=oversubscribe, timeout_s=timeout, trace_dir=trace)
+            report = validate(
+                chosen,
+                steps=steps,
+                warmup=warmup,
+                store=db,
+                out=out,
+                on_progress=progress,
+                oversubscribe=oversubscribe,
+                timeout_s=timeout,
+                trace_dir=trace,
+            )
     if as_json:
         print(report.model_dump_json())
     else:
@@ -401,8 +561,10 @@ def validate_cmd(
         if report.traces:
             console.print("traces (chrome://tracing or https://ui.perfetto.dev):\n  " + "\n  ".join(report.traces))
         if report.mode == "rank-slice":
-            console.print("rank-slice proxy: the step time above is one rank's compute (no communication, no "
-                          "bubble). Not checked:\n  - " + "\n  - ".join(report.checks["not_checked"]))
+            console.print(
+                "rank-slice proxy: the step time above is one rank's compute (no communication, no "
+                "bubble). Not checked:\n  - " + "\n  - ".join(report.checks["not_checked"])
+            )
         where = f"report {report.id} stored in {db.path}" + (f" and written to {out}" if out else "")
         console.print(where)
     if report.status != "ok":
@@ -413,9 +575,15 @@ def validate_cmd(
 @app.command("report")
 def report_cmd(
     report_file: Annotated[str, typer.Argument(help="a ValidationReport JSON (`berth validate --out`)")],
-    png: Annotated[str | None, typer.Option("--png", help="also save the per-rank timeline of one step and the "
-                                            "predicted-vs-measured chart as PNG files in this directory "
-                                            "(needs matplotlib: the `plot` extra)")] = None,
+    png: Annotated[
+        str | None,
+        typer.Option(
+            "--png",
+            help="also save the per-rank timeline of one step and the "
+            "predicted-vs-measured chart as PNG files in this directory "
+            "(needs matplotlib: the `plot` extra)",
+        ),
+    ] = None,
 ) -> None:
     """Show a validation report: predicted beside measured, term by term, with the largest error
     named; the traces it lists; with --png the timeline ("comb") and the bar chart."""
@@ -450,8 +618,10 @@ def report_cmd(
             raise BerthError("png", png, "exists and is not a directory")
     console.print(validation_table(report))
     if report.breakdown is None:
-        console.print("no measured breakdown in this report (a failed run, a rank-slice proxy, or a report from "
-                      "before berth measured step terms)")
+        console.print(
+            "no measured breakdown in this report (a failed run, a rank-slice proxy, or a report from "
+            "before berth measured step terms)"
+        )
     else:
         b = report.breakdown
         console.print(measured_terms_table(report))
@@ -479,8 +649,9 @@ def launch_cmd(
     out: Annotated[str, typer.Option("--out", help="directory for the files")] = "berth-launch",
     steps: Annotated[int, typer.Option("--steps", help="executor formats: timed steps")] = 20,
     warmup: Annotated[int, typer.Option("--warmup", help="executor formats: untimed steps first")] = 3,
-    image: Annotated[str, typer.Option("--image", help="kubernetes: container image with berth and torch")] =
-    "berth-executor:latest",
+    image: Annotated[
+        str, typer.Option("--image", help="kubernetes: container image with berth and torch")
+    ] = "berth-executor:latest",
 ) -> None:
     """Write the files that launch a plan: per-node torchrun scripts, an sbatch script or a PyTorchJob
     running the bundled executor, or Megatron-LM / DeepSpeed / torchtitan configs for the layout."""
@@ -510,8 +681,10 @@ def launch_cmd(
 def profile_cmd(
     out: Annotated[str, typer.Option("--out", help="where to write the profile")] = "berth-profile.json",
     quick: Annotated[bool, typer.Option("--quick", help="fewer shapes, sizes and repeats (under a minute)")] = False,
-    max_procs: Annotated[int | None, typer.Option("--max-procs", help="largest process count for collectives "
-                                                  "(default: cores or GPUs, at most 8)")] = None,
+    max_procs: Annotated[
+        int | None,
+        typer.Option("--max-procs", help="largest process count for collectives (default: cores or GPUs, at most 8)"),
+    ] = None,
 ) -> None:
     """Measure this machine (GEMMs, memory bandwidth, attention, collectives) into a profile that
     plan, compare and --cluster local accept with --profile."""
@@ -528,33 +701,48 @@ def profile_cmd(
     _write(out, json.dumps(result, indent=2))
     dev, link, checks = result["device"], result["server"]["intra_node"], result.get("checks", {})
     peak = max(dev["peak_flops_per_s"].values())
-    console.print(f"{dev['display_name']}: peak {peak / 1e9:,.1f} GFLOP/s, best GEMM "
-                  f"{checks.get('best_gemm_flops_per_s', peak) / 1e9:,.1f} GFLOP/s, memory "
-                  f"{dev['memory_bandwidth_bytes_per_s'] * dev['memory_bandwidth_fraction'] / 1e9:.1f} GB/s, "
-                  f"attention {dev['attention_peak_fraction']:.0%} "
-                  f"of peak, op overhead {dev['kernel_overhead_s'] * 1e6:.1f} us")
+    console.print(
+        f"{dev['display_name']}: peak {peak / 1e9:,.1f} GFLOP/s, best GEMM "
+        f"{checks.get('best_gemm_flops_per_s', peak) / 1e9:,.1f} GFLOP/s, memory "
+        f"{dev['memory_bandwidth_bytes_per_s'] * dev['memory_bandwidth_fraction'] / 1e9:.1f} GB/s, "
+        f"attention {dev['attention_peak_fraction']:.0%} "
+        f"of peak, op overhead {dev['kernel_overhead_s'] * 1e6:.1f} us"
+    )
     if "square_matmul_flops_per_s" in checks:
-        console.print(f"square 8192 matmul {checks['square_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, GEMM curve top "
-                      f"{checks['curve_top_flops_per_s'] / 1e12:.0f} TFLOP/s ({checks['curve_top_vs_square']:+.1%}"
-                      f"{'' if checks['peak_agrees'] else ': more than 5% apart, rerun on an idle GPU'})")
-    console.print(f"collectives: all-reduce bus bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, time vs "
-                  "all-reduce: " + ", ".join(f"{k} x{v:.2f}" for k, v in link["op_time_scale"].items()))
+        console.print(
+            f"square 8192 matmul {checks['square_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, GEMM curve top "
+            f"{checks['curve_top_flops_per_s'] / 1e12:.0f} TFLOP/s ({checks['curve_top_vs_square']:+.1%}"
+            f"{'' if checks['peak_agrees'] else ': more than 5% apart, rerun on an idle GPU'})"
+        )
+    console.print(
+        f"collectives: all-reduce bus bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, time vs "
+        "all-reduce: " + ", ".join(f"{k} x{v:.2f}" for k, v in link["op_time_scale"].items())
+    )
     console.print(f"written to {out}")
 
 
 @app.command("calibrate")
 def calibrate_cmd(
-    reports: Annotated[list[str] | None, typer.Argument(
-        help="ValidationReport JSON files (default: the store)")] = None,
+    reports: Annotated[
+        list[str] | None, typer.Argument(help="ValidationReport JSON files (default: the store)")
+    ] = None,
     out: Annotated[str | None, typer.Option("--out", help="write the calibrated profile here")] = None,
     store: Annotated[str | None, typer.Option("--store", help="SQLite results store to read reports from")] = None,
     device: Annotated[str | None, typer.Option("--device", help="only reports planned for this device")] = None,
     holdout: Annotated[float, typer.Option("--holdout", help="fraction of reports held out of the fit")] = 0.3,
     seed: Annotated[int, typer.Option("--seed", help="seed of the held-out split")] = 0,
-    params: Annotated[str | None, typer.Option("--params", help="comma-separated parameters to fit (default: "
-                                               "every one the reports determine)")] = None,
-    terms: Annotated[bool, typer.Option("--terms/--step-only", help="fit to the step terms full runs measured "
-                                        "(compute, communication, optimizer...) as well as to step totals")] = True,
+    params: Annotated[
+        str | None,
+        typer.Option("--params", help="comma-separated parameters to fit (default: every one the reports determine)"),
+    ] = None,
+    terms: Annotated[
+        bool,
+        typer.Option(
+            "--terms/--step-only",
+            help="fit to the step terms full runs measured "
+            "(compute, communication, optimizer...) as well as to step totals",
+        ),
+    ] = True,
 ) -> None:
     """Fit the cost model's named efficiency parameters to validation reports (scipy least_squares)
     and print the error on the fitted reports and on those held out, with each fitted value's
@@ -594,36 +782,54 @@ def calibrate_cmd(
     for name in PARAMETERS:
         u = fit.uncertainty.get(name)
         if u:
-            t.add_row(name, f"{fit.initial[name]:.4g}", f"{fit.values[name]:.4g}", f"{u['standard_error']:.2g}",
-                      f"{u['ci95'][0]:.3g} .. {u['ci95'][1]:.3g}")
+            t.add_row(
+                name,
+                f"{fit.initial[name]:.4g}",
+                f"{fit.values[name]:.4g}",
+                f"{u['standard_error']:.2g}",
+                f"{u['ci95'][0]:.3g} .. {u['ci95'][1]:.3g}",
+            )
         else:
             t.add_row(name, f"{fit.initial[name]:.4g}", "not fitted", "", fit.not_fitted.get(name, ""))
     console.print(t)
     if fit.term_residuals:
-        console.print("measured step terms in the fit: " + ", ".join(f"{k} {v}" for k, v in fit.term_residuals.items())
-                      + " (besides every report's step total and peak memory)")
+        console.print(
+            "measured step terms in the fit: "
+            + ", ".join(f"{k} {v}" for k, v in fit.term_residuals.items())
+            + " (besides every report's step total and peak memory)"
+        )
     else:
-        console.print("no measured step terms in the fit: " + ("--step-only" if not terms else
-                      "the reports carry no breakdown (validated before berth measured terms)")
-                      + "; the time parameters are fitted to step totals")
+        console.print(
+            "no measured step terms in the fit: "
+            + ("--step-only" if not terms else "the reports carry no breakdown (validated before berth measured terms)")
+            + "; the time parameters are fitted to step totals"
+        )
     for name in fit.fitted:
         touched = fit.touched.get(name, {})
         if not touched:
             continue
-        console.print(f"  {name} touched: " + ", ".join(
-            f"{term} ({n} measured)" if n else f"{term} (step total only)" for term, n in touched.items()))
+        console.print(
+            f"  {name} touched: "
+            + ", ".join(f"{term} ({n} measured)" if n else f"{term} (step total only)" for term, n in touched.items())
+        )
     e = Table(title="errors (fractions)")
     for col in ("reports", "step-time MAPE", "worst", "memory MAPE", "worst"):
         e.add_column(col, justify="left" if col == "reports" else "right")
     for key, errs in fit.errors.items():
         if errs:
             nan = float("nan")
-            e.add_row(key.replace("_", " "), f"{errs['step_time_mape']:.3f}", f"{errs['step_time_max_error']:.3f}",
-                      f"{errs.get('memory_mape', nan):.3f}", f"{errs.get('memory_max_error', nan):.3f}")
+            e.add_row(
+                key.replace("_", " "),
+                f"{errs['step_time_mape']:.3f}",
+                f"{errs['step_time_max_error']:.3f}",
+                f"{errs.get('memory_mape', nan):.3f}",
+                f"{errs.get('memory_max_error', nan):.3f}",
+            )
     console.print(e)
     if out:
-        Path(out).write_text(json.dumps(profile_document(fit, "reports given" if reports else "results store"),
-                                        indent=2))
+        Path(out).write_text(
+            json.dumps(profile_document(fit, "reports given" if reports else "results store"), indent=2)
+        )
         console.print(f"calibrated profile written to {out} (use it with --profile)")
 
 

@@ -25,11 +25,23 @@ FABRICS = ("rails", "fat-tree")
 SHARED_NIC_PCIE_HEADROOM = 2.0  # a GPU's PCIe path to a shared NIC is not its bottleneck (x2 the NIC)
 
 
-def _link(g: nx.Graph, a: str, b: str, link: LinkProfile, bandwidth: float | None = None,
-          kind: str | None = None, latency_s: float | None = None) -> None:
-    g.add_edge(a, b, kind=kind or link.kind, bandwidth_GBps=(bandwidth or link.bandwidth_bytes_per_s) / 1e9,
-               latency_us=(link.hop_latency_s / 2 if latency_s is None else latency_s) * 1e6,
-               efficiency=link.collective_efficiency)
+def _link(
+    g: nx.Graph,
+    a: str,
+    b: str,
+    link: LinkProfile,
+    bandwidth: float | None = None,
+    kind: str | None = None,
+    latency_s: float | None = None,
+) -> None:
+    g.add_edge(
+        a,
+        b,
+        kind=kind or link.kind,
+        bandwidth_GBps=(bandwidth or link.bandwidth_bytes_per_s) / 1e9,
+        latency_us=(link.hop_latency_s / 2 if latency_s is None else latency_s) * 1e6,
+        efficiency=link.collective_efficiency,
+    )
 
 
 def _server(g: nx.Graph, server: ServerProfile, host: str) -> list[str]:
@@ -69,7 +81,7 @@ def _server(g: nx.Graph, server: ServerProfile, host: str) -> list[str]:
         nic = f"{host}.nic{k // server.gpus_per_nic}"
         g.add_node(nic, kind="nic")
         if pcie is None:
-            for gpu in gpus[k:k + server.gpus_per_nic]:
+            for gpu in gpus[k : k + server.gpus_per_nic]:
                 _link(g, gpu, nic, intra, SHARED_NIC_PCIE_HEADROOM * nic_speed, kind="pcie")
         else:
             near = attach[k] if server.gpus_per_nic <= pcie.gpus_per_switch else f"{host}.cpu0"
@@ -84,15 +96,22 @@ def check_fabric(fabric: str, nodes_per_leaf: int | None, oversubscription: floa
         raise BerthError("cluster.fabric", fabric, f"use one of {', '.join(FABRICS)}")
     if nodes_per_leaf is not None and not 1 <= nodes_per_leaf <= nodes:
         raise BerthError("cluster.nodes_per_leaf", nodes_per_leaf, f"must be in 1..{nodes} (the nodes)")
-    if isinstance(oversubscription, bool) or not isinstance(oversubscription, (int, float)) or \
-            not 1.0 <= oversubscription <= 64.0:
+    if (
+        isinstance(oversubscription, bool)
+        or not isinstance(oversubscription, (int, float))
+        or not 1.0 <= oversubscription <= 64.0
+    ):
         raise BerthError("cluster.oversubscription", oversubscription, "must be in 1..64 (1 = non-blocking)")
     if fabric == "rails" and (nodes_per_leaf or oversubscription != 1.0):
         raise BerthError("cluster.fabric", fabric, "nodes_per_leaf and oversubscription apply to fabric fat-tree")
 
 
-def cluster_graph(servers: list[tuple[ServerProfile, int]], fabric: str = "rails", nodes_per_leaf: int | None = None,
-                  oversubscription: float = 1.0) -> nx.Graph:
+def cluster_graph(
+    servers: list[tuple[ServerProfile, int]],
+    fabric: str = "rails",
+    nodes_per_leaf: int | None = None,
+    oversubscription: float = 1.0,
+) -> nx.Graph:
     """The graph of the given servers (profile, count), hosts named n0, n1, ... in that order."""
     total = sum(n for _, n in servers)
     check_fabric(fabric, nodes_per_leaf, oversubscription, total)
@@ -118,7 +137,7 @@ def cluster_graph(servers: list[tuple[ServerProfile, int]], fabric: str = "rails
     if fabric == "fat-tree" and leaves > 1:
         inter = servers[0][0].inter_node
         for leaf in range(leaves):
-            down = sum(port_speeds[leaf * per_leaf:(leaf + 1) * per_leaf])
+            down = sum(port_speeds[leaf * per_leaf : (leaf + 1) * per_leaf])
             for s in range(spines):
                 g.add_node(f"spine{s}", kind="switch")
                 _link(g, f"leaf{leaf}", f"spine{s}", inter, down / oversubscription / spines)
@@ -133,7 +152,15 @@ def to_node_link(g: nx.Graph) -> dict[str, Any]:
         if d["kind"] == "gpu":
             item.update(device=d["device"], host=d["host"])
         nodes.append(item)
-    links = [{"source": u, "target": v, "kind": d["kind"], "bandwidth_GBps": round(d["bandwidth_GBps"], 6),
-              "latency_us": round(d["latency_us"], 6), **({"efficiency": d["efficiency"]} if "efficiency" in d else {})}
-             for u, v, d in g.edges(data=True)]
+    links = [
+        {
+            "source": u,
+            "target": v,
+            "kind": d["kind"],
+            "bandwidth_GBps": round(d["bandwidth_GBps"], 6),
+            "latency_us": round(d["latency_us"], 6),
+            **({"efficiency": d["efficiency"]} if "efficiency" in d else {}),
+        }
+        for u, v, d in g.edges(data=True)
+    ]
     return {"nodes": nodes, "links": links}

@@ -164,8 +164,15 @@ def derive_levels(g: nx.Graph, order: list[str]) -> tuple[FabricLevel, ...]:
     """The hierarchy of fast domains of a checked graph (all hosts hold the same GPU count)."""
     n = len(order)
     if n == 1:
-        return (FabricLevel(name="cluster", gpus=1, link=LinkProfile(
-            kind="loopback", bandwidth_bytes_per_s=1e12, collective_efficiency=1.0, hop_latency_s=0.0)),)
+        return (
+            FabricLevel(
+                name="cluster",
+                gpus=1,
+                link=LinkProfile(
+                    kind="loopback", bandwidth_bytes_per_s=1e12, collective_efficiency=1.0, hop_latency_s=0.0
+                ),
+            ),
+        )
     per_host = sum(1 for x in order if g.nodes[x]["host"] == g.nodes[order[0]]["host"])
     index = {x: i for i, x in enumerate(order)}
     span = _spans(g, index)
@@ -187,8 +194,10 @@ def _level(g: nx.Graph, order: list[str], span, tree: _Tree, prev: int, size: in
         return lo // d if lo // d == hi // d else None
 
     # path: widest path from the first GPU of each sub-block to the first of the next (ring order)
-    path = min((tree.path(order[j], order[(j // size) * size + (j + prev) % size])
-                for j in range(0, len(order), prev)), key=lambda h: h.bandwidth_GBps)
+    path = min(
+        (tree.path(order[j], order[(j // size) * size + (j + prev) % size]) for j in range(0, len(order), prev)),
+        key=lambda h: h.bandwidth_GBps,
+    )
     latency_us = path.latency_us
     best = (path.bandwidth_GBps, path.kind, path.efficiency, "path")
     # shared and nic: capacity out of each sub-block (and out of each GPU) towards its own block
@@ -223,6 +232,10 @@ def _level(g: nx.Graph, order: list[str], span, tree: _Tree, prev: int, size: in
             d = own_kind[x]
             best = (own[x], d["kind"], _efficiency(d), "nic")
     bandwidth, kind, efficiency, limited_by = best
-    link = LinkProfile(kind=kind, bandwidth_bytes_per_s=bandwidth * 1e9, collective_efficiency=efficiency,
-                       hop_latency_s=latency_us * 1e-6)
+    link = LinkProfile(
+        kind=kind,
+        bandwidth_bytes_per_s=bandwidth * 1e9,
+        collective_efficiency=efficiency,
+        hop_latency_s=latency_us * 1e-6,
+    )
     return FabricLevel(name=name, gpus=size, link=link, limited_by=limited_by)

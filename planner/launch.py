@@ -58,43 +58,66 @@ class LaunchRefused(BerthError):
 FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
     "megatron": {
         "tp": ("--tensor-model-parallel-size", "megatron/core/model_parallel_config.py:55"),
-        "cp": ("--context-parallel-size (ring attention: --cp-comm-type p2p, the default)",
-               "megatron/core/model_parallel_config.py:100"),
+        "cp": (
+            "--context-parallel-size (ring attention: --cp-comm-type p2p, the default)",
+            "megatron/core/model_parallel_config.py:100",
+        ),
         "pp": ("--pipeline-model-parallel-size", "megatron/core/model_parallel_config.py:83"),
         "dp": ("(derived by Megatron: world size / (tp x cp x pp))", "megatron/core/parallel_state.py"),
         "ep": ("--expert-model-parallel-size", "megatron/core/model_parallel_config.py:127"),
-        "shard": ("--num-distributed-optimizer-instances",
-                  "megatron/core/distributed/distributed_data_parallel_config.py:34"),
-        "zero_stage": ("--use-distributed-optimizer (1); --use-megatron-fsdp --data-parallel-sharding-strategy "
-                       "optim_grads (2) / optim_grads_params (3)",
-                       "megatron/training/arguments.py:3156,3190; validate_args 1118-1169"),
+        "shard": (
+            "--num-distributed-optimizer-instances",
+            "megatron/core/distributed/distributed_data_parallel_config.py:34",
+        ),
+        "zero_stage": (
+            "--use-distributed-optimizer (1); --use-megatron-fsdp --data-parallel-sharding-strategy "
+            "optim_grads (2) / optim_grads_params (3)",
+            "megatron/training/arguments.py:3156,3190; validate_args 1118-1169",
+        ),
         "recompute": ("--recompute-granularity", "megatron/core/transformer/transformer_config.py:532"),
         "micro_batch_size": ("--micro-batch-size", "megatron/training/config/training_config.py:11"),
-        "num_microbatches": ("--global-batch-size (num_microbatches = global / (micro x dp))",
-                             "megatron/training/config/training_config.py:15; "
-                             "megatron/core/num_microbatches_calculator.py:388"),
-        "virtual_stages": ("--num-layers-per-virtual-pipeline-stage (vpp = layers / pp / this)",
-                           "megatron/training/arguments.py:3114; validate_args 953-977"),
-        "schedule": ("(1F1B; interleaved when --num-layers-per-virtual-pipeline-stage is set)",
-                     "megatron/core/pipeline_parallel/schedules.py"),
+        "num_microbatches": (
+            "--global-batch-size (num_microbatches = global / (micro x dp))",
+            "megatron/training/config/training_config.py:15; megatron/core/num_microbatches_calculator.py:388",
+        ),
+        "virtual_stages": (
+            "--num-layers-per-virtual-pipeline-stage (vpp = layers / pp / this)",
+            "megatron/training/arguments.py:3114; validate_args 953-977",
+        ),
+        "schedule": (
+            "(1F1B; interleaved when --num-layers-per-virtual-pipeline-stage is set)",
+            "megatron/core/pipeline_parallel/schedules.py",
+        ),
         "sequence_parallel": ("--sequence-parallel", "megatron/core/model_parallel_config.py:94"),
         "axis_order": ("--use-tp-pp-dp-mapping", "megatron/training/config/common_config.py:105"),
     },
     "deepspeed": {
         "tp": ("tensor_parallel.autotp_size", "deepspeed/runtime/tensor_parallel/config.py:45"),
-        "cp": ("(none: refused above 1; Ulysses sequence parallelism splits heads, not ring attention)",
-               "deepspeed/runtime/config.py:468"),
-        "pp": ("(PipelineModule(num_stages=pp) in the training script: the config's pipeline section sets no "
-               "stage count)", "deepspeed/runtime/pipe/module.py:125"),
-        "dp": ("(derived: world size / (tp x pp); the batch check divides by mpu.get_data_parallel_world_size())",
-               "deepspeed/runtime/config.py:458-463"),
-        "ep": ("(none: mixture of experts refused; DeepSpeed's ep_size belongs to deepspeed.moe.layer.MoE in the "
-               "model code, not the config)", "deepspeed/moe/layer.py"),
+        "cp": (
+            "(none: refused above 1; Ulysses sequence parallelism splits heads, not ring attention)",
+            "deepspeed/runtime/config.py:468",
+        ),
+        "pp": (
+            "(PipelineModule(num_stages=pp) in the training script: the config's pipeline section sets no stage count)",
+            "deepspeed/runtime/pipe/module.py:125",
+        ),
+        "dp": (
+            "(derived: world size / (tp x pp); the batch check divides by mpu.get_data_parallel_world_size())",
+            "deepspeed/runtime/config.py:458-463",
+        ),
+        "ep": (
+            "(none: mixture of experts refused; DeepSpeed's ep_size belongs to deepspeed.moe.layer.MoE in the "
+            "model code, not the config)",
+            "deepspeed/moe/layer.py",
+        ),
         "shard": ("(none: refused below dp; MiCS was removed)", "deepspeed/runtime/config.py:119"),
         "zero_stage": ("zero_optimization.stage", "deepspeed/runtime/zero/config.py:95"),
-        "recompute": ("(deepspeed.checkpointing.checkpoint in the model, or PipelineModule("
-                      "activation_checkpoint_interval=1); the config's activation_checkpointing section only tunes "
-                      "it)", "deepspeed/runtime/pipe/module.py:134"),
+        "recompute": (
+            "(deepspeed.checkpointing.checkpoint in the model, or PipelineModule("
+            "activation_checkpoint_interval=1); the config's activation_checkpointing section only tunes "
+            "it)",
+            "deepspeed/runtime/pipe/module.py:134",
+        ),
         "micro_batch_size": ("train_micro_batch_size_per_gpu", "deepspeed/runtime/constants.py:59"),
         "num_microbatches": ("gradient_accumulation_steps", "deepspeed/runtime/constants.py:71"),
         "virtual_stages": ("(none: refused above 1)", "deepspeed/runtime/pipe/schedule.py"),
@@ -104,31 +127,47 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
     },
     "torchtitan": {
         "tp": ("parallelism.tensor_parallel_degree", "torchtitan/config/configs.py:157"),
-        "cp": ("parallelism.context_parallel_degree (FSDP then shards over dp_shard x cp)",
-               "torchtitan/config/configs.py:232; torchtitan/distributed/parallel_dims.py:278"),
+        "cp": (
+            "parallelism.context_parallel_degree (FSDP then shards over dp_shard x cp)",
+            "torchtitan/config/configs.py:232; torchtitan/distributed/parallel_dims.py:278",
+        ),
         "pp": ("parallelism.pipeline_parallel_degree", "torchtitan/config/configs.py:174"),
         "dp": ("parallelism.data_parallel_replicate_degree", "torchtitan/config/configs.py:113"),
-        "ep": ("(none: mixture of experts refused; parallelism.expert_parallel_degree applies to torchtitan's own "
-               "MoE models, not the Llama 3 builder berth writes)", "torchtitan/config/configs.py:282"),
+        "ep": (
+            "(none: mixture of experts refused; parallelism.expert_parallel_degree applies to torchtitan's own "
+            "MoE models, not the Llama 3 builder berth writes)",
+            "torchtitan/config/configs.py:282",
+        ),
         "shard": ("parallelism.data_parallel_shard_degree", "torchtitan/config/configs.py:124"),
         "zero_stage": ("parallelism.fsdp_reshard_after_forward", "torchtitan/config/configs.py:136"),
-        "recompute": ("activation_checkpoint (FullAC / SelectiveAC / None)",
-                      "torchtitan/trainer.py:108; torchtitan/distributed/activation_checkpoint.py:332"),
-        "micro_batch_size": ("parallelism.pipeline_parallel_microbatch_size (pp > 1) / training.local_batch_size",
-                             "torchtitan/config/configs.py:226,37"),
-        "num_microbatches": ("training.global_batch_size (accumulation = global / (local x dp))",
-                             "torchtitan/config/configs.py:43; torchtitan/trainer.py:415-433"),
-        "virtual_stages": ("parallelism.pipeline_parallel_layers_per_stage",
-                           "torchtitan/config/configs.py:203; torchtitan/distributed/pipeline_parallel.py:199-264"),
+        "recompute": (
+            "activation_checkpoint (FullAC / SelectiveAC / None)",
+            "torchtitan/trainer.py:108; torchtitan/distributed/activation_checkpoint.py:332",
+        ),
+        "micro_batch_size": (
+            "parallelism.pipeline_parallel_microbatch_size (pp > 1) / training.local_batch_size",
+            "torchtitan/config/configs.py:226,37",
+        ),
+        "num_microbatches": (
+            "training.global_batch_size (accumulation = global / (local x dp))",
+            "torchtitan/config/configs.py:43; torchtitan/trainer.py:415-433",
+        ),
+        "virtual_stages": (
+            "parallelism.pipeline_parallel_layers_per_stage",
+            "torchtitan/config/configs.py:203; torchtitan/distributed/pipeline_parallel.py:199-264",
+        ),
         "schedule": ("parallelism.pipeline_parallel_schedule", "torchtitan/config/configs.py:210"),
         "sequence_parallel": ("parallelism.enable_sequence_parallel", "torchtitan/config/configs.py:160"),
-        "axis_order": ("(mesh pp, dp_replicate, dp_shard, tp: tp-dp-pp only)",
-                       "torchtitan/distributed/parallel_dims.py"),
+        "axis_order": (
+            "(mesh pp, dp_replicate, dp_shard, tp: tp-dp-pp only)",
+            "torchtitan/distributed/parallel_dims.py",
+        ),
     },
 }
 # layout field -> the one key it becomes, per engine format
-FIELD_KEYS: dict[str, dict[str, str]] = {fmt: {f: key for f, (key, _) in keys.items()}
-                                         for fmt, keys in FIELD_SOURCES.items()}
+FIELD_KEYS: dict[str, dict[str, str]] = {
+    fmt: {f: key for f, (key, _) in keys.items()} for fmt, keys in FIELD_SOURCES.items()
+}
 
 # Pipeline split arithmetic, per engine (what the artifacts set so that each engine builds the plan's stages):
 # - Megatron: vpp = (num_layers [+1 with --account-for-embedding-in-pipeline-split] [+1 with
@@ -151,20 +190,34 @@ FIELD_KEYS: dict[str, dict[str, str]] = {fmt: {f: key for f, (key, _) in keys.it
 # - DeepSpeed: refused (PipelineModule takes no per-stage counts; partition_method "uniform" puts the remainder on
 #   the first stages).
 STAGE_SPLIT_SOURCES = {
-    "megatron": ("--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers (vpp = 1); "
-                 "--pipeline-model-parallel-layout (vpp > 1)",
-                 "megatron/training/arguments.py:3095-3111; megatron/core/transformer/transformer_config.py:2241-2345; "
-                 "megatron/core/transformer/pipeline_parallel_layer_layout.py parse_str_to_list"),
-    "torchtitan": ("parallelism.pipeline_parallel_layers_per_stage with pipeline_parallel_first_stage_less_layers and "
-                   "pipeline_parallel_last_stage_less_layers",
-                   "torchtitan/config/configs.py (ParallelismConfig); torchtitan/distributed/pipeline_parallel.py "
-                   "_get_pipeline_metadata, _generate_llm_fqn_per_model_part"),
-    "deepspeed": ("(none: refused; PipelineModule partition_method has no per-stage counts)",
-                  "deepspeed/runtime/pipe/module.py _partition_layers; deepspeed/runtime/utils.py partition_uniform"),
+    "megatron": (
+        "--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers (vpp = 1); "
+        "--pipeline-model-parallel-layout (vpp > 1)",
+        "megatron/training/arguments.py:3095-3111; megatron/core/transformer/transformer_config.py:2241-2345; "
+        "megatron/core/transformer/pipeline_parallel_layer_layout.py parse_str_to_list",
+    ),
+    "torchtitan": (
+        "parallelism.pipeline_parallel_layers_per_stage with pipeline_parallel_first_stage_less_layers and "
+        "pipeline_parallel_last_stage_less_layers",
+        "torchtitan/config/configs.py (ParallelismConfig); torchtitan/distributed/pipeline_parallel.py "
+        "_get_pipeline_metadata, _generate_llm_fqn_per_model_part",
+    ),
+    "deepspeed": (
+        "(none: refused; PipelineModule partition_method has no per-stage counts)",
+        "deepspeed/runtime/pipe/module.py _partition_layers; deepspeed/runtime/utils.py partition_uniform",
+    ),
 }
 
-def artifacts(plan: Plan, fmt: str, plan_file: str = "plan.json", steps: int = 20, warmup: int = 3,
-              image: str = DEFAULT_IMAGE, port: int = DEFAULT_PORT) -> dict[str, str]:
+
+def artifacts(
+    plan: Plan,
+    fmt: str,
+    plan_file: str = "plan.json",
+    steps: int = 20,
+    warmup: int = 3,
+    image: str = DEFAULT_IMAGE,
+    port: int = DEFAULT_PORT,
+) -> dict[str, str]:
     """File name -> content of the launch artifacts of `plan` in `fmt` (one of LAUNCH_FORMATS)."""
     spec = LAUNCH_FORMATS.get(fmt) if isinstance(fmt, str) else None
     if spec is None:
@@ -222,28 +275,49 @@ class _Run:
             self.env["BERTH_DEVICE"] = "cpu"
 
     def worker_args(self) -> list[str]:
-        return ["-m", "berth.executor.worker", "--plans", self.plan_file, "--steps", str(self.steps), "--warmup",
-                str(self.warmup), "--out", "result.json", "--report", "report.json"]
+        return [
+            "-m",
+            "berth.executor.worker",
+            "--plans",
+            self.plan_file,
+            "--steps",
+            str(self.steps),
+            "--warmup",
+            str(self.warmup),
+            "--out",
+            "result.json",
+            "--report",
+            "report.json",
+        ]
 
     def torchrun_scripts(self) -> dict[str, str]:
         files = {}
         for n in range(self.nodes):
-            args = ["torchrun", f"--nnodes={self.nodes}", f"--nproc-per-node={self.per_node}", f"--node-rank={n}",
-                    "--rdzv-backend=static"]
+            args = [
+                "torchrun",
+                f"--nnodes={self.nodes}",
+                f"--nproc-per-node={self.per_node}",
+                f"--node-rank={n}",
+                "--rdzv-backend=static",
+            ]
             worker = " ".join(shlex.quote(a) for a in args)
-            files[f"node{n}.sh"] = "\n".join([
-                "#!/bin/sh",
-                f"# berth launch (torchrun): node {n} of {self.nodes}, host {_comment(self.hosts[n])}; ranks "
-                f"{n * self.per_node}..{(n + 1) * self.per_node - 1} (plan placement: rank = node x "
-                f"{self.per_node} + local GPU, axis order {_comment(self.plan.layout.axis_order)})",
-                "# run beside the plan file where berth is installed with torch (pip install -e '.[executor]' in its "
-                "checkout); node 0 writes report.json",
-                "set -e",
-                *(f"export {k}={shlex.quote(v)}" for k, v in self.env.items()),
-                f'if [ -z "${{MASTER_ADDR:-}}" ]; then MASTER_ADDR={shlex.quote(self._master())}; fi',
-                f'if [ -z "${{MASTER_PORT:-}}" ]; then MASTER_PORT={int(self.port)}; fi',
-                f'{worker} --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" '
-                + " ".join(shlex.quote(a) for a in self.worker_args()), ""])
+            files[f"node{n}.sh"] = "\n".join(
+                [
+                    "#!/bin/sh",
+                    f"# berth launch (torchrun): node {n} of {self.nodes}, host {_comment(self.hosts[n])}; ranks "
+                    f"{n * self.per_node}..{(n + 1) * self.per_node - 1} (plan placement: rank = node x "
+                    f"{self.per_node} + local GPU, axis order {_comment(self.plan.layout.axis_order)})",
+                    "# run beside the plan file where berth is installed with torch (pip install -e "
+                    "'.[executor]' in its checkout); node 0 writes report.json",
+                    "set -e",
+                    *(f"export {k}={shlex.quote(v)}" for k, v in self.env.items()),
+                    f'if [ -z "${{MASTER_ADDR:-}}" ]; then MASTER_ADDR={shlex.quote(self._master())}; fi',
+                    f'if [ -z "${{MASTER_PORT:-}}" ]; then MASTER_PORT={int(self.port)}; fi',
+                    f'{worker} --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" '
+                    + " ".join(shlex.quote(a) for a in self.worker_args()),
+                    "",
+                ]
+            )
         files[self.plan_file] = json.dumps([self.plan.model_dump(mode="json")])
         return files
 
@@ -253,9 +327,18 @@ class _Run:
     def sbatch(self) -> dict[str, str]:
         exports = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
         # the inner shell expands SLURM_NODEID (per task) and MASTER_ADDR (exported below)
-        torchrun = " ".join(["torchrun", f"--nnodes={self.nodes}", f"--nproc-per-node={self.per_node}",
-                             '--node-rank="$SLURM_NODEID"', "--rdzv-backend=static", '--master-addr="$MASTER_ADDR"',
-                             f"--master-port={int(self.port)}", *map(shlex.quote, self.worker_args())])
+        torchrun = " ".join(
+            [
+                "torchrun",
+                f"--nnodes={self.nodes}",
+                f"--nproc-per-node={self.per_node}",
+                '--node-rank="$SLURM_NODEID"',
+                "--rdzv-backend=static",
+                '--master-addr="$MASTER_ADDR"',
+                f"--master-port={int(self.port)}",
+                *map(shlex.quote, self.worker_args()),
+            ]
+        )
         gpu = "" if self.plan.cluster.device.kind == "cpu" else f"#SBATCH --gpus-per-node={self.per_node}\n"
         script = (
             "#!/bin/bash\n"
@@ -267,52 +350,82 @@ class _Run:
             f"# plan: {_comment(self.plan.layout.short())}; SLURM_NODEID n runs ranks n x {self.per_node} + local "
             "GPU, the plan's rank map (nodes in the allocation's sorted order)\n"
             "set -euo pipefail\n"
-            "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\n"
-            f"srun --kill-on-bad-exit=1 env {exports} bash -c {shlex.quote(torchrun)}\n")
+            'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+            f"srun --kill-on-bad-exit=1 env {exports} bash -c {shlex.quote(torchrun)}\n"
+        )
         return {"berth.sbatch": script, self.plan_file: json.dumps([self.plan.model_dump(mode="json")])}
 
     def pytorchjob(self, image: str) -> dict[str, str]:
         name = _k8s_name(self.plan.model.name)
         env = [{"name": k, "value": v} for k, v in self.env.items()]
         container = {
-            "name": "pytorch", "image": image, "workingDir": "/app",
-            "command": ["torchrun", *self.worker_args()], "env": env,
+            "name": "pytorch",
+            "image": image,
+            "workingDir": "/app",
+            "command": ["torchrun", *self.worker_args()],
+            "env": env,
             "volumeMounts": [{"name": "plan", "mountPath": "/app/plan.json", "subPath": "plan.json"}],
         }
         if self.plan.cluster.device.kind == "gpu":
             container["resources"] = {"limits": {"nvidia.com/gpu": self.per_node}}
-        pod = {"spec": {"containers": [container],
-                        "volumes": [{"name": "plan", "configMap": {"name": f"{name}-plan"}}]}}
+        pod = {
+            "spec": {"containers": [container], "volumes": [{"name": "plan", "configMap": {"name": f"{name}-plan"}}]}
+        }
         # rank 0 (the Master) writes the report onto a PersistentVolumeClaim that outlives the pod; only the
         # Master mounts it (a ReadWriteOnce claim attaches to one node)
         master = json.loads(json.dumps(pod))
         master_container = master["spec"]["containers"][0]
-        master_container["command"] = [REPORT_DIR + "/report.json" if a == "report.json" else a
-                                       for a in master_container["command"]]
+        master_container["command"] = [
+            REPORT_DIR + "/report.json" if a == "report.json" else a for a in master_container["command"]
+        ]
         master_container["volumeMounts"].append({"name": "report", "mountPath": REPORT_DIR})
         master["spec"]["volumes"].append({"name": "report", "persistentVolumeClaim": {"claimName": f"{name}-report"}})
         replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": master}}
         if self.nodes > 1:
             replicas["Worker"] = {"replicas": self.nodes - 1, "restartPolicy": "OnFailure", "template": pod}
-        job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
-               "spec": {"nprocPerNode": str(self.per_node), "pytorchReplicaSpecs": replicas}}
-        config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-plan"},
-                      "data": {"plan.json": json.dumps([self.plan.model_dump(mode="json")])}}
-        claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": f"{name}-report"},
-                 "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "16Mi"}}}}
+        job = {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "metadata": {"name": name},
+            "spec": {"nprocPerNode": str(self.per_node), "pytorchReplicaSpecs": replicas},
+        }
+        config_map = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-plan"},
+            "data": {"plan.json": json.dumps([self.plan.model_dump(mode="json")])},
+        }
+        claim = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": f"{name}-report"},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "16Mi"}}},
+        }
         # a pod that mounts the claim after the job, to copy the report out: see the README (Launch a plan)
-        reader = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-report-reader"},
-                  "spec": {"restartPolicy": "Never",
-                           "containers": [{"name": "reader", "image": REPORT_READER_IMAGE,
-                                           "command": ["sleep", "3600"],
-                                           "volumeMounts": [{"name": "report", "mountPath": REPORT_DIR}]}],
-                           "volumes": [{"name": "report",
-                                        "persistentVolumeClaim": {"claimName": f"{name}-report"}}]}}
+        reader = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"{name}-report-reader"},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "reader",
+                        "image": REPORT_READER_IMAGE,
+                        "command": ["sleep", "3600"],
+                        "volumeMounts": [{"name": "report", "mountPath": REPORT_DIR}],
+                    }
+                ],
+                "volumes": [{"name": "report", "persistentVolumeClaim": {"claimName": f"{name}-report"}}],
+            },
+        }
         # JSON is YAML: kubectl apply -f takes either
-        return {"pytorchjob.yaml": json.dumps(job, indent=2) + "\n",
-                "plan-configmap.yaml": json.dumps(config_map) + "\n",
-                "report-pvc.yaml": json.dumps(claim, indent=2) + "\n",
-                "report-reader.yaml": json.dumps(reader, indent=2) + "\n"}
+        return {
+            "pytorchjob.yaml": json.dumps(job, indent=2) + "\n",
+            "plan-configmap.yaml": json.dumps(config_map) + "\n",
+            "report-pvc.yaml": json.dumps(claim, indent=2) + "\n",
+            "report-reader.yaml": json.dumps(reader, indent=2) + "\n",
+        }
 
 
 def _header(fmt: str, plan: Plan) -> list[str]:
@@ -337,8 +450,10 @@ def _megatron_refusal(x, model=None) -> str | None:
     if x.axis_order not in ("tp-dp-pp", "tp-pp-dp"):
         return f"axis_order {x.axis_order}: Megatron orders tp-dp-pp or (--use-tp-pp-dp-mapping) tp-pp-dp"
     if x.zero_stage >= 2 and x.shard < x.dp:
-        return (f"zero_stage {x.zero_stage} with shard {x.shard} < dp {x.dp}: Megatron FSDP's hybrid mode shards "
-                "over its own outer data-parallel groups, which berth does not map (use shard = dp)")
+        return (
+            f"zero_stage {x.zero_stage} with shard {x.shard} < dp {x.dp}: Megatron FSDP's hybrid mode shards "
+            "over its own outer data-parallel groups, which berth does not map (use shard = dp)"
+        )
     if model is not None and model.is_moe and x.tp > 1 and not x.sequence_parallel:
         # megatron/training/arguments.py validate_args: "When using MoE and tensor parallelism,
         # sequence parallelism must be used."
@@ -379,10 +494,14 @@ def _megatron_moe_args(m, x) -> list[tuple[str, object]]:
     if not m.is_moe:
         return []
     args: list[tuple[str, object]] = [
-        ("--num-experts", m.num_experts), ("--moe-router-topk", m.experts_per_token),
-        ("--moe-ffn-hidden-size", m.expert_ffn), ("--expert-model-parallel-size", x.ep),
-        ("--expert-tensor-parallel-size", x.tp), ("--moe-token-dispatcher-type", "alltoall"),
-        ("--moe-grouped-gemm", None)]
+        ("--num-experts", m.num_experts),
+        ("--moe-router-topk", m.experts_per_token),
+        ("--moe-ffn-hidden-size", m.expert_ffn),
+        ("--expert-model-parallel-size", x.ep),
+        ("--expert-tensor-parallel-size", x.tp),
+        ("--moe-token-dispatcher-type", "alltoall"),
+        ("--moe-grouped-gemm", None),
+    ]
     if m.num_shared_experts:
         args.append(("--moe-shared-expert-intermediate-size", m.num_shared_experts * m.shared_ffn))
     if m.first_k_dense:
@@ -402,8 +521,11 @@ def megatron_args(plan: Plan) -> dict[str, str]:
         raise LaunchRefused("megatron", reason)
     fsdp = x.zero_stage >= 2
     args: list[tuple[str, object]] = [
-        ("--tensor-model-parallel-size", x.tp), ("--pipeline-model-parallel-size", x.pp),
-        ("--micro-batch-size", x.micro_batch_size), ("--global-batch-size", t.global_batch_size)]
+        ("--tensor-model-parallel-size", x.tp),
+        ("--pipeline-model-parallel-size", x.pp),
+        ("--micro-batch-size", x.micro_batch_size),
+        ("--global-batch-size", t.global_batch_size),
+    ]
     if x.cp > 1:
         args.append(("--context-parallel-size", x.cp))
     args += _megatron_stage_args(m.num_layers, x.pp, x.virtual_stages)
@@ -418,17 +540,26 @@ def megatron_args(plan: Plan) -> dict[str, str]:
         if x.shard < x.dp:
             args.append(("--num-distributed-optimizer-instances", x.dp // x.shard))
     elif fsdp:
-        args += [("--use-megatron-fsdp", None), ("--use-distributed-optimizer", None),
-                 ("--data-parallel-sharding-strategy", "optim_grads" if x.zero_stage == 2 else "optim_grads_params"),
-                 ("--ckpt-format", "fsdp_dtensor")]
+        args += [
+            ("--use-megatron-fsdp", None),
+            ("--use-distributed-optimizer", None),
+            ("--data-parallel-sharding-strategy", "optim_grads" if x.zero_stage == 2 else "optim_grads_params"),
+            ("--ckpt-format", "fsdp_dtensor"),
+        ]
     if x.axis_order == "tp-pp-dp":
         args.append(("--use-tp-pp-dp-mapping", None))
     # the whole model shape: berth's models are decoder-only with rotary positions and no linear biases
     # (the parameter count planner/specs.py uses); the rotary base is the model's, not the plan's
-    args += [("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size),
-             ("--num-attention-heads", m.num_attention_heads), ("--seq-length", t.seq_len),
-             ("--max-position-embeddings", t.seq_len), ("--position-embedding-type", "rope"),
-             ("--disable-bias-linear", None)]
+    args += [
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--ffn-hidden-size", m.ffn_hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--seq-length", t.seq_len),
+        ("--max-position-embeddings", t.seq_len),
+        ("--position-embedding-type", "rope"),
+        ("--disable-bias-linear", None),
+    ]
     if t.precision != "fp32":
         args.append((f"--{t.precision}", None))
     if m.kv_heads != m.num_attention_heads:
@@ -441,8 +572,11 @@ def megatron_args(plan: Plan) -> dict[str, str]:
         args.append(("--untie-embeddings-and-output-weights", None))
     if t.flash_attention:
         args.append(("--attention-backend", "flash"))
-    args += [("--tokenizer-type", "HuggingFaceTokenizer"), ("--tokenizer-model", "${TOKENIZER_MODEL}"),
-             ("--data-path", "${DATA_PATH}")]
+    args += [
+        ("--tokenizer-type", "HuggingFaceTokenizer"),
+        ("--tokenizer-model", "${TOKENIZER_MODEL}"),
+        ("--data-path", "${DATA_PATH}"),
+    ]
     lines = [f"{flag} {value}" if value is not None else flag for flag, value in args]
     notes = [
         *_header("megatron", plan),
@@ -452,44 +586,62 @@ def megatron_args(plan: Plan) -> dict[str, str]:
     ]
     env = []  # the launch script's environment; megatron-args.txt states it in a comment
     if x.tp > 1 and not fsdp:
-        env.append("export CUDA_DEVICE_MAX_CONNECTIONS=1  # tp > 1: Megatron's validate_args requires it "
-                   "(before Blackwell) so tensor-parallel communication overlaps in order")
+        env.append(
+            "export CUDA_DEVICE_MAX_CONNECTIONS=1  # tp > 1: Megatron's validate_args requires it "
+            "(before Blackwell) so tensor-parallel communication overlaps in order"
+        )
     elif x.tp > 1:
         env.append("unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron FSDP asserts it is not 1 (validate_args)")
     c = plan.cluster
     nodes = max(1, x.world_size // c.gpus_per_node)
     per_node = min(x.world_size, c.gpus_per_node)
-    script = "\n".join([
-        "#!/bin/bash", *_header("megatron", plan), notes[1], "# run on every node with NODE_RANK set (0 .. "
-        f"{nodes - 1}), MASTER_ADDR the first node", "set -euo pipefail",
-        *(f': "${{{k}:?set {k} to {v}}}"' for k, v in MEGATRON_INPUTS.items()),
-        *env,
-        f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank=\"${{NODE_RANK:-0}}\" "
-        f"--master-addr=\"${{MASTER_ADDR:-127.0.0.1}}\" --master-port=\"${{MASTER_PORT:-{DEFAULT_PORT}}}\" \\",
-        "    \"$MEGATRON_LM/pretrain_gpt.py\" \\",
-        " \\\n".join("    " + line.replace("${", "\"${").replace("}", "}\"") for line in lines), ""])
-    return {"megatron-args.txt": "\n".join([*notes, *(f"# environment: {e}" for e in env), " \\\n".join(lines)])
-            + "\n",
-            "megatron-launch.sh": script}
+    script = "\n".join(
+        [
+            "#!/bin/bash",
+            *_header("megatron", plan),
+            notes[1],
+            f"# run on every node with NODE_RANK set (0 .. {nodes - 1}), MASTER_ADDR the first node",
+            "set -euo pipefail",
+            *(f': "${{{k}:?set {k} to {v}}}"' for k, v in MEGATRON_INPUTS.items()),
+            *env,
+            f'torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank="${{NODE_RANK:-0}}" '
+            f'--master-addr="${{MASTER_ADDR:-127.0.0.1}}" --master-port="${{MASTER_PORT:-{DEFAULT_PORT}}}" \\',
+            '    "$MEGATRON_LM/pretrain_gpt.py" \\',
+            " \\\n".join("    " + line.replace("${", '"${').replace("}", '}"') for line in lines),
+            "",
+        ]
+    )
+    return {
+        "megatron-args.txt": "\n".join([*notes, *(f"# environment: {e}" for e in env), " \\\n".join(lines)]) + "\n",
+        "megatron-launch.sh": script,
+    }
 
 
 def _deepspeed_refusal(x, num_layers: int | None = None, model=None) -> str | None:
     """Why DeepSpeed 0.19 cannot express the layout (of a model `num_layers` deep), or None."""
     if x.cp > 1:
-        return (f"cp {x.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses sequence parallelism "
-                "all-to-alls attention heads, a different scheme berth does not plan); use Megatron or torchtitan")
+        return (
+            f"cp {x.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses sequence parallelism "
+            "all-to-alls attention heads, a different scheme berth does not plan); use Megatron or torchtitan"
+        )
     if model is not None and model.is_moe:
-        return (f"mixture of experts ({model.num_experts} experts, ep {x.ep}): DeepSpeed's experts are "
-                "deepspeed.moe.layer.MoE modules with their own ep_size in the model code; the config cannot "
-                "express them")
+        return (
+            f"mixture of experts ({model.num_experts} experts, ep {x.ep}): DeepSpeed's experts are "
+            "deepspeed.moe.layer.MoE modules with their own ep_size in the model code; the config cannot "
+            "express them"
+        )
     if num_layers is not None and x.pp > 1 and not _stages().is_even(num_layers, x.pp):
-        return (f"uneven pipeline stages ({num_layers} layers on pp {x.pp}: "
-                f"{', '.join(map(str, _stages().stage_layers(num_layers, x.pp)))}): DeepSpeed's PipelineModule "
-                "takes no per-stage layer counts (partition_method 'uniform' puts the remainder on the first stages, "
-                "'parameters' and 'type:' balance weights), so it would not build the planned stages")
+        return (
+            f"uneven pipeline stages ({num_layers} layers on pp {x.pp}: "
+            f"{', '.join(map(str, _stages().stage_layers(num_layers, x.pp)))}): DeepSpeed's PipelineModule "
+            "takes no per-stage layer counts (partition_method 'uniform' puts the remainder on the first stages, "
+            "'parameters' and 'type:' balance weights), so it would not build the planned stages"
+        )
     if x.sequence_parallel:
-        return ("sequence_parallel: DeepSpeed has no Megatron-style sequence parallelism (Ulysses splits "
-                "attention heads, a different scheme)")
+        return (
+            "sequence_parallel: DeepSpeed has no Megatron-style sequence parallelism (Ulysses splits "
+            "attention heads, a different scheme)"
+        )
     if x.pp > 1 and x.schedule != "1f1b":
         return f"schedule {x.schedule}: DeepSpeed's pipeline engine runs 1F1B only"
     if x.recompute == "selective":
@@ -497,15 +649,21 @@ def _deepspeed_refusal(x, num_layers: int | None = None, model=None) -> str | No
     if x.axis_order != "tp-dp-pp":
         return f"axis_order {x.axis_order}: DeepSpeed's topology is pipe-data-model (tp-dp-pp)"
     if x.pp > 1 and x.zero_stage >= 2:
-        return (f"zero_stage {x.zero_stage} with pp > 1: DeepSpeed's pipeline engine asserts ZeRO-2 and ZeRO-3 "
-                "are incompatible with pipeline parallelism")
+        return (
+            f"zero_stage {x.zero_stage} with pp > 1: DeepSpeed's pipeline engine asserts ZeRO-2 and ZeRO-3 "
+            "are incompatible with pipeline parallelism"
+        )
     if x.pp > 1 and x.tp > 1:
-        return ("tp > 1 with pp > 1: AutoTP (tensor_parallel.autotp_size) shards Hugging Face-style models, not "
-                "a PipelineModule; DeepSpeed's 3D parallelism needs a Megatron-style mpu")
+        return (
+            "tp > 1 with pp > 1: AutoTP (tensor_parallel.autotp_size) shards Hugging Face-style models, not "
+            "a PipelineModule; DeepSpeed's 3D parallelism needs a Megatron-style mpu"
+        )
     if x.zero_stage > 0 and x.shard < x.dp:
-        return (f"shard {x.shard} < dp {x.dp}: DeepSpeed 0.19 removed MiCS (zero_optimization.mics_shard_size), "
-                "its sharding over sub-groups; hpZ (zero_hpz_partition_size) only adds a secondary weight copy "
-                "and still shards gradients and optimizer state over all dp ranks")
+        return (
+            f"shard {x.shard} < dp {x.dp}: DeepSpeed 0.19 removed MiCS (zero_optimization.mics_shard_size), "
+            "its sharding over sub-groups; hpZ (zero_hpz_partition_size) only adds a secondary weight copy "
+            "and still shards gradients and optimizer state over all dp ranks"
+        )
     return None
 
 
@@ -533,7 +691,8 @@ def deepspeed_config(plan: Plan) -> dict[str, str]:
     nodes = max(1, x.world_size // c.gpus_per_node)
     per_node = min(x.world_size, c.gpus_per_node)
     notes = [
-        "#!/bin/bash", *_header("deepspeed", plan),
+        "#!/bin/bash",
+        *_header("deepspeed", plan),
         f"# ds_config.json holds the batch ({t.global_batch_size} = micro {x.micro_batch_size} x accumulation "
         f"{x.num_microbatches} x dp {x.dp}), ZeRO stage {x.zero_stage} and precision {t.precision}; the rest of "
         "the plan is in the training script:",
@@ -541,22 +700,32 @@ def deepspeed_config(plan: Plan) -> dict[str, str]:
         f"{m.num_attention_heads} heads ({m.kv_heads} kv), vocabulary {m.vocab_size}, sequence {t.seq_len}",
     ]
     if x.pp > 1:
-        notes.append(f"# - pp {x.pp}: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={x.pp}, "
-                     "partition_method='uniform'"
-                     + (", activation_checkpoint_interval=1)" if x.recompute == "full" else ")")
-                     + " and train with engine.train_batch() (the config's pipeline section sets no stages)")
+        notes.append(
+            f"# - pp {x.pp}: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={x.pp}, "
+            "partition_method='uniform'"
+            + (", activation_checkpoint_interval=1)" if x.recompute == "full" else ")")
+            + " and train with engine.train_batch() (the config's pipeline section sets no stages)"
+        )
     if x.recompute == "full" and x.pp == 1:
-        notes.append("# - recompute full: wrap each decoder layer's forward in deepspeed.checkpointing.checkpoint "
-                     "(the activation_checkpointing section only tunes it; nothing in the config turns it on)")
+        notes.append(
+            "# - recompute full: wrap each decoder layer's forward in deepspeed.checkpointing.checkpoint "
+            "(the activation_checkpointing section only tunes it; nothing in the config turns it on)"
+        )
     if x.tp > 1:
-        notes.append(f"# - tp {x.tp}: AutoTP shards a Hugging Face-style model (tensor_parallel.autotp_size); pass "
-                     "deepspeed.initialize an mpu (model parallel unit, as in the AutoTP training tutorial) whose "
-                     f"get_data_parallel_world_size() is {x.dp}: without one DeepSpeedConfig counts all "
-                     f"{x.world_size} ranks as data parallel and its batch check fails (runtime/config.py:458-471)")
-    notes += ['set -euo pipefail', ': "${TRAIN_SCRIPT:?set TRAIN_SCRIPT to your DeepSpeed training script '
-              '(it must call deepspeed.initialize with config=ds_config.json)}"',
-              f"deepspeed --num_nodes {nodes} --num_gpus {per_node} \"$TRAIN_SCRIPT\" --deepspeed "
-              "--deepspeed_config ds_config.json", ""]
+        notes.append(
+            f"# - tp {x.tp}: AutoTP shards a Hugging Face-style model (tensor_parallel.autotp_size); pass "
+            "deepspeed.initialize an mpu (model parallel unit, as in the AutoTP training tutorial) whose "
+            f"get_data_parallel_world_size() is {x.dp}: without one DeepSpeedConfig counts all "
+            f"{x.world_size} ranks as data parallel and its batch check fails (runtime/config.py:458-471)"
+        )
+    notes += [
+        "set -euo pipefail",
+        ': "${TRAIN_SCRIPT:?set TRAIN_SCRIPT to your DeepSpeed training script '
+        '(it must call deepspeed.initialize with config=ds_config.json)}"',
+        f'deepspeed --num_nodes {nodes} --num_gpus {per_node} "$TRAIN_SCRIPT" --deepspeed '
+        "--deepspeed_config ds_config.json",
+        "",
+    ]
     return {"ds_config.json": json.dumps(config, indent=2) + "\n", "deepspeed-launch.sh": "\n".join(notes)}
 
 
@@ -570,12 +739,16 @@ TORCHTITAN_INPUTS = {
 def _torchtitan_refusal(x, model, training) -> str | None:
     """Why torchtitan 0.3 cannot express the layout (or the model), or None."""
     if model.is_moe:
-        return (f"mixture of experts ({model.num_experts} experts, ep {x.ep}): berth writes torchtitan's Llama 3 "
-                "builder, which has no experts; torchtitan's MoE models (deepseek_v3 with MLA, qwen3) and their "
-                "parallelism.expert_parallel_degree are not mapped")
+        return (
+            f"mixture of experts ({model.num_experts} experts, ep {x.ep}): berth writes torchtitan's Llama 3 "
+            "builder, which has no experts; torchtitan's MoE models (deepseek_v3 with MLA, qwen3) and their "
+            "parallelism.expert_parallel_degree are not mapped"
+        )
     if model.mlp != "swiglu" or model.norm != "rmsnorm" or model.tied_embeddings:
-        return (f"model {model.name} ({model.mlp}, {model.norm}, tied {model.tied_embeddings}): torchtitan's "
-                "Llama 3 builder is SwiGLU with RMSNorm and an untied output")
+        return (
+            f"model {model.name} ({model.mlp}, {model.norm}, tied {model.tied_embeddings}): torchtitan's "
+            "Llama 3 builder is SwiGLU with RMSNorm and an untied output"
+        )
     if x.zero_stage == 1:
         return "zero_stage 1: FSDP2 shards gradients with optimizer state (use 2)"
     if x.axis_order != "tp-dp-pp":
@@ -583,22 +756,28 @@ def _torchtitan_refusal(x, model, training) -> str | None:
     if training.precision == "fp16":
         return "precision fp16: torchtitan trains in bfloat16 or float32"
     if not training.flash_attention:
-        return ("flash_attention false: torchtitan 0.3 language models attend with FlexAttention or varlen only "
-                "(sdpa removed: torchtitan/models/common/config_utils.py:97)")
+        return (
+            "flash_attention false: torchtitan 0.3 language models attend with FlexAttention or varlen only "
+            "(sdpa removed: torchtitan/models/common/config_utils.py:97)"
+        )
     return None
 
 
 def _torchtitan_split_note(num_layers: int, pp: int, vpp: int) -> str:
     chunks = _stages().chunk_layers(num_layers, pp, vpp)
     if len(set(chunks)) == 1:
-        return (f"torchtitan counts the embedding and the output as layers\n(first/last_stage_less_layers, 1 each by "
-                f"default); both are 0 here and layers_per_stage = {num_layers} / (pp {pp} x vpp {vpp}), so it builds"
-                f"\nthe plan's {pp * vpp} stage(s) of equal layers.")
+        return (
+            f"torchtitan counts the embedding and the output as layers\n(first/last_stage_less_layers, 1 each by "
+            f"default); both are 0 here and layers_per_stage = {num_layers} / (pp {pp} x vpp {vpp}), so it builds"
+            f"\nthe plan's {pp * vpp} stage(s) of equal layers."
+        )
     k = max(chunks)
-    return (f"{len(chunks)} stages of {chunks[0]}, {k} x{len(chunks) - 2}, {chunks[-1]} decoder layers\n"
-            f"(layers_per_stage = {k}; first/last_stage_less_layers = {k - chunks[0]}, {k - chunks[-1]}: "
-            "torchtitan's split gives those two stages that many\nlayers fewer), the embedding with the first and "
-            "norm + output with the last.")
+    return (
+        f"{len(chunks)} stages of {chunks[0]}, {k} x{len(chunks) - 2}, {chunks[-1]} decoder layers\n"
+        f"(layers_per_stage = {k}; first/last_stage_less_layers = {k - chunks[0]}, {k - chunks[-1]}: "
+        "torchtitan's split gives those two stages that many\nlayers fewer), the embedding with the first and "
+        "norm + output with the last."
+    )
 
 
 def torchtitan_config(plan: Plan) -> dict[str, str]:
@@ -611,9 +790,12 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
     shard = x.shard if x.zero_stage else 1
     local = x.micro_batch_size * (x.num_microbatches if x.pp > 1 else 1)
     parallelism = {
-        "data_parallel_replicate_degree": x.dp // shard, "data_parallel_shard_degree": shard,
-        "tensor_parallel_degree": x.tp, "enable_sequence_parallel": x.sequence_parallel,
-        "pipeline_parallel_degree": x.pp}
+        "data_parallel_replicate_degree": x.dp // shard,
+        "data_parallel_shard_degree": shard,
+        "tensor_parallel_degree": x.tp,
+        "enable_sequence_parallel": x.sequence_parallel,
+        "pipeline_parallel_degree": x.pp,
+    }
     if x.cp > 1:
         parallelism["context_parallel_degree"] = x.cp  # its "headtail" load balancer: berth's 2 cp chunk split
     if x.zero_stage >= 2:
@@ -621,11 +803,13 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
     chunks = _stages().chunk_layers(m.num_layers, x.pp, x.virtual_stages)
     per_chunk = max(chunks)  # k: every middle chunk's layers (all of them when even)
     if x.pp > 1:
-        parallelism.update(pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[x.schedule],
-                           pipeline_parallel_microbatch_size=x.micro_batch_size,
-                           pipeline_parallel_layers_per_stage=per_chunk,
-                           pipeline_parallel_first_stage_less_layers=per_chunk - chunks[0],
-                           pipeline_parallel_last_stage_less_layers=per_chunk - chunks[-1])
+        parallelism.update(
+            pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[x.schedule],
+            pipeline_parallel_microbatch_size=x.micro_batch_size,
+            pipeline_parallel_layers_per_stage=per_chunk,
+            pipeline_parallel_first_stage_less_layers=per_chunk - chunks[0],
+            pipeline_parallel_last_stage_less_layers=per_chunk - chunks[-1],
+        )
     ac = {"none": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[x.recompute]
     param = "bfloat16" if t.precision == "bf16" else "float32"
     py = f'''{_header("torchtitan", plan)[0]}
@@ -705,14 +889,20 @@ seq_len=SEQ_LEN, mixed_precision_param="{param}",
     c = plan.cluster
     nodes = max(1, x.world_size // c.gpus_per_node)
     per_node = min(x.world_size, c.gpus_per_node)
-    launch = "\n".join([
-        "#!/bin/bash", *_header("torchtitan", plan),
-        "# run on every node with NODE_RANK set, beside berth_torchtitan.py",
-        "set -euo pipefail", *(f': "${{{k}:?set {k} to {v}}}"' for k, v in TORCHTITAN_INPUTS.items()),
-        'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
-        f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank=\"${{NODE_RANK:-0}}\" "
-        f"--master-addr=\"${{MASTER_ADDR:-127.0.0.1}}\" --master-port=\"${{MASTER_PORT:-{DEFAULT_PORT}}}\" "
-        "-m torchtitan.train --module berth_torchtitan --config berth_plan", ""])
+    launch = "\n".join(
+        [
+            "#!/bin/bash",
+            *_header("torchtitan", plan),
+            "# run on every node with NODE_RANK set, beside berth_torchtitan.py",
+            "set -euo pipefail",
+            *(f': "${{{k}:?set {k} to {v}}}"' for k, v in TORCHTITAN_INPUTS.items()),
+            'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
+            f'torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank="${{NODE_RANK:-0}}" '
+            f'--master-addr="${{MASTER_ADDR:-127.0.0.1}}" --master-port="${{MASTER_PORT:-{DEFAULT_PORT}}}" '
+            "-m torchtitan.train --module berth_torchtitan --config berth_plan",
+            "",
+        ]
+    )
     return {"berth_torchtitan.py": py, "torchtitan-launch.sh": launch}
 
 
@@ -744,24 +934,40 @@ def _run(plan: Plan, o: LaunchOptions) -> _Run:
     return _Run(plan, o.plan_file, o.steps, o.warmup, o.port)
 
 
-LAUNCH_FORMATS: dict[str, LaunchFormat] = {f.name: f for f in (
-    LaunchFormat("torchrun", lambda p, o: _run(p, o).torchrun_scripts(), runs_executor=True),
-    LaunchFormat("slurm", lambda p, o: _run(p, o).sbatch(), runs_executor=True),
-    LaunchFormat("kubernetes", lambda p, o: _run(p, o).pytorchjob(o.image), runs_executor=True),
-    LaunchFormat("megatron", lambda p, _: megatron_args(p), runs_executor=False,
-                 engine_version="Megatron-LM main @ d98e8a6 (2026-08-22, megatron-core 0.20.0)",
-                 refusal=lambda p: _megatron_refusal(p.layout, p.model)),
-    LaunchFormat("deepspeed", lambda p, _: deepspeed_config(p), runs_executor=False,
-                 engine_version="DeepSpeed 0.19.8",
-                 refusal=lambda p: _deepspeed_refusal(p.layout, p.model.num_layers, p.model)),
-    LaunchFormat("torchtitan", lambda p, _: torchtitan_config(p), runs_executor=False,
-                 engine_version="torchtitan 0.3.0",
-                 refusal=lambda p: _torchtitan_refusal(p.layout, p.model, p.training)),
-)}
+LAUNCH_FORMATS: dict[str, LaunchFormat] = {
+    f.name: f
+    for f in (
+        LaunchFormat("torchrun", lambda p, o: _run(p, o).torchrun_scripts(), runs_executor=True),
+        LaunchFormat("slurm", lambda p, o: _run(p, o).sbatch(), runs_executor=True),
+        LaunchFormat("kubernetes", lambda p, o: _run(p, o).pytorchjob(o.image), runs_executor=True),
+        LaunchFormat(
+            "megatron",
+            lambda p, _: megatron_args(p),
+            runs_executor=False,
+            engine_version="Megatron-LM main @ d98e8a6 (2026-08-22, megatron-core 0.20.0)",
+            refusal=lambda p: _megatron_refusal(p.layout, p.model),
+        ),
+        LaunchFormat(
+            "deepspeed",
+            lambda p, _: deepspeed_config(p),
+            runs_executor=False,
+            engine_version="DeepSpeed 0.19.8",
+            refusal=lambda p: _deepspeed_refusal(p.layout, p.model.num_layers, p.model),
+        ),
+        LaunchFormat(
+            "torchtitan",
+            lambda p, _: torchtitan_config(p),
+            runs_executor=False,
+            engine_version="torchtitan 0.3.0",
+            refusal=lambda p: _torchtitan_refusal(p.layout, p.model, p.training),
+        ),
+    )
+}
 FORMATS: tuple[str, ...] = tuple(LAUNCH_FORMATS)
 ENGINE_VERSIONS: dict[str, str] = {f.name: f.engine_version for f in LAUNCH_FORMATS.values() if f.engine_version}
-ENGINE_REFUSALS: dict[str, Callable[[Plan], str | None]] = {f.name: f.refusal for f in LAUNCH_FORMATS.values()
-                                                            if f.refusal}
+ENGINE_REFUSALS: dict[str, Callable[[Plan], str | None]] = {
+    f.name: f.refusal for f in LAUNCH_FORMATS.values() if f.refusal
+}
 
 
 def formats_text() -> str:

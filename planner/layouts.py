@@ -64,8 +64,7 @@ def _typed(name: str, value: str, field: str) -> Any:
         raise BerthError(f"{field}.{name}", value, "expected an integer") from None
 
 
-def complete_layout(values: dict[str, Any], training: TrainingSpec, world_size: int,
-                    field: str = "layout") -> Layout:
+def complete_layout(values: dict[str, Any], training: TrainingSpec, world_size: int, field: str = "layout") -> Layout:
     """Fill what a user left out: dp from the world size, num_microbatches from the global batch,
     shard = dp under ZeRO, the interleaved schedule when vpp > 1. What cannot be derived exactly
     is left for the validity rules to report."""
@@ -92,8 +91,13 @@ def complete_layout(values: dict[str, Any], training: TrainingSpec, world_size: 
         raise from_validation_error(err, field) from None
 
 
-_CHOICES = {"recompute": RECOMPUTE_CHOICES, "schedule": SCHEDULE_CHOICES, "axis_order": AXIS_ORDER_CHOICES,
-            "zero_stage": (0, 1, 2, 3), "sequence_parallel": (False, True)}
+_CHOICES = {
+    "recompute": RECOMPUTE_CHOICES,
+    "schedule": SCHEDULE_CHOICES,
+    "axis_order": AXIS_ORDER_CHOICES,
+    "zero_stage": (0, 1, 2, 3),
+    "sequence_parallel": (False, True),
+}
 
 
 def check_values(values: dict[str, Any], field: str = "layout") -> None:
@@ -109,8 +113,9 @@ def check_values(values: dict[str, Any], field: str = "layout") -> None:
             raise BerthError(f"{field}.{key}", value, "must be a positive integer")
 
 
-def layout_problems(layout: Layout, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
-                    given: set[str] | None = None) -> list[tuple[str, str]]:
+def layout_problems(
+    layout: Layout, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, given: set[str] | None = None
+) -> list[tuple[str, str]]:
     """(rule name, why) of every PLAN rule of berth.cost_models.validity.RULES the layout breaks (the
     search's own vectorized predicates on a one-row Candidates), in the user's numbers; with
     `given`, only the rules that read a given field (a rule broken only through fields a user left
@@ -131,8 +136,9 @@ def _blame(name: str, given: set[str], values: dict[str, Any]) -> tuple[str, Any
     return ",".join(keys), ",".join(f"{k}={values.get(k)}" for k in keys)
 
 
-def check_layout(values: dict[str, Any], model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
-                 field: str = "layout") -> Layout:
+def check_layout(
+    values: dict[str, Any], model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, field: str = "layout"
+) -> Layout:
     """The completed layout of `values` (`--layout`, the API's `layouts`), or a BerthError naming the
     field, the value and the rule it breaks on this cluster."""
     check_values(values, field)
@@ -145,8 +151,9 @@ def check_layout(values: dict[str, Any], model: ModelSpec, training: TrainingSpe
     return layout
 
 
-def refuse_fix(fix: dict[str, Any], key: str, valid: list, model: ModelSpec, training: TrainingSpec,
-               cluster: ClusterSpec) -> BerthError:
+def refuse_fix(
+    fix: dict[str, Any], key: str, valid: list, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
+) -> BerthError:
     """Why no layout the search covers has `fix[key]` (with the fix's earlier keys): the rules the
     fix's completed layout breaks through a fixed field, and the values that would do."""
     why = ""
@@ -162,12 +169,18 @@ def refuse_fix(fix: dict[str, Any], key: str, valid: list, model: ModelSpec, tra
         pass
     order = list(fix)
     earlier = [f"{k}={fix[k]}" for k in order[: order.index(key)]]
-    if (not why and key in ("shard", "zero_stage") and fix.get("shard") == 1 and fix.get("zero_stage", 0) > 0
-            and fix.get("cp", 1) == 1):
+    if (
+        not why
+        and key in ("shard", "zero_stage")
+        and fix.get("shard") == 1
+        and fix.get("zero_stage", 0) > 0
+        and fix.get("cp", 1) == 1
+    ):
         why = "ZeRO shards over shard x cp > 1 ranks (shard = 1 under ZeRO is zero = 0 unless cp > 1)"
     if not why:
-        why = f"no layout of {cluster.world_size} GPUs the search covers has it" + \
-            (f" with {','.join(earlier)}" if earlier else "")
+        why = f"no layout of {cluster.world_size} GPUs the search covers has it" + (
+            f" with {','.join(earlier)}" if earlier else ""
+        )
     if valid and "valid:" not in why:
         why += f"; valid{' with ' + ','.join(earlier) if earlier else ''}: {listing(valid)}"
     elif not valid:

@@ -36,8 +36,11 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True) -> ModelSpec
     if ref in known:
         return known[ref]
     if not allow_files:
-        raise BerthError("model", ref, f"unknown preset; presets: {', '.join(sorted(known))}; "
-                         "or give a model spec or an HF config object")
+        raise BerthError(
+            "model",
+            ref,
+            f"unknown preset; presets: {', '.join(sorted(known))}; or give a model spec or an HF config object",
+        )
     path = Path(ref)
     if not path.is_file():
         raise BerthError("model", ref, f"not a preset nor a file; presets: {', '.join(sorted(known))}")
@@ -46,8 +49,9 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True) -> ModelSpec
     except OSError as err:
         raise BerthError("model", ref, f"cannot read: {err.strerror}") from None
     except UnicodeDecodeError:
-        raise BerthError("model", ref, "not a text file (expected a YAML/JSON model spec or an HF config.json)") \
-            from None
+        raise BerthError(
+            "model", ref, "not a text file (expected a YAML/JSON model spec or an HF config.json)"
+        ) from None
     try:
         if path.suffix in (".yaml", ".yml"):
             import yaml
@@ -81,8 +85,14 @@ def model_from_dict(data: dict[str, Any], source: str = "model") -> ModelSpec:
 
 
 # Hugging Face config keys by model family: (layers, hidden, heads, kv heads, ffn, vocab).
-_LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-               "intermediate_size", "vocab_size")
+_LLAMA_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 _HF_FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
     "mistral": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
@@ -92,11 +102,18 @@ _HF_FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
     "deepseek_v2": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
     "deepseek_v3": {"keys": _LLAMA_KEYS, "mlp": "swiglu", "norm": "rmsnorm", "tied": False},
-    "gpt2": {"keys": ("n_layer", "n_embd", "n_head", None, "n_inner", "vocab_size"),
-             "mlp": "gelu", "norm": "layernorm", "tied": True},
-    "gpt_neox": {"keys": ("num_hidden_layers", "hidden_size", "num_attention_heads", None,
-                          "intermediate_size", "vocab_size"),
-                 "mlp": "gelu", "norm": "layernorm", "tied": False},
+    "gpt2": {
+        "keys": ("n_layer", "n_embd", "n_head", None, "n_inner", "vocab_size"),
+        "mlp": "gelu",
+        "norm": "layernorm",
+        "tied": True,
+    },
+    "gpt_neox": {
+        "keys": ("num_hidden_layers", "hidden_size", "num_attention_heads", None, "intermediate_size", "vocab_size"),
+        "mlp": "gelu",
+        "norm": "layernorm",
+        "tied": False,
+    },
 }
 _OPTIONAL = {"num_key_value_heads", "n_inner"}
 
@@ -106,28 +123,70 @@ _OPTIONAL = {"num_key_value_heads", "n_inner"}
 # Qwen2-MoE has one shared expert of shared_expert_intermediate_size).
 _MOE_FIELDS: dict[str, tuple[str | None, ...]] = {
     "mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate_size", None, None, None),
-    "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", None,
-                  "shared_expert_intermediate_size", None),
-    "deepseek_v2": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", None,
-                    "first_k_dense_replace"),
-    "deepseek_v3": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", None,
-                    "first_k_dense_replace"),
+    "qwen2_moe": (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        None,
+        "shared_expert_intermediate_size",
+        None,
+    ),
+    "deepseek_v2": (
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "n_shared_experts",
+        None,
+        "first_k_dense_replace",
+    ),
+    "deepseek_v3": (
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "n_shared_experts",
+        None,
+        "first_k_dense_replace",
+    ),
 }
 # Keys of a config that say the model is a mixture of experts: refused outside the families above
 # (a dense family with one of these would be planned as a dense model, and be wrong).
-_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
-             "moe_intermediate_size")
+_MOE_KEYS = (
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
 # Architectural keys berth does not model, refused when set: multi-head latent attention (DeepSeek-V2/V3),
 # multi-token prediction, MoE layers at a stride, dense layers listed by index.
 _UNMODELLED = {
     "kv_lora_rank": "multi-head latent attention (MLA) is not modelled; berth prices standard (GQA) attention "
-                    "(the deepseek-v3-style preset uses GQA)",
+    "(the deepseek-v3-style preset uses GQA)",
     "q_lora_rank": "multi-head latent attention (MLA) is not modelled; berth prices standard (GQA) attention",
     "num_nextn_predict_layers": "multi-token prediction layers are not modelled",
     "mlp_only_layers": "dense layers at listed positions are not modelled (only the first k: first_k_dense)",
 }
-_ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
-                  "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "whisper", "longt5", "switch_transformers")
+_ENCODER_TYPES = (
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "distilbert",
+    "albert",
+    "electra",
+    "deberta",
+    "deberta-v2",
+    "t5",
+    "mt5",
+    "umt5",
+    "bart",
+    "mbart",
+    "pegasus",
+    "marian",
+    "whisper",
+    "longt5",
+    "switch_transformers",
+)
 _DECODER_ONLY_HEADS = ("ForCausalLM", "LMHeadModel", "Model")
 
 
@@ -138,15 +197,22 @@ def _refuse_unsupported(cfg: dict[str, Any], source: str) -> None:
     supported += f"; mixture of experts {', '.join(sorted(_MOE_FIELDS))}"
     for key in _MOE_KEYS:
         if model_type not in _MOE_FIELDS and cfg.get(key) not in (None, 0, 1, False):
-            raise BerthError(f"{source}.{key}", cfg[key], f"a mixture-of-experts model ({model_type}) of a family "
-                             f"berth does not map; {supported}")
+            raise BerthError(
+                f"{source}.{key}",
+                cfg[key],
+                f"a mixture-of-experts model ({model_type}) of a family berth does not map; {supported}",
+            )
     for key, why in _UNMODELLED.items():
         if model_type in _MOE_FIELDS and cfg.get(key) not in (None, 0, False, [], ()):
             raise BerthError(f"{source}.{key}", cfg[key], why)
     for key in ("decoder_sparse_step", "moe_layer_freq"):
         if model_type in _MOE_FIELDS and cfg.get(key) not in (None, 1):
-            raise BerthError(f"{source}.{key}", cfg[key], "MoE layers at a stride other than 1 are not modelled "
-                             "(every layer after the first first_k_dense is MoE)")
+            raise BerthError(
+                f"{source}.{key}",
+                cfg[key],
+                "MoE layers at a stride other than 1 are not modelled "
+                "(every layer after the first first_k_dense is MoE)",
+            )
     if model_type in _ENCODER_TYPES or cfg.get("is_encoder_decoder"):
         key = "model_type" if model_type in _ENCODER_TYPES else "is_encoder_decoder"
         raise BerthError(f"{source}.{key}", cfg.get(key), f"an encoder or encoder-decoder model; {supported}")
@@ -154,19 +220,38 @@ def _refuse_unsupported(cfg: dict[str, Any], source: str) -> None:
         if isinstance(arch, str) and not arch.endswith(_DECODER_ONLY_HEADS):
             raise BerthError(f"{source}.architectures", arch, f"not a causal language model; {supported}")
     if model_type not in _HF_FAMILIES:
-        raise BerthError(f"{source}.model_type", model_type, f"unsupported model type; {supported} "
-                         "(or write a berth model spec: docs)")
+        raise BerthError(
+            f"{source}.model_type",
+            model_type,
+            f"unsupported model type; {supported} (or write a berth model spec: docs)",
+        )
     window, longest = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
     if isinstance(window, int) and cfg.get("use_sliding_window", True) and (not longest or window < longest):
-        raise BerthError(f"{source}.sliding_window", window, "sliding-window attention is not modelled (berth "
-                         "prices full causal attention); set it to null to plan full attention, which is exact "
-                         f"for sequences up to {window} tokens")
-    heads, hidden, head_dim = cfg.get("num_attention_heads", cfg.get("n_head")), \
-        cfg.get("hidden_size", cfg.get("n_embd")), cfg.get("head_dim")
-    if isinstance(head_dim, int) and isinstance(heads, int) and isinstance(hidden, int) and heads and \
-            head_dim * heads != hidden:
-        raise BerthError(f"{source}.head_dim", head_dim, f"differs from hidden_size / num_attention_heads = "
-                         f"{hidden}/{heads}; berth's layers assume head_dim x heads = hidden_size")
+        raise BerthError(
+            f"{source}.sliding_window",
+            window,
+            "sliding-window attention is not modelled (berth "
+            "prices full causal attention); set it to null to plan full attention, which is exact "
+            f"for sequences up to {window} tokens",
+        )
+    heads, hidden, head_dim = (
+        cfg.get("num_attention_heads", cfg.get("n_head")),
+        cfg.get("hidden_size", cfg.get("n_embd")),
+        cfg.get("head_dim"),
+    )
+    if (
+        isinstance(head_dim, int)
+        and isinstance(heads, int)
+        and isinstance(hidden, int)
+        and heads
+        and head_dim * heads != hidden
+    ):
+        raise BerthError(
+            f"{source}.head_dim",
+            head_dim,
+            f"differs from hidden_size / num_attention_heads = "
+            f"{hidden}/{heads}; berth's layers assume head_dim x heads = hidden_size",
+        )
 
 
 def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
@@ -174,8 +259,14 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, 
     keys = _MOE_FIELDS.get(model_type)
     if keys is None:
         return {}
-    names = ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts",
-             "shared_expert_ffn_hidden_size", "first_k_dense")
+    names = (
+        "num_experts",
+        "experts_per_token",
+        "moe_ffn_hidden_size",
+        "num_shared_experts",
+        "shared_expert_ffn_hidden_size",
+        "first_k_dense",
+    )
     out: dict[str, Any] = {}
     for name, key in zip(names, keys, strict=True):
         if key is None or cfg.get(key) is None:
@@ -209,8 +300,11 @@ def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
     missing = [k for k in keys if k and k not in cfg and k not in _OPTIONAL]
     if missing:
         supported = ", ".join(sorted(_HF_FAMILIES))
-        raise BerthError(f"{source}.model_type", model_type,
-                         f"config lacks {', '.join(missing)} (supported model types: {supported})")
+        raise BerthError(
+            f"{source}.model_type",
+            model_type,
+            f"config lacks {', '.join(missing)} (supported model types: {supported})",
+        )
     for key in (k for k in keys if k and cfg.get(k) is not None):  # no bool, float or text as a count
         if isinstance(cfg[key], bool) or not isinstance(cfg[key], int):
             raise BerthError(f"{source}.{key}", cfg[key], "must be an integer")
@@ -232,21 +326,47 @@ def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
         raise BerthError(f"{source}.tie_word_embeddings", tied, "must be true or false")
     name_key = next((k for k in ("_name_or_path", "name") if cfg.get(k)), None)
     moe = _moe_fields(cfg, model_type, source)
-    fields = {**moe,
+    fields = {
+        **moe,
         "name": cfg[name_key] if name_key else (model_type if isinstance(model_type, str) else "hf-model"),
-        "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-        "num_kv_heads": kv, "ffn_hidden_size": ffn, "vocab_size": vocab, "mlp": mlp,
-        "norm": family["norm"], "tied_embeddings": tied, "dropout": dropout > 0.0,
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_kv_heads": kv,
+        "ffn_hidden_size": ffn,
+        "vocab_size": vocab,
+        "mlp": mlp,
+        "norm": family["norm"],
+        "tied_embeddings": tied,
+        "dropout": dropout > 0.0,
     }
     try:
         return ModelSpec.model_validate(fields, strict=True)
     except ValidationError as err:
         # name the key the user wrote, not ours
-        hf_key = dict(zip(("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
-                           "vocab_size"), keys, strict=True)) | {"name": name_key or "model_type"}
-        hf_key |= {k: v for k, v in zip(("num_experts", "experts_per_token", "moe_ffn_hidden_size",
-                                         "num_shared_experts", "shared_expert_ffn_hidden_size", "first_k_dense"),
-                                        _MOE_FIELDS.get(model_type, ()), strict=False) if v}
+        hf_key = dict(
+            zip(
+                ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"),
+                keys,
+                strict=True,
+            )
+        ) | {"name": name_key or "model_type"}
+        hf_key |= {
+            k: v
+            for k, v in zip(
+                (
+                    "num_experts",
+                    "experts_per_token",
+                    "moe_ffn_hidden_size",
+                    "num_shared_experts",
+                    "shared_expert_ffn_hidden_size",
+                    "first_k_dense",
+                ),
+                _MOE_FIELDS.get(model_type, ()),
+                strict=False,
+            )
+            if v
+        }
         loc = err.errors()[0].get("loc", ())
         field = hf_key.get(str(loc[0])) if loc else None
         if field:

@@ -104,8 +104,15 @@ def spans(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] | None = 
 def rank_map(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] | None = None) -> list[dict[str, int]]:
     """Every rank with its node, local GPU and coordinates (what the plan carries)."""
     coords = coordinates(layout, order)
-    return [{"rank": r, "node": device_of(r, cluster)[0], "local_rank": device_of(r, cluster)[1],
-             **{a: int(coords[a][r]) for a in shown_axes(layout)}} for r in range(layout.world_size)]
+    return [
+        {
+            "rank": r,
+            "node": device_of(r, cluster)[0],
+            "local_rank": device_of(r, cluster)[1],
+            **{a: int(coords[a][r]) for a in shown_axes(layout)},
+        }
+        for r in range(layout.world_size)
+    ]
 
 
 # the time term each axis's traffic lands in; ep (MoE expert parallelism) groups are ep consecutive dp
@@ -120,8 +127,13 @@ def innermost_cluster(cluster: ClusterSpec) -> ClusterSpec:
     return cluster.model_copy(update={"fabric": tuple(lv.model_copy(update={"link": inner}) for lv in cluster.levels)})
 
 
-def placement(layout: Layout, cluster: ClusterSpec, times_s: dict[str, float],
-              inner_times_s: dict[str, float], detail: bool = True) -> Placement:
+def placement(
+    layout: Layout,
+    cluster: ClusterSpec,
+    times_s: dict[str, float],
+    inner_times_s: dict[str, float],
+    detail: bool = True,
+) -> Placement:
     """The plan's placement: for each axis where its groups sit, the slowest level they cross and
     what that costs (its time term here minus on `innermost_cluster`); with `detail`, the full
     rank map and groups up to PLACEMENT_DETAIL_MAX_RANKS ranks."""
@@ -134,15 +146,27 @@ def placement(layout: Layout, cluster: ClusterSpec, times_s: dict[str, float],
         first = [stride[axis] * i for i in range(sizes[axis])]
         nodes = len({device_of(r, cluster)[0] for r in first})
         term = AXIS_TERMS[axis]
-        groups.append(GroupPlacement(
-            axis=axis, size=sizes[axis], count=layout.world_size // sizes[axis], stride=stride[axis],
-            nodes_spanned=nodes, level=cluster.levels[k].name if sizes[axis] > 1 else "-",
-            link_kind=link.kind if sizes[axis] > 1 else "-", bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-            crosses_slow_link=sizes[axis] > 1 and k > 0 and link.bandwidth_bytes_per_s <
-            cluster.levels[0].link.bandwidth_bytes_per_s,
-            time_s=times_s.get(term, 0.0), cost_of_crossing_s=max(times_s.get(term, 0.0) - inner_times_s.get(term, 0.0),
-                                                                  0.0)))
+        groups.append(
+            GroupPlacement(
+                axis=axis,
+                size=sizes[axis],
+                count=layout.world_size // sizes[axis],
+                stride=stride[axis],
+                nodes_spanned=nodes,
+                level=cluster.levels[k].name if sizes[axis] > 1 else "-",
+                link_kind=link.kind if sizes[axis] > 1 else "-",
+                bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                crosses_slow_link=sizes[axis] > 1
+                and k > 0
+                and link.bandwidth_bytes_per_s < cluster.levels[0].link.bandwidth_bytes_per_s,
+                time_s=times_s.get(term, 0.0),
+                cost_of_crossing_s=max(times_s.get(term, 0.0) - inner_times_s.get(term, 0.0), 0.0),
+            )
+        )
     detail = detail and layout.world_size <= PLACEMENT_DETAIL_MAX_RANKS
-    return Placement(axis_order=layout.axis_order, groups=tuple(groups),
-                     rank_map=rank_map(layout, cluster) if detail else None,
-                     process_groups=process_groups(layout) if detail else None)
+    return Placement(
+        axis_order=layout.axis_order,
+        groups=tuple(groups),
+        rank_map=rank_map(layout, cluster) if detail else None,
+        process_groups=process_groups(layout) if detail else None,
+    )

@@ -59,8 +59,9 @@ def load_graph_file(path: str) -> ClusterSpec:
     return cluster_from_node_link(data, Path(path).stem, field=f"cluster ({Path(path).name})")
 
 
-def preset_graph(servers: list[str], fabric: str = "rails", nodes_per_leaf: int | None = None,
-                 oversubscription: float = 1.0) -> tuple[dict[str, Any], ClusterSpec]:
+def preset_graph(
+    servers: list[str], fabric: str = "rails", nodes_per_leaf: int | None = None, oversubscription: float = 1.0
+) -> tuple[dict[str, Any], ClusterSpec]:
     """The node-link graph of PRESET[:NODES] servers on one fabric (mixed presets make a
     heterogeneous cluster), and the cluster derived from it."""
     parts = []
@@ -80,9 +81,16 @@ def preset_graph(servers: list[str], fabric: str = "rails", nodes_per_leaf: int 
     return data, cluster_from_node_link(data, "+".join(servers))
 
 
-def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = None,
-                 profile: str | None = None, fabric: str = "rails", nodes_per_leaf: int | None = None,
-                 oversubscription: float = 1.0, allow_files: bool = True) -> ClusterSpec:
+def make_cluster(
+    cluster: str,
+    nodes: int = 1,
+    devices_per_node: int | None = None,
+    profile: str | None = None,
+    fabric: str = "rails",
+    nodes_per_leaf: int | None = None,
+    oversubscription: float = 1.0,
+    allow_files: bool = True,
+) -> ClusterSpec:
     """A preset for `nodes` servers (on a rail or fat-tree fabric), a node-link graph file
     (`*.json`), or `local`: this machine (its GPUs, or CPU worker processes). A `berth profile`
     file replaces the device (and, for `local`, the links) by measured ones. The service passes
@@ -91,8 +99,11 @@ def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = No
         if profile is not None:
             raise BerthError("profile", profile, "a request cannot name a file on the server")
         if cluster != LOCAL and cluster not in server_names():
-            raise BerthError("cluster.preset", cluster, f"unknown preset; known: {', '.join(server_names())}, "
-                             f"{LOCAL}; or give the cluster as an inline graph")
+            raise BerthError(
+                "cluster.preset",
+                cluster,
+                f"unknown preset; known: {', '.join(server_names())}, {LOCAL}; or give the cluster as an inline graph",
+            )
     measured = load_profile(profile)
     if cluster == LOCAL:
         if nodes != 1:
@@ -102,26 +113,39 @@ def make_cluster(cluster: str, nodes: int = 1, devices_per_node: int | None = No
         raise BerthError("cluster.devices_per_node", devices_per_node, "applies to --cluster local only")
     if cluster.endswith(".json"):
         if nodes != 1 or fabric != "rails" or nodes_per_leaf or oversubscription != 1.0:
-            raise BerthError("cluster", cluster, "a graph file gives its own nodes and fabric: drop --nodes, "
-                             "--fabric, --nodes-per-leaf and --oversubscription")
+            raise BerthError(
+                "cluster",
+                cluster,
+                "a graph file gives its own nodes and fabric: drop --nodes, "
+                "--fabric, --nodes-per-leaf and --oversubscription",
+            )
         spec = load_graph_file(cluster)
     else:
         spec = cluster_from_preset(cluster, nodes, fabric, nodes_per_leaf, oversubscription)
     if measured is not None:
         device = measured[0]
         if device.kind != spec.device.kind:
-            raise BerthError("profile", profile, f"a {device.kind} profile cannot describe {cluster}'s "
-                             f"{spec.device.kind}s")
+            raise BerthError(
+                "profile", profile, f"a {device.kind} profile cannot describe {cluster}'s {spec.device.kind}s"
+            )
         spec = spec.model_copy(update={"device": device.model_copy(update={"memory_bytes": spec.device.memory_bytes})})
     return spec
 
 
-def with_operations(cluster: ClusterSpec, failures_per_gpu_hour: float | None = None,
-                    storage_write_bytes_per_s_per_gpu: float | None = None, price_per_gpu_hour: float | None = None,
-                    restart_s: float | None = None) -> ClusterSpec:
+def with_operations(
+    cluster: ClusterSpec,
+    failures_per_gpu_hour: float | None = None,
+    storage_write_bytes_per_s_per_gpu: float | None = None,
+    price_per_gpu_hour: float | None = None,
+    restart_s: float | None = None,
+) -> ClusterSpec:
     """The cluster with its failure rate, storage bandwidth, restart time and price set (None keeps)."""
-    values = {"failures_per_gpu_hour": failures_per_gpu_hour, "price_per_gpu_hour": price_per_gpu_hour,
-              "storage_write_bytes_per_s_per_gpu": storage_write_bytes_per_s_per_gpu, "restart_s": restart_s}
+    values = {
+        "failures_per_gpu_hour": failures_per_gpu_hour,
+        "price_per_gpu_hour": price_per_gpu_hour,
+        "storage_write_bytes_per_s_per_gpu": storage_write_bytes_per_s_per_gpu,
+        "restart_s": restart_s,
+    }
     update = {k: v for k, v in values.items() if v is not None}
     try:
         return ClusterSpec.model_validate({**cluster.model_dump(), **update}) if update else cluster
@@ -183,15 +207,22 @@ def _cache_key(model, training, cluster, spec, max_candidates) -> str:
     return "|".join(x.model_dump_json() for x in (model, training, cluster, spec)) + f"|{max_candidates}"
 
 
-def cached_plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec,
-                max_candidates: int | None = None) -> SearchResult | None:
+def cached_plan(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec, max_candidates: int | None = None
+) -> SearchResult | None:
     """The answer of `plan` if it is in the cache (microseconds), else None."""
     return PLAN_CACHE.get(_cache_key(model, training, cluster, spec, max_candidates))
 
 
-def plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec,
-         max_candidates: int | None = None, deadline: float | None = None,
-         cancel: threading.Event | None = None) -> SearchResult:
+def plan(
+    model: ModelSpec,
+    training: TrainingSpec,
+    cluster: ClusterSpec,
+    spec: SearchSpec,
+    max_candidates: int | None = None,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+) -> SearchResult:
     key = _cache_key(model, training, cluster, spec, max_candidates)
     cached = PLAN_CACHE.get(key)
     if cached is not None:
@@ -201,8 +232,13 @@ def plan(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: S
     return result
 
 
-def compare(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
-            layouts: list[str | dict[str, Any]], memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> list[Plan]:
+def compare(
+    model: ModelSpec,
+    training: TrainingSpec,
+    cluster: ClusterSpec,
+    layouts: list[str | dict[str, Any]],
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+) -> list[Plan]:
     if not layouts:
         raise BerthError("layout", None, "give at least one layout")
     specs = []
@@ -228,18 +264,27 @@ def lose_nodes(cluster: ClusterSpec, lost: int) -> ClusterSpec:
             seen.add(gpus)
             levels.append(level.model_copy(update={"gpus": gpus}))
     hosts = cluster.hosts[:nodes] if cluster.hosts else ()
-    return cluster.model_copy(update={"nodes": nodes, "fabric": tuple(levels), "hosts": hosts,
-                                      "name": f"{cluster.name} minus {lost} node{'s' if lost > 1 else ''}"})
+    return cluster.model_copy(
+        update={
+            "nodes": nodes,
+            "fabric": tuple(levels),
+            "hosts": hosts,
+            "name": f"{cluster.name} minus {lost} node{'s' if lost > 1 else ''}",
+        }
+    )
 
 
-def fallback(chosen: Plan, spec: SearchSpec, lost: int = 1, deadline: float | None = None,
-             cancel: threading.Event | None = None) -> Fallback | None:
+def fallback(
+    chosen: Plan, spec: SearchSpec, lost: int = 1, deadline: float | None = None, cancel: threading.Event | None = None
+) -> Fallback | None:
     """The best layout for the cluster with `lost` nodes gone (None when nothing fits there)."""
     cluster = lose_nodes(chosen.cluster, lost)
     training = chosen.training
     batches = [training.global_batch_size]
-    batches += sorted({max(1, round(training.global_batch_size / d)) * d for d in search_divisors(cluster.world_size)},
-                      key=lambda b: (abs(b - training.global_batch_size), -b))
+    batches += sorted(
+        {max(1, round(training.global_batch_size / d)) * d for d in search_divisors(cluster.world_size)},
+        key=lambda b: (abs(b - training.global_batch_size), -b),
+    )
     quick = spec.model_copy(update={"top": 1})
     for batch in batches[:8]:
         t = training.model_copy(update={"global_batch_size": batch})
@@ -252,28 +297,39 @@ def fallback(chosen: Plan, spec: SearchSpec, lost: int = 1, deadline: float | No
         best = result.plans[0]
         changes = [f"{cluster.world_size} GPUs instead of {chosen.cluster.world_size}"]
         if batch != training.global_batch_size:
-            changes.append(f"global batch {batch} instead of {training.global_batch_size}: no layout of "
-                           f"{cluster.world_size} GPUs splits {training.global_batch_size}")
+            changes.append(
+                f"global batch {batch} instead of {training.global_batch_size}: no layout of "
+                f"{cluster.world_size} GPUs splits {training.global_batch_size}"
+            )
         for field in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "zero_stage", "recompute"):
             old, new = getattr(chosen.layout, field), getattr(best.layout, field)
             if old != new:
                 changes.append(f"{field} {old} -> {new}")
         ratio = best.prediction.tokens_per_s / chosen.prediction.tokens_per_s - 1.0
         changes.append(f"throughput {ratio:+.1%}")
-        return Fallback(nodes_lost=lost, world_size=cluster.world_size, global_batch_size=batch, layout=best.layout,
-                        step_time_s=best.prediction.step_time_s, tokens_per_s=best.prediction.tokens_per_s,
-                        peak_memory_bytes=best.prediction.peak_memory_bytes, changes=changes)
+        return Fallback(
+            nodes_lost=lost,
+            world_size=cluster.world_size,
+            global_batch_size=batch,
+            layout=best.layout,
+            step_time_s=best.prediction.step_time_s,
+            tokens_per_s=best.prediction.tokens_per_s,
+            peak_memory_bytes=best.prediction.peak_memory_bytes,
+            changes=changes,
+        )
     return None
 
 
-def with_fallback(result: SearchResult, spec: SearchSpec, deadline: float | None = None,
-                  cancel: threading.Event | None = None) -> SearchResult:
+def with_fallback(
+    result: SearchResult, spec: SearchSpec, deadline: float | None = None, cancel: threading.Event | None = None
+) -> SearchResult:
     """The result with its best plan carrying the fallback for one node lost (unchanged when there
     is no plan or a single node); a new result, so a cached one and its serialized JSON stay as they are."""
     if not result.plans or result.plans[0].cluster.nodes < 2:
         return result
-    first = result.plans[0].model_copy(update={"fallback": fallback(result.plans[0], spec, deadline=deadline,
-                                                                     cancel=cancel)})
+    first = result.plans[0].model_copy(
+        update={"fallback": fallback(result.plans[0], spec, deadline=deadline, cancel=cancel)}
+    )
     return replace(result, plans=[first, *result.plans[1:]], serialized=[])
 
 

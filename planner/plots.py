@@ -47,8 +47,12 @@ def timeline_png(report: ValidationReport, path: str | Path) -> Path:
     for row, r in enumerate(ranks):
         for start, end, region in r["timeline"]:
             label, color = SHADES.get(region) or (term_of(region), COLORS[term_of(region)])
-            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (row - 0.4, 0.8), facecolors=color,
-                           label=None if label in seen else label)
+            ax.broken_barh(
+                [(start * 1e3, (end - start) * 1e3)],
+                (row - 0.4, 0.8),
+                facecolors=color,
+                label=None if label in seen else label,
+            )
             seen.add(label)
     ax.set_yticks(range(len(ranks)), [f"rank {r['rank']}" for r in ranks])
     ax.invert_yaxis()
@@ -57,8 +61,14 @@ def timeline_png(report: ValidationReport, path: str | Path) -> Path:
     handles, labels = ax.get_legend_handles_labels()
     names = [n for t in (*TERMS, OTHER) for n in ([s[0] for s in SHADES.values()] if t == "compute" else [t])]
     order = [labels.index(n) for n in names if n in labels]
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left", bbox_to_anchor=(1.0, 1.0),
-              fontsize=8, frameon=False)
+    ax.legend(
+        [handles[i] for i in order],
+        [labels[i] for i in order],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -79,8 +89,11 @@ def terms_png(report: ValidationReport, path: str | Path) -> Path:
     ax.bar([i + 0.2 for i in x], meas, 0.4, label="measured", color=[COLORS[t] for t in terms], edgecolor="#333333")
     ax.set_xticks(list(x), [t + (" *" if t == b.largest_error_term else "") for t in terms])
     ax.set_ylabel("ms per step")
-    ax.set_title(f"{report.plan.model.name} {report.plan.layout.short()}\npredicted vs measured per step, rank "
-                 f"{b.rank} (* largest error: {b.largest_error_term})", fontsize=9)
+    ax.set_title(
+        f"{report.plan.model.name} {report.plan.layout.short()}\npredicted vs measured per step, rank "
+        f"{b.rank} (* largest error: {b.largest_error_term})",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path)

@@ -58,8 +58,18 @@ def _layout_cells(p: Plan, cp: bool = False) -> list[str]:
     zero = f"{x.zero_stage}/{x.shard}" if x.zero_stage else "0"
     sched = "-" if x.pp == 1 else x.schedule.replace("interleaved_1f1b", f"interl.x{x.virtual_stages}")
     dp = str(x.dp) + (f" ep{x.ep}" if x.ep > 1 else "")
-    return [str(x.tp), *([str(x.cp)] if cp else []), str(x.pp), dp, zero, x.recompute,
-            str(x.micro_batch_size), str(x.num_microbatches), sched, "on" if x.sequence_parallel else "off"]
+    return [
+        str(x.tp),
+        *([str(x.cp)] if cp else []),
+        str(x.pp),
+        dp,
+        zero,
+        x.recompute,
+        str(x.micro_batch_size),
+        str(x.num_microbatches),
+        sched,
+        "on" if x.sequence_parallel else "off",
+    ]
 
 
 LAYOUT_COLUMNS = ("tp", "pp", "dp", "zero/shard", "recompute", "mbs", "nmb", "schedule", "sp")
@@ -68,6 +78,8 @@ LAYOUT_COLUMNS = ("tp", "pp", "dp", "zero/shard", "recompute", "mbs", "nmb", "sc
 def _has_cp(plans: list[Plan]) -> bool:
     """Tables show a cp column (and time: cp_comm) only when a plan uses context parallelism."""
     return any(p.layout.cp > 1 for p in plans)
+
+
 RESULT_COLUMNS = ("step", "tokens/s", "MFU", "GiB", "fits", "bottleneck")
 
 
@@ -78,15 +90,20 @@ def _result_cells(p: Plan, best_tokens_per_s: float | None, markup: bool = True)
     else:
         fits = "yes" if pr.fits else ("[red]no[/red]" if markup else "no")
         note = pr.bottleneck if not p.infeasible_reason else p.infeasible_reason.split(":")[0]
-        cells = [_seconds(pr.step_time_s), f"{pr.tokens_per_s:,.0f}", f"{pr.mfu:.1%}",
-                 f"{pr.peak_memory_bytes / GIB:.1f}", fits, note]
+        cells = [
+            _seconds(pr.step_time_s),
+            f"{pr.tokens_per_s:,.0f}",
+            f"{pr.mfu:.1%}",
+            f"{pr.peak_memory_bytes / GIB:.1f}",
+            fits,
+            note,
+        ]
     if best_tokens_per_s:
         cells.append(f"{pr.tokens_per_s / best_tokens_per_s - 1:+.1%}" if pr else "-")
     return cells
 
 
-def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None = None,
-                width: int = 200) -> Table:
+def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None = None, width: int = 200) -> Table:
     """One row per plan; under NARROW columns the layout is one compact cell (tp8 pp2 dp4 z1/4
     mbs1x16 rc-sel 1f1b sp) so the table fits 80 columns."""
     if width < NARROW:
@@ -95,8 +112,9 @@ def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None =
     cp = _has_cp(plans)
     columns = (LAYOUT_COLUMNS[0], "cp", *LAYOUT_COLUMNS[1:]) if cp else LAYOUT_COLUMNS
     for col in ("#", *columns, *RESULT_COLUMNS):
-        t.add_column(col, justify="right" if col not in ("recompute", "schedule", "bottleneck") else "left",
-                     no_wrap=True)
+        t.add_column(
+            col, justify="right" if col not in ("recompute", "schedule", "bottleneck") else "left", no_wrap=True
+        )
     if best_tokens_per_s:
         t.add_column("vs best", justify="right")
     for i, p in enumerate(plans, 1):
@@ -111,8 +129,12 @@ def _narrow_plans_table(plans: list[Plan], title: str, best_tokens_per_s: float 
 
     t = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("#", "layout", "tokens/s", "MFU", "GiB", "bottleneck", *(("vs best",) if best_tokens_per_s else ())):
-        t.add_column(col, justify="left" if col in ("layout", "bottleneck") else "right", no_wrap=col != "layout",
-                     min_width=20 if col == "layout" else None)
+        t.add_column(
+            col,
+            justify="left" if col in ("layout", "bottleneck") else "right",
+            no_wrap=col != "layout",
+            min_width=20 if col == "layout" else None,
+        )
     for i, p in enumerate(plans, 1):
         pr = p.prediction
         if pr is None:
@@ -136,9 +158,22 @@ def plans_csv(plans: list[Plan], best_tokens_per_s: float | None = None) -> str:
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    fields = ("tp", *(("cp",) if _has_cp(plans) else ()), "pp", "dp", "ep", "shard", "zero_stage", "recompute",
-              "micro_batch_size", "num_microbatches",
-              "virtual_stages", "schedule", "sequence_parallel", "axis_order")
+    fields = (
+        "tp",
+        *(("cp",) if _has_cp(plans) else ()),
+        "pp",
+        "dp",
+        "ep",
+        "shard",
+        "zero_stage",
+        "recompute",
+        "micro_batch_size",
+        "num_microbatches",
+        "virtual_stages",
+        "schedule",
+        "sequence_parallel",
+        "axis_order",
+    )
     pred = ("step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "bottleneck")
     w.writerow(["rank", *fields, "stage_layers", *pred, "vs_best", "infeasible_reason"])
     for i, p in enumerate(plans, 1):
@@ -167,6 +202,7 @@ def stage_text(p: Plan) -> str:
 def shown_time_terms(plans: list[Plan]) -> list[terms.TimeTerm]:
     """The time terms a breakdown of these plans shows (each term's `shown_when`): every term, less
     one tied to an axis no plan uses (cp_comm) or one no plan's breakdown holds (ep_comm: MoE only)."""
+
     def shown(term: terms.TimeTerm) -> bool:
         if term.shown_when == terms.ALWAYS:
             return True
@@ -185,13 +221,22 @@ def breakdown_table(plans: list[Plan], title: str) -> Table:
     if any(p.layout.pp > 1 for p in plans):
         t.add_row("layers per stage", *[stage_text(p) if p.layout.pp > 1 else "-" for p in plans])
     for term in shown_time_terms(plans):
-        t.add_row(f"time: {term.label}", *[_seconds(p.prediction.time_breakdown_s.get(term.name, 0.0))
-                                           if p.prediction else "-" for p in plans])
+        t.add_row(
+            f"time: {term.label}",
+            *[_seconds(p.prediction.time_breakdown_s.get(term.name, 0.0)) if p.prediction else "-" for p in plans],
+        )
     for mem in terms.MEMORY:
-        t.add_row(f"memory: {mem.label}", *[f"{p.prediction.memory_breakdown_bytes.get(mem.name, 0.0) / GIB:.2f} GiB"
-                                            if p.prediction else "-" for p in plans])
-    t.add_row("memory: usable (device less driver, CUDA context)",
-              *[f"{p.prediction.memory_capacity_bytes / GIB:.2f} GiB" if p.prediction else "-" for p in plans])
+        t.add_row(
+            f"memory: {mem.label}",
+            *[
+                f"{p.prediction.memory_breakdown_bytes.get(mem.name, 0.0) / GIB:.2f} GiB" if p.prediction else "-"
+                for p in plans
+            ],
+        )
+    t.add_row(
+        "memory: usable (device less driver, CUDA context)",
+        *[f"{p.prediction.memory_capacity_bytes / GIB:.2f} GiB" if p.prediction else "-" for p in plans],
+    )
     return t
 
 
@@ -215,13 +260,19 @@ def _metric(key: str, value: float | None) -> str:
 
 def validation_table(report: ValidationReport) -> Table:
     spread = report.step_time_spread_s
-    title = (f"{report.plan.model.name} {report.plan.layout.short()}: {report.status} "
-             f"({report.steps} steps after {report.warmup} warm-up, {report.mode})")
+    title = (
+        f"{report.plan.model.name} {report.plan.layout.short()}: {report.status} "
+        f"({report.steps} steps after {report.warmup} warm-up, {report.mode})"
+    )
     t = Table(title=title, header_style="bold")
     for col in ("metric", "predicted", "measured", "error"):
         t.add_column(col, justify="left" if col == "metric" else "right")
-    names = {"step_time_s": "step time", "tokens_per_s": "tokens/s", "peak_memory_bytes": "peak memory (max rank)",
-             "loss": "first-step loss (pred. ln V)"}
+    names = {
+        "step_time_s": "step time",
+        "tokens_per_s": "tokens/s",
+        "peak_memory_bytes": "peak memory (max rank)",
+        "loss": "first-step loss (pred. ln V)",
+    }
     for key, name in names.items():
         p, m = getattr(report.predicted, key), getattr(report.measured, key)
         err = report.relative_error.get(key)
@@ -235,20 +286,32 @@ def validation_table(report: ValidationReport) -> Table:
         pred_mb = r["predicted_forward_backward_per_microbatch_s"]
         meas_mb = r["forward_per_microbatch_s"] + r["backward_per_microbatch_s"]
         t.add_row("fwd+bwd per micro-batch", _seconds(pred_mb), _seconds(meas_mb), f"{meas_mb / pred_mb - 1:+.1%}")
-        t.add_row("optimizer step", _seconds(r["predicted_optimizer_s"]), _seconds(r["optimizer_s"]),
-                  f"{r['optimizer_s'] / r['predicted_optimizer_s'] - 1:+.1%}" if r["predicted_optimizer_s"] else "-")
+        t.add_row(
+            "optimizer step",
+            _seconds(r["predicted_optimizer_s"]),
+            _seconds(r["optimizer_s"]),
+            f"{r['optimizer_s'] / r['predicted_optimizer_s'] - 1:+.1%}" if r["predicted_optimizer_s"] else "-",
+        )
     return t
 
 
 def hierarchy_table(cluster: ClusterSpec) -> Table:
     """The cluster's hierarchy of fast domains, innermost first."""
-    t = Table(title=f"{cluster.name}: {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs, fast domains "
-              "innermost first", header_style="bold")
+    t = Table(
+        title=f"{cluster.name}: {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs, fast domains innermost first",
+        header_style="bold",
+    )
     for col in ("level", "GPUs a block", "link", "GB/s per GPU", "limited by", "hop latency"):
         t.add_column(col, justify="left" if col in ("level", "link", "limited by") else "right")
     for lv in cluster.levels:
-        t.add_row(lv.name, str(lv.gpus), lv.link.kind, f"{lv.link.bandwidth_bytes_per_s / 1e9:,.2f}",
-                  lv.limited_by, f"{lv.link.hop_latency_s * 1e6:.1f} us")
+        t.add_row(
+            lv.name,
+            str(lv.gpus),
+            lv.link.kind,
+            f"{lv.link.bandwidth_bytes_per_s / 1e9:,.2f}",
+            lv.limited_by,
+            f"{lv.link.hop_latency_s * 1e6:.1f} us",
+        )
     return t
 
 
@@ -266,8 +329,18 @@ def print_placement(console: Console, plan: Plan, label: str, only_crossings: bo
         narrow = console.width < NARROW
         order = "-".join(with_cp(pl.axis_order.split("-"))) if plan.layout.cp > 1 else pl.axis_order
         t = Table(title=f"placement of {label} (axis order {order}, innermost first)", header_style="bold")
-        cols = ("axis", "size", "groups", "stride", "nodes a group", "slowest level", "link", "GB/s per GPU",
-                "comm / step", "cost of crossing")
+        cols = (
+            "axis",
+            "size",
+            "groups",
+            "stride",
+            "nodes a group",
+            "slowest level",
+            "link",
+            "GB/s per GPU",
+            "comm / step",
+            "cost of crossing",
+        )
         skip = {"groups", "stride", "nodes a group"} if narrow else set()
         for col in cols:
             if col not in skip:
@@ -275,18 +348,35 @@ def print_placement(console: Console, plan: Plan, label: str, only_crossings: bo
         for g in pl.groups:
             if g.size == 1:
                 continue
-            row = dict(zip(cols, (g.axis, str(g.size), str(g.count), str(g.stride), str(g.nodes_spanned), g.level,
-                                  g.link_kind, f"{g.bandwidth_bytes_per_s / 1e9:,.2f}", _seconds(g.time_s),
-                                  _seconds(g.cost_of_crossing_s) if g.crosses_slow_link else "-"), strict=True))
+            row = dict(
+                zip(
+                    cols,
+                    (
+                        g.axis,
+                        str(g.size),
+                        str(g.count),
+                        str(g.stride),
+                        str(g.nodes_spanned),
+                        g.level,
+                        g.link_kind,
+                        f"{g.bandwidth_bytes_per_s / 1e9:,.2f}",
+                        _seconds(g.time_s),
+                        _seconds(g.cost_of_crossing_s) if g.crosses_slow_link else "-",
+                    ),
+                    strict=True,
+                )
+            )
             t.add_row(*[v for k, v in row.items() if k not in skip])
         console.print(t)
     inner = plan.cluster.levels[0]
     for g in crossing:
         share = g.cost_of_crossing_s / plan.prediction.step_time_s if plan.prediction else 0.0
-        console.print(f"{label}: {g.axis} groups ({g.size} ranks) cross {g.link_kind} at "
-                      f"{g.bandwidth_bytes_per_s / 1e9:,.2f} GB/s per GPU ({g.level}) instead of "
-                      f"{inner.link.kind} at {inner.link.bandwidth_bytes_per_s / 1e9:,.0f}: "
-                      f"+{_seconds(g.cost_of_crossing_s)} per step ({share:.1%} of the step)")
+        console.print(
+            f"{label}: {g.axis} groups ({g.size} ranks) cross {g.link_kind} at "
+            f"{g.bandwidth_bytes_per_s / 1e9:,.2f} GB/s per GPU ({g.level}) instead of "
+            f"{inner.link.kind} at {inner.link.bandwidth_bytes_per_s / 1e9:,.0f}: "
+            f"+{_seconds(g.cost_of_crossing_s)} per step ({share:.1%} of the step)"
+        )
 
 
 def goodput_table(plans: list[Plan], title: str) -> Table:
@@ -305,12 +395,20 @@ def goodput_table(plans: list[Plan], title: str) -> Table:
         ("job MTBF", lambda g: f"{g.mtbf_s / 3600:,.1f} h"),
         ("lost per failure", lambda g: _seconds(g.lost_work_per_failure_s)),
         ("goodput", lambda g: f"{g.goodput_tokens_per_s:,.0f} tok/s ({g.goodput_fraction:.1%})"),
-        ("cost / M tokens", lambda g: f"{g.cost_per_million_tokens:,.3f}" if g.cost_per_million_tokens is not None
-         else "-"),
-        ("cost of the budget", lambda g: f"{g.cost_for_token_budget:,.0f}" if g.cost_for_token_budget is not None
-         else "-"),
-        ("energy / M tokens (TDP)", lambda g: f"{g.energy_kwh_per_million_tokens:,.2f} kWh"
-         if g.energy_kwh_per_million_tokens is not None else "-"),
+        (
+            "cost / M tokens",
+            lambda g: f"{g.cost_per_million_tokens:,.3f}" if g.cost_per_million_tokens is not None else "-",
+        ),
+        (
+            "cost of the budget",
+            lambda g: f"{g.cost_for_token_budget:,.0f}" if g.cost_for_token_budget is not None else "-",
+        ),
+        (
+            "energy / M tokens (TDP)",
+            lambda g: (
+                f"{g.energy_kwh_per_million_tokens:,.2f} kWh" if g.energy_kwh_per_million_tokens is not None else "-"
+            ),
+        ),
     ]
     for name, cell in rows:
         t.add_row(name, *[cell(g) if g else "-" for g in goods])
@@ -328,8 +426,10 @@ def _mib(x: float | None) -> str:
 def measured_terms_table(report: ValidationReport) -> Table:
     """Predicted beside measured, term by term (report.breakdown), the largest error marked."""
     b = report.breakdown
-    t = Table(title=f"step terms, rank {b.rank} (the rank that sets the step time; mean of {report.steps} timed steps)",
-              header_style="bold")
+    t = Table(
+        title=f"step terms, rank {b.rank} (the rank that sets the step time; mean of {report.steps} timed steps)",
+        header_style="bold",
+    )
     for col in ("term", "predicted ms", "measured ms", "error ms", "error"):
         t.add_column(col, justify="left" if col == "term" else "right")
     for term, row in b.terms.items():
@@ -340,8 +440,14 @@ def measured_terms_table(report: ValidationReport) -> Table:
         t.add_row(term + mark, _ms(row.predicted_s), _ms(row.measured_s), err, rel, style=style)
     t.add_row("other (untimed glue)", "", _ms(b.unattributed_s), "", "")
     predicted = sum(r.predicted_s or 0.0 for r in b.terms.values())
-    t.add_row("step", _ms(predicted), _ms(b.step_time_s), f"{(b.step_time_s - predicted) * 1e3:+.2f}",
-              f"{b.step_time_s / predicted - 1:+.0%}" if predicted else "-", style="bold")
+    t.add_row(
+        "step",
+        _ms(predicted),
+        _ms(b.step_time_s),
+        f"{(b.step_time_s - predicted) * 1e3:+.2f}",
+        f"{b.step_time_s / predicted - 1:+.0%}" if predicted else "-",
+        style="bold",
+    )
     return t
 
 
@@ -352,8 +458,9 @@ def measured_memory_table(report: ValidationReport) -> Table:
         t.add_column(col, justify="left" if col == "term" else "right")
     for term, row in b.memory.items():
         err = f"{row.error_bytes / 2**20:+,.1f}" if row.error_bytes is not None else "-"
-        t.add_row(term, _mib(row.predicted_bytes), _mib(row.measured_bytes), err,
-                  style="bold" if term == "total" else None)
+        t.add_row(
+            term, _mib(row.predicted_bytes), _mib(row.measured_bytes), err, style="bold" if term == "total" else None
+        )
     return t
 
 

@@ -96,8 +96,9 @@ def cp_options(training: TrainingSpec, world: int) -> list[int]:
     s = training.seq_len
     out = [1]
     cp = 2
-    while (training.flash_attention and world % cp == 0 and s % (2 * cp) == 0
-           and cp * CP_SEARCH_MIN_TOKENS_PER_RANK <= s):
+    while (
+        training.flash_attention and world % cp == 0 and s % (2 * cp) == 0 and cp * CP_SEARCH_MIN_TOKENS_PER_RANK <= s
+    ):
         out.append(cp)
         cp *= 2
     return out
@@ -111,13 +112,23 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
     middle rank's layers) narrow what is tried; the mask checks every rule on the full rows."""
     L, B = model.num_layers, training.global_batch_size
     facts = Facts(model, training, world)
-    triples = np.asarray([(t, c, p) for t in divisors(world) for c in cp_options(training, world // t)
-                          for p in divisors(world // (t * c))], dtype=np.int64).reshape(-1, 3)
-    keep = prune(facts, tp=triples[:, 0], cp=triples[:, 1], pp=triples[:, 2],
-                 virtual_stages=np.ones(len(triples), np.int64))
+    triples = np.asarray(
+        [
+            (t, c, p)
+            for t in divisors(world)
+            for c in cp_options(training, world // t)
+            for p in divisors(world // (t * c))
+        ],
+        dtype=np.int64,
+    ).reshape(-1, 3)
+    keep = prune(
+        facts, tp=triples[:, 0], cp=triples[:, 1], pp=triples[:, 2], virtual_stages=np.ones(len(triples), np.int64)
+    )
     # virtual stages: the divisors v > 1 of a middle rank's layers, ceil(L / pp) (L / pp when pp divides L)
-    pairs = np.asarray([(p, v) for p in sorted(set(triples[keep, 2].tolist())) if p > 1 for v in divisors(-(-L // p))
-                        if v > 1], dtype=np.int64).reshape(-1, 2)
+    pairs = np.asarray(
+        [(p, v) for p in sorted(set(triples[keep, 2].tolist())) if p > 1 for v in divisors(-(-L // p)) if v > 1],
+        dtype=np.int64,
+    ).reshape(-1, 2)
     vpps: dict[int, list[int]] = {}
     if len(pairs):
         for p, v in pairs[prune(facts, pp=pairs[:, 0], virtual_stages=pairs[:, 1])].tolist():
@@ -155,19 +166,30 @@ def _inner_options(dp: int, tp: int, experts: int = 0, cp: bool = False) -> np.n
 
 
 # _structural_rows' and _inner_options' columns (Candidates fields)
-_STRUCT_COLUMNS = ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "schedule", "virtual_stages", "axis_order",
-                   "cp")
+_STRUCT_COLUMNS = (
+    "tp",
+    "pp",
+    "dp",
+    "micro_batch_size",
+    "num_microbatches",
+    "schedule",
+    "virtual_stages",
+    "axis_order",
+    "cp",
+)
 _INNER_COLUMNS = ("zero_stage", "shard", "recompute", "sequence_parallel", "ep")
 
 
-def _groups(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
-            search: SearchSpec) -> list[tuple[np.ndarray, np.ndarray]]:
+def _groups(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, search: SearchSpec
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """(structural rows, inner options) per group, search.fix applied to each side: the candidates
     are every row of a group times every option of it, so they are counted before any is built."""
     rows = _structural_rows(model, training, cluster.world_size, search.max_micro_batch_size)
     if rows.shape[0] == 0:
         raise BerthError(
-            "training.global_batch_size", training.global_batch_size,
+            "training.global_batch_size",
+            training.global_batch_size,
             f"no layout of {cluster.world_size} GPUs splits it (dp must divide the global batch; "
             f"tp must divide {model.num_attention_heads} heads and {model.kv_heads} kv heads; "
             f"pp must leave each pipeline stage of the {model.num_layers} layers at least one; cp is searched "
@@ -201,8 +223,9 @@ def _group_tables(rows: np.ndarray, codes: dict[str, int], experts: int = 0) -> 
 _CODES = {"recompute": RECOMPUTE_CHOICES, "schedule": SCHEDULE_CHOICES, "axis_order": AXIS_ORDER_CHOICES}
 
 
-def _refuse_empty_fix(rows: np.ndarray, fix: dict, model: ModelSpec, training: TrainingSpec,
-                      cluster: ClusterSpec) -> None:
+def _refuse_empty_fix(
+    rows: np.ndarray, fix: dict, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec
+) -> None:
     """Raise the refusal of the first fixed key that leaves no candidate (keys applied in the order
     given), with the values the candidates left by the keys before it have: never an empty search."""
     keys = list(fix)
@@ -234,8 +257,10 @@ def count_candidates(model: ModelSpec, training: TrainingSpec, cluster: ClusterS
 def _block(struct: np.ndarray, inner: np.ndarray) -> Candidates:
     s = np.repeat(struct, len(inner), axis=0)
     o = np.tile(inner, (len(struct), 1))
-    return Candidates(**{name: s[:, j] for j, name in enumerate(_STRUCT_COLUMNS)},
-                      **{name: o[:, j] for j, name in enumerate(_INNER_COLUMNS)})
+    return Candidates(
+        **{name: s[:, j] for j, name in enumerate(_STRUCT_COLUMNS)},
+        **{name: o[:, j] for j, name in enumerate(_INNER_COLUMNS)},
+    )
 
 
 def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> Iterator[Candidates]:
@@ -247,7 +272,7 @@ def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | No
     for struct, inner in groups:
         step = max(1, chunk // len(inner))
         for start in range(0, len(struct), step):
-            block = _block(struct[start:start + step], inner)
+            block = _block(struct[start : start + step], inner)
             pending.append(block)
             size += len(block)
             while size >= chunk:
@@ -259,11 +284,14 @@ def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | No
         yield Candidates.concat(pending) if len(pending) > 1 else pending[0]
 
 
-def enumerate_candidates(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
-                         search: SearchSpec) -> Candidates:
+def enumerate_candidates(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, search: SearchSpec
+) -> Candidates:
     """Every candidate of the search at once (tests and small searches; `search` streams them)."""
-    return Candidates.concat([_block(struct, inner) for struct, inner in _groups(model, training, cluster, search)]
-                             or [_block(np.zeros((0, 9), np.int64), np.zeros((1, 5), np.int64))])
+    return Candidates.concat(
+        [_block(struct, inner) for struct, inner in _groups(model, training, cluster, search)]
+        or [_block(np.zeros((0, 9), np.int64), np.zeros((1, 5), np.int64))]
+    )
 
 
 def _fix_codes(fix: dict) -> dict[str, int]:
@@ -291,17 +319,27 @@ class SearchTimeout(RuntimeError):
     within one chunk)."""
 
 
-def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec: SearchSpec,
-           max_candidates: int | None = None, deadline: float | None = None,
-           cancel: threading.Event | None = None) -> SearchResult:
+def search(
+    model: ModelSpec,
+    training: TrainingSpec,
+    cluster: ClusterSpec,
+    spec: SearchSpec,
+    max_candidates: int | None = None,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+) -> SearchResult:
     """Score every candidate layout and keep the `spec.top` best. `max_candidates` refuses a
     search larger than that (BerthError, counted before any candidate is built); `deadline`
     (time.monotonic) and `cancel` stop one that runs late or whose caller gave up."""
     groups = _groups(model, training, cluster, spec)
     total = sum(len(struct) * len(inner) for struct, inner in groups)
     if max_candidates is not None and total > max_candidates:
-        raise BerthError("search", total, f"{total:,} layouts to score, more than this server's limit "
-                         f"{max_candidates:,}; narrow the search with search.fix (e.g. tp=8)")
+        raise BerthError(
+            "search",
+            total,
+            f"{total:,} layouts to score, more than this server's limit "
+            f"{max_candidates:,}; narrow the search with search.fix (e.g. tp=8)",
+        )
     best: list[tuple[Candidates, Evaluation, np.ndarray]] = []
     reasons: Counter[int] = Counter()
     feasible = done = 0
@@ -337,8 +375,9 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
         top = part.take(order[: spec.top * len(AXIS_ORDER_CHOICES)])
         del ev, part
         best.append((top, evaluate(model, training, cluster, top, spec.memory_headroom), np.arange(len(top))))
-    merged = [(float(objective_value(ev, spec.objective)[i]), k, int(i)) for k, (_, ev, top) in enumerate(best)
-              for i in top]
+    merged = [
+        (float(objective_value(ev, spec.objective)[i]), k, int(i)) for k, (_, ev, top) in enumerate(best) for i in top
+    ]
     merged.sort(key=lambda t: -t[0])
     plans, seen = [], set()
     for _, k, i in merged:  # one plan per layout: its best axis order (an equal one keeps tp-dp-pp)
@@ -347,8 +386,9 @@ def search(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, spec:
             seen.add(key)
             plans.append(make_plan(model, training, cluster, best[k][0], best[k][1], i, detail=not plans))
     rejected = {REASONS[code][0]: n for code, n in sorted(reasons.items()) if code != VALID}
-    return SearchResult(plans=plans, searched=total, feasible=feasible, rejected=rejected,
-                        closest=closest if not plans else None)
+    return SearchResult(
+        plans=plans, searched=total, feasible=feasible, rejected=rejected, closest=closest if not plans else None
+    )
 
 
 def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
@@ -406,8 +446,13 @@ def _placement(model, training, cluster, layout: Layout, prediction: Prediction,
     a cluster as fast as its innermost domain everywhere."""
     with np.errstate(divide="ignore", invalid="ignore"):
         inner = evaluate(model, training, innermost_cluster(cluster), Candidates.from_layouts([layout]))
-    return placement(layout, cluster, prediction.time_breakdown_s,
-                     {k: float(v[0]) for k, v in inner.time_breakdown_s.items()}, detail)
+    return placement(
+        layout,
+        cluster,
+        prediction.time_breakdown_s,
+        {k: float(v[0]) for k, v in inner.time_breakdown_s.items()},
+        detail,
+    )
 
 
 def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str | None:
@@ -418,14 +463,21 @@ def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str
         need = ev.peak_memory_bytes[i] / 2**30
         have = allocator_capacity_bytes(cluster.device, cluster.world_size) / 2**30
         if name == "memory_tight":
-            return (f"{name}: needs {need:.1f} GiB per GPU of the {have:.1f} GiB the allocator can use, less than the "
-                    f"memory headroom ({1 - need / have:.1%} left); it may run out of memory")
+            return (
+                f"{name}: needs {need:.1f} GiB per GPU of the {have:.1f} GiB the allocator can use, less than the "
+                f"memory headroom ({1 - need / have:.1%} left); it may run out of memory"
+            )
         return f"{name}: needs {need:.1f} GiB per GPU, the allocator can use {have:.1f} GiB"
     return f"{name}: {text}"
 
 
-def predict_layouts(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
-                    layouts: list[Layout], memory_headroom: float = DEFAULT_MEMORY_HEADROOM) -> list[Plan]:
+def predict_layouts(
+    model: ModelSpec,
+    training: TrainingSpec,
+    cluster: ClusterSpec,
+    layouts: list[Layout],
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+) -> list[Plan]:
     """Score given layouts (invalid ones keep their reason and no prediction)."""
     c = Candidates.from_layouts(layouts)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -433,5 +485,13 @@ def predict_layouts(model: ModelSpec, training: TrainingSpec, cluster: ClusterSp
     return [make_plan(model, training, cluster, c, ev, i) for i in range(len(layouts))]
 
 
-__all__ = ["SearchResult", "SearchTimeout", "count_candidates", "divisors", "enumerate_candidates", "iter_candidates",
-           "predict_layouts", "search"]
+__all__ = [
+    "SearchResult",
+    "SearchTimeout",
+    "count_candidates",
+    "divisors",
+    "enumerate_candidates",
+    "iter_candidates",
+    "predict_layouts",
+    "search",
+]

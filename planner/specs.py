@@ -44,12 +44,15 @@ MAX_GPUS_PER_NODE = 1024
 # still shell-quote every value (planner/launch.py): the two defences do not rely on each other.
 MAX_NAME_LEN = 128  # Hugging Face repo ids ("org/name") are at most 96 characters
 MAX_IMAGE_LEN = 255  # OCI image references: registry host, path, tag (Docker caps a tag at 128)
-ModelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./][A-Za-z0-9_./:+@-]*$", min_length=1,
-                                             max_length=MAX_NAME_LEN)]
-HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*$", min_length=1,
-                                            max_length=253)]  # RFC 1123 host names, IPv4/IPv6 addresses
-ImageName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./:@-]*$", min_length=1,
-                                             max_length=MAX_IMAGE_LEN)]
+ModelName = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9_./][A-Za-z0-9_./:+@-]*$", min_length=1, max_length=MAX_NAME_LEN)
+]
+HostName = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*$", min_length=1, max_length=253)
+]  # RFC 1123 host names, IPv4/IPv6 addresses
+ImageName = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./:@-]*$", min_length=1, max_length=MAX_IMAGE_LEN)
+]
 LabelText = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]*$", max_length=256)]  # one printable line
 _HOST = TypeAdapter(HostName)
 
@@ -60,7 +63,8 @@ def check_host(value: Any) -> str | None:
         _HOST.validate_python(value)
     except ValidationError as err:
         return "a host name: letters, digits and . _ - : only, at most 253 characters" + (
-            "" if isinstance(value, str) else f" ({err.errors()[0]['msg']})")
+            "" if isinstance(value, str) else f" ({err.errors()[0]['msg']})"
+        )
     return None
 
 
@@ -74,45 +78,60 @@ class ModelSpec(Spec):
     name: ModelName = Field(
         default="custom",
         description="the model's name in tables, plans and launch files (a preset name or Hugging Face repo id; "
-        "'custom' when given by its shape)")
+        "'custom' when given by its shape)",
+    )
     num_layers: int = Field(gt=0, le=MAX_LAYERS, description="number of decoder layers (transformer blocks)")
     hidden_size: int = Field(
-        gt=0, le=MAX_HIDDEN, description="model width h: the size of each token's hidden state (elements)")
+        gt=0, le=MAX_HIDDEN, description="model width h: the size of each token's hidden state (elements)"
+    )
     num_attention_heads: int = Field(
-        gt=0, le=MAX_HEADS, description="query heads per attention layer; hidden_size must be divisible by it")
+        gt=0, le=MAX_HEADS, description="query heads per attention layer; hidden_size must be divisible by it"
+    )
     num_kv_heads: int | None = Field(
-        default=None, gt=0, le=MAX_HEADS,
+        default=None,
+        gt=0,
+        le=MAX_HEADS,
         description="key/value heads per attention layer (grouped-query attention); null: one per query head "
-        "(multi-head attention)")
+        "(multi-head attention)",
+    )
     ffn_hidden_size: int = Field(gt=0, le=MAX_HIDDEN * 8, description="inner width of a dense layer's MLP (elements)")
     vocab_size: int = Field(
-        gt=0, le=MAX_VOCAB, description="tokens in the vocabulary: the rows of the input embedding and of the LM head")
+        gt=0, le=MAX_VOCAB, description="tokens in the vocabulary: the rows of the input embedding and of the LM head"
+    )
     mlp: Literal["gelu", "swiglu"] = Field(
-        default="gelu",
-        description="MLP kind: 'gelu' (two h x ffn weight matrices) or 'swiglu' (three: gate, up, down)")
+        default="gelu", description="MLP kind: 'gelu' (two h x ffn weight matrices) or 'swiglu' (three: gate, up, down)"
+    )
     norm: Literal["layernorm", "rmsnorm"] = Field(
         default="layernorm",
-        description="normalization layers: 'layernorm' (weight and bias) or 'rmsnorm' (weight only)")
+        description="normalization layers: 'layernorm' (weight and bias) or 'rmsnorm' (weight only)",
+    )
     tied_embeddings: bool = Field(
-        default=False, description="the LM head shares the input embedding's weights (no separate head parameters)")
+        default=False, description="the LM head shares the input embedding's weights (no separate head parameters)"
+    )
     dropout: bool = Field(
-        default=False, description="dropout is applied (adds elementwise passes and mask memory to the cost model)")
+        default=False, description="dropout is applied (adds elementwise passes and mask memory to the cost model)"
+    )
     # Mixture of experts (Shazeer et al. 2017; Fedus et al. 2022; Mixtral, DeepSeek-V3): each MoE
     # layer replaces its MLP by `num_experts` routed experts of `moe_ffn_hidden_size` (same mlp kind),
     # of which a router (one h x E linear, top-k softmax) picks `experts_per_token` per token, plus
     # `num_shared_experts` experts every token goes through (DeepSeek). The first `first_k_dense`
     # layers keep the dense MLP of `ffn_hidden_size` (DeepSeek-V3: 3); num_experts = 0 is dense.
     num_experts: int = Field(
-        default=0, ge=0, le=1 << 14, description="routed experts per MoE layer; 0 for a dense model")
+        default=0, ge=0, le=1 << 14, description="routed experts per MoE layer; 0 for a dense model"
+    )
     experts_per_token: int = Field(default=0, ge=0, le=1 << 10, description="top-k of the router")
-    moe_ffn_hidden_size: int | None = Field(default=None, gt=0, le=MAX_HIDDEN * 8,
-                                            description="one expert's ffn size (default: ffn_hidden_size)")
+    moe_ffn_hidden_size: int | None = Field(
+        default=None, gt=0, le=MAX_HIDDEN * 8, description="one expert's ffn size (default: ffn_hidden_size)"
+    )
     num_shared_experts: int = Field(
-        default=0, ge=0, le=64,
-        description="experts every token goes through in each MoE layer, besides the routed ones (DeepSeek)")
-    shared_expert_ffn_hidden_size: int | None = Field(default=None, gt=0, le=MAX_HIDDEN * 8,
-                                                      description="one shared expert's ffn size (default: the "
-                                                      "expert ffn size)")
+        default=0,
+        ge=0,
+        le=64,
+        description="experts every token goes through in each MoE layer, besides the routed ones (DeepSeek)",
+    )
+    shared_expert_ffn_hidden_size: int | None = Field(
+        default=None, gt=0, le=MAX_HIDDEN * 8, description="one shared expert's ffn size (default: the expert ffn size)"
+    )
     first_k_dense: int = Field(default=0, ge=0, le=MAX_LAYERS, description="leading layers with a dense MLP")
 
     @model_validator(mode="after")
@@ -124,8 +143,7 @@ class ModelSpec(Spec):
                 raise ValueError(f"{extra[0]} needs num_experts > 0 (a mixture-of-experts model)")
             return self
         if not 1 <= self.experts_per_token <= self.num_experts:
-            raise ValueError(f"experts_per_token {self.experts_per_token} must be in 1..num_experts "
-                             f"{self.num_experts}")
+            raise ValueError(f"experts_per_token {self.experts_per_token} must be in 1..num_experts {self.num_experts}")
         if self.first_k_dense >= self.num_layers:
             raise ValueError(f"first_k_dense {self.first_k_dense} leaves no MoE layer of {self.num_layers}")
         return self
@@ -134,13 +152,11 @@ class ModelSpec(Spec):
     def _shape(self) -> ModelSpec:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by "
-                f"num_attention_heads {self.num_attention_heads}"
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
             )
         if self.num_attention_heads % self.kv_heads:
             raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not divisible by "
-                f"num_kv_heads {self.kv_heads}"
+                f"num_attention_heads {self.num_attention_heads} is not divisible by num_kv_heads {self.kv_heads}"
             )
         return self
 
@@ -199,10 +215,19 @@ class ModelSpec(Spec):
         out). Dense models are returned as they are."""
         if not self.is_moe:
             return self
-        return ModelSpec(name=self.name, num_layers=self.num_layers, hidden_size=self.hidden_size,
-                         num_attention_heads=self.num_attention_heads, num_kv_heads=self.num_kv_heads,
-                         ffn_hidden_size=self.mean_ffn_hidden_size, vocab_size=self.vocab_size, mlp=self.mlp,
-                         norm=self.norm, tied_embeddings=self.tied_embeddings, dropout=self.dropout)
+        return ModelSpec(
+            name=self.name,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_kv_heads,
+            ffn_hidden_size=self.mean_ffn_hidden_size,
+            vocab_size=self.vocab_size,
+            mlp=self.mlp,
+            norm=self.norm,
+            tied_embeddings=self.tied_embeddings,
+            dropout=self.dropout,
+        )
 
     @property
     def attention_norm_params_per_layer(self) -> int:
@@ -220,8 +245,11 @@ class ModelSpec(Spec):
     def moe_layer_other_params(self) -> int:
         """An MoE layer less its routed experts: attention, norms, router (h x E), shared experts."""
         h = self.hidden_size
-        return (self.attention_norm_params_per_layer + h * self.num_experts
-                + self.num_shared_experts * self.mlp_matrices * h * self.shared_ffn)
+        return (
+            self.attention_norm_params_per_layer
+            + h * self.num_experts
+            + self.num_shared_experts * self.mlp_matrices * h * self.shared_ffn
+        )
 
     @property
     def layer_params_total(self) -> int:
@@ -229,8 +257,9 @@ class ModelSpec(Spec):
         dense = self.attention_norm_params_per_layer + self.mlp_matrices * self.hidden_size * self.ffn_hidden_size
         if not self.is_moe:
             return self.num_layers * dense
-        return self.first_k_dense * dense + self.num_moe_layers * (self.moe_layer_other_params
-                                                                   + self.expert_params_per_moe_layer)
+        return self.first_k_dense * dense + self.num_moe_layers * (
+            self.moe_layer_other_params + self.expert_params_per_moe_layer
+        )
 
     @property
     def params_per_layer(self):
@@ -249,8 +278,13 @@ class ModelSpec(Spec):
         """Parameters a token goes through (MoE: top-k of the routed experts); num_params for dense."""
         if not self.is_moe:
             return self.num_params
-        idle = self.num_moe_layers * (self.num_experts - self.experts_per_token) * self.mlp_matrices \
-            * self.hidden_size * self.expert_ffn
+        idle = (
+            self.num_moe_layers
+            * (self.num_experts - self.experts_per_token)
+            * self.mlp_matrices
+            * self.hidden_size
+            * self.expert_ffn
+        )
         return self.num_params - idle
 
     @property
@@ -273,28 +307,43 @@ class TrainingSpec(Spec):
     precision: Precision = Field(
         default="bf16",
         description="compute precision of parameters, activations and gradients (fp32: 4 bytes per element, else 2); "
-        "mixed precision keeps fp32 master weights in the optimizer state")
+        "mixed precision keeps fp32 master weights in the optimizer state",
+    )
     optimizer: Literal["adamw"] = Field(
         default="adamw",
         description="the optimizer whose state the memory and checkpoint model count (AdamW: 12 bytes per parameter in "
-        "mixed precision, 8 in fp32)")
+        "mixed precision, 8 in fp32)",
+    )
     flash_attention: bool = Field(
         default=True,
         description="attention runs as a fused kernel that never stores the seq_len x seq_len scores; false: unfused "
-        "matmul-softmax-matmul")
-    attention_kernel: Literal["sdpa", "flash2", "flash1"] = Field(default="sdpa", description=(
-        "which fused attention kernel runs when flash_attention is on: 'sdpa' (today's PyTorch "
-        "scaled_dot_product_attention, what the device profile measured), 'flash2' (FlashAttention-2, e.g. PyTorch "
-        "of 2024 on Hopper) or 'flash1' (FlashAttention v1 and its Triton port, e.g. MosaicML llm-foundry's "
-        "attn_impl 'triton' of 2023); speeds in DeviceProfile.attention_kernel_speed"))
-    framework: Framework = Field(default="pytorch", description=(
-        "the training stack whose memory behaviour the prediction follows: 'pytorch' (DTensor tensor and "
-        "sequence parallelism, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron' (Megatron-LM)"))
+        "matmul-softmax-matmul",
+    )
+    attention_kernel: Literal["sdpa", "flash2", "flash1"] = Field(
+        default="sdpa",
+        description=(
+            "which fused attention kernel runs when flash_attention is on: 'sdpa' (today's PyTorch "
+            "scaled_dot_product_attention, what the device profile measured), 'flash2' (FlashAttention-2, e.g. PyTorch "
+            "of 2024 on Hopper) or 'flash1' (FlashAttention v1 and its Triton port, e.g. MosaicML llm-foundry's "
+            "attn_impl 'triton' of 2023); speeds in DeviceProfile.attention_kernel_speed"
+        ),
+    )
+    framework: Framework = Field(
+        default="pytorch",
+        description=(
+            "the training stack whose memory behaviour the prediction follows: 'pytorch' (DTensor tensor and "
+            "sequence parallelism, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron' (Megatron-LM)"
+        ),
+    )
     token_budget: float | None = Field(default=None, gt=0, description="tokens to train on (for the cost)")
-    cross_entropy: Literal["fp32", "fused"] = Field(default="fp32", description=(
-        "how the loss holds the logits: 'fp32' (F.cross_entropy on an fp32 copy: the bundled executor, torchtitan, "
-        "Megatron-LM) or 'fused' (a fused kernel on the 16-bit logits that writes their gradient in place, as "
-        "MosaicML llm-foundry's fused_crossentropy)"))
+    cross_entropy: Literal["fp32", "fused"] = Field(
+        default="fp32",
+        description=(
+            "how the loss holds the logits: 'fp32' (F.cross_entropy on an fp32 copy: the bundled executor, torchtitan, "
+            "Megatron-LM) or 'fused' (a fused kernel on the 16-bit logits that writes their gradient in place, as "
+            "MosaicML llm-foundry's fused_crossentropy)"
+        ),
+    )
 
     @property
     def bytes_per_element(self) -> int:
@@ -321,9 +370,12 @@ class FabricLevel(Spec):
     gpus: int = Field(gt=0, description="GPUs in one block of this level (consecutive ranks)")
     link: LinkProfile = Field(
         description="the link a GPU's traffic to the other sub-blocks of its block takes, with the bandwidth share "
-        "each GPU gets")
-    limited_by: str = Field(default="path", description="path (slowest hop), nic (one GPU's own port) or "
-                            "shared (a link several GPUs cross at once)")
+        "each GPU gets"
+    )
+    limited_by: str = Field(
+        default="path",
+        description="path (slowest hop), nic (one GPU's own port) or shared (a link several GPUs cross at once)",
+    )
 
 
 class ClusterSpec(Spec):
@@ -336,41 +388,58 @@ class ClusterSpec(Spec):
     gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE, description="GPUs (devices) in each node")
     device: DeviceProfile = Field(
         description="the GPU model's profile (memory, peak FLOP/s, measured kernel speeds); with mixed devices, the "
-        "slowest speed and smallest memory")
+        "slowest speed and smallest memory"
+    )
     intra_node: LinkProfile = Field(description="the link between GPUs inside a node (NVLink/NVSwitch, PCIe)")
     inter_node: LinkProfile = Field(description="the link between nodes (a NIC rail: InfiniBand, Ethernet)")
     collective_base_latency_s: float = Field(
         ge=0,
         description="fixed start-up time of one collective call, seconds (added once per collective on top of the "
-        "per-hop latency)")
+        "per-hop latency)",
+    )
     comm_overlap_efficiency: float = Field(
-        default=0.7, ge=0, le=1,
-        description="fraction of a backward compute window that hides data-parallel traffic (cost_models/step.py)")
+        default=0.7,
+        ge=0,
+        le=1,
+        description="fraction of a backward compute window that hides data-parallel traffic (cost_models/step.py)",
+    )
     fabric: tuple[FabricLevel, ...] = Field(
         default=(),
         description="the hierarchy of fast domains, innermost first, the last spanning the cluster; empty: node, then "
-        "cluster")
-    devices: dict[str, int] = Field(default_factory=dict,
-                                    description="GPUs per device profile, when the cluster mixes several")
+        "cluster",
+    )
+    devices: dict[str, int] = Field(
+        default_factory=dict, description="GPUs per device profile, when the cluster mixes several"
+    )
     notes: tuple[str, ...] = Field(
         default=(),
-        description="remarks on how the cluster was built (e.g. a heterogeneous mix run at its slowest device's pace)")
-    hosts: tuple[HostName, ...] = Field(default=(), description="host name of each node (graph clusters), in node "
-                                        "order")
+        description="remarks on how the cluster was built (e.g. a heterogeneous mix run at its slowest device's pace)",
+    )
+    hosts: tuple[HostName, ...] = Field(
+        default=(), description="host name of each node (graph clusters), in node order"
+    )
     # Failures and checkpoints (cost_models/goodput.py). Defaults from Meta's Llama 3 pre-training
     # (Dubey et al. 2024, "The Llama 3 Herd of Models", Sec. 3.3): 419 unexpected interruptions in
     # 54 days on 16,384 H100 GPUs = 1.97e-5 per GPU-hour; the Tectonic filesystem sustained 2 TB/s
     # for those 16,384 GPUs = 122 MB/s of write bandwidth per GPU.
     failures_per_gpu_hour: float = Field(
-        default=1.97e-5, ge=1e-12, le=1,
-        description="unexpected job interruptions per GPU-hour (default: Llama 3 pre-training, Dubey et al. 2024)")
-    storage_write_bytes_per_s_per_gpu: float = Field(default=1.22e8, ge=1e3,
-                                                    description="the filesystem's aggregate write bandwidth / GPUs")
+        default=1.97e-5,
+        ge=1e-12,
+        le=1,
+        description="unexpected job interruptions per GPU-hour (default: Llama 3 pre-training, Dubey et al. 2024)",
+    )
+    storage_write_bytes_per_s_per_gpu: float = Field(
+        default=1.22e8, ge=1e3, description="the filesystem's aggregate write bandwidth / GPUs"
+    )
     storage_client_write_bytes_per_s: float = Field(
-        default=2e9, ge=1e3, description="one writing rank's bandwidth to storage (assumption: about one 25 GB/s "
-        "storage NIC shared by a node's 8 GPUs, at 2/3 efficiency)")
-    restart_s: float = Field(default=600.0, ge=0, description="detect a failure, reschedule, reload (assumption: "
-                             "10 minutes)")
+        default=2e9,
+        ge=1e3,
+        description="one writing rank's bandwidth to storage (assumption: about one 25 GB/s "
+        "storage NIC shared by a node's 8 GPUs, at 2/3 efficiency)",
+    )
+    restart_s: float = Field(
+        default=600.0, ge=0, description="detect a failure, reschedule, reload (assumption: 10 minutes)"
+    )
     price_per_gpu_hour: float | None = Field(default=None, ge=0, description="currency units per GPU-hour")
 
     @property
@@ -382,49 +451,73 @@ class ClusterSpec(Spec):
         """The hierarchy, innermost first; its last level spans the whole cluster."""
         if self.fabric:
             return self.fabric
-        return (FabricLevel(name="node", gpus=self.gpus_per_node, link=self.intra_node),
-                FabricLevel(name="cluster", gpus=self.world_size, link=self.inter_node))
+        return (
+            FabricLevel(name="node", gpus=self.gpus_per_node, link=self.intra_node),
+            FabricLevel(name="cluster", gpus=self.world_size, link=self.inter_node),
+        )
 
 
 class Layout(Spec):
     """One parallel layout in DESIGN.md's vocabulary."""
 
     tp: int = Field(
-        default=1, gt=0, description="tensor-parallel degree: ranks that split each layer's weight matrices (Megatron)")
-    cp: int = Field(default=1, gt=0, description="context-parallel degree: each rank holds seq/cp tokens of every "
-                    "sequence (load-balanced causal split into 2 cp chunks; ring attention, cost_models/step.py)")
+        default=1, gt=0, description="tensor-parallel degree: ranks that split each layer's weight matrices (Megatron)"
+    )
+    cp: int = Field(
+        default=1,
+        gt=0,
+        description="context-parallel degree: each rank holds seq/cp tokens of every "
+        "sequence (load-balanced causal split into 2 cp chunks; ring attention, cost_models/step.py)",
+    )
     pp: int = Field(
-        default=1, gt=0, description="pipeline-parallel degree: ranks that each hold a contiguous stage of the layers")
+        default=1, gt=0, description="pipeline-parallel degree: ranks that each hold a contiguous stage of the layers"
+    )
     dp: int = Field(
-        default=1, gt=0, description="data-parallel degree: model replicas, each on its own share of the global batch")
-    ep: int = Field(default=1, gt=0, description="expert-parallel degree (MoE models): ranks carved out of dp, each "
-                    "holding num_experts / ep experts; 1 for dense models")
+        default=1, gt=0, description="data-parallel degree: model replicas, each on its own share of the global batch"
+    )
+    ep: int = Field(
+        default=1,
+        gt=0,
+        description="expert-parallel degree (MoE models): ranks carved out of dp, each "
+        "holding num_experts / ep experts; 1 for dense models",
+    )
     shard: int = Field(
-        default=1, gt=0,
+        default=1,
+        gt=0,
         description="ranks of dp that ZeRO shards the model state over, times cp (shard = dp: fully sharded; 1 "
-        "without ZeRO)")
+        "without ZeRO)",
+    )
     zero_stage: int = Field(
-        default=0, ge=0, le=3,
+        default=0,
+        ge=0,
+        le=3,
         description="ZeRO stage (Rajbhandari et al. 2020): 0 none, 1 optimizer state, 2 plus gradients, 3 plus "
-        "parameters sharded over `shard` x cp ranks")
+        "parameters sharded over `shard` x cp ranks",
+    )
     recompute: Recompute = Field(
         default="none",
         description="activation recomputation: 'none', 'selective' (attention core only, Korthikanti et al. 2022) or "
-        "'full' (each layer's forward rerun in the backward)")
+        "'full' (each layer's forward rerun in the backward)",
+    )
     micro_batch_size: int = Field(default=1, gt=0, description="sequences per micro-batch on one data-parallel replica")
     num_microbatches: int = Field(
-        default=1, gt=0,
+        default=1,
+        gt=0,
         description="micro-batches per step on one data-parallel replica; dp x micro_batch_size x num_microbatches = "
-        "global_batch_size")
+        "global_batch_size",
+    )
     virtual_stages: int = Field(
-        default=1, gt=0, description="model chunks per pipeline rank (interleaved 1F1B); 1 otherwise")
+        default=1, gt=0, description="model chunks per pipeline rank (interleaved 1F1B); 1 otherwise"
+    )
     schedule: Schedule = Field(
         default="1f1b",
-        description="pipeline schedule: 'gpipe', '1f1b' or 'interleaved_1f1b' (needs virtual_stages > 1)")
+        description="pipeline schedule: 'gpipe', '1f1b' or 'interleaved_1f1b' (needs virtual_stages > 1)",
+    )
     sequence_parallel: bool = Field(
         default=False,
         description="tensor-parallel ranks also split the norms' and dropouts' activations along the sequence "
-        "(Korthikanti et al. 2022)")
+        "(Korthikanti et al. 2022)",
+    )
     axis_order: AxisOrder = Field(default="tp-dp-pp", description="parallel axes over ranks, innermost first")
 
     @property
@@ -480,18 +573,26 @@ MAX_MEMORY_HEADROOM = 0.5
 class SearchSpec(Spec):
     top: int = Field(default=5, gt=0, le=1000, description="how many plans to return, best first")
     memory_headroom: float = Field(
-        default=DEFAULT_MEMORY_HEADROOM, ge=0, le=MAX_MEMORY_HEADROOM,
+        default=DEFAULT_MEMORY_HEADROOM,
+        ge=0,
+        le=MAX_MEMORY_HEADROOM,
         description="share of the device memory (what the caching allocator can reserve) a plan must leave free "
         "to be ranked as fitting; a plan whose predicted peak is above capacity x (1 - headroom) is 'tight' "
-        "(reason memory_tight) and is not ranked")
-    objective: Objective = Field(default="throughput", description="rank by tokens/s, by useful tokens/s after "
-                                 "checkpoints and failures, or by cost per useful token")
+        "(reason memory_tight) and is not ranked",
+    )
+    objective: Objective = Field(
+        default="throughput",
+        description="rank by tokens/s, by useful tokens/s after checkpoints and failures, or by cost per useful token",
+    )
     fix: dict[str, int | str | bool] = Field(
         default_factory=dict,
-        description="layout fields held at these values during the search (keys: Layout's field names)")
+        description="layout fields held at these values during the search (keys: Layout's field names)",
+    )
     max_micro_batch_size: int | None = Field(
-        default=None, gt=0,
-        description="largest micro-batch size (sequences) the search tries; null: no limit beyond the batch")
+        default=None,
+        gt=0,
+        description="largest micro-batch size (sequences) the search tries; null: no limit beyond the batch",
+    )
 
     @model_validator(mode="after")
     def _fix_keys(self) -> SearchSpec:
@@ -509,55 +610,74 @@ class GoodputPrediction(Spec):
     checkpoint_writers: int = Field(description="ranks that write distinct state to a checkpoint")
     checkpoint_write_s: float = Field(
         description="seconds to write one checkpoint (aggregate storage or one rank's client bandwidth, whichever "
-        "binds)")
+        "binds)"
+    )
     mtbf_s: float = Field(description="mean time between failures of the whole job")
     checkpoint_interval_s: float = Field(description="Young/Daly optimum")
     lost_work_per_failure_s: float = Field(
-        description="seconds lost per failure: the restart plus half a checkpoint interval and write")
+        description="seconds lost per failure: the restart plus half a checkpoint interval and write"
+    )
     checkpoint_stall_s_per_step: float = Field(
-        description="seconds of checkpoint writing per step, averaged over the interval")
+        description="seconds of checkpoint writing per step, averaged over the interval"
+    )
     goodput_fraction: float = Field(
-        description="fraction 0-1 of wall-clock time that is useful training after checkpoints and failures")
+        description="fraction 0-1 of wall-clock time that is useful training after checkpoints and failures"
+    )
     goodput_tokens_per_s: float = Field(description="useful tokens per second: tokens_per_s x goodput_fraction")
     cost_per_step: float | None = Field(
-        default=None, description="price of one step in currency units (null without a price per GPU-hour)")
+        default=None, description="price of one step in currency units (null without a price per GPU-hour)"
+    )
     cost_per_million_tokens: float | None = Field(
-        default=None, description="price per million useful tokens in currency units (null without a price)")
+        default=None, description="price per million useful tokens in currency units (null without a price)"
+    )
     cost_for_token_budget: float | None = Field(
         default=None,
-        description="price of training on training.token_budget useful tokens (null without a price or budget)")
+        description="price of training on training.token_budget useful tokens (null without a price or budget)",
+    )
     energy_kwh_per_million_tokens: float | None = Field(
-        default=None, description="kWh per million useful tokens at the devices' TDP (null without a TDP)")
+        default=None, description="kWh per million useful tokens at the devices' TDP (null without a TDP)"
+    )
 
 
 class Prediction(Spec):
     step_time_s: float = Field(
-        description="seconds per training step (the slowest pipeline stage, bubble, exposed communication, optimizer)")
+        description="seconds per training step (the slowest pipeline stage, bubble, exposed communication, optimizer)"
+    )
     tokens_per_s: float = Field(
-        description="training throughput, tokens per second (global_batch_size x seq_len / step_time_s)")
+        description="training throughput, tokens per second (global_batch_size x seq_len / step_time_s)"
+    )
     mfu: float = Field(
         description="model FLOPs utilization, fraction 0-1: model FLOPs per step / (step time x peak FLOP/s of all "
-        "GPUs)")
+        "GPUs)"
+    )
     hfu: float = Field(
-        description="hardware FLOPs utilization, fraction 0-1: as mfu with recomputation's FLOPs counted")
+        description="hardware FLOPs utilization, fraction 0-1: as mfu with recomputation's FLOPs counted"
+    )
     peak_memory_bytes: float = Field(
-        description="predicted peak bytes the caching allocator reserves on the busiest GPU")
+        description="predicted peak bytes the caching allocator reserves on the busiest GPU"
+    )
     memory_capacity_bytes: float = Field(
         description="bytes the caching allocator can reserve on one GPU (device memory less driver, CUDA context and "
-        "communicator buffers)")
+        "communicator buffers)"
+    )
     fits: bool = Field(description="the predicted peak is at most memory_capacity_bytes (the headroom not applied)")
     bottleneck: str = Field(
         description="the largest term: 'compute' when every overhead is small, a communication, bubble or recompute "
-        "term, or 'memory' when the layout does not fit")
-    time_breakdown_s: dict[str, float] = Field(description="seconds per step by term (cost_models/terms.py): "
-                                               + terms.describe(terms.TIME))
-    memory_breakdown_bytes: dict[str, float] = Field(description="bytes per GPU at the peak by term "
-                                                     "(cost_models/terms.py): " + terms.describe(terms.MEMORY))
+        "term, or 'memory' when the layout does not fit"
+    )
+    time_breakdown_s: dict[str, float] = Field(
+        description="seconds per step by term (cost_models/terms.py): " + terms.describe(terms.TIME)
+    )
+    memory_breakdown_bytes: dict[str, float] = Field(
+        description="bytes per GPU at the peak by term (cost_models/terms.py): " + terms.describe(terms.MEMORY)
+    )
     model_flops_per_step: float = Field(
-        description="FLOPs of one step's forward and backward, recomputation not counted")
+        description="FLOPs of one step's forward and backward, recomputation not counted"
+    )
     hardware_flops_per_step: float = Field(description="FLOPs executed per step, recomputation included")
     goodput: GoodputPrediction | None = Field(
-        default=None, description="checkpoints, failures and cost (null where not predicted)")
+        default=None, description="checkpoints, failures and cost (null where not predicted)"
+    )
 
 
 class GroupPlacement(Spec):
@@ -588,7 +708,8 @@ class Placement(Spec):
     groups: tuple[GroupPlacement, ...] = Field(description="one entry per parallel axis of the layout")
     rank_map: list[dict[str, int]] | None = Field(default=None, description="rank, node, local_rank, tp, cp, dp, pp")
     process_groups: dict[str, list[list[int]]] | None = Field(
-        default=None, description="for each axis, the rank lists of its process groups")
+        default=None, description="for each axis, the rank lists of its process groups"
+    )
 
 
 PLACEMENT_DETAIL_MAX_RANKS = 4096
@@ -606,7 +727,8 @@ class Fallback(Spec):
     tokens_per_s: float = Field(description="predicted tokens per second of the fallback layout")
     peak_memory_bytes: float = Field(description="predicted peak allocator bytes per GPU of the fallback layout")
     changes: list[str] = Field(
-        description="what differs from the planned layout, one line each, with the throughput change")
+        description="what differs from the planned layout, one line each, with the throughput change"
+    )
 
 
 class Plan(Spec):
@@ -618,12 +740,15 @@ class Plan(Spec):
     cluster: ClusterSpec = Field(description="the cluster planned for")
     layout: Layout = Field(description="the parallel layout")
     prediction: Prediction | None = Field(
-        description="the cost model's prediction (null when the layout is infeasible)")
+        description="the cost model's prediction (null when the layout is infeasible)"
+    )
     infeasible_reason: str | None = Field(default=None, description="why the layout cannot run (null when it can)")
     stage_layers: list[int] | None = Field(
-        default=None, description="decoder layers on each pipeline stage (pp rank, its virtual stages summed), "
+        default=None,
+        description="decoder layers on each pipeline stage (pp rank, its virtual stages summed), "
         "first stage first: the split rule of planner/stages.py, uneven when pp x virtual_stages does not divide "
-        "the layers; null when the layout has no valid split")
+        "the layers; null when the layout has no valid split",
+    )
     placement: Placement | None = Field(default=None, description="rank -> GPU mapping and process groups")
     fallback: Fallback | None = Field(default=None, description="the best layout with one node lost (when asked for)")
 
@@ -643,8 +768,9 @@ def pick_plan(plans: list[Any], pick: int, holder: str) -> Plan:
     names must pass today's rules): what `berth validate/launch --pick` and the API's `pick` choose.
     `holder` names the listing in the error ("the file", "plan <id>")."""
     if not 1 <= pick <= len(plans):
-        raise BerthError("pick", pick, f"{holder} holds {len(plans)} plans" + (f" (numbered 1..{len(plans)})"
-                                                                            if plans else ""))
+        raise BerthError(
+            "pick", pick, f"{holder} holds {len(plans)} plans" + (f" (numbered 1..{len(plans)})" if plans else "")
+        )
     try:
         return Plan.model_validate(plans[pick - 1])
     except ValidationError as err:
@@ -657,7 +783,8 @@ class Metrics(Spec):
     step_time_s: float | None = Field(default=None, description="seconds per step")
     tokens_per_s: float | None = Field(default=None, description="tokens per second")
     peak_memory_bytes: float | None = Field(
-        default=None, description="peak bytes reserved by the allocator on the busiest rank")
+        default=None, description="peak bytes reserved by the allocator on the busiest rank"
+    )
     loss: float | None = Field(default=None, description="training loss (nats per token) of the first step")
 
 
@@ -671,7 +798,8 @@ class TermComparison(Spec):
     measured_s: float | None = Field(default=None, description="None: the run never entered this term's regions")
     error_s: float | None = Field(default=None, description="measured - predicted (a term not seen counts as 0)")
     relative_error: float | None = Field(
-        default=None, description="error_s / predicted_s (null when nothing was predicted)")
+        default=None, description="error_s / predicted_s (null when nothing was predicted)"
+    )
     measured_by: str = Field(default="", description="how the executor measured the term (its timed regions)")
 
 
@@ -679,7 +807,8 @@ class MemoryComparison(Spec):
     predicted_bytes: float | None = Field(default=None, description="predicted bytes of this memory term")
     measured_bytes: float | None = Field(default=None, description="measured bytes of this memory term")
     error_bytes: float | None = Field(
-        default=None, description="measured - predicted, bytes (null when either side is missing)")
+        default=None, description="measured - predicted, bytes (null when either side is missing)"
+    )
     measured_by: str = Field(default="", description="how the executor measured the term")
 
 
@@ -695,12 +824,15 @@ class MeasuredBreakdown(Spec):
     terms: dict[str, TermComparison] = Field(description="per time term: predicted and measured seconds per step")
     unattributed_s: float = Field(description="time of the step in no measured region (untimed glue)")
     largest_error_term: str | None = Field(
-        default=None, description="the term with the largest absolute error (null when none was scored)")
+        default=None, description="the term with the largest absolute error (null when none was scored)"
+    )
     largest_error_rule: str = Field(default="", description="how largest_error_term is chosen")
     memory: dict[str, MemoryComparison] = Field(
-        default_factory=dict, description="per memory term, and the total: predicted and measured bytes")
+        default_factory=dict, description="per memory term, and the total: predicted and measured bytes"
+    )
     memory_note: str = Field(
-        default="", description="what the measured memory figures are and where they differ from the predicted terms")
+        default="", description="what the measured memory figures are and where they differ from the predicted terms"
+    )
 
 
 class ValidationReport(Spec):
@@ -717,40 +849,55 @@ class ValidationReport(Spec):
     created: str = Field(description="when the report was made (ISO 8601, UTC)")
     berth_version: str = Field(description="the berth version that ran the validation")
     status: ValidationStatus = Field(
-        description="'ok' (measured), 'failed' (the run failed) or 'did_not_fit' (out of memory)")
+        description="'ok' (measured), 'failed' (the run failed) or 'did_not_fit' (out of memory)"
+    )
     message: str | None = Field(default=None, description="why the run failed (null when ok)")
     mode: Literal["full", "rank-slice"] = Field(
         default="full",
         description="'full' (every rank of the plan run) or 'rank-slice' (one rank's share of one stage, in one "
-        "process)")
+        "process)",
+    )
     plan: Plan = Field(description="the plan validated")
     machine: dict[str, Any] = Field(
         default_factory=dict,
-        description="where it ran: host name, CPUs, torch version, GPU, world size, backend, wall time (s)")
+        description="where it ran: host name, CPUs, torch version, GPU, world size, backend, wall time (s)",
+    )
     steps: int = Field(description="timed steps")
     warmup: int = Field(description="untimed steps before the timed ones")
     predicted: Metrics = Field(description="what the plan predicted")
     measured: Metrics = Field(
-        description="what the run measured (step time: median over timed steps of the slowest rank)")
+        description="what the run measured (step time: median over timed steps of the slowest rank)"
+    )
     relative_error: dict[str, float] = Field(
-        default_factory=dict, description="(measured - predicted) / predicted per metric both sides have")
+        default_factory=dict, description="(measured - predicted) / predicted per metric both sides have"
+    )
     step_time_spread_s: dict[str, float] = Field(
-        default_factory=dict, description="min, median, max (and stdev) of the timed steps, seconds")
+        default_factory=dict, description="min, median, max (and stdev) of the timed steps, seconds"
+    )
     step_times_s: list[float] = Field(
-        default_factory=list, description="seconds of each timed step (the slowest rank's)")
+        default_factory=list, description="seconds of each timed step (the slowest rank's)"
+    )
     losses: list[float] = Field(default_factory=list, description="loss of each step, warm-up steps included")
     per_rank: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="per-rank records: step time, peak memory, collective time and measured terms")
+        default_factory=list, description="per-rank records: step time, peak memory, collective time and measured terms"
+    )
     memory_method: str | None = Field(
-        default=None, description="how peak memory was measured (GPU: torch.cuda.max_memory_reserved; CPU: the "
-        "profiler's allocations replayed)")
+        default=None,
+        description="how peak memory was measured (GPU: torch.cuda.max_memory_reserved; CPU: the "
+        "profiler's allocations replayed)",
+    )
     executed_as: list[str] = Field(
-        default_factory=list, description="where the executor ran the layout differently from the plan, one line each")
+        default_factory=list, description="where the executor ran the layout differently from the plan, one line each"
+    )
     checks: dict[str, list[str]] = Field(
         default_factory=dict,
-        description="what a rank-slice validation checks and does not check ('checked', 'not_checked')")
-    breakdown: MeasuredBreakdown | None = Field(default=None, description="predicted and measured step terms "
-                                                "(reports from before berth measured them have none)")
-    traces: list[str] = Field(default_factory=list, description="Chrome/Perfetto trace files of one step, one "
-                              "per rank (`berth validate --trace DIR`)")
+        description="what a rank-slice validation checks and does not check ('checked', 'not_checked')",
+    )
+    breakdown: MeasuredBreakdown | None = Field(
+        default=None,
+        description="predicted and measured step terms (reports from before berth measured them have none)",
+    )
+    traces: list[str] = Field(
+        default_factory=list,
+        description="Chrome/Perfetto trace files of one step, one per rank (`berth validate --trace DIR`)",
+    )

@@ -92,8 +92,12 @@ def _stage_split(num_layers, pp, vpp):
     v = np.asarray(vpp, dtype=np.int64)
     one = np.asarray(pp) == 1
     L = np.asarray(num_layers, dtype=np.int64)
-    return (np.where(one, L, first + (v - 1) * middle), np.where(one, L, v * middle),
-            np.where(one, L, last + (v - 1) * middle), valid)
+    return (
+        np.where(one, L, first + (v - 1) * middle),
+        np.where(one, L, v * middle),
+        np.where(one, L, last + (v - 1) * middle),
+        valid,
+    )
 
 
 def is_even(num_layers: int, pp: int, vpp: int = 1) -> bool:
@@ -130,8 +134,9 @@ def why_invalid(num_layers: int, pp: int, vpp: int = 1) -> str:
     chunks = pp * vpp
     first, middle, last, _ = (int(a) for a in split(num_layers, pp, vpp))
     if chunks > num_layers:
-        return (f"pp x virtual_stages = {chunks} chunks for {num_layers} layers: a pipeline stage would hold "
-                "no layer")
-    return (f"{num_layers} layers over pp x virtual_stages = {chunks} chunks: the middle chunks hold "
-            f"{middle} each (ceil({num_layers}/{chunks})) and the first and last would hold {first} and {last}; "
-            "a stage without a decoder layer is refused")
+        return f"pp x virtual_stages = {chunks} chunks for {num_layers} layers: a pipeline stage would hold no layer"
+    return (
+        f"{num_layers} layers over pp x virtual_stages = {chunks} chunks: the middle chunks hold "
+        f"{middle} each (ceil({num_layers}/{chunks})) and the first and last would hold {first} and {last}; "
+        "a stage without a decoder layer is refused"
+    )

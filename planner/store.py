@@ -121,13 +121,18 @@ def read_validations(path: str | Path | None = None, status: str | None = None) 
     try:
         return [ValidationReport.model_validate_json(r[0]) for r in rows]
     except ValueError as err:
-        raise BerthError("store", str(where), f"holds a report berth cannot read: {str(err).splitlines()[0]}") \
-            from None
+        raise BerthError("store", str(where), f"holds a report berth cannot read: {str(err).splitlines()[0]}") from None
 
 
 class Store:
-    def __init__(self, path: str | Path | None = None, busy_timeout_s: float = BUSY_TIMEOUT_S,
-                 max_plans: int | None = None, max_bytes: int | None = None, retention_days: float | None = None):
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
+        max_plans: int | None = None,
+        max_bytes: int | None = None,
+        retention_days: float | None = None,
+    ):
         self.path = Path(path) if path else default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.busy_timeout_s = busy_timeout_s
@@ -161,9 +166,19 @@ class Store:
     def add_validation(self, report: ValidationReport) -> str:
         plan = report.plan
         with self._connect() as db:
-            db.execute("INSERT INTO validations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                       (report.id, report.created, report.status, report.mode, plan.model.name,
-                        plan.cluster.device.name, plan.layout.short(), report.model_dump_json()))
+            db.execute(
+                "INSERT INTO validations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    report.id,
+                    report.created,
+                    report.status,
+                    report.mode,
+                    plan.model.name,
+                    plan.cluster.device.name,
+                    plan.layout.short(),
+                    report.model_dump_json(),
+                ),
+            )
         return report.id
 
     def get_validation(self, report_id: str) -> ValidationReport | None:
@@ -214,8 +229,10 @@ class Store:
             if self.max_plans is not None:
                 (count,) = db.execute("SELECT COUNT(*) FROM plan_refs").fetchone()
                 if count > self.max_plans:
-                    dropped += db.execute("DELETE FROM plan_refs WHERE id IN (SELECT id FROM plan_refs ORDER BY "
-                                          "created LIMIT ?)", (count - self.max_plans,)).rowcount
+                    dropped += db.execute(
+                        "DELETE FROM plan_refs WHERE id IN (SELECT id FROM plan_refs ORDER BY created LIMIT ?)",
+                        (count - self.max_plans,),
+                    ).rowcount
             db.execute("DELETE FROM answers WHERE hash NOT IN (SELECT answer FROM plan_refs)")
             while self.max_bytes is not None:
                 (size,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM answers").fetchone()
@@ -233,8 +250,10 @@ class Store:
 
     def get_plan(self, plan_id: str) -> dict[str, Any] | None:
         with self._connect() as db:
-            row = db.execute("SELECT r.created, r.kind, a.body FROM plan_refs r JOIN answers a ON a.hash = r.answer "
-                             "WHERE r.id = ?", (plan_id,)).fetchone()
+            row = db.execute(
+                "SELECT r.created, r.kind, a.body FROM plan_refs r JOIN answers a ON a.hash = r.answer WHERE r.id = ?",
+                (plan_id,),
+            ).fetchone()
             if row is not None:
                 created, kind, answer = row
                 head = json.dumps({"id": plan_id, "created": created})[:-1]
@@ -244,19 +263,26 @@ class Store:
 
     def add_job(self, job_id: str, created: str, plan_id: str, request: dict[str, Any]) -> None:
         with self._connect() as db:
-            db.execute("INSERT INTO validation_jobs VALUES (?, ?, ?, 'queued', NULL, NULL, ?)",
-                       (job_id, created, plan_id, json.dumps(request)))
+            db.execute(
+                "INSERT INTO validation_jobs VALUES (?, ?, ?, 'queued', NULL, NULL, ?)",
+                (job_id, created, plan_id, json.dumps(request)),
+            )
 
     def update_job(self, job_id: str, status: str, report_id: str | None = None, message: str | None = None) -> None:
         assert status in JOB_STATES
         with self._connect() as db:
-            db.execute("UPDATE validation_jobs SET status = ?, report_id = COALESCE(?, report_id), "
-                       "message = COALESCE(?, message) WHERE id = ?", (status, report_id, message, job_id))
+            db.execute(
+                "UPDATE validation_jobs SET status = ?, report_id = COALESCE(?, report_id), "
+                "message = COALESCE(?, message) WHERE id = ?",
+                (status, report_id, message, job_id),
+            )
 
     def get_job(self, job_id: str) -> dict[str, Any] | None:
         with self._connect() as db:
-            row = db.execute("SELECT id, created, plan_id, status, report_id, message, request FROM validation_jobs "
-                             "WHERE id = ?", (job_id,)).fetchone()
+            row = db.execute(
+                "SELECT id, created, plan_id, status, report_id, message, request FROM validation_jobs WHERE id = ?",
+                (job_id,),
+            ).fetchone()
         if row is None:
             return None
         keys = ("id", "created", "plan_id", "status", "report_id", "message", "request")
@@ -267,6 +293,8 @@ class Store:
     def fail_unfinished_jobs(self, message: str) -> int:
         """Jobs left queued or running by a server that stopped will never finish: mark them."""
         with self._connect() as db:
-            cur = db.execute("UPDATE validation_jobs SET status = 'failed', message = ? "
-                             "WHERE status IN ('queued', 'running')", (message,))
+            cur = db.execute(
+                "UPDATE validation_jobs SET status = 'failed', message = ? WHERE status IN ('queued', 'running')",
+                (message,),
+            )
             return cur.rowcount

@@ -26,8 +26,9 @@ from berth.planner.hierarchy import GRAPH_LINK_EFFICIENCY, derive_levels, gpu_or
 from berth.planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, check_host
 
 
-def cluster_from_preset(preset: str, nodes: int, fabric: str = "rails", nodes_per_leaf: int | None = None,
-                        oversubscription: float = 1.0) -> ClusterSpec:
+def cluster_from_preset(
+    preset: str, nodes: int, fabric: str = "rails", nodes_per_leaf: int | None = None, oversubscription: float = 1.0
+) -> ClusterSpec:
     """Build the preset's graph for `nodes` servers and derive the ClusterSpec from it."""
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1 or nodes > MAX_NODES:
         raise BerthError("cluster.nodes", nodes, f"must be an integer in 1..{MAX_NODES}")
@@ -46,16 +47,20 @@ RAILS_SAMPLE_NODES = 2
 
 
 @lru_cache(maxsize=64)
-def _preset_cluster(preset: str, nodes: int, fabric: str, nodes_per_leaf: int | None,
-                    oversubscription: float) -> ClusterSpec:
+def _preset_cluster(
+    preset: str, nodes: int, fabric: str, nodes_per_leaf: int | None, oversubscription: float
+) -> ClusterSpec:
     """Presets are data: the same arguments always give the same (frozen) spec."""
     if fabric == "rails" and nodes > RAILS_SAMPLE_NODES:
         check_fabric(fabric, nodes_per_leaf, oversubscription, nodes)
         return _rails_scaled(_preset_cluster(preset, RAILS_SAMPLE_NODES, fabric, None, 1.0), nodes)
     server = load_server(preset)
     g = cluster_graph([(server, nodes)], fabric, nodes_per_leaf, oversubscription)
-    name = preset if fabric == "rails" else f"{preset} ({fabric}, {nodes_per_leaf or nodes} nodes a leaf, " \
-                                            f"{oversubscription:g}:1)"
+    name = (
+        preset
+        if fabric == "rails"
+        else f"{preset} ({fabric}, {nodes_per_leaf or nodes} nodes a leaf, {oversubscription:g}:1)"
+    )
     return cluster_from_graph(g, name, server)
 
 
@@ -63,12 +68,14 @@ def _rails_scaled(sample: ClusterSpec, nodes: int) -> ClusterSpec:
     """The rail-fabric cluster of `nodes` nodes from the one derived for fewer: the top level
     ("cluster") grows to every GPU, every level inside a node stays as it is."""
     top = sample.fabric[-1].model_copy(update={"gpus": nodes * sample.gpus_per_node})
-    return sample.model_copy(update={"nodes": nodes, "fabric": (*sample.fabric[:-1], top),
-                                     "hosts": tuple(f"n{i}" for i in range(nodes))})
+    return sample.model_copy(
+        update={"nodes": nodes, "fabric": (*sample.fabric[:-1], top), "hosts": tuple(f"n{i}" for i in range(nodes))}
+    )
 
 
-def cluster_from_graph(g: nx.Graph, name: str, server: ServerProfile | None = None,
-                       field: str = "cluster.graph") -> ClusterSpec:
+def cluster_from_graph(
+    g: nx.Graph, name: str, server: ServerProfile | None = None, field: str = "cluster.graph"
+) -> ClusterSpec:
     """Derive the ClusterSpec of a checked graph: hosts, the hierarchy of fast domains
     (`hierarchy.derive_levels`), and the device. A graph that mixes devices is planned on the
     slowest device's speed and the smallest memory, and says so in `notes`."""
@@ -88,12 +95,21 @@ def cluster_from_graph(g: nx.Graph, name: str, server: ServerProfile | None = No
     per_host = sizes.pop()
     intra = max((lv for lv in levels if lv.gpus <= per_host), key=lambda lv: lv.gpus, default=levels[0])
     return ClusterSpec(
-        name=name, nodes=len(hosts), gpus_per_node=per_host, device=device,
-        intra_node=intra.link, inter_node=levels[-1].link,
+        name=name,
+        nodes=len(hosts),
+        gpus_per_node=per_host,
+        device=device,
+        intra_node=intra.link,
+        inter_node=levels[-1].link,
         collective_base_latency_s=server.collective_base_latency_s if server else GRAPH_BASE_LATENCY_S,
-        comm_overlap_efficiency=server.comm_overlap_efficiency if server else ClusterSpec.model_fields[
-            "comm_overlap_efficiency"].default,
-        fabric=levels, devices=counts if len(counts) > 1 else {}, notes=notes, hosts=tuple(hosts))
+        comm_overlap_efficiency=server.comm_overlap_efficiency
+        if server
+        else ClusterSpec.model_fields["comm_overlap_efficiency"].default,
+        fabric=levels,
+        devices=counts if len(counts) > 1 else {},
+        notes=notes,
+        hosts=tuple(hosts),
+    )
 
 
 def _device(counts: dict[str, int], field: str) -> tuple[DeviceProfile, tuple[str, ...]]:
@@ -109,14 +125,19 @@ def _device(counts: dict[str, int], field: str) -> tuple[DeviceProfile, tuple[st
     slowest = min(profiles, key=lambda p: (p.peak_flops("bf16"), p.memory_bandwidth_bytes_per_s))
     smallest = min(profiles, key=lambda p: p.memory_bytes)
     mix = ", ".join(f"{n}x {name}" for name, n in counts.items())
-    device = slowest.model_copy(update={
-        "memory_bytes": smallest.memory_bytes,
-        "display_name": f"{slowest.display_name} pace, {smallest.memory_bytes / 2**30:.0f} GiB bound ({mix})"})
-    notes = (f"heterogeneous cluster ({mix}): every synchronous step runs at the pace of the slowest device, "
-             f"{slowest.name}, so the plan is predicted on its speed",
-             f"every rank is planned against the smallest memory, {smallest.name}'s "
-             f"{smallest.memory_bytes / 2**30:.0f} GiB, so each device's own memory bounds what is placed on it",
-             "pipeline stages are not yet sized to device speed: faster devices idle at each step's barriers")
+    device = slowest.model_copy(
+        update={
+            "memory_bytes": smallest.memory_bytes,
+            "display_name": f"{slowest.display_name} pace, {smallest.memory_bytes / 2**30:.0f} GiB bound ({mix})",
+        }
+    )
+    notes = (
+        f"heterogeneous cluster ({mix}): every synchronous step runs at the pace of the slowest device, "
+        f"{slowest.name}, so the plan is predicted on its speed",
+        f"every rank is planned against the smallest memory, {smallest.name}'s "
+        f"{smallest.memory_bytes / 2**30:.0f} GiB, so each device's own memory bounds what is placed on it",
+        "pipeline stages are not yet sized to device speed: faster devices idle at each step's barriers",
+    )
     return device, notes
 
 
@@ -129,8 +150,13 @@ def local_gpus() -> list[tuple[str, float]]:
     if os.environ.get("BERTH_DEVICE") == "cpu" or shutil.which("nvidia-smi") is None:
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     gpus = []
@@ -153,8 +179,9 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def local_cluster(devices_per_node: int | None = None,
-                  profile: tuple[DeviceProfile, ServerProfile] | None = None) -> ClusterSpec:
+def local_cluster(
+    devices_per_node: int | None = None, profile: tuple[DeviceProfile, ServerProfile] | None = None
+) -> ClusterSpec:
     """This machine as a one-node cluster: its GPUs, or with none, `devices_per_node` CPU worker
     processes (default: one per core) sharing the host's RAM, on the host CPU profile, or on the
     measured `profile` (from `berth profile`) when one is given."""
@@ -168,8 +195,12 @@ def local_cluster(devices_per_node: int | None = None,
         try:
             device_name, server_name = nvidia_smi_device(names[0])
         except UnknownProfileError as err:
-            raise BerthError("cluster", LOCAL, f"this machine's GPU {names[0]!r} has no device profile; known GPUs: "
-                             f"{', '.join(err.known)} (nvidia_smi in hardware_profiles/devices/*.json)") from None
+            raise BerthError(
+                "cluster",
+                LOCAL,
+                f"this machine's GPU {names[0]!r} has no device profile; known GPUs: "
+                f"{', '.join(err.known)} (nvidia_smi in hardware_profiles/devices/*.json)",
+            ) from None
         if devices_per_node is not None and devices_per_node > len(gpus):
             raise BerthError("cluster.devices_per_node", devices_per_node, f"this machine has {len(gpus)} GPUs")
         count = devices_per_node or len(gpus)
@@ -183,10 +214,16 @@ def local_cluster(devices_per_node: int | None = None,
     if profile is not None:
         device = profile[0].model_copy(update={"memory_bytes": device.memory_bytes})
         server = profile[1]
-    return ClusterSpec(name=LOCAL if profile is None else f"{LOCAL} (profiled)", nodes=1, gpus_per_node=count,
-                       device=device, intra_node=server.intra_node,
-                       inter_node=server.inter_node, collective_base_latency_s=server.collective_base_latency_s,
-                       comm_overlap_efficiency=server.comm_overlap_efficiency)
+    return ClusterSpec(
+        name=LOCAL if profile is None else f"{LOCAL} (profiled)",
+        nodes=1,
+        gpus_per_node=count,
+        device=device,
+        intra_node=server.intra_node,
+        inter_node=server.inter_node,
+        collective_base_latency_s=server.collective_base_latency_s,
+        comm_overlap_efficiency=server.comm_overlap_efficiency,
+    )
 
 
 LINK_KINDS = tuple(GRAPH_LINK_EFFICIENCY)
@@ -216,8 +253,9 @@ def graph_from_node_link(data: Any, field: str = "cluster.graph") -> nx.Graph:
             raise BerthError(f"{where}.kind", kind, "must be gpu, switch or nic")
         if kind == "gpu":
             if n.get("device") not in known:
-                raise BerthError(f"{where}.device", n.get("device"),
-                                 f"unknown device; known: {', '.join(sorted(known))}")
+                raise BerthError(
+                    f"{where}.device", n.get("device"), f"unknown device; known: {', '.join(sorted(known))}"
+                )
             if not isinstance(n.get("host"), str) or not n["host"]:
                 raise BerthError(f"{where}.host", n.get("host"), "a GPU needs the host (server) it sits in")
             if (problem := check_host(n["host"])) is not None:
@@ -243,8 +281,14 @@ def graph_from_node_link(data: Any, field: str = "cluster.graph") -> nx.Graph:
             raise BerthError(f"{where}.efficiency", eff, "must be a number in (0, 1]: achieved / wire bandwidth")
         if g.has_edge(e["source"], e["target"]):
             raise BerthError(where, f"{e['source']}-{e['target']}", "duplicate link")
-        g.add_edge(e["source"], e["target"], kind=e["kind"], bandwidth_GBps=float(bw), latency_us=float(lat),
-                   **({"efficiency": float(eff)} if eff is not None else {}))
+        g.add_edge(
+            e["source"],
+            e["target"],
+            kind=e["kind"],
+            bandwidth_GBps=float(bw),
+            latency_us=float(lat),
+            **({"efficiency": float(eff)} if eff is not None else {}),
+        )
     gpus = [n for n, d in g.nodes(data=True) if d["kind"] == "gpu"]
     if not gpus:
         raise BerthError(f"{field}.nodes", len(nodes), "the graph has no GPU node")

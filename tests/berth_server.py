@@ -27,10 +27,19 @@ class Server:
     def __init__(self, store, extra_env=None, **env):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        full = {**os.environ, "BERTH_STORE_PATH": str(store), **(extra_env or {}),
-                **{f"BERTH_{k.upper()}": str(v) for k, v in env.items()}}
-        self.proc = subprocess.Popen([sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(self.port)],
-                                     env=full, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        full = {
+            **os.environ,
+            "BERTH_STORE_PATH": str(store),
+            **(extra_env or {}),
+            **{f"BERTH_{k.upper()}": str(v) for k, v in env.items()},
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(self.port)],
+            env=full,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 90  # a loaded 2-core machine can take 30 s to import
         while time.monotonic() < deadline:
             try:

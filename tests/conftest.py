@@ -19,9 +19,17 @@ def require_reference(path: Path) -> Path:
 
 
 def gpt(layers=24, hidden=2304, heads=24, vocab=51200, **kw) -> ModelSpec:
-    return ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                     ffn_hidden_size=4 * hidden, vocab_size=vocab, mlp="gelu", dropout=True,
-                     tied_embeddings=True, **kw)
+    return ModelSpec(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        ffn_hidden_size=4 * hidden,
+        vocab_size=vocab,
+        mlp="gelu",
+        dropout=True,
+        tied_embeddings=True,
+        **kw,
+    )
 
 
 @pytest.fixture

@@ -12,10 +12,18 @@ import httpx
 import pytest
 from berth_server import Server
 
-PLAN_BODY = {"model": "llama3-70b", "training": {"seq_len": 8192, "global_batch_size": 256},
-             "cluster": {"preset": "dgx-h100", "nodes": 8}, "search": {"top": 3}}
-TINY_LOCAL = {"model": "tiny-gpt", "training": {"seq_len": 128, "global_batch_size": 8},
-              "cluster": {"preset": "local", "devices_per_node": 2}, "search": {"top": 2, "fix": "dp=2,zero=0"}}
+PLAN_BODY = {
+    "model": "llama3-70b",
+    "training": {"seq_len": 8192, "global_batch_size": 256},
+    "cluster": {"preset": "dgx-h100", "nodes": 8},
+    "search": {"top": 3},
+}
+TINY_LOCAL = {
+    "model": "tiny-gpt",
+    "training": {"seq_len": 128, "global_batch_size": 8},
+    "cluster": {"preset": "local", "devices_per_node": 2},
+    "search": {"top": 2, "fix": "dp=2,zero=0"},
+}
 
 
 @pytest.fixture
@@ -46,18 +54,46 @@ def test_plan_is_stored_and_survives_a_restart(tmp_path):
 
 def test_same_json_as_the_cli(server):
     api = httpx.post(server.url + "/v1/plans", json=PLAN_BODY, timeout=30).json()
-    cli = subprocess.run([sys.executable, "-m", "berth.planner.cli", "plan", "llama3-70b", "--cluster", "dgx-h100",
-                          "--nodes", "8", "--seq-len", "8192", "--global-batch", "256", "--top", "3", "--json"],
-                         capture_output=True, text=True, timeout=60)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "berth.planner.cli",
+            "plan",
+            "llama3-70b",
+            "--cluster",
+            "dgx-h100",
+            "--nodes",
+            "8",
+            "--seq-len",
+            "8192",
+            "--global-batch",
+            "256",
+            "--top",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert json.loads(cli.stdout)["plans"] == api["plans"]
 
 
 def test_launch_files_goodput_fallback_and_fat_tree_over_http(server):
     c = httpx.Client(base_url=server.url, timeout=60)
-    body = {**PLAN_BODY, "operations": {"failures_per_gpu_hour": 1e-4, "price_per_gpu_hour": 2.0},
-            "search": {"top": 2, "objective": "goodput", "fallback": True}}
-    body["cluster"] = {"preset": "dgx-h100", "nodes": 4, "fabric": "fat-tree", "nodes_per_leaf": 2,
-                       "oversubscription": 2}
+    body = {
+        **PLAN_BODY,
+        "operations": {"failures_per_gpu_hour": 1e-4, "price_per_gpu_hour": 2.0},
+        "search": {"top": 2, "objective": "goodput", "fallback": True},
+    }
+    body["cluster"] = {
+        "preset": "dgx-h100",
+        "nodes": 4,
+        "fabric": "fat-tree",
+        "nodes_per_leaf": 2,
+        "oversubscription": 2,
+    }
     r = c.post("/v1/plans", json=body)
     assert r.status_code == 200, r.text
     first = r.json()["plans"][0]
@@ -87,8 +123,10 @@ def test_catalog_compare_and_health(server):
     assert c.get("/v1/hardware-profiles/h100-sxm").json()["memory_bytes"] > 7e10
     assert c.get("/v1/hardware-profiles/nope").status_code == 404
     assert c.get("/v1/plans/nope").status_code == 404
-    r = c.post("/v1/compare", json={**{k: PLAN_BODY[k] for k in ("model", "training", "cluster")},
-                                    "layouts": ["tp=8,pp=2", {"tp": 1}]})  # the second does not fit
+    r = c.post(
+        "/v1/compare",
+        json={**{k: PLAN_BODY[k] for k in ("model", "training", "cluster")}, "layouts": ["tp=8,pp=2", {"tp": 1}]},
+    )  # the second does not fit
     assert r.status_code == 200, r.text
     cands = r.json()["candidates"]
     assert cands[0]["prediction"] and cands[1]["infeasible_reason"]
@@ -97,12 +135,23 @@ def test_catalog_compare_and_health(server):
 
 
 def test_inline_model_hf_config_and_graph(server):
-    hf = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 1024, "num_attention_heads": 16,
-          "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000}
-    graph = {"nodes": [{"id": f"g{i}", "kind": "gpu", "device": "h100-sxm", "host": "n0"} for i in range(4)]
-             + [{"id": "sw", "kind": "switch"}],
-             "links": [{"source": f"g{i}", "target": "sw", "kind": "nvswitch", "bandwidth_GBps": 450,
-                        "latency_us": 3.4} for i in range(4)]}
+    hf = {
+        "model_type": "llama",
+        "num_hidden_layers": 8,
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "intermediate_size": 2816,
+        "vocab_size": 32000,
+    }
+    graph = {
+        "nodes": [{"id": f"g{i}", "kind": "gpu", "device": "h100-sxm", "host": "n0"} for i in range(4)]
+        + [{"id": "sw", "kind": "switch"}],
+        "links": [
+            {"source": f"g{i}", "target": "sw", "kind": "nvswitch", "bandwidth_GBps": 450, "latency_us": 3.4}
+            for i in range(4)
+        ],
+    }
     body = {"model": hf, "training": {"seq_len": 2048, "global_batch_size": 16}, "cluster": {"graph": graph}}
     r = httpx.post(server.url + "/v1/plans", json=body, timeout=30)
     assert r.status_code == 200, r.text
@@ -118,25 +167,95 @@ BAD = [
     ({"cluster": {"preset": "dgx-h100", "nodes": 10**9}}, "nodes", ""),
     ({"cluster": {"preset": "dgx-h100", "nodes": 16384}}, "cluster", "more than this server plans for"),
     ({"cluster": {"preset": "warp-drive"}}, "preset", "dgx-h100"),  # the error lists the catalog
-    ({"model": {"num_layers": 10**7, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
-                "vocab_size": 100}}, "num_layers", ""),
-    ({"model": {"num_layers": 2, "hidden_size": 100, "num_attention_heads": 3, "ffn_hidden_size": 256,
-                "vocab_size": 100}}, "model", "not divisible"),
+    (
+        {
+            "model": {
+                "num_layers": 10**7,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "ffn_hidden_size": 256,
+                "vocab_size": 100,
+            }
+        },
+        "num_layers",
+        "",
+    ),
+    (
+        {
+            "model": {
+                "num_layers": 2,
+                "hidden_size": 100,
+                "num_attention_heads": 3,
+                "ffn_hidden_size": 256,
+                "vocab_size": 100,
+            }
+        },
+        "model",
+        "not divisible",
+    ),
     ({"model": {"model_type": "t5", "d_model": 8}}, "model", ""),
-    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"}],
-                            "links": [{"source": "a", "target": "a", "kind": "nvlink", "bandwidth_GBps": 5}]}}},
-     "links[0]", "self-loop"),
-    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"},
-                                      {"id": "b", "kind": "gpu", "device": "h100-sxm", "host": "h"}],
-                            "links": []}}}, "graph", "disconnected"),
-    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "tpu-v9", "host": "h"}], "links": []}}},
-     "device", "unknown device"),
-    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"},
-                                      {"id": "a", "kind": "switch"}], "links": []}}}, "id", "duplicate"),
-    ({"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"},
-                                      {"id": "s", "kind": "switch"}],
-                            "links": [{"source": "a", "target": "s", "kind": "nvlink", "bandwidth_GBps": -1}]}}},
-     "bandwidth_GBps", "positive"),
+    (
+        {
+            "cluster": {
+                "graph": {
+                    "nodes": [{"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"}],
+                    "links": [{"source": "a", "target": "a", "kind": "nvlink", "bandwidth_GBps": 5}],
+                }
+            }
+        },
+        "links[0]",
+        "self-loop",
+    ),
+    (
+        {
+            "cluster": {
+                "graph": {
+                    "nodes": [
+                        {"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"},
+                        {"id": "b", "kind": "gpu", "device": "h100-sxm", "host": "h"},
+                    ],
+                    "links": [],
+                }
+            }
+        },
+        "graph",
+        "disconnected",
+    ),
+    (
+        {"cluster": {"graph": {"nodes": [{"id": "a", "kind": "gpu", "device": "tpu-v9", "host": "h"}], "links": []}}},
+        "device",
+        "unknown device",
+    ),
+    (
+        {
+            "cluster": {
+                "graph": {
+                    "nodes": [
+                        {"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"},
+                        {"id": "a", "kind": "switch"},
+                    ],
+                    "links": [],
+                }
+            }
+        },
+        "id",
+        "duplicate",
+    ),
+    (
+        {
+            "cluster": {
+                "graph": {
+                    "nodes": [
+                        {"id": "a", "kind": "gpu", "device": "h100-sxm", "host": "h"},
+                        {"id": "s", "kind": "switch"},
+                    ],
+                    "links": [{"source": "a", "target": "s", "kind": "nvlink", "bandwidth_GBps": -1}],
+                }
+            }
+        },
+        "bandwidth_GBps",
+        "positive",
+    ),
     ({"cluster": {"graph": "not a graph"}}, "graph", ""),
     ({"training": {"seq_len": 8192, "global_batch_size": 256, "framework": "jax"}}, "framework", "megatron"),
     ({"search": {"fix": "tp=banana"}}, "fix", ""),
@@ -156,8 +275,12 @@ def test_bad_input_is_a_4xx_naming_the_field(server, patch, field, problem):
 
 
 def test_oversized_and_malformed_bodies(server):
-    r = httpx.post(server.url + "/v1/plans", content=b"{" + b" " * 2_000_000 + b"}",
-                   headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        server.url + "/v1/plans",
+        content=b"{" + b" " * 2_000_000 + b"}",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 413
     r = httpx.post(server.url + "/v1/plans", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code in (400, 422)
@@ -181,8 +304,11 @@ def test_concurrent_requests_all_answered_and_stored(server):
 def test_search_over_budget_is_503_and_server_stays_responsive(tmp_path):
     s = Server(tmp_path / "store.sqlite", request_timeout_s=0.05, max_concurrent_searches=1)
     try:
-        body = {"model": "gpt-1t", "training": {"seq_len": 2048, "global_batch_size": 3072},
-                "cluster": {"preset": "dgx-a100-80g", "nodes": 384}}
+        body = {
+            "model": "gpt-1t",
+            "training": {"seq_len": 2048, "global_batch_size": 3072},
+            "cluster": {"preset": "dgx-a100-80g", "nodes": 384},
+        }
         start = time.monotonic()
         r = httpx.post(s.url + "/v1/plans", json=body, timeout=30)
         assert r.status_code == 503 and "budget" in r.json()["detail"]
@@ -234,12 +360,28 @@ def test_validation_runs_in_background_with_api_key(tmp_path):
 
 
 def test_schemathesis_finds_no_server_error_or_schema_violation(server, tmp_path):
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json", "--max-examples", "30",
-           "--exclude-checks", "positive_data_acceptance", "--seed", "1", "--report-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        server.url + "/openapi.json",
+        "--max-examples",
+        "30",
+        "--exclude-checks",
+        "positive_data_acceptance",
+        "--seed",
+        "1",
+        "--report-dir",
+        str(tmp_path),
+    ]
     checked = tmp_path / "strict-json.log"
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",  # adds the strict_json check
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
-           "STRICT_JSON_CHECKED": str(checked)}
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "schemathesis_hooks",  # adds the strict_json check
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+        "STRICT_JSON_CHECKED": str(checked),
+    }
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-5000:]
     assert len(checked.read_text().split()) > 100  # the strict JSON check ran on the responses
@@ -254,8 +396,13 @@ def test_context_parallel_layout_and_fix_over_http(server):
     assert r.status_code == 200, r.text
     (plan,) = r.json()["plans"]
     assert plan["layout"]["cp"] == 4 and "cp" in {g["axis"] for g in plan["placement"]["groups"]}
-    r = c.post("/v1/compare", json={**{k: body[k] for k in ("model", "training", "cluster")},
-                                    "layouts": ["tp=8,cp=2,pp=2", {"tp": 8, "cp": 4}]})
+    r = c.post(
+        "/v1/compare",
+        json={
+            **{k: body[k] for k in ("model", "training", "cluster")},
+            "layouts": ["tp=8,cp=2,pp=2", {"tp": 8, "cp": 4}],
+        },
+    )
     assert r.status_code == 200, r.text
     assert [x["layout"]["cp"] for x in r.json()["candidates"]] == [2, 4]
     bad = {**PLAN_BODY, "training": {"seq_len": 1000, "global_batch_size": 32}, "search": {"fix": {"cp": 16}}}

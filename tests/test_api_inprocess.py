@@ -17,14 +17,19 @@ from berth.api.service import Service, Workers, get_service
 from berth.api.settings import Settings
 from berth.planner.store import Store
 
-TINY = {"model": "tiny-gpt", "training": {"seq_len": 128, "global_batch_size": 16},
-        "cluster": {"preset": "dgx-h100"}, "search": {"top": 2}}
+TINY = {
+    "model": "tiny-gpt",
+    "training": {"seq_len": 128, "global_batch_size": 16},
+    "cluster": {"preset": "dgx-h100"},
+    "search": {"top": 2},
+}
 
 
 @pytest.fixture
 def overridden(tmp_path):
     """An app on one store whose routes are handed another Service (a second store), and that
     Service; both closed afterwards."""
+
     def make(**settings):
         service = Service(Settings(store_path=str(tmp_path / "override.sqlite"), **settings))
         app = create_app(Settings(store_path=str(tmp_path / "app.sqlite")))
@@ -107,8 +112,10 @@ def test_validation_routes_follow_the_overriding_settings(overridden):
 def test_strict_json_and_body_limit_in_process(tmp_path):
     app = create_app(Settings(store_path=str(tmp_path / "api.sqlite"), max_body_bytes=2000))
     with TestClient(app) as client:
-        text = '{"model": "tiny-gpt", "training": {"seq_len": NaN, "global_batch_size": 16}, ' \
-               '"cluster": {"preset": "dgx-h100"}}'
+        text = (
+            '{"model": "tiny-gpt", "training": {"seq_len": NaN, "global_batch_size": 16}, '
+            '"cluster": {"preset": "dgx-h100"}}'
+        )
         r = client.post("/v1/plans", content=text, headers={"content-type": "application/json"})
         assert r.status_code == 422 and "NaN" in r.text, r.text
         r = client.post("/v1/plans", content=b"{" + b" " * 3000 + b"}", headers={"content-type": "application/json"})

@@ -26,9 +26,27 @@ def files(tmp_path_factory):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "adir").mkdir()
     (tmp_path / "existing.txt").write_text("x")
-    r = subprocess.run([sys.executable, "-m", "berth.planner.cli", "plan", "tiny-gpt", "--cluster", "dgx-h100",
-                        "--seq-len", "256", "--global-batch", "8", "--top", "1", "--json"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "berth.planner.cli",
+            "plan",
+            "tiny-gpt",
+            "--cluster",
+            "dgx-h100",
+            "--seq-len",
+            "256",
+            "--global-batch",
+            "8",
+            "--top",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     (tmp_path / "plans.json").write_text(r.stdout)
     return tmp_path
@@ -145,8 +163,21 @@ FIX_CASES = [
 
 @pytest.mark.parametrize("fix,expect", FIX_CASES, ids=[f for f, _ in FIX_CASES])
 def test_impossible_fix_is_refused_before_searching(capsys, fix, expect):
-    code, out, err = run(capsys, "plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096",
-                         "--global-batch", "64", "--fix", fix)
+    code, out, err = run(
+        capsys,
+        "plan",
+        "llama3-70b",
+        "--cluster",
+        "dgx-h100",
+        "--nodes",
+        "2",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--fix",
+        fix,
+    )
     assert code == 2 and not out, (out, err)
     assert len(err.strip().splitlines()) == 1 and expect in err, err
 
@@ -155,15 +186,32 @@ def test_possible_fix_values_still_search(capsys):
     """The check refuses only what no searched layout has: a schedule or vpp the search picks
     for itself, or a value that needs another field the search is free to choose, still plans."""
     for fix in ("schedule=interleaved_1f1b", "vpp=2", "shard=2", "nmb=16", "tp=4,pp=2", "sp=1"):
-        code, out, err = run(capsys, "plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len",
-                             "4096", "--global-batch", "64", "--fix", fix, "--top", "1", "--json")
+        code, out, err = run(
+            capsys,
+            "plan",
+            "llama3-70b",
+            "--cluster",
+            "dgx-h100",
+            "--nodes",
+            "2",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "64",
+            "--fix",
+            fix,
+            "--top",
+            "1",
+            "--json",
+        )
         assert code == 0, (fix, err)
         assert json.loads(out)["plans"], fix
 
 
 def test_no_layout_fits_exits_1_naming_the_smallest_peak(capsys):
-    code, out, err = run(capsys, "plan", "llama3-70b", "--cluster", "dgx-h100", "--seq-len", "8192",
-                         "--global-batch", "64", "--json")
+    code, out, err = run(
+        capsys, "plan", "llama3-70b", "--cluster", "dgx-h100", "--seq-len", "8192", "--global-batch", "64", "--json"
+    )
     assert code == 1
     assert json.loads(out)["plans"] == []
     assert "no layout fits: the smallest predicted peak is" in err and "GiB of 79.6 GiB per GPU (tp=" in err
@@ -176,8 +224,9 @@ def test_scripts_end_to_end(tmp_path):
     blob = tmp_path / "m.json"
     blob.write_bytes(BINARY)
     for args in (["plan", str(blob)], ["compare", "tiny-gpt", "--layout", "tp=3"]):
-        r = subprocess.run([sys.executable, "-m", "berth.planner.cli", *args], capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "berth.planner.cli", *args], capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
 
@@ -194,8 +243,12 @@ def test_api_refuses_impossible_fix_and_layouts_with_422(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "store.sqlite")}
-    proc = subprocess.Popen([sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -205,8 +258,11 @@ def test_api_refuses_impossible_fix_and_layouts_with_422(tmp_path):
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        base = {"model": "llama3-70b", "training": {"seq_len": 4096, "global_batch_size": 64},
-                "cluster": {"preset": "dgx-h100", "nodes": 2}}
+        base = {
+            "model": "llama3-70b",
+            "training": {"seq_len": 4096, "global_batch_size": 64},
+            "cluster": {"preset": "dgx-h100", "nodes": 2},
+        }
         for fix in ({"tp": 3}, "tp=3", {"zero_stage": 4}, "tp=8,pp=2,dp=2"):
             r = httpx.post(url + "/v1/plans", json={**base, "search": {"fix": fix}}, timeout=60)
             assert r.status_code == 422, (fix, r.text)
@@ -246,12 +302,18 @@ def test_one_layout_check_agrees_with_the_search():
     rng = np.random.default_rng(1)
     refused = 0
     for _ in range(300):
-        values = {"tp": int(rng.choice([1, 2, 3, 4, 8, 16])), "pp": int(rng.choice([1, 2, 4, 5])),
-                  "dp": int(rng.choice([1, 2, 4, 8])), "micro_batch_size": int(rng.choice([1, 2, 3])),
-                  "num_microbatches": int(rng.choice([1, 2, 4, 16])), "zero_stage": int(rng.integers(0, 4)),
-                  "shard": int(rng.choice([1, 2, 3])), "virtual_stages": int(rng.choice([1, 2])),
-                  "sequence_parallel": bool(rng.integers(0, 2)),
-                  "schedule": str(rng.choice(["gpipe", "1f1b", "interleaved_1f1b"]))}
+        values = {
+            "tp": int(rng.choice([1, 2, 3, 4, 8, 16])),
+            "pp": int(rng.choice([1, 2, 4, 5])),
+            "dp": int(rng.choice([1, 2, 4, 8])),
+            "micro_batch_size": int(rng.choice([1, 2, 3])),
+            "num_microbatches": int(rng.choice([1, 2, 4, 16])),
+            "zero_stage": int(rng.integers(0, 4)),
+            "shard": int(rng.choice([1, 2, 3])),
+            "virtual_stages": int(rng.choice([1, 2])),
+            "sequence_parallel": bool(rng.integers(0, 2)),
+            "schedule": str(rng.choice(["gpipe", "1f1b", "interleaved_1f1b"])),
+        }
         layout = Layout(**values)
         rule = int(structural_reasons(Candidates.from_layouts([layout]), model, training, cluster)[0])
         try:

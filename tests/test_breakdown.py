@@ -43,9 +43,17 @@ OTHER_SHARE_MAX = 0.15
 # ---------------------------------------------------------------------------------------------
 # the attribution, the clocks and the comparison, without processes
 
+
 def test_attribute_gives_each_instant_to_the_innermost_span():
-    spans = [("backward", 1.0, 5.0), ("recompute", 1.5, 2.0), ("dp_all_reduce", 4.0, 4.4), ("forward", 0.0, 1.0),
-             ("tp_all_reduce", 0.2, 0.3), ("optimizer", 5.5, 6.0), ("weird", 4.5, 5.8)]  # crosses the backward end
+    spans = [
+        ("backward", 1.0, 5.0),
+        ("recompute", 1.5, 2.0),
+        ("dp_all_reduce", 4.0, 4.4),
+        ("forward", 0.0, 1.0),
+        ("tp_all_reduce", 0.2, 0.3),
+        ("optimizer", 5.5, 6.0),
+        ("weird", 4.5, 5.8),
+    ]  # crosses the backward end
     t = timing.attribute(spans, 6.0)
     assert t.regions_s["backward"] == pytest.approx(2.6) and t.regions_s["recompute"] == pytest.approx(0.5)
     assert t.regions_s["forward"] == pytest.approx(0.9) and t.regions_s["tp_all_reduce"] == pytest.approx(0.1)
@@ -110,23 +118,41 @@ def test_cuda_event_clock_attributes_gpu_time():
     t = timer.end()
     assert gpu.synchronized == 1 and len(gpu.recorded) == 2 + 2 * 6
     assert t.step_s == pytest.approx(0.046)
-    expect = {"other": 0.001, "forward": 0.010, "tp_all_reduce": 0.002, "backward": 0.015, "recompute": 0.007,
-              "dp_all_reduce": 0.006, "optimizer": 0.005}
+    expect = {
+        "other": 0.001,
+        "forward": 0.010,
+        "tp_all_reduce": 0.002,
+        "backward": 0.015,
+        "recompute": 0.007,
+        "dp_all_reduce": 0.006,
+        "optimizer": 0.005,
+    }
     assert t.regions_s == pytest.approx(expect)
     assert not timer.active and timing.span("forward").__enter__() is None  # no active timer: a no-op
 
 
 class _Prediction:
-    time_breakdown_s = {"compute": 1.0, "recompute": 0.0, "tp_comm": 0.0, "pp_comm": 0.0, "bubble": 0.0,
-                        "dp_comm": 0.001, "optimizer": 0.1}
+    time_breakdown_s = {
+        "compute": 1.0,
+        "recompute": 0.0,
+        "tp_comm": 0.0,
+        "pp_comm": 0.0,
+        "bubble": 0.0,
+        "dp_comm": 0.001,
+        "optimizer": 0.1,
+    }
     memory_breakdown_bytes = {"parameters": 100.0, "optimizer_state": 200.0, "activations": 50.0}
 
 
 def test_largest_error_is_in_seconds_not_relative():
     """dp_comm is 20x off (relative) but costs 0.02 s; compute is 30 % off and costs 0.3 s."""
-    rank = {"rank": 0, "step_time_mean_s": 1.5, "peak_memory_bytes": 400.0,
-            "regions_s": {"forward": 0.5, "backward": 0.8, "dp_all_reduce": 0.021, "optimizer": 0.12, OTHER: 0.059},
-            "model_state_bytes": {"parameters": 100.0, "gradients": 100.0, "optimizer_state": 200.0}}
+    rank = {
+        "rank": 0,
+        "step_time_mean_s": 1.5,
+        "peak_memory_bytes": 400.0,
+        "regions_s": {"forward": 0.5, "backward": 0.8, "dp_all_reduce": 0.021, "optimizer": 0.12, OTHER: 0.059},
+        "model_state_bytes": {"parameters": 100.0, "gradients": 100.0, "optimizer_state": 200.0},
+    }
     b = compare(_Prediction(), [rank], "test")
     assert b["largest_error_term"] == "compute" and b["terms"]["compute"]["error_s"] == pytest.approx(0.3)
     assert b["terms"]["dp_comm"]["relative_error"] == pytest.approx(20.0)
@@ -142,8 +168,17 @@ def test_reports_from_before_the_breakdown_still_load(tmp_path):
     from berth.planner.search import predict_layouts
 
     plan = predict_layouts(presets()["tiny-gpt"], TRAINING, make_cluster("local", 1, 2), LAYOUTS[:1])[0]
-    old = {"id": "old", "created": "2026-01-01", "berth_version": "0.1.0", "status": "ok", "plan": plan.model_dump(),
-           "steps": 3, "warmup": 1, "predicted": {}, "measured": {"step_time_s": 0.1}}
+    old = {
+        "id": "old",
+        "created": "2026-01-01",
+        "berth_version": "0.1.0",
+        "status": "ok",
+        "plan": plan.model_dump(),
+        "steps": 3,
+        "warmup": 1,
+        "predicted": {},
+        "measured": {"step_time_s": 0.1},
+    }
     report = ValidationReport.model_validate(old)
     assert report.breakdown is None and report.traces == []
     path = tmp_path / "old.json"
@@ -154,6 +189,7 @@ def test_reports_from_before_the_breakdown_still_load(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # one real launch of five layouts
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -166,9 +202,25 @@ def runs(tmp_path_factory):
     plans = predict_layouts(presets()["tiny-gpt"], TRAINING, make_cluster("local", 1, 2), LAYOUTS)
     (tmp / "plans.json").write_text(json.dumps([p.model_dump(mode="json") for p in plans]))
     out = tmp / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "berth.executor.worker", "--plans", str(tmp / "plans.json"), "--steps", "1", "--warmup", "1",
-           "--out", str(out), "--trace", str(tmp / "traces")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "berth.executor.worker",
+        "--plans",
+        str(tmp / "plans.json"),
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        "--trace",
+        str(tmp / "traces"),
+    ]
     env = {**os.environ, "BERTH_DEVICE": "cpu", "BERTH_TEST_SLOW_OPTIMIZER": f"1:{SLOW_S}:5"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.is_file(), r.stderr[-3000:]
@@ -231,12 +283,24 @@ def test_berth_report_renders_the_side_by_side_table(runs):
     tmp, reports = runs
     path = tmp / "slow.json"
     path.write_text(reports[4].model_dump_json())
-    r = subprocess.run([*BERTH, "report", str(path)], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "COLUMNS": "150"})
+    r = subprocess.run(
+        [*BERTH, "report", str(path)], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "150"}
+    )
     assert r.returncode == 0, r.stderr
-    for word in ("step terms, rank 1", "predicted ms", "measured ms", "error ms", *TERMS, "other (untimed glue)",
-                 "optimizer <- largest error", "largest error: optimizer", "optimizer_state", "trace.json",
-                 "regions of rank 1 (ms per step): optimizer", "dp_all_reduce"):
+    for word in (
+        "step terms, rank 1",
+        "predicted ms",
+        "measured ms",
+        "error ms",
+        *TERMS,
+        "other (untimed glue)",
+        "optimizer <- largest error",
+        "largest error: optimizer",
+        "optimizer_state",
+        "trace.json",
+        "regions of rank 1 (ms per step): optimizer",
+        "dp_all_reduce",
+    ):
         assert word in r.stdout, word
     r = subprocess.run([*BERTH, "report", str(tmp / "missing.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "report" in r.stderr and "no such file" in r.stderr
@@ -249,8 +313,12 @@ def test_berth_report_png_exits_2_without_matplotlib(runs):
     path = tmp / "pp.json"
     path.write_text(reports[2].model_dump_json())
     hide = "import sys; sys.modules['matplotlib'] = None; from berth.planner.cli import main; main()"  # not importable
-    r = subprocess.run([sys.executable, "-c", hide, "report", str(path), "--png", str(tmp / "nopng")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", hide, "report", str(path), "--png", str(tmp / "nopng")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "berth[plot]" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp / "nopng").exists()
 
@@ -260,8 +328,9 @@ def test_berth_report_png_draws_the_timeline_and_the_chart(runs):
     tmp, reports = runs
     path = tmp / "pp.json"
     path.write_text(reports[2].model_dump_json())
-    r = subprocess.run([*BERTH, "report", str(path), "--png", str(tmp / "png")], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [*BERTH, "report", str(path), "--png", str(tmp / "png")], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     pngs = sorted((tmp / "png").glob("*.png"))
     assert [p.name.split("-", 1)[1] for p in pngs] == ["terms.png", "timeline.png"]

@@ -22,9 +22,19 @@ BERTH = [sys.executable, "-m", "berth.planner.cli"]
 
 
 def _report(i, plan, t, m, mode="full", per_rank=None):
-    return ValidationReport(id=f"r{i:03d}", created=f"2026-01-01T00:00:{i:02d}", berth_version="test", status="ok",
-                            plan=plan, steps=3, warmup=1, predicted=Metrics(), mode=mode, per_rank=per_rank or [],
-                            measured=Metrics(step_time_s=t, peak_memory_bytes=m))
+    return ValidationReport(
+        id=f"r{i:03d}",
+        created=f"2026-01-01T00:00:{i:02d}",
+        berth_version="test",
+        status="ok",
+        plan=plan,
+        steps=3,
+        warmup=1,
+        predicted=Metrics(),
+        mode=mode,
+        per_rank=per_rank or [],
+        measured=Metrics(step_time_s=t, peak_memory_bytes=m),
+    )
 
 
 def full_reports(truth, layouts, noise=0.0, seed=0):
@@ -41,8 +51,12 @@ def full_reports(truth, layouts, noise=0.0, seed=0):
     return out, base
 
 
-DP_LAYOUTS = [Layout(dp=2, zero_stage=z, shard=2 if z else 1, micro_batch_size=m, num_microbatches=4 // m,
-                     recompute=r) for z in (0, 1, 3) for m in (1, 2, 4) for r in ("none", "full")]
+DP_LAYOUTS = [
+    Layout(dp=2, zero_stage=z, shard=2 if z else 1, micro_batch_size=m, num_microbatches=4 // m, recompute=r)
+    for z in (0, 1, 3)
+    for m in (1, 2, 4)
+    for r in ("none", "full")
+]
 
 
 def test_one_report_cannot_determine_nine_parameters():
@@ -99,10 +113,20 @@ def rank_slice_reports(truth, noise=0.0, seed=0):
     model = presets()["llama3-8b"]
     training = TrainingSpec(seq_len=4096, global_batch_size=64)
     cluster = make_cluster("dgx-h100", 2)
-    layouts = [Layout(tp=tp, pp=pp, dp=16 // (tp * pp), micro_batch_size=m,
-                      num_microbatches=64 // (16 // (tp * pp)) // m,
-                      recompute=r)
-               for tp in (2, 4, 8) for pp in (1, 2) for m in (1, 2) for r in ("none", "full")]
+    layouts = [
+        Layout(
+            tp=tp,
+            pp=pp,
+            dp=16 // (tp * pp),
+            micro_batch_size=m,
+            num_microbatches=64 // (16 // (tp * pp)) // m,
+            recompute=r,
+        )
+        for tp in (2, 4, 8)
+        for pp in (1, 2)
+        for m in (1, 2)
+        for r in ("none", "full")
+    ]
     plans = predict_layouts(model, training, cluster, layouts)
     rng = np.random.default_rng(seed)
     out = []
@@ -112,8 +136,16 @@ def rank_slice_reports(truth, noise=0.0, seed=0):
         layers = 2
         true = proxy_prediction(p.model_copy(update={"cluster": apply(cluster, truth)}), layers, True)[0]
         e = 1 + noise * rng.standard_normal(2)
-        out.append(_report(i, p, true.step_time_s * e[0], true.peak_memory_bytes * e[1], mode="rank-slice",
-                           per_rank=[{"rank": 0, "stage": 0, "layers": layers}]))
+        out.append(
+            _report(
+                i,
+                p,
+                true.step_time_s * e[0],
+                true.peak_memory_bytes * e[1],
+                mode="rank-slice",
+                per_rank=[{"rank": 0, "stage": 0, "layers": layers}],
+            )
+        )
     return out, cluster
 
 
@@ -140,9 +172,12 @@ def test_cli_reads_a_real_store_and_refuses_bad_stores(tmp_path):
         store.add_validation(r)
     store.close()
     out = tmp_path / "calibrated.json"
-    r = subprocess.run([*BERTH, "calibrate", "--store", str(store_path), "--holdout", "0", "--out", str(out)],
-                       capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [*BERTH, "calibrate", "--store", str(store_path), "--holdout", "0", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "± std. error" in r.stdout and "not fitted" in r.stdout
     doc = json.loads(out.read_text())["calibration"]
@@ -173,9 +208,16 @@ def _with_terms(reports_and_truth, noise=0.01, seed=0):
     for i, (p, t) in enumerate(reports_and_truth):
         terms = {k: v * (1 + noise * rng.standard_normal()) for k, v in t.prediction.time_breakdown_s.items()}
         step = sum(terms.values())
-        bd = MeasuredBreakdown(rank=0, method="synthetic", step_time_s=step, unattributed_s=0.0, terms={
-            k: {"predicted_s": p.prediction.time_breakdown_s[k], "measured_s": v if v > 0 else None}
-            for k, v in terms.items()})
+        bd = MeasuredBreakdown(
+            rank=0,
+            method="synthetic",
+            step_time_s=step,
+            unattributed_s=0.0,
+            terms={
+                k: {"predicted_s": p.prediction.time_breakdown_s[k], "measured_s": v if v > 0 else None}
+                for k, v in terms.items()
+            },
+        )
         out.append(_report(i, p, step, t.prediction.peak_memory_bytes).model_copy(update={"breakdown": bd}))
     return out
 

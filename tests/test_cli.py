@@ -10,8 +10,16 @@ import pytest
 
 BERTH = [sys.executable, "-m", "berth.planner.cli"]
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
-PREDICTION_KEYS = {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "bottleneck",
-                   "time_breakdown_s", "memory_breakdown_bytes"}
+PREDICTION_KEYS = {
+    "step_time_s",
+    "tokens_per_s",
+    "mfu",
+    "peak_memory_bytes",
+    "fits",
+    "bottleneck",
+    "time_breakdown_s",
+    "memory_breakdown_bytes",
+}
 
 
 def berth(*args):
@@ -19,8 +27,19 @@ def berth(*args):
 
 
 def test_plan_json_contract_and_tp_inside_node():
-    r = berth("plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "8", "--seq-len", "8192",
-              "--global-batch", "256", "--json")
+    r = berth(
+        "plan",
+        "llama3-70b",
+        "--cluster",
+        "dgx-h100",
+        "--nodes",
+        "8",
+        "--seq-len",
+        "8192",
+        "--global-batch",
+        "256",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["searched"] > 1000 and sum(out["rejected"].values()) + out["feasible"] == out["searched"]
@@ -56,30 +75,62 @@ sys.stderr.write("\\nloaded: " + " ".join(sorted(sys.modules)))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    loaded = {".".join(name.split(".")[:2]) if name.startswith("berth.") else name.split(".")[0]
-              for name in r.stderr.rsplit("loaded: ", 1)[1].split()}
+    loaded = {
+        ".".join(name.split(".")[:2]) if name.startswith("berth.") else name.split(".")[0]
+        for name in r.stderr.rsplit("loaded: ", 1)[1].split()
+    }
     assert "berth.planner" in loaded and "numpy" in loaded
     assert not loaded & NOT_ON_PLAN_PATH
 
 
 def test_plan_fix_restricts_the_search():
-    r = berth("plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "8", "--seq-len", "4096",
-              "--global-batch", "128", "--fix", "tp=8,pp=2", "--json", "--top", "3")
+    r = berth(
+        "plan",
+        "llama3-70b",
+        "--cluster",
+        "dgx-h100",
+        "--nodes",
+        "8",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "128",
+        "--fix",
+        "tp=8,pp=2",
+        "--json",
+        "--top",
+        "3",
+    )
     assert r.returncode == 0, r.stderr
     plans = json.loads(r.stdout)["plans"]
     assert plans and all(p["layout"]["tp"] == 8 and p["layout"]["pp"] == 2 for p in plans)
 
 
 def test_moe_plan_carries_ep_in_json_and_tables():
-    args = ("plan", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096",
-            "--global-batch", "256", "--fix", "ep=8", "--top", "2")
+    args = (
+        "plan",
+        "mixtral-8x7b",
+        "--cluster",
+        "dgx-h100",
+        "--nodes",
+        "2",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "256",
+        "--fix",
+        "ep=8",
+        "--top",
+        "2",
+    )
     r = berth(*args, "--json")
     assert r.returncode == 0, r.stderr
     plans = json.loads(r.stdout)["plans"]
     assert plans and all(p["layout"]["ep"] == 8 and p["layout"]["dp"] % 8 == 0 for p in plans)
     assert all("ep_comm" in p["prediction"]["time_breakdown_s"] for p in plans)
-    table = subprocess.run([*BERTH, *args], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "COLUMNS": "100"})
+    table = subprocess.run(
+        [*BERTH, *args], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "100"}
+    )
     assert table.returncode == 0 and "ep8" in table.stdout and "time: ep_comm" in table.stdout, table.stdout
 
 
@@ -89,9 +140,23 @@ def test_framework_changes_sequence_parallel_memory_and_kernel_time():
     kernels are faster than eager PyTorch, with the same GEMMs and collectives. Memory follows each
     stack's precision recipe (the executor's fp32 parameters under autocast, with its bf16 weight
     cache; Megatron's 16-bit ones)."""
+
     def one(framework, layout):
-        r = berth("compare", "llama3-8b", "--cluster", "dgx-h100", "--seq-len", "4096", "--global-batch", "32",
-                  "--layout", layout, "--framework", framework, "--json")
+        r = berth(
+            "compare",
+            "llama3-8b",
+            "--cluster",
+            "dgx-h100",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "32",
+            "--layout",
+            layout,
+            "--framework",
+            framework,
+            "--json",
+        )
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)["candidates"][0]["prediction"]
 
@@ -107,9 +172,24 @@ def test_framework_changes_sequence_parallel_memory_and_kernel_time():
 def test_compare_keeps_misfits_with_reasons_and_refuses_impossible_layouts():
     # Megatron bf16 holds 18 bytes per parameter without its distributed optimizer (16-bit weights,
     # fp32 grad buffer, fp32 main weights + Adam), 6 + 12/dp with it (zero=1)
-    args = ("compare", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "4", "--seq-len", "8192",
-            "--global-batch", "64", "--layout", "tp=8,pp=2,zero=1,recompute=full,mbs=1", "--layout", "tp=8,zero=3",
-            "--framework", "megatron")
+    args = (
+        "compare",
+        "llama3-70b",
+        "--cluster",
+        "dgx-h100",
+        "--nodes",
+        "4",
+        "--seq-len",
+        "8192",
+        "--global-batch",
+        "64",
+        "--layout",
+        "tp=8,pp=2,zero=1,recompute=full,mbs=1",
+        "--layout",
+        "tp=8,zero=3",
+        "--framework",
+        "megatron",
+    )
     r = berth(*args, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -120,8 +200,11 @@ def test_compare_keeps_misfits_with_reasons_and_refuses_impossible_layouts():
     assert cands[1]["prediction"]["fits"] is False
     assert out["gap_to_best"][0] <= 0.0 and out["gap_to_best"][1] is None
     # a layout no cluster of 32 GPUs can run is refused before anything is predicted
-    for bad, field, why in (("tp=16", "layout[2].tp", "8 kv heads"), ("tp=3", "layout[2].tp", "valid: 1, 2, 4, 8"),
-                            ("tp=8,pp=2,dp=4", "layout[2].tp,pp,dp", "must equal the 32 GPUs")):
+    for bad, field, why in (
+        ("tp=16", "layout[2].tp", "8 kv heads"),
+        ("tp=3", "layout[2].tp", "valid: 1, 2, 4, 8"),
+        ("tp=8,pp=2,dp=4", "layout[2].tp,pp,dp", "must equal the 32 GPUs"),
+    ):
         r = berth(*args, "--layout", bad, "--json")
         assert r.returncode == 2 and field in r.stderr and why in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout
@@ -129,26 +212,43 @@ def test_compare_keeps_misfits_with_reasons_and_refuses_impossible_layouts():
 
 
 def test_plan_table_output():
-    r = berth("plan", "llama3-8b", "--cluster", "dgx-a100-80g", "--nodes", "1", "--seq-len", "4096",
-              "--global-batch", "64", "--top", "2")
+    r = berth(
+        "plan",
+        "llama3-8b",
+        "--cluster",
+        "dgx-a100-80g",
+        "--nodes",
+        "1",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--top",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stdout and "searched" in r.stdout and "bottleneck" in r.stdout
 
 
-@pytest.mark.parametrize("args,field", [
-    (["plan", "llama3-70b", "--cluster", "dgx-h999", "--nodes", "1"], "cluster.preset"),
-    (["plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "0"], "cluster.nodes"),
-    (["plan", "nope-model"], "model"),
-    # seq 1024: no context parallelism searched, which could otherwise take the GPUs dp = 1 leaves
-    (["plan", "tiny-gpt", "--cluster", "dgx-h100", "--nodes", "4", "--global-batch", "7", "--seq-len", "1024"],
-     "training.global_batch_size"),
-    (["plan", "llama3-8b", "--seq-len", "-5"], "training.seq_len"),
-    (["plan", "llama3-8b", "--fix", "tq=2"], "fix"),
-    (["plan", "llama3-8b", "--precision", "fp7"], "training.precision"),
-    (["compare", "llama3-8b", "--layout", "tp=two"], "layout[0].tp"),
-    (["plan", "llama3-8b", "--fix", "ep=2"], "fix.ep"),  # a dense model has no experts
-    (["compare", "mixtral-8x7b", "--nodes", "2", "--layout", "ep=3"], "layout[0].ep"),
-])
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["plan", "llama3-70b", "--cluster", "dgx-h999", "--nodes", "1"], "cluster.preset"),
+        (["plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "0"], "cluster.nodes"),
+        (["plan", "nope-model"], "model"),
+        # seq 1024: no context parallelism searched, which could otherwise take the GPUs dp = 1 leaves
+        (
+            ["plan", "tiny-gpt", "--cluster", "dgx-h100", "--nodes", "4", "--global-batch", "7", "--seq-len", "1024"],
+            "training.global_batch_size",
+        ),
+        (["plan", "llama3-8b", "--seq-len", "-5"], "training.seq_len"),
+        (["plan", "llama3-8b", "--fix", "tq=2"], "fix"),
+        (["plan", "llama3-8b", "--precision", "fp7"], "training.precision"),
+        (["compare", "llama3-8b", "--layout", "tp=two"], "layout[0].tp"),
+        (["plan", "llama3-8b", "--fix", "ep=2"], "fix.ep"),  # a dense model has no experts
+        (["compare", "mixtral-8x7b", "--nodes", "2", "--layout", "ep=3"], "layout[0].ep"),
+    ],
+)
 def test_bad_input_exits_2_with_one_clear_line(args, field):
     r = berth(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
@@ -159,28 +259,67 @@ def test_bad_input_exits_2_with_one_clear_line(args, field):
 
 def test_heads_not_divisible_model_file(tmp_path):
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"num_layers": 2, "hidden_size": 1000, "num_attention_heads": 3,
-                                "ffn_hidden_size": 4000, "vocab_size": 100}))
+    path.write_text(
+        json.dumps(
+            {"num_layers": 2, "hidden_size": 1000, "num_attention_heads": 3, "ffn_hidden_size": 4000, "vocab_size": 100}
+        )
+    )
     r = berth("plan", str(path))
     assert r.returncode == 2 and "num_attention_heads" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_topology_graph_file_plan_shows_crossings_and_fallback(tmp_path):
     graph = tmp_path / "fat.json"
-    r = berth("topology", "dgx-h100:4", "--fabric", "fat-tree", "--nodes-per-leaf", "2", "--oversubscription", "4",
-              "--out", str(graph))
+    r = berth(
+        "topology",
+        "dgx-h100:4",
+        "--fabric",
+        "fat-tree",
+        "--nodes-per-leaf",
+        "2",
+        "--oversubscription",
+        "4",
+        "--out",
+        str(graph),
+    )
     assert r.returncode == 0, r.stderr
     assert "shared" in r.stdout and "infiniband" in r.stdout and graph.is_file()
-    r = berth("plan", "llama3-70b", "--cluster", str(graph), "--seq-len", "4096", "--global-batch", "64",
-              "--top", "2", "--fallback", "--price-per-gpu-hour", "2")
+    r = berth(
+        "plan",
+        "llama3-70b",
+        "--cluster",
+        str(graph),
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--top",
+        "2",
+        "--fallback",
+        "--price-per-gpu-hour",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     assert "placement of #1" in r.stdout and "cross" in r.stdout and "per step" in r.stdout
     assert "fallback with 1 node lost" in r.stdout and "goodput" in r.stdout
-    r = berth("plan", "llama3-70b", "--cluster", str(graph), "--nodes", "2", "--seq-len", "4096",
-              "--global-batch", "64")
+    r = berth(
+        "plan", "llama3-70b", "--cluster", str(graph), "--nodes", "2", "--seq-len", "4096", "--global-batch", "64"
+    )
     assert r.returncode == 2 and "graph file gives its own nodes" in r.stderr
-    r = berth("plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096",
-              "--global-batch", "64", "--objective", "fastest")
+    r = berth(
+        "plan",
+        "llama3-70b",
+        "--cluster",
+        "dgx-h100",
+        "--nodes",
+        "2",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--objective",
+        "fastest",
+    )
     assert r.returncode == 2 and "objective" in r.stderr
 
 
@@ -205,8 +344,21 @@ def test_gpipe_at_one_stage_holds_one_microbatch():
     lays = [Layout(tp=8, dp=2, num_microbatches=32, schedule=s) for s in ("gpipe", "1f1b")]
     ev = evaluate(model, training, cluster, Candidates.from_layouts(lays))
     assert ev.peak_memory_bytes[0] == ev.peak_memory_bytes[1]
-    r = berth("compare", "llama3-70b", "--nodes", "2", "--seq-len", "4096", "--global-batch", "64",
-              "--layout", "tp=8,schedule=gpipe", "--layout", "tp=8", "--json")
+    r = berth(
+        "compare",
+        "llama3-70b",
+        "--nodes",
+        "2",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--layout",
+        "tp=8,schedule=gpipe",
+        "--layout",
+        "tp=8",
+        "--json",
+    )
     a, b = (c["prediction"]["peak_memory_bytes"] for c in json.loads(r.stdout)["candidates"])
     assert a == b
 
@@ -234,8 +386,9 @@ def test_bottleneck_memory_only_for_misfits():
     assert rec, "some fitting full-recompute layout is bound by its recomputation"
     for i in rec:
         over = {k: float(v[i]) for k, v in ev.time_breakdown_s.items() if k not in ("compute",)}
-        assert over["recompute"] == max(over["recompute"], over["tp_comm"], over["dp_comm"], over["optimizer"],
-                                        over["bubble"] + over["pp_comm"])
+        assert over["recompute"] == max(
+            over["recompute"], over["tp_comm"], over["dp_comm"], over["optimizer"], over["bubble"] + over["pp_comm"]
+        )
 
 
 def test_version_completion_and_csv():
@@ -244,8 +397,13 @@ def test_version_completion_and_csv():
     import os
 
     # the shell named, not detected from the process tree (CI runs no interactive shell)
-    r = subprocess.run([*BERTH, "--show-completion", "bash"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"})
+    r = subprocess.run(
+        [*BERTH, "--show-completion", "bash"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"},
+    )
     assert r.returncode == 0 and "complete" in r.stdout and "_BERTH_COMPLETE" in r.stdout, r.stderr
     r = berth("plan", "llama3-8b", "--seq-len", "4096", "--global-batch", "64", "--top", "3", "--csv")
     assert r.returncode == 0, r.stderr
@@ -253,11 +411,21 @@ def test_version_completion_and_csv():
     import io
 
     rows = list(csv.DictReader(io.StringIO(r.stdout)))
-    assert len(rows) == 3 and all(int(x["tp"]) * int(x.get("cp", 1)) * int(x["pp"]) * int(x["dp"]) == 8
-                                  for x in rows)
+    assert len(rows) == 3 and all(int(x["tp"]) * int(x.get("cp", 1)) * int(x["pp"]) * int(x["dp"]) == 8 for x in rows)
     assert float(rows[0]["tokens_per_s"]) >= float(rows[2]["tokens_per_s"]) > 0
-    r = berth("compare", "llama3-8b", "--seq-len", "4096", "--global-batch", "64", "--layout", "tp=8",
-              "--layout", "tp=2,zero=1", "--csv")
+    r = berth(
+        "compare",
+        "llama3-8b",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--layout",
+        "tp=8",
+        "--layout",
+        "tp=2,zero=1",
+        "--csv",
+    )
     rows = list(csv.DictReader(io.StringIO(r.stdout)))
     assert r.returncode == 0 and [x["tp"] for x in rows] == ["8", "2"] and rows[0]["vs_best"]
 
@@ -266,21 +434,60 @@ def test_tables_fit_80_columns_and_read_in_human_units():
     import os
 
     env = {**os.environ, "COLUMNS": "80"}
-    r = subprocess.run([*BERTH, "plan", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096",
-                        "--global-batch", "64"], capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [
+            *BERTH,
+            "plan",
+            "llama3-8b",
+            "--cluster",
+            "dgx-h100",
+            "--nodes",
+            "2",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert max(len(x) for x in lines) <= 80, max(lines, key=len)
     assert "(8.0B params)" in r.stdout and "tp" in r.stdout
-    r = subprocess.run([*BERTH, "compare", "llama3-70b", "--nodes", "2", "--seq-len", "8192", "--global-batch", "64",
-                        "--layout", "tp=8,pp=2,recompute=full,sp=1", "--layout", "tp=4,pp=4,vpp=5,sp=1"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [
+            *BERTH,
+            "compare",
+            "llama3-70b",
+            "--nodes",
+            "2",
+            "--seq-len",
+            "8192",
+            "--global-batch",
+            "64",
+            "--layout",
+            "tp=8,pp=2,recompute=full,sp=1",
+            "--layout",
+            "tp=4,pp=4,vpp=5,sp=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0 and max(len(x) for x in r.stdout.splitlines()) <= 80, r.stdout
     assert "memory" in r.stdout and "tp4 pp4" in r.stdout
     from berth.planner.render import _seconds, count
 
-    assert (_seconds(26793.74), _seconds(0.0123), _seconds(3.5), _seconds(600)) == ("7.4 h", "12.3 ms", "3.50 s",
-                                                                                    "10.0 min")
+    assert (_seconds(26793.74), _seconds(0.0123), _seconds(3.5), _seconds(600)) == (
+        "7.4 h",
+        "12.3 ms",
+        "3.50 s",
+        "10.0 min",
+    )
     assert count(7.6e6) == "7.6M" and count(70.6e9) == "70.6B" and count(1.0e12) == "1.0T"
     r = berth("presets")
     assert "tiny-gpt (" in r.stdout and "M)" in r.stdout
@@ -294,15 +501,34 @@ def test_executor_commands_without_torch_say_so_in_one_line(tmp_path):
     from berth.planner.store import Store
 
     plans = tmp_path / "plans.json"
-    r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len",
-                        "128", "--global-batch", "8", "--json"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            *BERTH,
+            "plan",
+            "tiny-gpt",
+            "--cluster",
+            "local",
+            "--devices-per-node",
+            "2",
+            "--seq-len",
+            "128",
+            "--global-batch",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     plans.write_text(r.stdout)
     hide = "import sys; sys.modules['torch'] = None; from berth.planner.cli import main; main(sys.argv[1:])"
     store = str(tmp_path / "s.sqlite")
-    for args, what in ((["validate", str(plans), "--store", store], "a validation"),
-                       (["validate", str(plans), "--proxy", "rank-slice", "--store", store], "a validation"),
-                       (["profile", "--quick", "--out", str(tmp_path / "p.json")], "`berth profile`")):
+    for args, what in (
+        (["validate", str(plans), "--store", store], "a validation"),
+        (["validate", str(plans), "--proxy", "rank-slice", "--store", store], "a validation"),
+        (["profile", "--quick", "--out", str(tmp_path / "p.json")], "`berth profile`"),
+    ):
         r = subprocess.run([sys.executable, "-c", hide, *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert f"{what} needs torch: pip install 'berth[executor]'" in r.stderr and "Traceback" not in r.stderr

@@ -117,6 +117,7 @@ def test_thin_tp_slices_lose_efficiency(h100):
     tp = np.array([1.0, 8.0])
     fwd, bwd, _ = compute.layer_compute_s(LLAMA8B, training, h100, 1.0, tp, np.zeros(2))
     from berth.cost_models import flops
+
     mfu = 3 * flops.layer_forward_flops(LLAMA8B, 4096, 1.0) / tp / ((fwd + bwd) * h100.peak_flops("bf16"))
     assert 0.35 < mfu[0] < 0.55 and mfu[1] < 0.6 * mfu[0]
 
@@ -127,8 +128,10 @@ def test_framework_entries_change_only_the_frameworks_work(h100):
     f_py, b_py, _ = compute.layer_compute_s(LLAMA8B, torch_eager, h100, 1.0, 1.0, 0)
     f_mg, b_mg, _ = compute.layer_compute_s(LLAMA8B, megatron, h100, 1.0, 1.0, 0)
     assert f_mg < f_py and b_mg < b_py  # fused kernels, no autocast casts
-    assert np.allclose(compute.layer_gemm_s(LLAMA8B, torch_eager, h100, 1.0, 1.0),
-                       compute.layer_gemm_s(LLAMA8B, megatron, h100, 1.0, 1.0))
+    assert np.allclose(
+        compute.layer_gemm_s(LLAMA8B, torch_eager, h100, 1.0, 1.0),
+        compute.layer_gemm_s(LLAMA8B, megatron, h100, 1.0, 1.0),
+    )
     assert compute.optimizer_step_s(h100, megatron, 1e9) < compute.optimizer_step_s(h100, torch_eager, 1e9) / 2
 
 
@@ -142,10 +145,12 @@ def test_profiles_without_the_measured_models_keep_the_legacy_terms(h100):
     training = TrainingSpec(seq_len=2048, global_batch_size=8)
     fwd, bwd, attn = compute.layer_compute_s(LLAMA8B, training, legacy, np.array([1.0, 2.0]), 1.0, 0)
     assert np.allclose(bwd, 2.0 * fwd)
-    expected = (compute.layer_gemm_forward_s(LLAMA8B, training, legacy, 1.0, 1.0)
-                + compute.attention_core_forward_s(LLAMA8B, training, legacy, 1.0, 1.0)
-                + compute.elementwise_forward_s(LLAMA8B, training, legacy, 1.0, 1.0, 0)
-                + compute.kernel_overhead_forward_s(legacy, 1.0))
+    expected = (
+        compute.layer_gemm_forward_s(LLAMA8B, training, legacy, 1.0, 1.0)
+        + compute.attention_core_forward_s(LLAMA8B, training, legacy, 1.0, 1.0)
+        + compute.elementwise_forward_s(LLAMA8B, training, legacy, 1.0, 1.0, 0)
+        + compute.kernel_overhead_forward_s(legacy, 1.0)
+    )
     assert fwd[0] == pytest.approx(expected)
     cpu = load_device("cpu-host")
     assert cpu.gemm_shape is None and not cpu.frameworks  # CPU workers keep their measured figures

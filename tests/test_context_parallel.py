@@ -21,8 +21,9 @@ TRAINING = TrainingSpec(seq_len=32768, global_batch_size=16)
 
 
 def test_cp2_halves_activation_memory_and_attention_per_rank_but_not_parameters():
-    one, two = (Candidates.from_layouts([Layout(cp=cp, dp=16 // cp, micro_batch_size=1,
-                                                num_microbatches=cp)]) for cp in (1, 2))
+    one, two = (
+        Candidates.from_layouts([Layout(cp=cp, dp=16 // cp, micro_batch_size=1, num_microbatches=cp)]) for cp in (1, 2)
+    )
     device = CLUSTER.device
     m1 = memory.stage_memory_breakdown(MODEL, TRAINING, device, one, first=True)
     m2 = memory.stage_memory_breakdown(MODEL, TRAINING, device, two, first=True)
@@ -31,8 +32,12 @@ def test_cp2_halves_activation_memory_and_attention_per_rank_but_not_parameters(
     # the parameters are not split by cp (DDP here); ZeRO / FSDP shard them over shard x cp (torchtitan's
     # dp_shard_cp mesh, Megatron's distributed optimizer over dp x cp)
     assert m2["parameters"][0] == pytest.approx(m1["parameters"][0], rel=1e-12)
-    z1, z2 = (Candidates.from_layouts([Layout(cp=cp, dp=16 // cp, zero_stage=3, shard=16 // cp,
-                                              micro_batch_size=1, num_microbatches=cp)]) for cp in (1, 2))
+    z1, z2 = (
+        Candidates.from_layouts(
+            [Layout(cp=cp, dp=16 // cp, zero_stage=3, shard=16 // cp, micro_batch_size=1, num_microbatches=cp)]
+        )
+        for cp in (1, 2)
+    )
     p1 = memory.stage_memory_breakdown(MODEL, TRAINING, device, z1, first=True)["parameters"][0]
     p2 = memory.stage_memory_breakdown(MODEL, TRAINING, device, z2, first=True)["parameters"][0]
     assert p2 == pytest.approx(p1, rel=1e-12)  # 16 ranks share them either way
@@ -44,8 +49,10 @@ def test_cp2_halves_activation_memory_and_attention_per_rank_but_not_parameters(
     total = flops.attention_core_flops(MODEL, TRAINING.seq_len, 1)
     assert flops.attention_core_flops(MODEL, TRAINING.seq_len, 0.5) == pytest.approx(total / 2)
     # GEMMs see half the tokens
-    g1, g2 = compute.layer_gemm_forward_s(MODEL, TRAINING, device, 1.0, 2), compute.layer_gemm_forward_s(
-        MODEL, TRAINING, device, 0.5, 2)
+    g1, g2 = (
+        compute.layer_gemm_forward_s(MODEL, TRAINING, device, 1.0, 2),
+        compute.layer_gemm_forward_s(MODEL, TRAINING, device, 0.5, 2),
+    )
     assert 0.5 <= g2 / g1 < 0.56
 
 
@@ -53,8 +60,9 @@ def test_cp2_halves_activation_memory_and_attention_per_rank_but_not_parameters(
 def test_kv_exchange_is_positive_unhidden_and_grows_with_seq(stride):
     def exposed(seq, attention_s=0.0):
         training = TrainingSpec(seq_len=seq, global_batch_size=16)
-        fwd, bwd = step.cp_exchange_s(MODEL, training, CLUSTER, np.array([0.5]), 2.0, np.array([2]), stride,
-                                      attention_s, 2.5 * attention_s)
+        fwd, bwd = step.cp_exchange_s(
+            MODEL, training, CLUSTER, np.array([0.5]), 2.0, np.array([2]), stride, attention_s, 2.5 * attention_s
+        )
         return float(fwd[0]), float(bwd[0])
 
     f8, b8 = exposed(8192)
@@ -70,26 +78,34 @@ def test_kv_exchange_is_positive_unhidden_and_grows_with_seq(stride):
     kv = 2 * 0.5 * 32768 * MODEL.kv_heads / 2 * MODEL.head_dim * 2  # K and V blocks, bf16
     send = float(p2p_s(CLUSTER, kv, np.array([2.0]), stride)[0])
     # hidden behind attention, the transfer still slows it (step.OVERLAP_COMPUTE_SLOWDOWN)
-    assert hidden_f == pytest.approx(memory_bound_time_s(CLUSTER.device, step.CP_MERGE_PASSES * 4 * q)
-                                     + step.OVERLAP_COMPUTE_SLOWDOWN * send)
+    assert hidden_f == pytest.approx(
+        memory_bound_time_s(CLUSTER.device, step.CP_MERGE_PASSES * 4 * q) + step.OVERLAP_COMPUTE_SLOWDOWN * send
+    )
     fwd, _ = step.cp_exchange_s(MODEL, TRAINING, CLUSTER, np.array([1.0]), 2.0, np.array([1]), 2, 0.0, 0.0)
     assert fwd[0] == 0.0  # cp = 1: no exchange
 
 
 def test_cp_rules_have_reasons():
-    c = Candidates.from_layouts([Layout(cp=3, dp=16 // 3 or 1), Layout(cp=16, micro_batch_size=16),
-                                 Layout(cp=2, dp=8, micro_batch_size=2)])
+    c = Candidates.from_layouts(
+        [Layout(cp=3, dp=16 // 3 or 1), Layout(cp=16, micro_batch_size=16), Layout(cp=2, dp=8, micro_batch_size=2)]
+    )
     short = TrainingSpec(seq_len=384, global_batch_size=16)
     reasons = structural_reasons(c, MODEL, short, CLUSTER)
     assert reasons[0] == REASON_CODES["world_size_mismatch"]
     assert reasons[1] == REASON_CODES["cp_chunk_too_small"]  # 384 / 32 = 12 tokens a chunk
     assert reasons[2] == 0
     odd = TrainingSpec(seq_len=1000, global_batch_size=16)
-    assert structural_reasons(Candidates.from_layouts([Layout(cp=16, micro_batch_size=16)]), MODEL, odd,
-                              CLUSTER)[0] == REASON_CODES["cp_not_divide_seq"]
+    assert (
+        structural_reasons(Candidates.from_layouts([Layout(cp=16, micro_batch_size=16)]), MODEL, odd, CLUSTER)[0]
+        == REASON_CODES["cp_not_divide_seq"]
+    )
     unfused = TrainingSpec(seq_len=4096, global_batch_size=16, flash_attention=False)
-    assert structural_reasons(Candidates.from_layouts([Layout(cp=2, dp=8, micro_batch_size=2)]), MODEL, unfused,
-                              CLUSTER)[0] == REASON_CODES["cp_needs_flash_attention"]
+    assert (
+        structural_reasons(Candidates.from_layouts([Layout(cp=2, dp=8, micro_batch_size=2)]), MODEL, unfused, CLUSTER)[
+            0
+        ]
+        == REASON_CODES["cp_needs_flash_attention"]
+    )
     with pytest.raises(BerthError, match="flash_attention"):
         check_layout({"cp": 2, "dp": 8}, MODEL, unfused, CLUSTER)
     with pytest.raises(BerthError, match="2 x cp"):
@@ -115,8 +131,9 @@ def test_checkpoint_writers_count_the_cp_ranks_zero_shards_over():
     from berth.cost_models.goodput import checkpoint_bytes
 
     training = TrainingSpec(seq_len=8192, global_batch_size=16)
-    c = Candidates.from_layouts([Layout(cp=2, dp=8, zero_stage=3, shard=8, micro_batch_size=1),
-                                 Layout(cp=2, dp=8, micro_batch_size=1)])
+    c = Candidates.from_layouts(
+        [Layout(cp=2, dp=8, zero_stage=3, shard=8, micro_batch_size=1), Layout(cp=2, dp=8, micro_batch_size=1)]
+    )
     total, per_rank, writers = checkpoint_bytes(MODEL, training, c)
     assert list(writers) == [16, 1]
     assert per_rank * writers == pytest.approx(total, rel=1e-9)
@@ -136,5 +153,9 @@ def test_zero_shards_over_cp_ranks_when_dp_is_one():
     unsharded = search(MODEL, training, one_node, SearchSpec(top=1, fix={"cp": 8, "zero_stage": 0}))
     assert not unsharded.plans and unsharded.rejected == {"out_of_memory": unsharded.searched}
     with pytest.raises(BerthError, match="shard x cp"):
-        search(MODEL, TrainingSpec(seq_len=4096, global_batch_size=8), one_node,
-               SearchSpec(top=1, fix={"zero_stage": 3, "shard": 1}))
+        search(
+            MODEL,
+            TrainingSpec(seq_len=4096, global_batch_size=8),
+            one_node,
+            SearchSpec(top=1, fix={"zero_stage": 3, "shard": 1}),
+        )

@@ -90,14 +90,17 @@ def test_zero3_gathers_every_microbatch():
     assert ev.time_breakdown_s["dp_comm"][1] > 2 * ev.time_breakdown_s["dp_comm"][0]
 
 
-@pytest.mark.parametrize("framework,precision,tp,zero,want", [
-    ("pytorch", "bf16", 1, 0, (4, 4)),  # the executor's DDP: fp32 parameters and gradients under autocast
-    ("pytorch", "bf16", 1, 1, (4, 4)),  # ZeroRedundancyOptimizer hands back updated fp32 parameters
-    ("pytorch", "bf16", 8, 0, (2, 4)),  # FSDP2 (dp with tp): bf16 param_dtype gathers, fp32 reduce_dtype
-    ("pytorch", "bf16", 1, 3, (2, 4)),
-    ("megatron", "bf16", 8, 1, (2, 4)),  # 16-bit parameters, fp32 grad buffer (accumulate_allreduce_grads_in_fp32)
-    ("megatron", "fp16", 8, 1, (2, 2)),  # Megatron fp16: 16-bit grad buffer
-])
+@pytest.mark.parametrize(
+    "framework,precision,tp,zero,want",
+    [
+        ("pytorch", "bf16", 1, 0, (4, 4)),  # the executor's DDP: fp32 parameters and gradients under autocast
+        ("pytorch", "bf16", 1, 1, (4, 4)),  # ZeroRedundancyOptimizer hands back updated fp32 parameters
+        ("pytorch", "bf16", 8, 0, (2, 4)),  # FSDP2 (dp with tp): bf16 param_dtype gathers, fp32 reduce_dtype
+        ("pytorch", "bf16", 1, 3, (2, 4)),
+        ("megatron", "bf16", 8, 1, (2, 4)),  # 16-bit parameters, fp32 grad buffer (accumulate_allreduce_grads_in_fp32)
+        ("megatron", "fp16", 8, 1, (2, 2)),  # Megatron fp16: 16-bit grad buffer
+    ],
+)
 def test_collectives_carry_the_recipes_dtypes(framework, precision, tp, zero, want):
     training = TrainingSpec(seq_len=4096, global_batch_size=64, framework=framework, precision=precision)
     c = Candidates.from_layouts([Layout(tp=tp, dp=8, zero_stage=zero, shard=8 if zero else 1)])
@@ -133,7 +136,8 @@ def test_hidden_traffic_still_slows_the_compute_it_overlaps():
     c = Candidates.from_layouts([Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=1, num_microbatches=2)])
     params = memory.stage_params(model, c.pp, c.tp, True)
     gathered, reduced = memory.dp_collective_bytes(training, c)
-    per_mb = (2 * comm.all_gather_s(cluster, params * gathered, c.shard, 1)
-              + comm.reduce_scatter_s(cluster, params * reduced, c.shard, 1))
+    per_mb = 2 * comm.all_gather_s(cluster, params * gathered, c.shard, 1) + comm.reduce_scatter_s(
+        cluster, params * reduced, c.shard, 1
+    )
     dp = evaluate(model, training, cluster, c).time_breakdown_s["dp_comm"][0]
     assert dp >= OVERLAP_COMPUTE_SLOWDOWN * 2 * per_mb[0] * (1 - 1 / model.num_layers)

@@ -35,8 +35,13 @@ def _files(plan, engine):
 def _common(plan, engine):
     """What every engine must have parsed, from the plan alone."""
     x, t = plan.layout, plan.training
-    return {"tp": x.tp, "dp": x.dp, "micro_batch": x.micro_batch_size, "global_batch": t.global_batch_size,
-            "precision": t.precision}
+    return {
+        "tp": x.tp,
+        "dp": x.dp,
+        "micro_batch": x.micro_batch_size,
+        "global_batch": t.global_batch_size,
+        "precision": t.precision,
+    }
 
 
 def _refusal_is_stated(files, engine):
@@ -48,17 +53,26 @@ def _refusal_is_stated(files, engine):
 def test_deepspeed_config_parsed_by_deepspeed_equals_the_plan(name, plan):
     files = _files(plan, "deepspeed")
     x = plan.layout
-    cannot = (x.cp > 1 or x.sequence_parallel or x.recompute == "selective" or x.axis_order != "tp-dp-pp"
-              or (x.zero_stage and x.shard < x.dp)  # MiCS was removed in 0.19
-              or (x.pp > 1 and (x.schedule != "1f1b" or x.zero_stage >= 2 or x.tp > 1))
-              or plan.model.num_layers % x.pp)  # uneven stages: PipelineModule takes no per-stage counts
+    cannot = (
+        x.cp > 1
+        or x.sequence_parallel
+        or x.recompute == "selective"
+        or x.axis_order != "tp-dp-pp"
+        or (x.zero_stage and x.shard < x.dp)  # MiCS was removed in 0.19
+        or (x.pp > 1 and (x.schedule != "1f1b" or x.zero_stage >= 2 or x.tp > 1))
+        or plan.model.num_layers % x.pp
+    )  # uneven stages: PipelineModule takes no per-stage counts
     if cannot:
         _refusal_is_stated(files, "deepspeed")
         return
     assert not isinstance(files, str), files
     got = ec.load_deepspeed(plan, files)
-    assert got == {**_common(plan, "deepspeed"), "zero": x.zero_stage, "accumulation": x.num_microbatches,
-                   "world": plan.cluster.world_size}
+    assert got == {
+        **_common(plan, "deepspeed"),
+        "zero": x.zero_stage,
+        "accumulation": x.num_microbatches,
+        "world": plan.cluster.world_size,
+    }
     launch = files["deepspeed-launch.sh"]
     assert ENGINE_VERSIONS["deepspeed"] in launch and "${TRAIN_SCRIPT:?" in launch
     if x.pp > 1:
@@ -87,19 +101,32 @@ def test_torchtitan_config_parsed_by_torchtitan_equals_the_plan(name, plan, tmp_
         return
     assert not isinstance(files, str), files
     got = ec.load_torchtitan(plan, files, tmp_path)
-    want = {**_common(plan, "torchtitan"), "cp": x.cp, "pp": x.pp, "vpp": x.virtual_stages,
-            "shard": x.shard if x.zero_stage else 1, "zero": x.zero_stage,
-            # gradient accumulation without a pipeline: torchtitan accumulates through global_batch_size
-            "accumulation": 1 if x.pp > 1 else x.num_microbatches,
-            "pipeline_microbatches": x.num_microbatches if x.pp > 1 else 1,
-            "schedule": {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
-                         "interleaved_1f1b": "ScheduleInterleaved1F1B"}[x.schedule] if x.pp > 1 else None,
-            # the embedding and the output ride with the first and last stage; decoder layers per stage as
-            # berth's split rule gives them (equal when pp x vpp divides the layers)
-            "layers_per_stage": chunk_layers(m.num_layers, x.pp, x.virtual_stages) if x.pp > 1 else [],
-            "recompute": x.recompute, "sp": x.sequence_parallel, "seq_len": t.seq_len,
-            "world": plan.cluster.world_size, "num_layers": m.num_layers, "hidden": m.hidden_size,
-            "vocab": m.vocab_size}
+    want = {
+        **_common(plan, "torchtitan"),
+        "cp": x.cp,
+        "pp": x.pp,
+        "vpp": x.virtual_stages,
+        "shard": x.shard if x.zero_stage else 1,
+        "zero": x.zero_stage,
+        # gradient accumulation without a pipeline: torchtitan accumulates through global_batch_size
+        "accumulation": 1 if x.pp > 1 else x.num_microbatches,
+        "pipeline_microbatches": x.num_microbatches if x.pp > 1 else 1,
+        "schedule": {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B"}[
+            x.schedule
+        ]
+        if x.pp > 1
+        else None,
+        # the embedding and the output ride with the first and last stage; decoder layers per stage as
+        # berth's split rule gives them (equal when pp x vpp divides the layers)
+        "layers_per_stage": chunk_layers(m.num_layers, x.pp, x.virtual_stages) if x.pp > 1 else [],
+        "recompute": x.recompute,
+        "sp": x.sequence_parallel,
+        "seq_len": t.seq_len,
+        "world": plan.cluster.world_size,
+        "num_layers": m.num_layers,
+        "hidden": m.hidden_size,
+        "vocab": m.vocab_size,
+    }
     assert got == want
 
 
@@ -142,10 +169,25 @@ def test_megatron_arguments_pass_megatrons_parse_args_and_validate_args():
         x, t, m = plan.layout, plan.training, plan.model
         fsdp = x.zero_stage >= 2
         assert ec.megatron_values(args) == {
-            **_common(plan, "megatron"), "cp": x.cp, "pp": x.pp, "vpp": x.virtual_stages, "zero": x.zero_stage,
+            **_common(plan, "megatron"),
+            "cp": x.cp,
+            "pp": x.pp,
+            "vpp": x.virtual_stages,
+            "zero": x.zero_stage,
             "shard": x.shard if x.zero_stage == 1 else (x.dp if fsdp else 1),
-            "accumulation": x.num_microbatches, "recompute": x.recompute, "sp": x.sequence_parallel,
-            "seq_len": t.seq_len, "num_layers": m.num_layers, "hidden": m.hidden_size, "ffn": m.ffn_hidden_size,
-            "heads": m.num_attention_heads, "kv_heads": m.kv_heads, "rope": True, "bias": False,
-            "swiglu": m.mlp == "swiglu", "norm": "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm",
-            "untied": not m.tied_embeddings, "tp_pp_dp": x.axis_order == "tp-pp-dp"}, name
+            "accumulation": x.num_microbatches,
+            "recompute": x.recompute,
+            "sp": x.sequence_parallel,
+            "seq_len": t.seq_len,
+            "num_layers": m.num_layers,
+            "hidden": m.hidden_size,
+            "ffn": m.ffn_hidden_size,
+            "heads": m.num_attention_heads,
+            "kv_heads": m.kv_heads,
+            "rope": True,
+            "bias": False,
+            "swiglu": m.mlp == "swiglu",
+            "norm": "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm",
+            "untied": not m.tied_embeddings,
+            "tp_pp_dp": x.axis_order == "tp-pp-dp",
+        }, name

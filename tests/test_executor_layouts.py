@@ -43,28 +43,51 @@ FOUR = [
     Layout(tp=2, dp=2, micro_batch_size=2, num_microbatches=2),
     Layout(tp=2, dp=2, zero_stage=3, shard=2, sequence_parallel=True, micro_batch_size=4, recompute="full"),
     Layout(pp=2, tp=2, sequence_parallel=True, micro_batch_size=2, num_microbatches=4),
-    Layout(pp=2, dp=2, zero_stage=2, shard=2, micro_batch_size=1, num_microbatches=4,
-           schedule="interleaved_1f1b", virtual_stages=2),
+    Layout(
+        pp=2,
+        dp=2,
+        zero_stage=2,
+        shard=2,
+        micro_batch_size=1,
+        num_microbatches=4,
+        schedule="interleaved_1f1b",
+        virtual_stages=2,
+    ),
     # axis orders other than tp-dp-pp: the mesh is built from each rank's coordinates
     Layout(tp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2, axis_order="dp-tp-pp"),
     Layout(pp=2, dp=2, micro_batch_size=1, num_microbatches=4, axis_order="pp-dp-tp"),
 ]
 EIGHT = [
     Layout(pp=2, tp=2, dp=2, zero_stage=3, shard=2, sequence_parallel=True, micro_batch_size=2, num_microbatches=2),
-    Layout(pp=2, tp=2, dp=2, micro_batch_size=1, num_microbatches=4, schedule="interleaved_1f1b",
-           virtual_stages=2),
+    Layout(pp=2, tp=2, dp=2, micro_batch_size=1, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2),
 ]
 
 
 def launch(tmp_path, layouts, nproc, model=MODEL, training=TRAINING):
     cluster = cluster_from_preset("dgx-a100-80g", 1)
-    plans = [Plan(berth_version=__version__, model=model, training=training, cluster=cluster, layout=x,
-                  prediction=None).model_dump(mode="json") for x in layouts]
+    plans = [
+        Plan(
+            berth_version=__version__, model=model, training=training, cluster=cluster, layout=x, prediction=None
+        ).model_dump(mode="json")
+        for x in layouts
+    ]
     (tmp_path / "plans.json").write_text(json.dumps(plans))
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "berth.executor.worker", "--plans", str(tmp_path / "plans.json"), "--steps", str(STEPS),
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "berth.executor.worker",
+        "--plans",
+        str(tmp_path / "plans.json"),
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert out.is_file(), r.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
@@ -108,12 +131,15 @@ def test_sharding_lowers_measured_memory(tmp_path):
     the ideal ratio of model state alone is 8/12."""
     model = MODEL.model_copy(update={"num_layers": 12})
     training = TrainingSpec(seq_len=32, global_batch_size=4, precision="fp32")
-    layouts = [Layout(dp=2, micro_batch_size=2),
-               Layout(dp=2, zero_stage=1, shard=2, micro_batch_size=2),
-               Layout(dp=2, zero_stage=3, shard=2, micro_batch_size=2)]
+    layouts = [
+        Layout(dp=2, micro_batch_size=2),
+        Layout(dp=2, zero_stage=1, shard=2, micro_batch_size=2),
+        Layout(dp=2, zero_stage=3, shard=2, micro_batch_size=2),
+    ]
     results = launch(tmp_path, layouts * 2, 2, model=model, training=training)
-    ddp, zero1, zero3 = (min(max(r["peak_memory_bytes"] for r in results[i + k]["ranks"]) for k in (0, 3))
-                         for i in range(3))
+    ddp, zero1, zero3 = (
+        min(max(r["peak_memory_bytes"] for r in results[i + k]["ranks"]) for k in (0, 3)) for i in range(3)
+    )
     assert zero1 < 0.95 * ddp
     assert zero3 < 0.95 * zero1
 
@@ -138,9 +164,11 @@ def test_uneven_pipeline_stages_match_single_process(tmp_path):
     held = [sorted(int(k) for k in pipeline_chunk(whole, i, 2, 2).layers) for i in range(4)]
     assert held == [[0, 1], [2, 3], [4, 5], [6]]
     assert [len(pipeline_chunk(whole, i, 2).layers) for i in range(2)] == [4, 3]
-    layouts = [Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b"),
-               Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="gpipe", recompute="full"),
-               Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)]
+    layouts = [
+        Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b"),
+        Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="gpipe", recompute="full"),
+        Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2),
+    ]
     reference = run_steps(model, TRAINING, Layout(micro_batch_size=8), STEPS).losses
     check(launch(tmp_path, layouts, 2, model=model), reference, 2)
 
@@ -150,8 +178,10 @@ def test_cp_layouts_match_single_process(tmp_path, reference):
     rotary at global positions, all-gather KV attention masked by global position): cp = 2 alone
     (DDP over dp x cp) and with selective recompute (the masked core re-run) reproduce the
     single-process losses."""
-    two = [Layout(cp=2, micro_batch_size=4, num_microbatches=2),
-           Layout(cp=2, micro_batch_size=8, recompute="selective")]
+    two = [
+        Layout(cp=2, micro_batch_size=4, num_microbatches=2),
+        Layout(cp=2, micro_batch_size=8, recompute="selective"),
+    ]
     results = launch(tmp_path, two, 2)
     check(results, reference, 2)
     assert all("all-gather KV" in " ".join(r["executed_as"]) for r in results)
@@ -166,16 +196,30 @@ def test_cp_with_tp_and_dp_match_single_process(tmp_path, reference):
     """cp = 2 with tp = 2 (sequence parallel inside the cp chunk), with dp = 2 (ZeRO-3: FSDP2 over dp, the
     gradients then averaged over cp) and with pp = 2 (1F1B: stages send the s/cp-token chunks), on four
     processes."""
-    four = [Layout(cp=2, tp=2, sequence_parallel=True, micro_batch_size=4, num_microbatches=2),
-            Layout(cp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2),
-            Layout(cp=2, pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b")]
+    four = [
+        Layout(cp=2, tp=2, sequence_parallel=True, micro_batch_size=4, num_microbatches=2),
+        Layout(cp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2),
+        Layout(cp=2, pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b"),
+    ]
     check(launch(tmp_path, four, 4), reference, 4)
 
 
 # A small mixture of experts: 4 experts top-2 (one shared expert in the second case), 2 layers, h 64.
-MOE = MODEL.model_copy(update={"name": "tiny-moe", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                               "ffn_hidden_size": 128, "vocab_size": 256, "mlp": "swiglu", "norm": "rmsnorm",
-                               "num_experts": 4, "experts_per_token": 2, "moe_ffn_hidden_size": 96})
+MOE = MODEL.model_copy(
+    update={
+        "name": "tiny-moe",
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "ffn_hidden_size": 128,
+        "vocab_size": 256,
+        "mlp": "swiglu",
+        "norm": "rmsnorm",
+        "num_experts": 4,
+        "experts_per_token": 2,
+        "moe_ffn_hidden_size": 96,
+    }
+)
 MOE_SHARED = MOE.model_copy(update={"num_shared_experts": 1, "first_k_dense": 1})
 
 
@@ -192,8 +236,10 @@ def test_moe_expert_parallel_matches_single_process(tmp_path, model):
     assert sum(p.numel() for p in build_model(model).parameters()) == model.num_params
     reference = run_steps(model, TRAINING, Layout(micro_batch_size=8), STEPS).losses
     assert reference[-1] < reference[0]
-    two = [Layout(dp=2, ep=2, micro_batch_size=2, num_microbatches=2),
-           Layout(dp=2, micro_batch_size=4, num_microbatches=1)]
+    two = [
+        Layout(dp=2, ep=2, micro_batch_size=2, num_microbatches=2),
+        Layout(dp=2, micro_batch_size=4, num_microbatches=1),
+    ]
     (tmp_path / "two").mkdir()
     (tmp_path / "four").mkdir()
     check(launch(tmp_path / "two", two, 2, model=model), reference, 2)

@@ -10,8 +10,17 @@ from berth.executor.model import build_model, loss_fn, synthetic_batch  # noqa: 
 from berth.planner.models import presets  # noqa: E402
 from berth.planner.specs import ModelSpec  # noqa: E402
 
-SMALL_LLAMA = ModelSpec(name="small-llama", num_layers=2, hidden_size=128, num_attention_heads=8,
-                        num_kv_heads=2, ffn_hidden_size=352, vocab_size=512, mlp="swiglu", norm="rmsnorm")
+SMALL_LLAMA = ModelSpec(
+    name="small-llama",
+    num_layers=2,
+    hidden_size=128,
+    num_attention_heads=8,
+    num_kv_heads=2,
+    ffn_hidden_size=352,
+    vocab_size=512,
+    mlp="swiglu",
+    norm="rmsnorm",
+)
 
 
 @pytest.mark.parametrize("spec", [presets()["tiny-gpt"], SMALL_LLAMA], ids=["tiny-gpt", "small-llama"])
@@ -43,12 +52,15 @@ def test_peak_counts_an_unseen_free_at_the_latest_when_its_address_is_reused():
     from berth.executor.train import peak_allocated
 
     mb = 2**20
-    events = [(0, 1, 10 * mb),  # alive before training starts
-              (5, 2, 4 * mb), (6, 2, -4 * mb),  # seen alloc and free
-              (7, 3, 6 * mb),  # freed on another thread: no free event
-              (8, 3, 6 * mb),  # the same address again: the first block is gone
-              (9, 99, -30 * mb),  # an object of a previous run dies: not in the count
-              (10, 4, 1 * mb)]
+    events = [
+        (0, 1, 10 * mb),  # alive before training starts
+        (5, 2, 4 * mb),
+        (6, 2, -4 * mb),  # seen alloc and free
+        (7, 3, 6 * mb),  # freed on another thread: no free event
+        (8, 3, 6 * mb),  # the same address again: the first block is gone
+        (9, 99, -30 * mb),  # an object of a previous run dies: not in the count
+        (10, 4, 1 * mb),
+    ]
     assert peak_allocated(events, since=4) == 17 * mb
     # without the reuse rule 10 + 6 + 6 + 1 = 23 MiB; subtracting the unknown free, 16 - 30 + 1
     assert peak_allocated(events, since=11) is None  # nothing recorded after the mark

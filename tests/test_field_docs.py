@@ -13,13 +13,20 @@ from berth.planner import specs
 
 def models_of(module) -> list[type[BaseModel]]:
     """The pydantic models defined in `module` (not the ones it imports)."""
-    return [c for c in vars(module).values()
-            if inspect.isclass(c) and issubclass(c, BaseModel) and c.__module__ == module.__name__]
+    return [
+        c
+        for c in vars(module).values()
+        if inspect.isclass(c) and issubclass(c, BaseModel) and c.__module__ == module.__name__
+    ]
 
 
 def undocumented(models: list[type[BaseModel]]) -> list[str]:
-    return [f"{m.__name__}.{name}" for m in models for name, info in m.model_fields.items()
-            if not (info.description or "").strip()]
+    return [
+        f"{m.__name__}.{name}"
+        for m in models
+        for name, info in m.model_fields.items()
+        if not (info.description or "").strip()
+    ]
 
 
 @pytest.mark.parametrize("module", [specs, schemas], ids=["specs", "schemas"])

@@ -42,8 +42,15 @@ def test_selective_recompute_adds_attention_core_only_eq8():
 
 
 def test_gqa_and_swiglu_counts():
-    m = ModelSpec(num_layers=1, hidden_size=64, num_attention_heads=8, num_kv_heads=2,
-                  ffn_hidden_size=128, vocab_size=100, mlp="swiglu")
+    m = ModelSpec(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_kv_heads=2,
+        ffn_hidden_size=128,
+        vocab_size=100,
+        mlp="swiglu",
+    )
     b, s, h, f = 1, 16, 64, 128
     kv_width = 2 * 8  # kv heads x head_dim
     proj = 2 * b * s * h * (h + 2 * kv_width) + 2 * b * s * h * h

@@ -67,8 +67,10 @@ def _family(results, *families):
 
 def test_usable_runs_are_all_there(results):
     """Every family the issue names is predicted; a reader change that drops rows fails here."""
-    counts = {f: len(_family(results, f)) for f in (*MEGATRON, "mosaicml_llmfoundry", "mosaicml_llmfoundry_h100",
-                                                    "torchtitan_bench_202412", *MOE)}
+    counts = {
+        f: len(_family(results, f))
+        for f in (*MEGATRON, "mosaicml_llmfoundry", "mosaicml_llmfoundry_h100", "torchtitan_bench_202412", *MOE)
+    }
     assert counts["narayanan2021"] + counts["korthikanti2022"] >= 25, counts
     assert counts["mosaicml_llmfoundry"] >= 130, counts
     assert counts["mosaicml_llmfoundry_h100"] >= 70, counts
@@ -92,13 +94,13 @@ def test_megatron_runs(results):
 # the mark must go when the family meets the target.
 NOT_YET = {
     "torchtitan_bench_202412": "eager Llama 3.1 8B at 36% MFU on 500 W HBM2e H100s, predicted 13-14% fast after the "
-                               "op census, FlashAttention-2, the part's HBM2e bandwidth and overlap slowdown (no "
-                               "measurement of that part or its power cap)",
+    "op census, FlashAttention-2, the part's HBM2e bandwidth and overlap slowdown (no "
+    "measurement of that part or its power cap)",
     "megatron_moe_modelzoo_2025": "Mixtral 8x22B on 128 H100 (TP 2, EP 8, PP 8, VP 7) predicted 47-54% slow: "
-                                  "6.55 s for 4.27-4.46 s, of which 2.04 s is the token all-to-all. The run uses "
-                                  "Megatron's MoE parallel folding (expert TP 1, the EP 8 group inside one NVLink "
-                                  "node); berth's ep group is ep data-parallel ranks at stride tp = 2, which spans "
-                                  "two nodes and crosses InfiniBand. Not expressible in the Layout today",
+    "6.55 s for 4.27-4.46 s, of which 2.04 s is the token all-to-all. The run uses "
+    "Megatron's MoE parallel folding (expert TP 1, the EP 8 group inside one NVLink "
+    "node); berth's ep group is ep data-parallel ranks at stride tp = 2, which spans "
+    "two nodes and crosses InfiniBand. Not expressible in the Layout today",
 }
 # Today's level per family (median |error|, worst |error|): a change that makes a family worse fails.
 NO_REGRESSION = {
@@ -150,11 +152,18 @@ def test_fsdp_throughput_trends(results):
     under 7% in tokens/s per GPU for 3B and 7B (FSDP over 1600 Gbps RoCE); the prediction must
     not invent a collapse with scale either."""
     for size in ("3b", "7b"):
-        rows = [r for r in _family(results, "mosaicml_llmfoundry")
-                if f"_{size}_a100_40gb_" in r.case.id and r.case.id.endswith("_s2048_bf16")]
+        rows = [
+            r
+            for r in _family(results, "mosaicml_llmfoundry")
+            if f"_{size}_a100_40gb_" in r.case.id and r.case.id.endswith("_s2048_bf16")
+        ]
         assert len(rows) >= 4, size
-        tps = [r.case.training.global_batch_size * r.case.training.seq_len
-               / (r.predicted_step_s * r.case.cluster.world_size) for r in rows]
+        tps = [
+            r.case.training.global_batch_size
+            * r.case.training.seq_len
+            / (r.predicted_step_s * r.case.cluster.world_size)
+            for r in rows
+        ]
         assert max(tps) / min(tps) < 1.15, (size, tps)
 
 
@@ -221,8 +230,12 @@ def test_llama3_405b_as_meta_trained_it(nodes, tflops):
     from berth.planner.topology import cluster_from_preset
 
     cluster = cluster_from_preset("dgx-h100", nodes)
-    result = search(load_model("llama3.1-405b"), TrainingSpec(seq_len=8192, global_batch_size=2048), cluster,
-                    SearchSpec(top=1, fix={"tp": 8, "cp": 1, "pp": 16}))
+    result = search(
+        load_model("llama3.1-405b"),
+        TrainingSpec(seq_len=8192, global_batch_size=2048),
+        cluster,
+        SearchSpec(top=1, fix={"tp": 8, "cp": 1, "pp": 16}),
+    )
     (best,) = result.plans
     assert best.stage_layers == [7, *[8] * 14, 7] and best.layout.dp == cluster.world_size // 128
     pr = best.prediction
@@ -261,10 +274,16 @@ def test_llama3_405b_long_context_with_cp16():
     pr = best.prediction
     assert best.layout.dp == 8 and best.layout.cp == 16 and pr.fits
     assert pr.time_breakdown_s["cp_comm"] < 0.05 * pr.step_time_s  # the KV exchange hides behind attention
-    core = (1 + flops.BACKWARD_TO_FORWARD) * model.num_layers * flops.attention_core_flops(
-        model, training.seq_len, training.global_batch_size)
+    core = (
+        (1 + flops.BACKWARD_TO_FORWARD)
+        * model.num_layers
+        * flops.attention_core_flops(model, training.seq_len, training.global_batch_size)
+    )
     full = pr.model_flops_per_step / pr.step_time_s / cluster.world_size / 1e12
     causal = (pr.model_flops_per_step - core / 2) / pr.step_time_s / cluster.world_size / 1e12
-    assert causal == pytest.approx(LLAMA3_405B_LONG_TFLOPS, rel=LLAMA3_405B_LONG_TOLERANCE), (best.layout.short(),
-                                                                                             causal, full)
+    assert causal == pytest.approx(LLAMA3_405B_LONG_TFLOPS, rel=LLAMA3_405B_LONG_TOLERANCE), (
+        best.layout.short(),
+        causal,
+        full,
+    )
     assert full == pytest.approx(LLAMA3_405B_LONG_TFLOPS, rel=LLAMA3_405B_LONG_FULL_COUNT_TOLERANCE), full

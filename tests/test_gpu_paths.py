@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the executor's CUDA set-up and `berth profile` run on torch (the "
-                            "executor extra)")
+torch = pytest.importorskip(
+    "torch", reason="the executor's CUDA set-up and `berth profile` run on torch (the executor extra)"
+)
 
 from berth.executor import device as executor_device  # noqa: E402 (`berth` is this module's CLI helper below)
 from berth.executor import profile as prof  # noqa: E402
@@ -30,9 +31,11 @@ def fake_nvidia_smi(directory: Path, line: str = H100_LINE) -> Path:
     logs every call."""
     directory.mkdir(parents=True, exist_ok=True)
     script = directory / "nvidia-smi"
-    script.write_text(f'#!/bin/sh\necho "$*" >> "{directory}/calls.log"\n'
-                      f'if [ "$*" = "{QUERY}" ]; then echo "{line}"; exit 0; fi\n'
-                      'echo "fake nvidia-smi: unexpected arguments: $*" >&2; exit 9\n')
+    script.write_text(
+        f'#!/bin/sh\necho "$*" >> "{directory}/calls.log"\n'
+        f'if [ "$*" = "{QUERY}" ]; then echo "{line}"; exit 0; fi\n'
+        'echo "fake nvidia-smi: unexpected arguments: $*" >&2; exit 9\n'
+    )
     script.chmod(0o755)
     return directory
 
@@ -66,8 +69,21 @@ def test_local_cluster_on_an_h100_plans_compares_and_validates(gpu_path, tmp_pat
     plans_file = tmp_path / "plans.json"
     plans_file.write_text(r.stdout)
 
-    r = berth("compare", MODEL_1B, "--cluster", "local", "--seq-len", "4096", "--global-batch", "16",
-              "--layout", "mbs=1,recompute=full", "--layout", "mbs=16", "--json")
+    r = berth(
+        "compare",
+        MODEL_1B,
+        "--cluster",
+        "local",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "16",
+        "--layout",
+        "mbs=1,recompute=full",
+        "--layout",
+        "mbs=16",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     candidates = json.loads(r.stdout)["candidates"]
     assert candidates[0]["prediction"]["fits"] and not candidates[1]["prediction"]["fits"]  # 16 x 4096 in 80 GB
@@ -99,8 +115,12 @@ def test_api_local_preset_on_an_h100(gpu_path, tmp_path):
     from berth.api.settings import Settings
 
     with TestClient(create_app(Settings(store_path=str(tmp_path / "api.sqlite")))) as client:
-        body = {"model": "tiny-gpt", "training": {"seq_len": 512, "global_batch_size": 8},
-                "cluster": {"preset": "local"}, "search": {"top": 2}}
+        body = {
+            "model": "tiny-gpt",
+            "training": {"seq_len": 512, "global_batch_size": 8},
+            "cluster": {"preset": "local"},
+            "search": {"top": 2},
+        }
         r = client.post("/v1/plans", json=body)
         assert r.status_code == 200, r.text
         cluster = r.json()["plans"][0]["cluster"]
@@ -113,6 +133,7 @@ def test_api_local_preset_on_an_h100(gpu_path, tmp_path):
 
 
 # --- CUDA set-up order in every executor entry point -------------------------------------------
+
 
 class CudaRecorder:
     """torch.cuda stand-ins that record each call; memory calls made before set_device and
@@ -133,6 +154,7 @@ class CudaRecorder:
                 if needs_init and not rec.ready:
                     raise RuntimeError(f"{name} before CUDA initialisation: Invalid device argument")
                 return result() if callable(result) else result
+
             return fn
 
         def init(*args, **kwargs):
@@ -146,16 +168,22 @@ class CudaRecorder:
         monkeypatch.setattr(torch.cuda, "synchronize", record("synchronize"))
         monkeypatch.setattr(torch.cuda, "device_count", record("device_count", 1))
         monkeypatch.setattr(torch.cuda, "get_device_name", record("get_device_name", "NVIDIA H100 80GB HBM3"))
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            record("get_device_properties", SimpleNamespace(total_memory=H100_BYTES)))
+        monkeypatch.setattr(
+            torch.cuda,
+            "get_device_properties",
+            record("get_device_properties", SimpleNamespace(total_memory=H100_BYTES)),
+        )
         for name in ("reset_peak_memory_stats", "max_memory_reserved", "memory_allocated", "max_memory_allocated"):
             monkeypatch.setattr(torch.cuda, name, record(name, 0, needs_init=True))
         monkeypatch.setattr(torch.cuda, "mem_get_info", record("mem_get_info", (0, H100_BYTES), needs_init=True))
         return self
 
     def assert_initialised_before_memory_calls(self):
-        memory = [i for i, c in enumerate(self.calls) if c in ("reset_peak_memory_stats", "max_memory_reserved",
-                                                               "memory_allocated", "mem_get_info")]
+        memory = [
+            i
+            for i, c in enumerate(self.calls)
+            if c in ("reset_peak_memory_stats", "max_memory_reserved", "memory_allocated", "mem_get_info")
+        ]
         assert "set_device" in self.calls and "init" in self.calls, self.calls
         first_init = max(self.calls.index("set_device"), self.calls.index("init"))
         assert all(i > first_init for i in memory), self.calls
@@ -176,8 +204,12 @@ def _gpu_plan(tmp_path) -> Path:
     from berth.planner.specs import Layout, TrainingSpec
     from berth.planner.topology import cluster_from_preset
 
-    plan = predict_layouts(presets()["tiny-gpt"], TrainingSpec(seq_len=128, global_batch_size=8),
-                           cluster_from_preset("dgx-h100", 1), [Layout(micro_batch_size=4, num_microbatches=2)])[0]
+    plan = predict_layouts(
+        presets()["tiny-gpt"],
+        TrainingSpec(seq_len=128, global_batch_size=8),
+        cluster_from_preset("dgx-h100", 1),
+        [Layout(micro_batch_size=4, num_microbatches=2)],
+    )[0]
     assert plan.cluster.device.kind == "gpu" and plan.layout.world_size == 1
     path = tmp_path / "plan.json"
     path.write_text(plan.model_dump_json())
@@ -192,8 +224,11 @@ def test_worker_initialises_cuda_before_the_peak_counters(tmp_path, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(sys, "argv", ["worker", "--plans", str(tmp_path / "plans.json"), "--out",
-                                      str(tmp_path / "out.json"), "--steps", "1"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["worker", "--plans", str(tmp_path / "plans.json"), "--out", str(tmp_path / "out.json"), "--steps", "1"],
+    )
     with pytest.raises((AssertionError, RuntimeError)):  # the model cannot move to a GPU this torch lacks
         worker.main()
     assert "reset_peak_memory_stats" in rec.calls  # the run got as far as the memory tracker
@@ -204,8 +239,25 @@ def test_proxy_initialises_cuda_before_the_peak_counters(tmp_path, monkeypatch):
     from berth.executor import proxy
 
     rec = CudaRecorder().install(monkeypatch)
-    monkeypatch.setattr(sys, "argv", ["proxy", "--plan", str(_gpu_plan(tmp_path)), "--layers", "1", "--in-flight",
-                                      "1", "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "r.json")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "proxy",
+            "--plan",
+            str(_gpu_plan(tmp_path)),
+            "--layers",
+            "1",
+            "--in-flight",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+    )
     with pytest.raises((AssertionError, RuntimeError)):
         proxy.main()
     assert rec.calls.index("reset_peak_memory_stats") > rec.calls.index("init")
@@ -248,8 +300,10 @@ def test_the_recorder_catches_the_old_order(monkeypatch):
 
 # --- berth profile on CUDA: timing and arithmetic on synthetic timings ------------------------------
 
+
 class FakeEvent:
     """torch.cuda.Event on a fake GPU clock advanced by the timed function."""
+
     clock = 0.0
 
     def __init__(self, enable_timing=False):
@@ -298,14 +352,32 @@ def _synthetic_measurements(efficiency, attention_flops_per_s, bandwidth, rng, n
     for m, n, k in prof.layer_gemm_shapes():
         flops = 2.0 * m * n * k
         achieved = peak * efficiency(m, n, k) * (1 + noise * rng.standard_normal())
-        gemm.append({"m": m, "n": n, "k": k, "rows": m, "min_dim": min(m, n, k), "seconds": flops / achieved,
-                     "flops_per_s": achieved})
+        gemm.append(
+            {
+                "m": m,
+                "n": n,
+                "k": k,
+                "rows": m,
+                "min_dim": min(m, n, k),
+                "seconds": flops / achieved,
+                "flops_per_s": achieved,
+            }
+        )
     attention = []
     for b, h, s, d in prof.attention_shapes("cuda", False):
         f, bw = prof.attention_flops(b, h, s, d)
         rate = attention_flops_per_s * (1 + noise * rng.standard_normal())
-        attention.append({"batch": b, "heads": h, "seq": s, "head_dim": d, "forward_s": f / rate,
-                          "backward_s": bw / rate, "flops_per_s": rate})
+        attention.append(
+            {
+                "batch": b,
+                "heads": h,
+                "seq": s,
+                "head_dim": d,
+                "forward_s": f / rate,
+                "backward_s": bw / rate,
+                "flops_per_s": rate,
+            }
+        )
     return {"gemm": gemm, "attention": attention, "memory_bandwidth_bytes_per_s": bandwidth, "op_overhead_s": 5e-6}
 
 
@@ -353,8 +425,13 @@ def test_isotonic_fit_is_the_least_squares_monotone_curve():
 def test_gpu_profile_document_builds_with_measurements_kept(monkeypatch):
     rng = np.random.default_rng(5)
     meas = _synthetic_measurements(lambda m, n, k: 0.75, 0.5 * 989e12, 3.0e12, rng)
-    machine = {"hostname": "gpu-box", "profile_base": "h100-sxm", "server_base": "dgx-h100",
-               "gpu_memory_bytes": float(H100_BYTES), "gpus": 1}
+    machine = {
+        "hostname": "gpu-box",
+        "profile_base": "h100-sxm",
+        "server_base": "dgx-h100",
+        "gpu_memory_bytes": float(H100_BYTES),
+        "gpus": 1,
+    }
     doc = prof.build_profile("cuda", meas, {}, machine)
     base = load_device("h100-sxm")
     assert doc["device"]["name"] == "h100-sxm-profiled"
@@ -375,21 +452,28 @@ def test_gpu_profile_keeps_the_base_models_at_the_measured_level():
 
     base = load_device("h100-sxm")
     rng = np.random.default_rng(6)
-    meas = _synthetic_measurements(lambda m, n, k: 0.9 * float(gemm_efficiency(base, m, n, k)), 1.0, 3.0e12, rng,
-                                   noise=0.0)
+    meas = _synthetic_measurements(
+        lambda m, n, k: 0.9 * float(gemm_efficiency(base, m, n, k)), 1.0, 3.0e12, rng, noise=0.0
+    )
     for a in meas["attention"]:
         f, bw = prof.attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])
         rows = a["batch"] * a["heads"] * a["seq"]
         fwd, bwd = base.attention_shape.forward, base.attention_shape.backward
         a["forward_s"] = f / (0.8 * 989e12 * float(attention_efficiency(fwd, 128, a["seq"], rows)))
         a["backward_s"] = bw / (0.8 * 989e12 * float(attention_efficiency(bwd, 128, a["seq"], rows)))
-    machine = {"hostname": "gpu-box", "profile_base": "h100-sxm", "server_base": "dgx-h100",
-               "gpu_memory_bytes": float(H100_BYTES), "gpus": 1}
+    machine = {
+        "hostname": "gpu-box",
+        "profile_base": "h100-sxm",
+        "server_base": "dgx-h100",
+        "gpu_memory_bytes": float(H100_BYTES),
+        "gpus": 1,
+    }
     dev = DeviceProfile.model_validate(prof.build_profile("cuda", meas, {}, machine)["device"])
     assert dev.gemm_shape.max_fraction == pytest.approx(0.9 * base.gemm_shape.max_fraction, rel=1e-6)
     assert dev.gemm_shape.k_knee == base.gemm_shape.k_knee
     for name in ("forward", "backward"):
         assert getattr(dev.attention_shape, name).max_fraction == pytest.approx(
-            0.8 * getattr(base.attention_shape, name).max_fraction, rel=1e-6)
+            0.8 * getattr(base.attention_shape, name).max_fraction, rel=1e-6
+        )
     assert dev.frameworks == base.frameworks and dev.driver_reserved_bytes == base.driver_reserved_bytes
     assert dev.allocator_transient_blocks == base.allocator_transient_blocks

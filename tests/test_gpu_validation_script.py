@@ -16,15 +16,20 @@ pytest.importorskip("torch", reason="the rehearsal profiles and validates with t
 @pytest.mark.slow
 def test_gpu_validation_runs_end_to_end_in_cpu_mode(tmp_path):
     out = tmp_path / "gpu-cpu"
-    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_validation", "--cpu-smoke", "--out-dir", str(out),
-                        "--top", "2"], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_validation", "--cpu-smoke", "--out-dir", str(out), "--top", "2"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     commands = [" ".join(c["command"]) for c in summary["commands"]]
     assert all(c["exit_code"] == 0 for c in summary["commands"]), commands
     assert commands[0].startswith("berth profile") and "--quick" in commands[0]
-    assert any(c.startswith("berth plan tiny-gpt --cluster local --devices-per-node 2") and "--profile" in c
-               for c in commands)
+    assert any(
+        c.startswith("berth plan tiny-gpt --cluster local --devices-per-node 2") and "--profile" in c for c in commands
+    )
     assert sum(c.startswith("berth validate") and "--pick" in c for c in commands) == 2
     assert any("--proxy rank-slice --layers" in c for c in commands)
     assert any(c.startswith("berth calibrate --store") for c in commands)

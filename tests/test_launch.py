@@ -35,39 +35,109 @@ BERTH = [sys.executable, "-m", "berth.planner.cli"]
 # zero/config.py, tensor_parallel/config.py (the engines' own sources; see planner/launch.py FIELD_SOURCES).
 # tests/test_engines.py loads the artifacts with the engines' parsers themselves.
 MEGATRON_ARGS = {
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-    "--sequence-parallel", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
-    "--micro-batch-size", "--global-batch-size", "--use-distributed-optimizer",
-    "--num-distributed-optimizer-instances", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-    "--ckpt-format", "--use-tp-pp-dp-mapping", "--num-layers", "--hidden-size",
-    "--ffn-hidden-size", "--num-attention-heads", "--seq-length", "--max-position-embeddings", "--bf16", "--fp16",
-    "--group-query-attention", "--num-query-groups", "--swiglu", "--normalization", "--position-embedding-type",
-    "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--attention-backend", "--tokenizer-type",
-    "--tokenizer-model", "--data-path", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-    "--pipeline-model-parallel-layout", "--context-parallel-size",
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--sequence-parallel",
+    "--recompute-granularity",
+    "--recompute-method",
+    "--recompute-num-layers",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--use-distributed-optimizer",
+    "--num-distributed-optimizer-instances",
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "--ckpt-format",
+    "--use-tp-pp-dp-mapping",
+    "--num-layers",
+    "--hidden-size",
+    "--ffn-hidden-size",
+    "--num-attention-heads",
+    "--seq-length",
+    "--max-position-embeddings",
+    "--bf16",
+    "--fp16",
+    "--group-query-attention",
+    "--num-query-groups",
+    "--swiglu",
+    "--normalization",
+    "--position-embedding-type",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--attention-backend",
+    "--tokenizer-type",
+    "--tokenizer-model",
+    "--data-path",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--pipeline-model-parallel-layout",
+    "--context-parallel-size",
 }
 DEEPSPEED_KEYS = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
-    "zero_optimization.stage", "bf16", "bf16.enabled", "fp16", "fp16.enabled", "tensor_parallel",
-    "tensor_parallel.autotp_size", "activation_checkpointing", "activation_checkpointing.partition_activations",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+    "zero_optimization.stage",
+    "bf16",
+    "bf16.enabled",
+    "fp16",
+    "fp16.enabled",
+    "tensor_parallel",
+    "tensor_parallel.autotp_size",
+    "activation_checkpointing",
+    "activation_checkpointing.partition_activations",
 }
 
 
 def plan_for(layout: Layout, model="llama3-70b", nodes=4, batch=64):
     # no memory headroom: tp=4,pp=4,dp=2 (18 bytes per parameter of llama3-70b / 16) fits but is tight,
     # and these tests are about the launch formats
-    (p,) = predict_layouts(load_model(model), TrainingSpec(seq_len=4096, global_batch_size=batch),
-                           cluster_from_preset("dgx-h100", nodes), [layout], memory_headroom=0.0)
+    (p,) = predict_layouts(
+        load_model(model),
+        TrainingSpec(seq_len=4096, global_batch_size=batch),
+        cluster_from_preset("dgx-h100", nodes),
+        [layout],
+        memory_headroom=0.0,
+    )
     return p
 
 
 LAYOUTS = [
-    Layout(tp=8, pp=2, dp=2, zero_stage=1, shard=2, micro_batch_size=1, num_microbatches=32, sequence_parallel=True,
-           recompute="selective"),
-    Layout(tp=8, pp=4, dp=1, micro_batch_size=1, num_microbatches=64, schedule="interleaved_1f1b", virtual_stages=5,
-           sequence_parallel=True, recompute="full"),
-    Layout(tp=4, pp=4, dp=2, zero_stage=1, shard=1, micro_batch_size=1, num_microbatches=32, axis_order="tp-pp-dp",
-           recompute="full"),
+    Layout(
+        tp=8,
+        pp=2,
+        dp=2,
+        zero_stage=1,
+        shard=2,
+        micro_batch_size=1,
+        num_microbatches=32,
+        sequence_parallel=True,
+        recompute="selective",
+    ),
+    Layout(
+        tp=8,
+        pp=4,
+        dp=1,
+        micro_batch_size=1,
+        num_microbatches=64,
+        schedule="interleaved_1f1b",
+        virtual_stages=5,
+        sequence_parallel=True,
+        recompute="full",
+    ),
+    Layout(
+        tp=4,
+        pp=4,
+        dp=2,
+        zero_stage=1,
+        shard=1,
+        micro_batch_size=1,
+        num_microbatches=32,
+        axis_order="tp-pp-dp",
+        recompute="full",
+    ),
 ]
 
 
@@ -100,16 +170,24 @@ def test_megatron_arguments_are_megatrons_own(layout):
 def _megatron_flags(files):
     text = "\n".join(line for line in files["megatron-args.txt"].splitlines() if not line.startswith("#"))
     words = text.replace("\\\n", " ").split()
-    return {w: (words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else None)
-            for i, w in enumerate(words) if w.startswith("--")}
+    return {
+        w: (words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else None)
+        for i, w in enumerate(words)
+        if w.startswith("--")
+    }
 
 
 def test_uneven_stages_in_each_engines_terms():
     """32 layers on pp 3 (11, 11, 10) and 80 layers in 4 x 3 chunks (5, 7 x10, 5): Megatron's first/last stage
     counts (its "Uneven PP" check: the rest divide evenly among the middle stages) or its chunk layout,
     torchtitan's layers_per_stage with first/last_stage_less_layers, DeepSpeed refused."""
-    p = plan_for(Layout(tp=8, pp=3, dp=1, micro_batch_size=1, num_microbatches=64, sequence_parallel=True,
-                        recompute="selective"), "llama3-8b", nodes=3)
+    p = plan_for(
+        Layout(
+            tp=8, pp=3, dp=1, micro_batch_size=1, num_microbatches=64, sequence_parallel=True, recompute="selective"
+        ),
+        "llama3-8b",
+        nodes=3,
+    )
     assert p.stage_layers == [11, 11, 10] and p.prediction.fits
     flags = _megatron_flags(artifacts(p, "megatron"))
     assert set(flags) <= MEGATRON_ARGS
@@ -117,17 +195,37 @@ def test_uneven_stages_in_each_engines_terms():
     assert (first, last) == (11, 10) and first > 0 and last > 0 and (32 - first - last) % (3 - 2) == 0
     assert "--num-layers-per-virtual-pipeline-stage" not in flags
     module = ast.parse(artifacts(p, "torchtitan")["berth_torchtitan.py"])
-    (par,) = [{k.arg: ast.literal_eval(k.value) for k in n.keywords} for n in ast.walk(module)
-              if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"]
-    assert (par["pipeline_parallel_layers_per_stage"], par["pipeline_parallel_first_stage_less_layers"],
-            par["pipeline_parallel_last_stage_less_layers"]) == (11, 0, 1)
-    ds = plan_for(Layout(pp=3, dp=8, zero_stage=1, shard=8, micro_batch_size=1, num_microbatches=8,
-                         recompute="full"), "llama3-8b", nodes=3)
+    (par,) = [
+        {k.arg: ast.literal_eval(k.value) for k in n.keywords}
+        for n in ast.walk(module)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"
+    ]
+    assert (
+        par["pipeline_parallel_layers_per_stage"],
+        par["pipeline_parallel_first_stage_less_layers"],
+        par["pipeline_parallel_last_stage_less_layers"],
+    ) == (11, 0, 1)
+    ds = plan_for(
+        Layout(pp=3, dp=8, zero_stage=1, shard=8, micro_batch_size=1, num_microbatches=8, recompute="full"),
+        "llama3-8b",
+        nodes=3,
+    )
     with pytest.raises(LaunchRefused, match="uneven pipeline stages .* 11, 11, 10"):
         artifacts(ds, "deepspeed")
 
-    chunked = plan_for(Layout(tp=8, pp=4, dp=1, micro_batch_size=1, num_microbatches=64, schedule="interleaved_1f1b",
-                              virtual_stages=3, sequence_parallel=True, recompute="full"))
+    chunked = plan_for(
+        Layout(
+            tp=8,
+            pp=4,
+            dp=1,
+            micro_batch_size=1,
+            num_microbatches=64,
+            schedule="interleaved_1f1b",
+            virtual_stages=3,
+            sequence_parallel=True,
+            recompute="full",
+        )
+    )
     assert chunked.stage_layers == [19, 21, 21, 19]
     flags = _megatron_flags(artifacts(chunked, "megatron"))
     # E embedding, t a decoder layer, L the loss; "|" ends a chunk (megatron/core/transformer/
@@ -135,18 +233,26 @@ def test_uneven_stages_in_each_engines_terms():
     assert flags["--pipeline-model-parallel-layout"] == "Et*5|(t*7|)*10,t*5L"
     assert not {"--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers"} & set(flags)
     module = ast.parse(artifacts(chunked, "torchtitan")["berth_torchtitan.py"])
-    (par,) = [{k.arg: ast.literal_eval(k.value) for k in n.keywords} for n in ast.walk(module)
-              if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"]
-    assert (par["pipeline_parallel_layers_per_stage"], par["pipeline_parallel_first_stage_less_layers"],
-            par["pipeline_parallel_last_stage_less_layers"]) == (7, 2, 2)
+    (par,) = [
+        {k.arg: ast.literal_eval(k.value) for k in n.keywords}
+        for n in ast.walk(module)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"
+    ]
+    assert (
+        par["pipeline_parallel_layers_per_stage"],
+        par["pipeline_parallel_first_stage_less_layers"],
+        par["pipeline_parallel_last_stage_less_layers"],
+    ) == (7, 2, 2)
 
 
 def test_engine_artifacts_stop_on_a_missing_placeholder(tmp_path):
     """What the user must supply stops the launch with its description when unset (run by bash itself)."""
     p = plan_for(Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=2, num_microbatches=4), "llama3-8b", 1)
-    for fmt, script, var in [("megatron", "megatron-launch.sh", "TOKENIZER_MODEL"),
-                             ("deepspeed", "deepspeed-launch.sh", "TRAIN_SCRIPT"),
-                             ("torchtitan", "torchtitan-launch.sh", "BERTH_DATASET")]:
+    for fmt, script, var in [
+        ("megatron", "megatron-launch.sh", "TOKENIZER_MODEL"),
+        ("deepspeed", "deepspeed-launch.sh", "TRAIN_SCRIPT"),
+        ("torchtitan", "torchtitan-launch.sh", "BERTH_DATASET"),
+    ]:
         (tmp_path / script).write_text(artifacts(p, fmt)[script])
         env = {"PATH": os.environ["PATH"], "MEGATRON_LM": str(tmp_path), "DATA_PATH": "d", "BERTH_HF_ASSETS": "a"}
         r = subprocess.run(["bash", str(tmp_path / script)], env=env, capture_output=True, text=True, timeout=30)
@@ -154,20 +260,48 @@ def test_engine_artifacts_stop_on_a_missing_placeholder(tmp_path):
 
 
 def test_deepspeed_config_and_torchtitan_module_use_their_schema_names():
-    ds = json.loads(artifacts(plan_for(Layout(pp=2, dp=16, zero_stage=1, shard=16, micro_batch_size=1,
-                                                num_microbatches=4, recompute="full"), "llama3-8b"),
-                              "deepspeed")["ds_config.json"])
+    ds = json.loads(
+        artifacts(
+            plan_for(
+                Layout(pp=2, dp=16, zero_stage=1, shard=16, micro_batch_size=1, num_microbatches=4, recompute="full"),
+                "llama3-8b",
+            ),
+            "deepspeed",
+        )["ds_config.json"]
+    )
     assert set(_flat(ds)) <= DEEPSPEED_KEYS
     assert ds["train_batch_size"] == 64 and ds["gradient_accumulation_steps"] == 4
-    files = artifacts(plan_for(Layout(tp=8, pp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=1,
-                                      num_microbatches=32, schedule="interleaved_1f1b", virtual_stages=2,
-                                      sequence_parallel=True, recompute="selective")), "torchtitan")
+    files = artifacts(
+        plan_for(
+            Layout(
+                tp=8,
+                pp=2,
+                dp=2,
+                zero_stage=3,
+                shard=2,
+                micro_batch_size=1,
+                num_microbatches=32,
+                schedule="interleaved_1f1b",
+                virtual_stages=2,
+                sequence_parallel=True,
+                recompute="selective",
+            )
+        ),
+        "torchtitan",
+    )
     module = ast.parse(files["berth_torchtitan.py"])
-    calls = {n.func.id: {k.arg: ast.literal_eval(k.value) for k in n.keywords if isinstance(k.value, ast.Constant)}
-             for n in ast.walk(module) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    calls = {
+        n.func.id: {k.arg: ast.literal_eval(k.value) for k in n.keywords if isinstance(k.value, ast.Constant)}
+        for n in ast.walk(module)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    }
     p = calls["ParallelismConfig"]
-    assert (p["tensor_parallel_degree"], p["pipeline_parallel_degree"], p["data_parallel_shard_degree"],
-            p["data_parallel_replicate_degree"]) == (8, 2, 2, 1)
+    assert (
+        p["tensor_parallel_degree"],
+        p["pipeline_parallel_degree"],
+        p["data_parallel_shard_degree"],
+        p["data_parallel_replicate_degree"],
+    ) == (8, 2, 2, 1)
     # torchtitan counts embedding and output as layers unless told not to: 80 / (2 x 2) = 20 per stage, 4 stages
     assert p["pipeline_parallel_schedule"] == "Interleaved1F1B" and p["pipeline_parallel_layers_per_stage"] == 20
     assert p["pipeline_parallel_first_stage_less_layers"] == p["pipeline_parallel_last_stage_less_layers"] == 0
@@ -182,19 +316,25 @@ def test_every_layout_field_maps_to_exactly_one_key_with_its_source():
         assert all(src for _, src in FIELD_SOURCES[fmt].values()), fmt
 
 
-@pytest.mark.parametrize("fmt, layout, words", [
-    ("megatron", Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2), "shard 8 < dp 32"),
-    ("megatron", Layout(tp=8, pp=4, num_microbatches=64, schedule="gpipe", recompute="full"), "gpipe"),
-    ("megatron", Layout(tp=8, dp=4, num_microbatches=16, axis_order="dp-tp-pp"), "axis_order"),
-    ("deepspeed", Layout(tp=8, dp=4, num_microbatches=16, sequence_parallel=True), "sequence_parallel"),
-    ("deepspeed", Layout(tp=8, pp=4, num_microbatches=64, schedule="interleaved_1f1b", virtual_stages=2), "1F1B"),
-    ("deepspeed", Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2), "removed MiCS"),
-    ("deepspeed", Layout(tp=4, cp=2, dp=4, micro_batch_size=1, num_microbatches=16), "cp 2: DeepSpeed has no ring"),
-    # pp=2: under the executor's DDP + ZeroRedundancyOptimizer (dp alone) fp32 weights, gradients and the
-    # autocast copy of an 8B model alone overflow 80 GB; with pp it runs under FSDP2 and fits
-    ("torchtitan", Layout(pp=2, dp=16, zero_stage=1, shard=16, micro_batch_size=2, num_microbatches=2,
-                          recompute="full"), "zero_stage 1"),
-])
+@pytest.mark.parametrize(
+    "fmt, layout, words",
+    [
+        ("megatron", Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2), "shard 8 < dp 32"),
+        ("megatron", Layout(tp=8, pp=4, num_microbatches=64, schedule="gpipe", recompute="full"), "gpipe"),
+        ("megatron", Layout(tp=8, dp=4, num_microbatches=16, axis_order="dp-tp-pp"), "axis_order"),
+        ("deepspeed", Layout(tp=8, dp=4, num_microbatches=16, sequence_parallel=True), "sequence_parallel"),
+        ("deepspeed", Layout(tp=8, pp=4, num_microbatches=64, schedule="interleaved_1f1b", virtual_stages=2), "1F1B"),
+        ("deepspeed", Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2), "removed MiCS"),
+        ("deepspeed", Layout(tp=4, cp=2, dp=4, micro_batch_size=1, num_microbatches=16), "cp 2: DeepSpeed has no ring"),
+        # pp=2: under the executor's DDP + ZeroRedundancyOptimizer (dp alone) fp32 weights, gradients and the
+        # autocast copy of an 8B model alone overflow 80 GB; with pp it runs under FSDP2 and fits
+        (
+            "torchtitan",
+            Layout(pp=2, dp=16, zero_stage=1, shard=16, micro_batch_size=2, num_microbatches=2, recompute="full"),
+            "zero_stage 1",
+        ),
+    ],
+)
 def test_a_layout_a_format_cannot_express_is_refused_with_the_reason(fmt, layout, words):
     plan = plan_for(layout, "llama3-8b")
     assert plan.prediction.fits, plan.infeasible_reason
@@ -202,13 +342,16 @@ def test_a_layout_a_format_cannot_express_is_refused_with_the_reason(fmt, layout
         artifacts(plan, fmt)
 
 
-@pytest.mark.parametrize("fmt, layout", [
-    ("megatron", Layout(dp=32, zero_stage=3, shard=32, micro_batch_size=2)),  # Megatron FSDP
-    ("megatron", Layout(dp=32, zero_stage=2, shard=32, micro_batch_size=2)),
-    ("deepspeed", Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),  # ZeRO-0 with dp > 1
-    ("torchtitan", Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),  # tp without sp
-    ("torchtitan", Layout(dp=32, zero_stage=2, shard=32, micro_batch_size=1, num_microbatches=2)),  # accumulation
-])
+@pytest.mark.parametrize(
+    "fmt, layout",
+    [
+        ("megatron", Layout(dp=32, zero_stage=3, shard=32, micro_batch_size=2)),  # Megatron FSDP
+        ("megatron", Layout(dp=32, zero_stage=2, shard=32, micro_batch_size=2)),
+        ("deepspeed", Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),  # ZeRO-0 with dp > 1
+        ("torchtitan", Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),  # tp without sp
+        ("torchtitan", Layout(dp=32, zero_stage=2, shard=32, micro_batch_size=1, num_microbatches=2)),  # accumulation
+    ],
+)
 def test_layouts_the_engine_version_can_express_are_not_refused(fmt, layout):
     plan = plan_for(layout, "llama3-8b")
     assert plan.prediction.fits, plan.infeasible_reason
@@ -216,10 +359,12 @@ def test_layouts_the_engine_version_can_express_are_not_refused(fmt, layout):
 
 
 def test_torchtitan_refuses_attention_without_flash():
-    (p,) = predict_layouts(load_model("llama3-8b"), TrainingSpec(seq_len=4096, global_batch_size=64,
-                                                                  flash_attention=False),
-                           cluster_from_preset("dgx-h100", 1), [Layout(dp=8, zero_stage=3, shard=8,
-                                                                       micro_batch_size=1, num_microbatches=8)])
+    (p,) = predict_layouts(
+        load_model("llama3-8b"),
+        TrainingSpec(seq_len=4096, global_batch_size=64, flash_attention=False),
+        cluster_from_preset("dgx-h100", 1),
+        [Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=1, num_microbatches=8)],
+    )
     with pytest.raises(LaunchRefused, match="sdpa removed"):
         artifacts(p, "torchtitan")
 
@@ -227,8 +372,11 @@ def test_torchtitan_refuses_attention_without_flash():
 def test_framework_megatron_search_rejects_exactly_what_the_megatron_launch_refuses():
     model, cluster = load_model("llama3-8b"), cluster_from_preset("dgx-h100", 4)
     layouts = [Layout(dp=32, zero_stage=z, shard=s, micro_batch_size=2) for z in (1, 2, 3) for s in (8, 32)]
-    layouts += [Layout(tp=4, pp=2, dp=4, num_microbatches=16, schedule=sch, axis_order=order)
-                for sch in ("gpipe", "1f1b") for order in ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "pp-tp-dp")]
+    layouts += [
+        Layout(tp=4, pp=2, dp=4, num_microbatches=16, schedule=sch, axis_order=order)
+        for sch in ("gpipe", "1f1b")
+        for order in ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "pp-tp-dp")
+    ]
     for framework in ("megatron", "pytorch"):
         training = TrainingSpec(seq_len=4096, global_batch_size=64, framework=framework)
         for p in predict_layouts(model, training, cluster, layouts):
@@ -236,8 +384,10 @@ def test_framework_megatron_search_rejects_exactly_what_the_megatron_launch_refu
             refused = ENGINE_REFUSALS["megatron"](p) is not None
             assert searched_out == (refused and framework == "megatron"), (framework, p.layout.short())
     # Megatron's validate_args: mixture of experts with tp needs sequence parallelism
-    moe_layouts = [Layout(tp=2, dp=16, ep=2, zero_stage=1, shard=16, micro_batch_size=1, num_microbatches=4,
-                          sequence_parallel=sp) for sp in (False, True)]
+    moe_layouts = [
+        Layout(tp=2, dp=16, ep=2, zero_stage=1, shard=16, micro_batch_size=1, num_microbatches=4, sequence_parallel=sp)
+        for sp in (False, True)
+    ]
     training = TrainingSpec(seq_len=4096, global_batch_size=64, framework="megatron")
     moe = predict_layouts(load_model("mixtral-8x7b"), training, cluster, moe_layouts)
     assert [ENGINE_REFUSALS["megatron"](p) is not None for p in moe] == [True, False]
@@ -245,8 +395,19 @@ def test_framework_megatron_search_rejects_exactly_what_the_megatron_launch_refu
 
 
 def test_kubernetes_report_lands_on_a_volume_that_outlives_the_pod():
-    p = plan_for(Layout(tp=8, pp=2, dp=2, zero_stage=1, shard=2, micro_batch_size=1, num_microbatches=32,
-                        sequence_parallel=True, recompute="full"))
+    p = plan_for(
+        Layout(
+            tp=8,
+            pp=2,
+            dp=2,
+            zero_stage=1,
+            shard=2,
+            micro_batch_size=1,
+            num_microbatches=32,
+            sequence_parallel=True,
+            recompute="full",
+        )
+    )
     files = artifacts(p, "kubernetes")
     job, claim = json.loads(files["pytorchjob.yaml"]), json.loads(files["report-pvc.yaml"])
     reader = json.loads(files["report-reader.yaml"])
@@ -272,21 +433,58 @@ def _free_port() -> int:
 
 def test_torchrun_artifact_run_as_written_completes_a_validation(tmp_path):
     pytest.importorskip("torch", reason="the artifact runs the executor (torch: the executor extra)")
-    r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len",
-                        "128", "--global-batch", "8", "--fix", "dp=2,zero=2", "--json"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            *BERTH,
+            "plan",
+            "tiny-gpt",
+            "--cluster",
+            "local",
+            "--devices-per-node",
+            "2",
+            "--seq-len",
+            "128",
+            "--global-batch",
+            "8",
+            "--fix",
+            "dp=2,zero=2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     (tmp_path / "plans.json").write_text(r.stdout)
-    r = subprocess.run([*BERTH, "launch", str(tmp_path / "plans.json"), "--format", "torchrun", "--out",
-                        str(tmp_path / "run"), "--steps", "3", "--warmup", "1"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            *BERTH,
+            "launch",
+            str(tmp_path / "plans.json"),
+            "--format",
+            "torchrun",
+            "--out",
+            str(tmp_path / "run"),
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     script = tmp_path / "run" / "node0.sh"
     assert "--node-rank=0" in script.read_text() and "--nproc-per-node=2" in script.read_text()
-    env = {**os.environ, "MASTER_PORT": str(_free_port()),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "MASTER_PORT": str(_free_port()),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     assert shutil.which("torchrun", path=env["PATH"])
-    done = subprocess.run(["sh", str(script)], cwd=tmp_path / "run", env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        ["sh", str(script)], cwd=tmp_path / "run", env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["status"] == "ok" and report["measured"]["step_time_s"] > 0 and len(report["per_rank"]) == 2
@@ -294,8 +492,19 @@ def test_torchrun_artifact_run_as_written_completes_a_validation(tmp_path):
 
 
 def test_cluster_launchers_cover_every_node():
-    p = plan_for(Layout(tp=8, pp=2, dp=2, zero_stage=1, shard=2, micro_batch_size=1, num_microbatches=32,
-                        sequence_parallel=True, recompute="full"))
+    p = plan_for(
+        Layout(
+            tp=8,
+            pp=2,
+            dp=2,
+            zero_stage=1,
+            shard=2,
+            micro_batch_size=1,
+            num_microbatches=32,
+            sequence_parallel=True,
+            recompute="full",
+        )
+    )
     scripts = artifacts(p, "torchrun")
     assert sorted(k for k in scripts if k.endswith(".sh")) == ["node0.sh", "node1.sh", "node2.sh", "node3.sh"]
     assert "--node-rank=3" in scripts["node3.sh"] and "MASTER_ADDR=n0;" in scripts["node3.sh"]
@@ -335,8 +544,10 @@ def test_goodput_changes_the_ranking_with_frequent_failures_and_a_slow_filesyste
     assert good.prediction.goodput.goodput_tokens_per_s > fast.prediction.goodput.goodput_tokens_per_s
     assert good.prediction.goodput.checkpoint_writers > fast.prediction.goodput.checkpoint_writers
     # on a calm cluster with fast storage the two objectives agree
-    assert search(model, training, calm, SearchSpec(top=1, objective="goodput", fix=replicated)).plans[0].layout == \
-        search(model, training, calm, SearchSpec(top=1, fix=replicated)).plans[0].layout
+    assert (
+        search(model, training, calm, SearchSpec(top=1, objective="goodput", fix=replicated)).plans[0].layout
+        == search(model, training, calm, SearchSpec(top=1, fix=replicated)).plans[0].layout
+    )
     g = fast.prediction.goodput
     assert g.mtbf_s == pytest.approx(3600 / (2e-4 * 512))
     assert g.checkpoint_bytes_total == pytest.approx(model.num_params * 14)  # bf16 weights + 12 B of AdamW state
@@ -362,8 +573,12 @@ def test_fallback_with_one_node_lost_keeps_the_batch_or_says_what_changes():
     kept = plan(model, TrainingSpec(seq_len=8192, global_batch_size=256), cluster_from_preset("dgx-h100", 8), spec)
     fb = fallback(kept.plans[0], spec)
     assert fb.world_size == 56 and fb.global_batch_size == 256 and fb.layout.pp % 7 == 0
-    change = plan(load_model("tiny-gpt"), TrainingSpec(seq_len=8192, global_batch_size=256),
-                  cluster_from_preset("dgx-h100", 8), spec)
+    change = plan(
+        load_model("tiny-gpt"),
+        TrainingSpec(seq_len=8192, global_batch_size=256),
+        cluster_from_preset("dgx-h100", 8),
+        spec,
+    )
     fb = fallback(change.plans[0], spec)
     assert fb.world_size == 56 and fb.global_batch_size != 256
     assert any("global batch" in c and "256" in c for c in fb.changes)
@@ -372,35 +587,64 @@ def test_fallback_with_one_node_lost_keeps_the_batch_or_says_what_changes():
 def test_context_parallel_reaches_megatron_and_torchtitan():
     """cp becomes Megatron's --context-parallel-size and torchtitan's parallelism.context_parallel_degree
     (its dp degrees stay berth's dp: world = dp x cp x tp x pp in both engines)."""
-    p = plan_for(Layout(tp=4, cp=2, dp=4, zero_stage=3, shard=4, micro_batch_size=1, num_microbatches=16),
-                 "llama3-8b")
+    p = plan_for(Layout(tp=4, cp=2, dp=4, zero_stage=3, shard=4, micro_batch_size=1, num_microbatches=16), "llama3-8b")
     assert p.prediction.fits, p.infeasible_reason
     flags = _megatron_flags(artifacts(p, "megatron"))
     assert flags["--context-parallel-size"] == "2" and flags["--tensor-model-parallel-size"] == "4"
     module = ast.parse(artifacts(p, "torchtitan")["berth_torchtitan.py"])
-    (par,) = [{k.arg: ast.literal_eval(k.value) for k in n.keywords} for n in ast.walk(module)
-              if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"]
-    assert (par["context_parallel_degree"], par["tensor_parallel_degree"], par["data_parallel_shard_degree"],
-            par["data_parallel_replicate_degree"]) == (2, 4, 4, 1)
+    (par,) = [
+        {k.arg: ast.literal_eval(k.value) for k in n.keywords}
+        for n in ast.walk(module)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "ParallelismConfig"
+    ]
+    assert (
+        par["context_parallel_degree"],
+        par["tensor_parallel_degree"],
+        par["data_parallel_shard_degree"],
+        par["data_parallel_replicate_degree"],
+    ) == (2, 4, 4, 1)
 
 
 def test_mixture_of_experts_launch_megatron_and_refusals():
     # Mixtral 8x7B on 2 nodes: ep 4 of dp 16, fully sharded
-    plan = plan_for(Layout(dp=16, ep=4, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=4,
-                           recompute="full"), "mixtral-8x7b", nodes=2)
+    plan = plan_for(
+        Layout(dp=16, ep=4, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=4, recompute="full"),
+        "mixtral-8x7b",
+        nodes=2,
+    )
     assert plan.prediction.fits, plan.infeasible_reason
     text = artifacts(plan, "megatron")["megatron-args.txt"]
-    for flag in ("--num-experts 8", "--moe-router-topk 2", "--moe-ffn-hidden-size 14336",
-                 "--expert-model-parallel-size 4", "--expert-tensor-parallel-size 1",
-                 "--moe-token-dispatcher-type alltoall"):
+    for flag in (
+        "--num-experts 8",
+        "--moe-router-topk 2",
+        "--moe-ffn-hidden-size 14336",
+        "--expert-model-parallel-size 4",
+        "--expert-tensor-parallel-size 1",
+        "--moe-token-dispatcher-type alltoall",
+    ):
         assert flag in text, flag
     assert "--moe-layer-freq" not in text and "--moe-shared-expert-intermediate-size" not in text
     for fmt, words in (("torchtitan", "mixture of experts"), ("deepspeed", "mixture of experts")):
         with pytest.raises(LaunchRefused, match=words):
             artifacts(plan, fmt)
     # DeepSeek-style: 3 dense layers first, one shared expert
-    ds = plan_for(Layout(tp=8, pp=16, dp=8, ep=8, zero_stage=1, shard=8, micro_batch_size=1, num_microbatches=16,
-                         recompute="full", sequence_parallel=True), "deepseek-v3-style", nodes=128, batch=128)
+    ds = plan_for(
+        Layout(
+            tp=8,
+            pp=16,
+            dp=8,
+            ep=8,
+            zero_stage=1,
+            shard=8,
+            micro_batch_size=1,
+            num_microbatches=16,
+            recompute="full",
+            sequence_parallel=True,
+        ),
+        "deepseek-v3-style",
+        nodes=128,
+        batch=128,
+    )
     assert ds.prediction is not None and ds.layout.ep == 8
     text = artifacts(ds, "megatron")["megatron-args.txt"]
     assert "--moe-layer-freq '([0]*3+[1]*58)'" in text and "--moe-shared-expert-intermediate-size 2048" in text

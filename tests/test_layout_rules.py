@@ -40,16 +40,42 @@ from berth.planner.topology import cluster_from_preset
 
 # vocabulary 50,257 (GPT-2's) divides by no tp > 1: the planner plans it (the engines pad the
 # vocabulary), the bundled executor does not split it
-GPT2_LIKE = ModelSpec(name="gpt2-like", num_layers=6, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072,
-                      vocab_size=50257, mlp="gelu", norm="layernorm")
+GPT2_LIKE = ModelSpec(
+    name="gpt2-like",
+    num_layers=6,
+    hidden_size=768,
+    num_attention_heads=12,
+    ffn_hidden_size=3072,
+    vocab_size=50257,
+    mlp="gelu",
+    norm="layernorm",
+)
 MODELS = [
     GPT2_LIKE,
-    ModelSpec(name="tied", num_layers=5, hidden_size=512, num_attention_heads=8, num_kv_heads=2, ffn_hidden_size=1376,
-              vocab_size=1024, tied_embeddings=True),
-    ModelSpec(name="moe", num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024,
-              vocab_size=1000, num_experts=8, experts_per_token=2, moe_ffn_hidden_size=512),
-    ModelSpec(name="odd-ffn", num_layers=7, hidden_size=384, num_attention_heads=6, ffn_hidden_size=1000,
-              vocab_size=32000),
+    ModelSpec(
+        name="tied",
+        num_layers=5,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_kv_heads=2,
+        ffn_hidden_size=1376,
+        vocab_size=1024,
+        tied_embeddings=True,
+    ),
+    ModelSpec(
+        name="moe",
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=8,
+        ffn_hidden_size=1024,
+        vocab_size=1000,
+        num_experts=8,
+        experts_per_token=2,
+        moe_ffn_hidden_size=512,
+    ),
+    ModelSpec(
+        name="odd-ffn", num_layers=7, hidden_size=384, num_attention_heads=6, ffn_hidden_size=1000, vocab_size=32000
+    ),
 ]
 TRAININGS = [
     TrainingSpec(seq_len=64, global_batch_size=16),
@@ -65,12 +91,22 @@ def random_layouts(rng: np.random.Generator, n: int, world: int, batch: int) -> 
     pick = lambda values: values[int(rng.integers(len(values)))]  # noqa: E731
     out = []
     for k in range(n):
-        x = dict(tp=pick([1, 1, 2, 3, 4, 8]), cp=pick([1, 1, 1, 2, 4, 3]), pp=pick([1, 1, 2, 3, 4, 8]),
-                 dp=pick([1, 2, 4, 8]), ep=pick([1, 1, 2, 4, 3]), shard=pick([1, 1, 2, 4, 3]),
-                 zero_stage=pick([0, 1, 2, 3]), recompute=pick(RECOMPUTE_CHOICES), micro_batch_size=pick([1, 2, 4]),
-                 num_microbatches=pick([1, 2, 4, 8, 6]), virtual_stages=pick([1, 1, 2, 3]),
-                 schedule=pick(SCHEDULE_CHOICES), sequence_parallel=bool(pick([0, 1])),
-                 axis_order=pick(AXIS_ORDER_CHOICES))
+        x = dict(
+            tp=pick([1, 1, 2, 3, 4, 8]),
+            cp=pick([1, 1, 1, 2, 4, 3]),
+            pp=pick([1, 1, 2, 3, 4, 8]),
+            dp=pick([1, 2, 4, 8]),
+            ep=pick([1, 1, 2, 4, 3]),
+            shard=pick([1, 1, 2, 4, 3]),
+            zero_stage=pick([0, 1, 2, 3]),
+            recompute=pick(RECOMPUTE_CHOICES),
+            micro_batch_size=pick([1, 2, 4]),
+            num_microbatches=pick([1, 2, 4, 8, 6]),
+            virtual_stages=pick([1, 1, 2, 3]),
+            schedule=pick(SCHEDULE_CHOICES),
+            sequence_parallel=bool(pick([0, 1])),
+            axis_order=pick(AXIS_ORDER_CHOICES),
+        )
         if k % 2:
             x["dp"] = max(1, world // (x["tp"] * x["cp"] * x["pp"]))
             x["num_microbatches"] = max(1, batch // (x["dp"] * x["micro_batch_size"]))
@@ -113,8 +149,7 @@ def test_vectorized_and_per_layout_evaluation_agree():
             if not plan:
                 valid += 1
                 one = np.ones(1, dtype=np.int64)
-                assert prune(facts, tp=layout.tp * one, cp=layout.cp * one, pp=layout.pp * one,
-                             virtual_stages=one)[0]
+                assert prune(facts, tp=layout.tp * one, cp=layout.cp * one, pp=layout.pp * one, virtual_stages=one)[0]
                 assert prune(facts, pp=layout.pp * one, virtual_stages=layout.virtual_stages * one)[0]
     assert seen == {r.name for r in RULES}, f"rules never broken: {sorted({r.name for r in RULES} - seen)}"
     assert valid > 50
@@ -135,8 +170,11 @@ def test_the_edges_refuse_exactly_what_the_table_refuses():
                 assert not plan, layout
             except BerthError as err:
                 assert plan and plan[0][1] in str(err), (layout, err)
-            execu = violations(layout, facts.__class__(facts.model, facts.training, facts.world,
-                                                       ranks="processes of the launch"), EXECUTOR)
+            execu = violations(
+                layout,
+                facts.__class__(facts.model, facts.training, facts.world, ranks="processes of the launch"),
+                EXECUTOR,
+            )
             try:
                 executor_check(facts.model, facts.training, layout, facts.world)
                 assert not execu, layout

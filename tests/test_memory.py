@@ -47,8 +47,9 @@ def test_dtensor_sequence_parallel_keeps_the_gathered_linear_inputs():
     that Megatron-LM keeps sharded; without sp the two frameworks agree."""
     t = 8
     extra = 2 * 2 * S * B * H * (1 - 1 / t)
-    assert _layer(RECOMPUTE_NONE, tp=t, sp=1, framework="pytorch") == pytest.approx(_layer(RECOMPUTE_NONE, tp=t, sp=1)
-                                                                                   + extra)
+    assert _layer(RECOMPUTE_NONE, tp=t, sp=1, framework="pytorch") == pytest.approx(
+        _layer(RECOMPUTE_NONE, tp=t, sp=1) + extra
+    )
     assert _layer(RECOMPUTE_NONE, tp=t, framework="pytorch") == pytest.approx(_layer(RECOMPUTE_NONE, tp=t))
 
 
@@ -85,8 +86,9 @@ def _states(precision, framework, zero=0, shard=1, dp=None, tp=1):
 
     t = TrainingSpec(seq_len=1, global_batch_size=8, precision=precision, framework=framework)
     dp = dp or shard
-    c = Candidates.from_layouts([Layout(tp=tp, dp=dp, shard=shard, zero_stage=zero, micro_batch_size=1,
-                                        num_microbatches=8 // dp)])
+    c = Candidates.from_layouts(
+        [Layout(tp=tp, dp=dp, shard=shard, zero_stage=zero, micro_batch_size=1, num_microbatches=8 // dp)]
+    )
     return {k: float(v[0]) for k, v in memory.model_state_bytes(t, 1.0, c).items()}
 
 
@@ -124,8 +126,9 @@ def test_fsdp2_mixed_precision_shards_the_fp32_master_gradients_and_state(zero):
     assert s["parameters"] + s["gradients"] + s["optimizer_state"] == pytest.approx(16 / 8)
     assert s["gathered"] == (2.0 if zero == 2 else 0.0) and s["autocast"] == 0.0
     # dp with tp runs under FSDP2 too (the executor's rule), even at zero 0
-    assert memory.precision_recipe(TrainingSpec(seq_len=1, global_batch_size=1),
-                                   _cands(tp=2, dp=2)) == memory.RECIPE_FSDP2
+    assert (
+        memory.precision_recipe(TrainingSpec(seq_len=1, global_batch_size=1), _cands(tp=2, dp=2)) == memory.RECIPE_FSDP2
+    )
 
 
 def test_fp32_training_keeps_two_optimizer_states():
@@ -217,6 +220,7 @@ def test_fsdp2_zero2_in_fp32_holds_a_sharded_copy_beside_the_gathered_parameters
 
 # ---- measured on one H100 (shared/reference/h100-microbench) ------------------------------------
 
+
 def _bench(name):
     import json
 
@@ -236,14 +240,19 @@ def test_executor_layer_bytes_match_layer_json():
     for r in _bench("layer.json"):
         if r.get("retained_bytes") is None or r.get("peak_bytes_over_params", 0) <= 0:
             continue
-        m = load_model(r["model"]) if r["model"] != "llama-3.2-1b" else gpt(
-            layers=16, hidden=2048, heads=32, vocab=128256).model_copy(
-            update={"num_kv_heads": 8, "ffn_hidden_size": 8192, "mlp": "swiglu", "norm": "rmsnorm"})
+        m = (
+            load_model(r["model"])
+            if r["model"] != "llama-3.2-1b"
+            else gpt(layers=16, hidden=2048, heads=32, vocab=128256).model_copy(
+                update={"num_kv_heads": 8, "ffn_hidden_size": 8192, "mlp": "swiglu", "norm": "rmsnorm"}
+            )
+        )
         m = m.model_copy(update={"dropout": False})  # the executor's layer has no dropout
         t = TrainingSpec(seq_len=r["seq"], global_batch_size=r["batch"], precision="bf16")
         tp = np.array(r["tp"])
-        per_layer, _ = memory.layer_activation_bytes(m, t, r["batch"], tp, np.array(0), np.array(RECOMPUTE_NONE),
-                                                     memory.RECIPE_AUTOCAST)
+        per_layer, _ = memory.layer_activation_bytes(
+            m, t, r["batch"], tp, np.array(0), np.array(RECOMPUTE_NONE), memory.RECIPE_AUTOCAST
+        )
         layer_input = memory.AUTOCAST_RESIDUAL_BYTES * r["batch"] * r["seq"] * m.hidden_size
         predicted = float(per_layer) - layer_input + 2 * r["param_count"]
         errors.append(predicted / r["retained_bytes"] - 1)
@@ -287,8 +296,9 @@ def test_selective_recompute_with_flash_attention_means_what_each_engine_recompu
     t = TrainingSpec(seq_len=4096, global_batch_size=2, precision="bf16")
 
     def layer(recompute, recipe, training=t):
-        return float(memory.layer_activation_bytes(m, training, 2, np.array(1), np.array(0), np.array(recompute),
-                                                   recipe)[0])
+        return float(
+            memory.layer_activation_bytes(m, training, 2, np.array(1), np.array(0), np.array(recompute), recipe)[0]
+        )
 
     tokens = 2 * 4096
     saved = layer(RECOMPUTE_NONE, memory.RECIPE_AUTOCAST) - layer(RECOMPUTE_SELECTIVE, memory.RECIPE_AUTOCAST)
@@ -299,7 +309,8 @@ def test_selective_recompute_with_flash_attention_means_what_each_engine_recompu
     mg = t.model_copy(update={"framework": "megatron"})
     lse = 4 * m.num_attention_heads * tokens
     assert layer(RECOMPUTE_SELECTIVE, memory.RECIPE_MEGATRON, mg) == pytest.approx(
-        layer(RECOMPUTE_NONE, memory.RECIPE_MEGATRON, mg), abs=lse)
+        layer(RECOMPUTE_NONE, memory.RECIPE_MEGATRON, mg), abs=lse
+    )
 
 
 def test_capacity_is_what_the_allocator_can_reserve():
@@ -350,8 +361,13 @@ def test_memory_headroom_is_validated_where_it_enters():
     with pytest.raises(BerthError, match="memory_headroom"):
         make_search(memory_headroom=0.9)
     with pytest.raises(BerthError, match="memory_headroom"):
-        compare(gpt(), TrainingSpec(seq_len=2048, global_batch_size=8), cluster_from_preset("dgx-h100", 1),
-                ["tp=8"], memory_headroom=-0.1)
+        compare(
+            gpt(),
+            TrainingSpec(seq_len=2048, global_batch_size=8),
+            cluster_from_preset("dgx-h100", 1),
+            ["tp=8"],
+            memory_headroom=-0.1,
+        )
     with pytest.raises(ValueError, match="memory_headroom"):
         SearchRequest(memory_headroom=1.0)
     assert make_search(memory_headroom=0.2).memory_headroom == 0.2
@@ -367,9 +383,13 @@ def test_rank_slice_proxy_is_predicted_with_the_recipe_it_runs():
 
     m = gpt(layers=4, hidden=1024, heads=8)
     t = TrainingSpec(seq_len=1024, global_batch_size=8, precision="bf16")
-    (p,) = predict_layouts(m, t, cluster_from_preset("dgx-h100", 1),
-                           [Layout(tp=2, dp=4, zero_stage=1, shard=4, micro_batch_size=1, num_microbatches=2)],
-                           memory_headroom=0.0)
+    (p,) = predict_layouts(
+        m,
+        t,
+        cluster_from_preset("dgx-h100", 1),
+        [Layout(tp=2, dp=4, zero_stage=1, shard=4, micro_batch_size=1, num_microbatches=2)],
+        memory_headroom=0.0,
+    )
     assert p.prediction.memory_breakdown_bytes["autocast_copies"] == 0.0  # the full run: FSDP2
     _, breakdown, _ = proxy_prediction(p, 4, True)
     assert breakdown["memory.autocast_copies"] > 0.0

@@ -38,9 +38,14 @@ def test_single_h100_steps_within_five_percent_and_the_oom_predicted(reference):
 def test_no_published_run_is_predicted_not_to_fit(reference):
     pub = memory_fidelity.score_published(reference)
     ids = {r["id"] for r in pub["rows"] if r["structurally_valid"]}
-    for must in ("korthikanti2022_t5_530B_sp_selective", "korthikanti2022_t5_530B_fullrecompute",
-                 "korthikanti2022_t5_1T_sp_selective", "korthikanti2022_t5_1T_fullrecompute",
-                 "torchtitan_202412_t1_8B_8gpu_fsdp", "mpt_llmfoundry_178_1b_a100_40gb_64gpu_s2048_bf16"):
+    for must in (
+        "korthikanti2022_t5_530B_sp_selective",
+        "korthikanti2022_t5_530B_fullrecompute",
+        "korthikanti2022_t5_1T_sp_selective",
+        "korthikanti2022_t5_1T_fullrecompute",
+        "torchtitan_202412_t1_8B_8gpu_fsdp",
+        "mpt_llmfoundry_178_1b_a100_40gb_64gpu_s2048_bf16",
+    ):
         assert must in ids
     assert len(ids) >= 150
     assert pub["predicted_not_to_fit"] == []

@@ -7,9 +7,18 @@ import pytest
 from berth.planner.errors import BerthError
 from berth.planner.models import load_model, presets
 
-PUBLISHED_PARAMS_B = {"llama2-7b": 6.74, "llama2-13b": 13.02, "llama2-70b": 68.98, "llama3-8b": 8.03,
-                      "llama3-70b": 70.55, "llama3.1-405b": 405.85, "mistral-7b": 7.24,
-                      "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.71, "gpt3-175b": 174.6}
+PUBLISHED_PARAMS_B = {
+    "llama2-7b": 6.74,
+    "llama2-13b": 13.02,
+    "llama2-70b": 68.98,
+    "llama3-8b": 8.03,
+    "llama3-70b": 70.55,
+    "llama3.1-405b": 405.85,
+    "mistral-7b": 7.24,
+    "qwen2.5-7b": 7.62,
+    "qwen2.5-72b": 72.71,
+    "gpt3-175b": 174.6,
+}
 
 
 @pytest.mark.parametrize("name,billions", PUBLISHED_PARAMS_B.items())
@@ -17,9 +26,17 @@ def test_preset_parameter_counts(name, billions):
     assert presets()[name].num_params / 1e9 == pytest.approx(billions, rel=0.01)
 
 
-LLAMA3_8B_HF = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
-                "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-                "vocab_size": 128256, "hidden_act": "silu", "tie_word_embeddings": False}
+LLAMA3_8B_HF = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
 
 
 def test_hf_llama_config_file(tmp_path):
@@ -30,16 +47,58 @@ def test_hf_llama_config_file(tmp_path):
     assert m.num_params == presets()["llama3-8b"].num_params
 
 
-@pytest.mark.parametrize("cfg,expect", [
-    ({"model_type": "mistral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-      "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000}, (32, 8, "swiglu")),
-    ({"model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
-      "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064}, (28, 4, "swiglu")),
-    ({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
-      "activation_function": "gelu_new"}, (12, 12, "gelu")),
-    ({"model_type": "gpt_neox", "num_hidden_layers": 44, "hidden_size": 6144, "num_attention_heads": 64,
-      "intermediate_size": 24576, "vocab_size": 50432, "hidden_act": "gelu"}, (44, 64, "gelu")),
-])
+@pytest.mark.parametrize(
+    "cfg,expect",
+    [
+        (
+            {
+                "model_type": "mistral",
+                "num_hidden_layers": 32,
+                "hidden_size": 4096,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "intermediate_size": 14336,
+                "vocab_size": 32000,
+            },
+            (32, 8, "swiglu"),
+        ),
+        (
+            {
+                "model_type": "qwen2",
+                "num_hidden_layers": 28,
+                "hidden_size": 3584,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+                "intermediate_size": 18944,
+                "vocab_size": 152064,
+            },
+            (28, 4, "swiglu"),
+        ),
+        (
+            {
+                "model_type": "gpt2",
+                "n_layer": 12,
+                "n_embd": 768,
+                "n_head": 12,
+                "vocab_size": 50257,
+                "activation_function": "gelu_new",
+            },
+            (12, 12, "gelu"),
+        ),
+        (
+            {
+                "model_type": "gpt_neox",
+                "num_hidden_layers": 44,
+                "hidden_size": 6144,
+                "num_attention_heads": 64,
+                "intermediate_size": 24576,
+                "vocab_size": 50432,
+                "hidden_act": "gelu",
+            },
+            (44, 64, "gelu"),
+        ),
+    ],
+)
 def test_hf_families(cfg, expect):
     m = load_model(cfg)
     assert (m.num_layers, m.kv_heads, m.mlp) == expect
@@ -63,29 +122,58 @@ def test_hf_config_missing_keys_are_named():
     assert "num_hidden_layers" in str(err.value)
 
 
-_LLAMA = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-          "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000}
+_LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 32000,
+}
 
 
-@pytest.mark.parametrize("extra,field", [
-    # a dense family with experts would be planned as one dense MLP; an MoE family without top-k is incomplete
-    ({"model_type": "llama", "num_local_experts": 8, "num_experts_per_tok": 2}, "model.num_local_experts"),
-    ({"model_type": "qwen2_moe", "num_experts": 60}, "model.num_experts_per_tok"),
-    # DeepSeek-V2/V3's multi-head latent attention and multi-token prediction are not modelled
-    ({"model_type": "deepseek_v3", "n_routed_experts": 256, "num_experts_per_tok": 8, "kv_lora_rank": 512},
-     "model.kv_lora_rank"),
-    ({"model_type": "deepseek_v3", "n_routed_experts": 256, "num_experts_per_tok": 8, "num_nextn_predict_layers": 1},
-     "model.num_nextn_predict_layers"),
-    ({"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 2},
-     "model.decoder_sparse_step"),
-    ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 4096,
-      "max_position_embeddings": 32768}, "model.sliding_window"),
-    ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "model.model_type"),
-    ({"model_type": "t5", "is_encoder_decoder": True}, "model.model_type"),
-    ({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}, "model.architectures"),
-    ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, "model.sliding_window"),
-    ({"model_type": "mistral", "head_dim": 160}, "model.head_dim"),
-])
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        # a dense family with experts would be planned as one dense MLP; an MoE family without top-k is incomplete
+        ({"model_type": "llama", "num_local_experts": 8, "num_experts_per_tok": 2}, "model.num_local_experts"),
+        ({"model_type": "qwen2_moe", "num_experts": 60}, "model.num_experts_per_tok"),
+        # DeepSeek-V2/V3's multi-head latent attention and multi-token prediction are not modelled
+        (
+            {"model_type": "deepseek_v3", "n_routed_experts": 256, "num_experts_per_tok": 8, "kv_lora_rank": 512},
+            "model.kv_lora_rank",
+        ),
+        (
+            {
+                "model_type": "deepseek_v3",
+                "n_routed_experts": 256,
+                "num_experts_per_tok": 8,
+                "num_nextn_predict_layers": 1,
+            },
+            "model.num_nextn_predict_layers",
+        ),
+        (
+            {"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 2},
+            "model.decoder_sparse_step",
+        ),
+        (
+            {
+                "model_type": "mixtral",
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+                "sliding_window": 4096,
+                "max_position_embeddings": 32768,
+            },
+            "model.sliding_window",
+        ),
+        ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "model.model_type"),
+        ({"model_type": "t5", "is_encoder_decoder": True}, "model.model_type"),
+        ({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}, "model.architectures"),
+        ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, "model.sliding_window"),
+        ({"model_type": "mistral", "head_dim": 160}, "model.head_dim"),
+    ],
+)
 def test_unsupported_hf_architectures_are_refused(extra, field):
     with pytest.raises(BerthError) as err:
         load_model({**_LLAMA, **extra})
@@ -94,9 +182,18 @@ def test_unsupported_hf_architectures_are_refused(extra, field):
 
 def test_hf_mixtral_config_plans_as_the_preset():
     # mistralai/Mixtral-8x7B-v0.1 config.json (huggingface.co): 8 experts, top-2, experts 14336 wide
-    cfg = {**_LLAMA, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
-           "num_experts_per_tok": 2, "sliding_window": None, "max_position_embeddings": 32768,
-           "hidden_act": "silu", "tie_word_embeddings": False, "_name_or_path": "mixtral-8x7b"}
+    cfg = {
+        **_LLAMA,
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+        "max_position_embeddings": 32768,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "_name_or_path": "mixtral-8x7b",
+    }
     m = load_model(cfg)
     assert m == presets()["mixtral-8x7b"]
     # Mistral AI's announcement: 46.7B total parameters, 12.9B used per token
@@ -105,18 +202,48 @@ def test_hf_mixtral_config_plans_as_the_preset():
 
 def test_hf_qwen2_moe_and_deepseek_without_mla_load():
     # Qwen/Qwen1.5-MoE-A2.7B config.json: 60 experts top-4 of 1408, one shared expert of 5632; 14.3B, 2.7B active
-    qwen = load_model({"model_type": "qwen2_moe", "num_hidden_layers": 24, "hidden_size": 2048,
-                       "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 5632,
-                       "vocab_size": 151936, "num_experts": 60, "num_experts_per_tok": 4,
-                       "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
-                       "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
-                       "sliding_window": 32768, "tie_word_embeddings": False})
-    assert (qwen.num_experts, qwen.experts_per_token, qwen.moe_ffn_hidden_size, qwen.num_shared_experts,
-            qwen.shared_ffn) == (60, 4, 1408, 1, 5632)
+    qwen = load_model(
+        {
+            "model_type": "qwen2_moe",
+            "num_hidden_layers": 24,
+            "hidden_size": 2048,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "intermediate_size": 5632,
+            "vocab_size": 151936,
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "use_sliding_window": False,
+            "sliding_window": 32768,
+            "tie_word_embeddings": False,
+        }
+    )
+    assert (
+        qwen.num_experts,
+        qwen.experts_per_token,
+        qwen.moe_ffn_hidden_size,
+        qwen.num_shared_experts,
+        qwen.shared_ffn,
+    ) == (60, 4, 1408, 1, 5632)
     assert round(qwen.num_params / 1e9, 1) == 14.3 and round(qwen.active_params / 1e9, 1) == 2.7
-    ds = load_model({**_LLAMA, "model_type": "deepseek_v3", "n_routed_experts": 16, "num_experts_per_tok": 2,
-                     "moe_intermediate_size": 1024, "n_shared_experts": 1, "first_k_dense_replace": 2,
-                     "kv_lora_rank": None, "q_lora_rank": None, "moe_layer_freq": 1})
+    ds = load_model(
+        {
+            **_LLAMA,
+            "model_type": "deepseek_v3",
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 1024,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 2,
+            "kv_lora_rank": None,
+            "q_lora_rank": None,
+            "moe_layer_freq": 1,
+        }
+    )
     assert (ds.num_experts, ds.first_k_dense, ds.num_moe_layers, ds.shared_ffn) == (16, 2, 30, 1024)
 
 
@@ -129,32 +256,53 @@ def test_moe_spec_rules_and_counts():
     dense = presets()["llama3-8b"] if "llama3-8b" in presets() else next(iter(presets().values()))
     assert dense.active_params == dense.num_params and dense.compute_view() is dense
     with pytest.raises(BerthError, match="experts_per_token"):
-        load_model({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
-                    "vocab_size": 10, "num_experts": 4, "experts_per_token": 5})
+        load_model(
+            {
+                "num_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "ffn_hidden_size": 128,
+                "vocab_size": 10,
+                "num_experts": 4,
+                "experts_per_token": 5,
+            }
+        )
     with pytest.raises(BerthError, match="num_experts"):
-        load_model({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
-                    "vocab_size": 10, "experts_per_token": 2})
+        load_model(
+            {
+                "num_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "ffn_hidden_size": 128,
+                "vocab_size": 10,
+                "experts_per_token": 2,
+            }
+        )
 
 
 def test_hf_full_attention_window_and_dense_configs_load():
     # Mistral v0.2+ (no window), Qwen2 with the window switched off, one expert = dense
-    for extra in ({"model_type": "mistral", "sliding_window": None},
-                  {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False},
-                  {"model_type": "llama", "sliding_window": 8192, "max_position_embeddings": 8192}):
+    for extra in (
+        {"model_type": "mistral", "sliding_window": None},
+        {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False},
+        {"model_type": "llama", "sliding_window": 8192, "max_position_embeddings": 8192},
+    ):
         assert load_model({**_LLAMA, **extra}).num_layers == 32
 
 
 def test_heads_not_dividing_hidden_is_a_clear_error():
     with pytest.raises(BerthError) as err:
-        load_model({"num_layers": 2, "hidden_size": 100, "num_attention_heads": 3,
-                    "ffn_hidden_size": 400, "vocab_size": 10})
+        load_model(
+            {"num_layers": 2, "hidden_size": 100, "num_attention_heads": 3, "ffn_hidden_size": 400, "vocab_size": 10}
+        )
     assert "num_attention_heads" in str(err.value)
 
 
 def test_yaml_model_file(tmp_path):
     path = tmp_path / "m.yaml"
-    path.write_text("num_layers: 4\nhidden_size: 256\nnum_attention_heads: 4\n"
-                    "ffn_hidden_size: 1024\nvocab_size: 1000\n")
+    path.write_text(
+        "num_layers: 4\nhidden_size: 256\nnum_attention_heads: 4\nffn_hidden_size: 1024\nvocab_size: 1000\n"
+    )
     assert load_model(str(path)).name == "m"
 
 

@@ -47,8 +47,7 @@ def test_expert_parameters_and_their_states_split_by_ep():
     assert float(one) == pytest.approx(MIXTRAL.num_params)
     assert float(one - eight) == pytest.approx(experts * (1 - 1 / 8))
     # ZeRO-1 over dp 16: dense states / 16, expert states over dp / ep = 2 ranks, each holding 1 of 8 experts
-    c = Candidates.from_layouts([Layout(dp=16, ep=8, zero_stage=1, shard=16, micro_batch_size=1,
-                                        num_microbatches=16)])
+    c = Candidates.from_layouts([Layout(dp=16, ep=8, zero_stage=1, shard=16, micro_batch_size=1, num_microbatches=16)])
     mem = memory.stage_memory_breakdown(MIXTRAL, TRAINING, cluster_from_preset("dgx-h100", 2).device, c, True)
     # beyond the dense twin's activations: top-k token copies and expert outputs (2 x k x h) and router probs (E)
     extra = memory.moe_activation_bytes(MIXTRAL, TRAINING, 1, 1, 0)
@@ -64,12 +63,16 @@ def test_all_to_all_over_the_level_the_ep_group_spans():
     inside, across, none = comm.all_to_all_s(cluster, nbytes, np.array([8.0, 16.0, 1.0]), 1)
     assert none == 0.0
     node = cluster.levels[0].link
-    assert inside == pytest.approx(nbytes * 7 / 8 / (node.bandwidth_bytes_per_s * node.collective_efficiency)
-                                   + 7 * node.hop_latency_s + cluster.collective_base_latency_s)
+    assert inside == pytest.approx(
+        nbytes * 7 / 8 / (node.bandwidth_bytes_per_s * node.collective_efficiency)
+        + 7 * node.hop_latency_s
+        + cluster.collective_base_latency_s
+    )
     assert across > 5 * inside  # 16 ranks leave the node: the network share per GPU
     # the step: 4 all-to-alls per MoE layer and micro-batch, MOE_IMBALANCE x the mean load
-    c = Candidates.from_layouts([Layout(dp=16, ep=ep, zero_stage=3, shard=16, micro_batch_size=1,
-                                        num_microbatches=16) for ep in (1, 8)])
+    c = Candidates.from_layouts(
+        [Layout(dp=16, ep=ep, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=16) for ep in (1, 8)]
+    )
     ev = evaluate(MIXTRAL, TRAINING, cluster, c)
     dispatched = 2 * 4096 * 2 * 4096
     want = 16 * 32 * 4 * MOE_IMBALANCE * comm.all_to_all_s(cluster, dispatched, 8.0, 1)
@@ -79,9 +82,13 @@ def test_all_to_all_over_the_level_the_ep_group_spans():
 
 def test_ep_rules_and_refusals():
     cluster = cluster_from_preset("dgx-h100", 2)
-    c = Candidates.from_layouts([Layout(dp=16, ep=3, micro_batch_size=1, num_microbatches=16),
-                                 Layout(dp=16, ep=16, micro_batch_size=1, num_microbatches=16),
-                                 Layout(tp=8, dp=2, ep=4, micro_batch_size=1, num_microbatches=128)])
+    c = Candidates.from_layouts(
+        [
+            Layout(dp=16, ep=3, micro_batch_size=1, num_microbatches=16),
+            Layout(dp=16, ep=16, micro_batch_size=1, num_microbatches=16),
+            Layout(tp=8, dp=2, ep=4, micro_batch_size=1, num_microbatches=128),
+        ]
+    )
     names = [REASONS[r][0] for r in structural_reasons(c, MIXTRAL, TRAINING, cluster)]
     assert names == ["ep_not_divide_experts", "ep_not_divide_experts", "ep_not_divide_dp"]
     dense = presets()["tiny-gpt"]
@@ -89,16 +96,21 @@ def test_ep_rules_and_refusals():
         check_layout({"dp": 16, "ep": 2}, dense, TRAINING, cluster)
     with pytest.raises(BerthError, match="must divide dp"):
         check_layout({"tp": 8, "ep": 4}, MIXTRAL, TRAINING, cluster)
-    (plan,) = predict_layouts(MIXTRAL, TRAINING, cluster, [Layout(dp=16, ep=8, zero_stage=3, shard=16,
-                                                                  micro_batch_size=1, num_microbatches=16)])
+    (plan,) = predict_layouts(
+        MIXTRAL,
+        TRAINING,
+        cluster,
+        [Layout(dp=16, ep=8, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=16)],
+    )
     assert plan.layout.ep == 8 and plan.model_dump(mode="json")["layout"]["ep"] == 8
     (ep,) = [g for g in plan.placement.groups if g.axis == "ep"]  # inside a node: ep ranks are dp's innermost
     assert (ep.size, ep.stride, ep.nodes_spanned, ep.crosses_slow_link) == (8, 1, 1, False)
     assert ep.time_s == pytest.approx(plan.prediction.time_breakdown_s["ep_comm"])
 
 
-@pytest.mark.parametrize("model, nodes, batch", [(MIXTRAL, 2, 256), (DEEPSEEK, 128, 4096)],
-                         ids=["mixtral-8x7b-16", "deepseek-v3-style-1024"])
+@pytest.mark.parametrize(
+    "model, nodes, batch", [(MIXTRAL, 2, 256), (DEEPSEEK, 128, 4096)], ids=["mixtral-8x7b-16", "deepseek-v3-style-1024"]
+)
 def test_top_plans_use_ep_within_plausible_mfu(model, nodes, batch):
     """The best plan's MFU (of active parameters) is in MFU_RANGE, and expert parallelism is among
     the top 5: for Mixtral on 16 H100 the best is ep2 (ZeRO-3, full recompute); for the DeepSeek-style
@@ -118,14 +130,18 @@ def test_checkpoint_writers_hold_distinct_expert_shares():
     add up to the checkpoint (pp = 1)."""
     from berth.cost_models.goodput import checkpoint_bytes
 
-    c = Candidates.from_layouts([Layout(dp=16, ep=8, micro_batch_size=1, num_microbatches=16),
-                                 Layout(dp=16, ep=8, zero_stage=1, shard=16, micro_batch_size=1,
-                                        num_microbatches=16)])
+    c = Candidates.from_layouts(
+        [
+            Layout(dp=16, ep=8, micro_batch_size=1, num_microbatches=16),
+            Layout(dp=16, ep=8, zero_stage=1, shard=16, micro_batch_size=1, num_microbatches=16),
+        ]
+    )
     total, per_rank, writers = checkpoint_bytes(MIXTRAL, TRAINING, c)
     assert list(writers) == [8, 16]
     assert per_rank[1] * writers[1] == pytest.approx(total[1], rel=1e-9)
     # without ZeRO, the rank writing the dense part writes it once, and its 1/8 of the experts
     per_param = TRAINING.bytes_per_element + TRAINING.optimizer_bytes_per_param
     dense = MIXTRAL.num_params - MIXTRAL.expert_params_per_layer * MIXTRAL.num_moe_layers
-    assert per_rank[0] == pytest.approx((dense + MIXTRAL.expert_params_per_layer * MIXTRAL.num_moe_layers / 8)
-                                        * per_param, rel=1e-6)
+    assert per_rank[0] == pytest.approx(
+        (dense + MIXTRAL.expert_params_per_layer * MIXTRAL.num_moe_layers / 8) * per_param, rel=1e-6
+    )

@@ -26,8 +26,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner", "api", "cost_models", "hardware_profiles", "executor")
-PACKAGE_DATA = {"planner": ["*.json"], "hardware_profiles": ["devices/*.json", "servers/*.json",
-                                                            "nvidia_smi_names.json"]}
+PACKAGE_DATA = {
+    "planner": ["*.json"],
+    "hardware_profiles": ["devices/*.json", "servers/*.json", "nvidia_smi_names.json"],
+}
 SCANNED = [*PACKAGES, "tests", "benchmarks"]
 BARE = "|".join(PACKAGES)
 # a module path held in a string: "planner.cli", "api.app:create_app"
@@ -54,8 +56,9 @@ def _bare_uses(text: str, name: str, strings: bool = True) -> list[str]:
         elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
             s = node.value
             path = ROOT / s.split(":")[0].replace(".", "/")
-            module = MODULE_STRING.fullmatch(s) and (path.with_suffix(".py").is_file()
-                                                     or (path / "__init__.py").is_file())
+            module = MODULE_STRING.fullmatch(s) and (
+                path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+            )
             if module or CODE_IN_STRING.search(s):
                 found.append(f"{name}:{node.lineno}: string {s[:80]!r}")
         found += [f"{name}:{node.lineno}: import {n}" for n in names if n.split(".")[0] in PACKAGES]
@@ -64,17 +67,28 @@ def _bare_uses(text: str, name: str, strings: bool = True) -> list[str]:
 
 def test_scan_catches_the_old_style():
     """The scan below finds each form it forbids, and passes the new style."""
-    old = ('import planner.search\nfrom api.app import create_app\nfrom executor import worker\n'
-           'def f():\n    from cost_models.step import x\n'
-           'CMD = ["-m", "planner.cli"]\nAPP = "api.app:create_app"\nCODE = "from planner.cli import main"\n'
-           'SH = "python -m executor.worker --plans p.json"\n'
-           'import berth.planner.search\nfrom berth.api.app import create_app\nOK = ["-m", "berth.planner.cli"]\n'
-           'NOT_A_MODULE = "api.sqlite"\nPACKAGE = "hardware_profiles.schema"\n')
+    old = (
+        "import planner.search\nfrom api.app import create_app\nfrom executor import worker\n"
+        "def f():\n    from cost_models.step import x\n"
+        'CMD = ["-m", "planner.cli"]\nAPP = "api.app:create_app"\nCODE = "from planner.cli import main"\n'
+        'SH = "python -m executor.worker --plans p.json"\n'
+        'import berth.planner.search\nfrom berth.api.app import create_app\nOK = ["-m", "berth.planner.cli"]\n'
+        'NOT_A_MODULE = "api.sqlite"\nPACKAGE = "hardware_profiles.schema"\n'
+    )
     found = [hit.split(": ", 1)[1] for hit in _bare_uses(old, "old.py")]
-    assert sorted(found) == sorted([
-        "import planner.search", "import api.app", "import executor", "import cost_models.step",
-        "string 'planner.cli'", "string 'api.app:create_app'", "string 'from planner.cli import main'",
-        "string 'python -m executor.worker --plans p.json'", "string 'hardware_profiles.schema'"])
+    assert sorted(found) == sorted(
+        [
+            "import planner.search",
+            "import api.app",
+            "import executor",
+            "import cost_models.step",
+            "string 'planner.cli'",
+            "string 'api.app:create_app'",
+            "string 'from planner.cli import main'",
+            "string 'python -m executor.worker --plans p.json'",
+            "string 'hardware_profiles.schema'",
+        ]
+    )
 
 
 def test_no_file_imports_or_runs_a_bare_package():
@@ -117,10 +131,18 @@ def test_wheel_holds_only_berth_with_every_package_and_data_file(wheel):
     (info,) = tops - {"berth"}
     assert tops == {"berth", info} and info.endswith(".dist-info"), tops
     assert "berth/__init__.py" not in names  # a namespace package over the five
-    expected = {f"berth/{p.relative_to(ROOT).as_posix()}" for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
-                if "__pycache__" not in p.parts}
-    expected |= {f"berth/{p.relative_to(ROOT).as_posix()}" for pkg, globs in PACKAGE_DATA.items()
-                 for g in globs for p in (ROOT / pkg).glob(g)}
+    expected = {
+        f"berth/{p.relative_to(ROOT).as_posix()}"
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    expected |= {
+        f"berth/{p.relative_to(ROOT).as_posix()}"
+        for pkg, globs in PACKAGE_DATA.items()
+        for g in globs
+        for p in (ROOT / pkg).glob(g)
+    }
     assert expected <= set(names), sorted(expected - set(names))
     assert len([n for n in names if n.endswith(".json")]) >= 10  # the profiles and presets
     zf = zipfile.ZipFile(wheel)
@@ -133,8 +155,9 @@ def _run_installed(site: Path, cwd: Path, code: str) -> subprocess.CompletedProc
     after it, without site (-S: no editable-install finder from a .pth file): a regular install."""
     deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sorted(deps)]), "COLUMNS": "100"}
-    return subprocess.run([sys.executable, "-S", "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 CHECK = """
@@ -172,9 +195,13 @@ def test_every_module_imports_under_berth_only_from_the_repo_root(tmp_path):
     (the bare folders then on sys.path): no module loads under a bare name, and each resolves to one
     file whether imported from the root or from elsewhere. The executor's torch modules are left to
     its own tests (importing torch twice would make this the slowest test here)."""
-    mods = [f"berth.{p.relative_to(ROOT).with_suffix('').as_posix().replace('/', '.')}".removesuffix(".__init__")
-            for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")) if "__pycache__" not in p.parts
-            and (pkg != "executor" or p.name in ("__init__.py", "checks.py", "breakdown.py"))]
+    mods = [
+        f"berth.{p.relative_to(ROOT).with_suffix('').as_posix().replace('/', '.')}".removesuffix(".__init__")
+        for pkg in PACKAGES
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if "__pycache__" not in p.parts
+        and (pkg != "executor" or p.name in ("__init__.py", "checks.py", "breakdown.py"))
+    ]
     code = f"""
 import importlib, json, sys
 files = {{m: importlib.import_module(m).__file__ for m in {mods!r}}}

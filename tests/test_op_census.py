@@ -46,9 +46,15 @@ def test_census_sees_what_each_stack_does(census):
     assert ex["forward"]["all_kernels"] > tt["forward"]["all_kernels"] > mpt["forward"]["all_kernels"]
 
 
-@pytest.mark.parametrize(("device", "kernel", "scale"), [
-    ("a100-80g", "flash1", 0.5), ("a100-80g", "flash2", 1.0), ("h100-sxm", "flash2", 0.54), ("h100-sxm", "sdpa", 1.0),
-])
+@pytest.mark.parametrize(
+    ("device", "kernel", "scale"),
+    [
+        ("a100-80g", "flash1", 0.5),
+        ("a100-80g", "flash2", 1.0),
+        ("h100-sxm", "flash2", 0.54),
+        ("h100-sxm", "sdpa", 1.0),
+    ],
+)
 def test_attention_kernel_generation(device, kernel, scale):
     """An older kernel runs the same FLOPs at its share of the measured efficiency."""
     dev, model = load_device(device), presets()["llama3-8b"]

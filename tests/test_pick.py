@@ -1,4 +1,4 @@
-""""Pick plan N" is written once (planner/specs.py plan_listing and pick_plan): `berth validate/launch
+""" "Pick plan N" is written once (planner/specs.py plan_listing and pick_plan): `berth validate/launch
 --pick` and the API's `pick` (launch, validations) read a listing the same way and refuse the same
 way, naming the field and the value."""
 
@@ -19,10 +19,16 @@ from berth.planner.topology import cluster_from_preset
 
 @pytest.fixture(scope="module")
 def plans():
-    layouts = [Layout(tp=1, dp=8, micro_batch_size=1, num_microbatches=2), Layout(tp=2, dp=4, micro_batch_size=2,
-                                                                                 num_microbatches=1)]
-    found = predict_layouts(load_model("tiny-gpt"), TrainingSpec(seq_len=128, global_batch_size=16),
-                            cluster_from_preset("dgx-h100", 1), layouts)
+    layouts = [
+        Layout(tp=1, dp=8, micro_batch_size=1, num_microbatches=2),
+        Layout(tp=2, dp=4, micro_batch_size=2, num_microbatches=1),
+    ]
+    found = predict_layouts(
+        load_model("tiny-gpt"),
+        TrainingSpec(seq_len=128, global_batch_size=16),
+        cluster_from_preset("dgx-h100", 1),
+        layouts,
+    )
     return [p.model_dump(mode="json") for p in found]
 
 
@@ -54,8 +60,15 @@ def test_the_cli_and_the_api_refuse_a_pick_alike(plans, tmp_path, capsys):
     cli = capsys.readouterr().err.strip()
     assert cli.endswith("pick=3: the file holds 2 plans (numbered 1..2)"), cli
     with TestClient(create_app(Settings(store_path=str(tmp_path / "api.sqlite")))) as client:
-        r = client.post("/v1/plans", json={"model": "tiny-gpt", "training": {"seq_len": 128, "global_batch_size": 16},
-                                           "cluster": {"preset": "dgx-h100"}, "search": {"top": 2}})
+        r = client.post(
+            "/v1/plans",
+            json={
+                "model": "tiny-gpt",
+                "training": {"seq_len": 128, "global_batch_size": 16},
+                "cluster": {"preset": "dgx-h100"},
+                "search": {"top": 2},
+            },
+        )
         assert r.status_code == 200, r.text
         plan_id, n = r.json()["id"], len(r.json()["plans"])
         r = client.post("/v1/launch", json={"plan_id": plan_id, "pick": n + 1, "format": "slurm"})

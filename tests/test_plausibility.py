@@ -44,8 +44,11 @@ A100_1T = published_range(0.392, 0.563)
 # (layer.json: an 8B layer at 0.47-0.50 of peak), puts the executor's best 8B plan near 51%, where
 # torchtitan's only published eager run reached 36% on a 500 W part. Strict: the mark must go when
 # the model (or a measurement of a full 8B step) settles it.
-OPEN_8B = pytest.mark.xfail(strict=True, reason="issue 12: 8B top plans ~51% MFU vs the published 36% "
-                            "(500 W H100); open until a full 8B H100 step is measured")
+OPEN_8B = pytest.mark.xfail(
+    strict=True,
+    reason="issue 12: 8B top plans ~51% MFU vs the published 36% "
+    "(500 W H100); open until a full 8B H100 step is measured",
+)
 
 # GPT-3 175B on 1024 A100: the top plan is tp=4 with ZeRO-3 over 256 ranks at 52.3% MFU (56.5% before
 # hidden traffic was charged its overlap slowdown), near the best published 175B run (Megatron's 51.4%;
@@ -62,8 +65,15 @@ CASES = [
     ("gpt-1t", "dgx-a100-80g", 384, 2048, 3072, {}, A100_1T),  # search_speed
     ("llama3.1-405b", "dgx-h100", 2048, 8192, 2048, {}, H100_405B),  # search_speed
 ]
-IDS = ["llama3-8b-1xdgx-h100", "llama3-8b-16xdgx-h100", "llama3-70b-8xdgx-h100", "llama3-70b-16xfat-tree",
-       "gpt3-175b-128xdgx-a100", "gpt-1t-384xdgx-a100", "llama3.1-405b-2048xdgx-h100"]
+IDS = [
+    "llama3-8b-1xdgx-h100",
+    "llama3-8b-16xdgx-h100",
+    "llama3-70b-8xdgx-h100",
+    "llama3-70b-16xfat-tree",
+    "gpt3-175b-128xdgx-a100",
+    "gpt-1t-384xdgx-a100",
+    "llama3.1-405b-2048xdgx-h100",
+]
 TOP = 3  # the plans a user sees first
 # Published layouts: predicted tokens/s per GPU at most OPTIMISTIC_TOKENS x the published figure
 # (the model's dangerous direction; 1.5 = the step 33% too fast) and at least PESSIMISTIC_TOKENS x
@@ -75,14 +85,18 @@ PESSIMISTIC_TOKENS = 0.75
 # mark must go when they come inside.
 OUTSIDE_BOUNDS = {
     "megatron_moe_modelzoo_2025": "Mixtral 8x22B with MoE parallel folding (EP 8 inside a node) at 0.65-0.68x: "
-                                  "berth's ep group at stride tp crosses nodes (test_golden.NOT_YET)",
+    "berth's ep group at stride tp crosses nodes (test_golden.NOT_YET)",
 }
 
 
 @pytest.mark.parametrize("model,preset,nodes,seq,batch,fabric,mfu_range", CASES, ids=IDS)
 def test_top_plans_within_published_mfu(model, preset, nodes, seq, batch, fabric, mfu_range):
-    result = search(load_model(model), TrainingSpec(seq_len=seq, global_batch_size=batch),
-                    cluster_from_preset(preset, nodes, **fabric), SearchSpec(top=TOP))
+    result = search(
+        load_model(model),
+        TrainingSpec(seq_len=seq, global_batch_size=batch),
+        cluster_from_preset(preset, nodes, **fabric),
+        SearchSpec(top=TOP),
+    )
     low, high = mfu_range
     for plan in result.plans:
         mfu = plan.prediction.mfu
@@ -117,8 +131,10 @@ def test_published_layouts_tokens_per_s():
     assert not off, f"{len(off)} of {len(ratios)} outside their bounds: {off}"
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=why), id=f)
-                                    for f, why in OUTSIDE_BOUNDS.items()])
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=why), id=f) for f, why in OUTSIDE_BOUNDS.items()],
+)
 def test_named_families_tokens_per_s(family):
     ratios = _tokens_ratios(families={family})
     assert ratios, family

@@ -100,9 +100,27 @@ def test_profile_measures_this_machine(quick_profile):
 
 
 def test_plan_accepts_the_profile(quick_profile):
-    r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len", "128",
-                        "--global-batch", "8", "--profile", str(quick_profile), "--json"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            *BERTH,
+            "plan",
+            "tiny-gpt",
+            "--cluster",
+            "local",
+            "--devices-per-node",
+            "2",
+            "--seq-len",
+            "128",
+            "--global-batch",
+            "8",
+            "--profile",
+            str(quick_profile),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     cluster = json.loads(r.stdout)["plans"][0]["cluster"]
     assert cluster["device"]["name"].endswith("-profiled") and cluster["intra_node"]["op_time_scale"]
@@ -116,8 +134,12 @@ def _synthetic_reports(truth: dict[str, float], n_noise: float = 0.0):
     model = presets()["tiny-gpt"]
     training = TrainingSpec(seq_len=256, global_batch_size=8, precision="fp32")
     base = make_cluster("local", 1, 2)
-    layouts = [Layout(dp=2, zero_stage=z, shard=2 if z else 1, micro_batch_size=m, num_microbatches=4 // m,
-                      recompute=r) for z in (0, 1, 2, 3) for m in (1, 2, 4) for r in ("none", "full")]
+    layouts = [
+        Layout(dp=2, zero_stage=z, shard=2 if z else 1, micro_batch_size=m, num_microbatches=4 // m, recompute=r)
+        for z in (0, 1, 2, 3)
+        for m in (1, 2, 4)
+        for r in ("none", "full")
+    ]
     layouts += [Layout(tp=2, micro_batch_size=m, num_microbatches=8 // m) for m in (1, 2, 4)]
     layouts += [Layout(pp=2, micro_batch_size=1, num_microbatches=8, schedule=s) for s in ("gpipe", "1f1b")]
     planned = predict_layouts(model, training, base, layouts)
@@ -126,10 +148,22 @@ def _synthetic_reports(truth: dict[str, float], n_noise: float = 0.0):
     reports = []
     for i, (p, t) in enumerate(zip(planned, true, strict=True)):
         noise = 1 + n_noise * rng.standard_normal(2)
-        reports.append(ValidationReport(
-            id=f"r{i:03d}", created="2026-01-01", berth_version="test", status="ok", plan=p, steps=3, warmup=1,
-            predicted=Metrics(), measured=Metrics(step_time_s=t.prediction.step_time_s * noise[0],
-                                                  peak_memory_bytes=t.prediction.peak_memory_bytes * noise[1])))
+        reports.append(
+            ValidationReport(
+                id=f"r{i:03d}",
+                created="2026-01-01",
+                berth_version="test",
+                status="ok",
+                plan=p,
+                steps=3,
+                warmup=1,
+                predicted=Metrics(),
+                measured=Metrics(
+                    step_time_s=t.prediction.step_time_s * noise[0],
+                    peak_memory_bytes=t.prediction.peak_memory_bytes * noise[1],
+                ),
+            )
+        )
     return reports, base
 
 
@@ -158,8 +192,26 @@ def test_calibrate_cli_writes_a_usable_profile(tmp_path):
     assert "held out" in r.stdout and "compute_scale" in r.stdout
     device, server = load_profile_file(out)
     assert device.name.endswith("-calibrated")
-    r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--cluster", "local", "--devices-per-node", "2", "--seq-len", "256",
-                        "--global-batch", "8", "--profile", str(out), "--json"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            *BERTH,
+            "plan",
+            "tiny-gpt",
+            "--cluster",
+            "local",
+            "--devices-per-node",
+            "2",
+            "--seq-len",
+            "256",
+            "--global-batch",
+            "8",
+            "--profile",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     r = subprocess.run([*BERTH, "calibrate", str(tmp_path / "missing.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "reports" in r.stderr

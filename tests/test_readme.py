@@ -32,12 +32,13 @@ SKIP = {  # a command's first words -> why the test does not run it
     ".venv/bin/pip install": "installs the package this test runs from",
     "pip install": "installs the package this test runs from",
     ".venv/bin/ruff check": "CI runs the linter itself",
+    ".venv/bin/ruff format": "CI runs the formatter's check itself",
     ".venv/bin/python -m pytest": "the test suite itself",
     "berth serve": "starts a server that runs until stopped (tests/test_api.py serves the API over HTTP)",
     "curl": "needs the server `berth serve` starts",
     "docker": "needs a Docker daemon",
     "berth profile": "measures this machine for minutes (tests/test_profiles.py runs `berth profile --quick`); "
-                     "the profile it writes is stood in by one the accuracy benchmark measured",
+    "the profile it writes is stood in by one the accuracy benchmark measured",
     "python -m benchmarks.accuracy": "measures every layout for about 35 minutes",  # the bare run, not --rescore
 }
 
@@ -93,9 +94,11 @@ COMMANDS = _readme_commands()
 
 def _skip_reason(cmd: str) -> str | None:
     if cmd.startswith(GPU_PREFIX):
-        return ("needs an NVIDIA GPU: tests/test_gpu_paths.py plans, compares and validates on `--cluster local` "
-                "with a fake nvidia-smi, and tests/test_gpu_validation_script.py runs the GPU evidence script's "
-                "commands on CPU workers")
+        return (
+            "needs an NVIDIA GPU: tests/test_gpu_paths.py plans, compares and validates on `--cluster local` "
+            "with a fake nvidia-smi, and tests/test_gpu_validation_script.py runs the GPU evidence script's "
+            "commands on CPU workers"
+        )
     torchless = importlib.util.find_spec("torch") is None
     why = next((why for prefix, why in NEEDS_TORCH.items() if cmd.startswith(prefix)), None)
     if torchless and why:
@@ -124,11 +127,25 @@ def work(tmp_path_factory):
     w = tmp_path_factory.mktemp("readme")
     (w / "examples").symlink_to(ROOT / "examples")
     (w / "path" / "to").mkdir(parents=True)
-    (w / "path" / "to" / "config.json").write_text(json.dumps({  # Llama 3 8B's config.json
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
-        "num_key_value_heads": 8, "vocab_size": 128256, "hidden_act": "silu", "tie_word_embeddings": False,
-        "max_position_embeddings": 8192, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}))
+    (w / "path" / "to" / "config.json").write_text(
+        json.dumps(
+            {  # Llama 3 8B's config.json
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 8,
+                "vocab_size": 128256,
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+                "max_position_embeddings": 8192,
+                "rope_theta": 500000.0,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     saved = json.loads(MEASUREMENTS.read_text())
     (w / "my-machine.json").write_text(json.dumps({"format": PROFILE_FORMAT, **saved["runs"][0]["profile"]}))
     run = saved["runs"][0]
@@ -183,8 +200,13 @@ def test_readme_command(work, line, cmd):
     if why:
         pytest.skip(why)
     run = _rewrite(cmd, work)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": str(ROOT), "COLUMNS": "100", "BERTH_STORE_PATH": str(work / "default-store.sqlite")}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "100",
+        "BERTH_STORE_PATH": str(work / "default-store.sqlite"),
+    }
     r = subprocess.run(["bash", "-c", run], cwd=work, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, f"README line {line}: {cmd}\n{r.stderr[-2000:]}"
     assert "Traceback" not in r.stderr

@@ -57,8 +57,12 @@ def cp_searched(cp, training):
     at least 4096 tokens of each sequence per rank."""
     if cp == 1:
         return True
-    return (cp & (cp - 1) == 0 and training.flash_attention and training.seq_len % (2 * cp) == 0
-            and training.seq_len >= 4096 * cp)
+    return (
+        cp & (cp - 1) == 0
+        and training.flash_attention
+        and training.seq_len % (2 * cp) == 0
+        and training.seq_len >= 4096 * cp
+    )
 
 
 def brute_force(model, training, cluster):
@@ -88,18 +92,31 @@ def brute_force(model, training, cluster):
                                 if dp % shard or (zero == 0 and shard > 1) or (zero > 0 and shard * cp == 1):
                                     continue
                                 for rec in RECOMPUTE_CHOICES:
-                                    for sp in ((False, True) if tp > 1 else (False,)):
-                                        for order, ep in ((o, e) for o in distinct_orders(tp, pp, dp)
-                                                          for e in range(1, dp + 1)):
+                                    for sp in (False, True) if tp > 1 else (False,):
+                                        for order, ep in (
+                                            (o, e) for o in distinct_orders(tp, pp, dp) for e in range(1, dp + 1)
+                                        ):
                                             # ep (MoE only) divides dp and the experts
-                                            if ep > 1 and (not model.num_experts or dp % ep
-                                                           or model.num_experts % ep):
+                                            if ep > 1 and (not model.num_experts or dp % ep or model.num_experts % ep):
                                                 continue
-                                            layouts.append(Layout(
-                                                tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, shard=shard, zero_stage=zero,
-                                                recompute=rec, micro_batch_size=mbs, num_microbatches=B // (dp * mbs),
-                                                virtual_stages=vpp, schedule=schedule, sequence_parallel=sp,
-                                                axis_order=order))
+                                            layouts.append(
+                                                Layout(
+                                                    tp=tp,
+                                                    cp=cp,
+                                                    pp=pp,
+                                                    dp=dp,
+                                                    ep=ep,
+                                                    shard=shard,
+                                                    zero_stage=zero,
+                                                    recompute=rec,
+                                                    micro_batch_size=mbs,
+                                                    num_microbatches=B // (dp * mbs),
+                                                    virtual_stages=vpp,
+                                                    schedule=schedule,
+                                                    sequence_parallel=sp,
+                                                    axis_order=order,
+                                                )
+                                            )
     # scored in one call: the cost model is elementwise over candidates, so this gives the same numbers
     # as one call per layout (checked when it was changed: 3,516 layouts, identical), 2.5x sooner
     return predict_layouts(model, training, cluster, layouts)
@@ -108,14 +125,29 @@ def brute_force(model, training, cluster):
 def random_instance(seed, moe=False):
     rng = random.Random(seed)
     heads = rng.choice([8, 16])
-    experts = {"num_experts": rng.choice([4, 8]), "experts_per_token": 2, "moe_ffn_hidden_size": 4096,
-               "first_k_dense": rng.choice([0, 1])} if moe else {}
-    model = ModelSpec(num_layers=rng.choice([4, 6, 8]), hidden_size=rng.choice([4096, 12288, 20480]),
-                      num_attention_heads=heads, num_kv_heads=rng.choice([heads, heads // 4]),
-                      ffn_hidden_size=rng.choice([11008, 49152]), vocab_size=rng.choice([32000, 128256]),
-                      mlp=rng.choice(["gelu", "swiglu"]), **experts)
-    training = TrainingSpec(seq_len=rng.choice([2048, 8192]), global_batch_size=rng.choice([8, 12, 16]),
-                            flash_attention=rng.random() < 0.5)
+    experts = (
+        {
+            "num_experts": rng.choice([4, 8]),
+            "experts_per_token": 2,
+            "moe_ffn_hidden_size": 4096,
+            "first_k_dense": rng.choice([0, 1]),
+        }
+        if moe
+        else {}
+    )
+    model = ModelSpec(
+        num_layers=rng.choice([4, 6, 8]),
+        hidden_size=rng.choice([4096, 12288, 20480]),
+        num_attention_heads=heads,
+        num_kv_heads=rng.choice([heads, heads // 4]),
+        ffn_hidden_size=rng.choice([11008, 49152]),
+        vocab_size=rng.choice([32000, 128256]),
+        mlp=rng.choice(["gelu", "swiglu"]),
+        **experts,
+    )
+    training = TrainingSpec(
+        seq_len=rng.choice([2048, 8192]), global_batch_size=rng.choice([8, 12, 16]), flash_attention=rng.random() < 0.5
+    )
     return model, training, cluster_from_preset(rng.choice(["dgx-a100-80g", "dgx-h100"]), rng.choice([1, 2]))
 
 

@@ -24,19 +24,36 @@ import pytest
 from berth_server import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAN_BODY = {"model": "llama3-70b", "training": {"seq_len": 8192, "global_batch_size": 256},
-             "cluster": {"preset": "dgx-h100", "nodes": 8}, "search": {"top": 3}}
+PLAN_BODY = {
+    "model": "llama3-70b",
+    "training": {"seq_len": 8192, "global_batch_size": 256},
+    "cluster": {"preset": "dgx-h100", "nodes": 8},
+    "search": {"top": 3},
+}
 # ~460,000 layouts: about 2 s of search on the CI machine
-SLOW_BODY = {"model": "gpt-1t", "training": {"seq_len": 2048, "global_batch_size": 3072},
-             "cluster": {"preset": "dgx-a100-80g", "nodes": 384}, "search": {"top": 1}}
-HOSTILE = ["$(touch {m})", "`touch {m}`", "x;touch {m}", "a\ntouch {m}\n", "'; touch {m}; '", '"; touch {m}; "',
-           "$(touch${{IFS}}{m})"]
+SLOW_BODY = {
+    "model": "gpt-1t",
+    "training": {"seq_len": 2048, "global_batch_size": 3072},
+    "cluster": {"preset": "dgx-a100-80g", "nodes": 384},
+    "search": {"top": 1},
+}
+HOSTILE = [
+    "$(touch {m})",
+    "`touch {m}`",
+    "x;touch {m}",
+    "a\ntouch {m}\n",
+    "'; touch {m}; '",
+    '"; touch {m}; "',
+    "$(touch${{IFS}}{m})",
+]
 
 
 def strict_json(text: str):
     """RFC 8259 JSON only: NaN and Infinity are not JSON."""
+
     def refuse(name):
         raise ValueError(f"{name} in a response")
+
     return json.loads(text, parse_constant=refuse)
 
 
@@ -74,6 +91,7 @@ def server(tmp_path):
 
 # --- 1. a request never opens a file on the server ------------------------------------------
 
+
 def test_request_never_opens_a_server_file(tmp_path, monkeypatch):
     secret = tmp_path / "secret.json"
     secret.write_text('{"nodes": [], "links": [], "token": "TOP-SECRET-7731"}')
@@ -96,9 +114,18 @@ def test_request_never_opens_a_server_file(tmp_path, monkeypatch):
     monkeypatch.setattr(io, "open", builtins.open)
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (check(self), real_read_text(self, *a, **k))[1])
     monkeypatch.setattr(Path, "open", lambda self, *a, **k: (check(self), real_path_open(self, *a, **k))[1])
-    names = [str(secret), str(fifo), str(tmp_path / "nope.json"), "../../../../etc/passwd", "/etc/passwd",
-             "../servers/dgx-h100", "../../hardware_profiles/servers/dgx-h100.json", "/dev/zero", "x.json",
-             "../devices/h100-sxm"]
+    names = [
+        str(secret),
+        str(fifo),
+        str(tmp_path / "nope.json"),
+        "../../../../etc/passwd",
+        "/etc/passwd",
+        "../servers/dgx-h100",
+        "../../hardware_profiles/servers/dgx-h100.json",
+        "/dev/zero",
+        "x.json",
+        "../devices/h100-sxm",
+    ]
     try:
         c = httpx.Client(base_url=srv.url, timeout=30)
         answers = []
@@ -115,10 +142,12 @@ def test_request_never_opens_a_server_file(tmp_path, monkeypatch):
             ]
             answers += [c.post("/v1/plans", json=b) for b in bodies]
             answers += [c.post("/v1/compare", json={**bodies[1], "layouts": ["tp=8"]}, params={"search": None})]
-            answers += [c.post("/v1/launch", json={"plan_id": name, "format": "slurm"}),
-                        c.post("/v1/launch", json={"plan_id": "a", "format": "slurm", "image": name}),
-                        c.get("/v1/hardware-profiles/" + name.replace("/", "%2F")),
-                        c.get("/v1/plans/" + name.replace("/", "%2F"))]
+            answers += [
+                c.post("/v1/launch", json={"plan_id": name, "format": "slurm"}),
+                c.post("/v1/launch", json={"plan_id": "a", "format": "slurm", "image": name}),
+                c.get("/v1/hardware-profiles/" + name.replace("/", "%2F")),
+                c.get("/v1/plans/" + name.replace("/", "%2F")),
+            ]
         for r in answers:
             assert r.status_code < 500, r.text
             assert "TOP-SECRET" not in r.text and "root:" not in r.text
@@ -131,13 +160,18 @@ def test_request_never_opens_a_server_file(tmp_path, monkeypatch):
 
 # --- 2. no command injection in generated scripts -----------------------------------------------
 
+
 def _plan(nodes=2):
     from berth.planner.models import presets
     from berth.planner.planning import make_cluster, make_search, make_training, plan
 
     cluster = make_cluster("dgx-h100", nodes)
-    return plan(presets()["tiny-gpt"], make_training(seq_len=128, global_batch_size=16 * nodes), cluster,
-                make_search(top=1, fix={"dp": 8 * nodes, "zero_stage": 0})).plans[0]
+    return plan(
+        presets()["tiny-gpt"],
+        make_training(seq_len=128, global_batch_size=16 * nodes),
+        cluster,
+        make_search(top=1, fix={"dp": 8 * nodes, "zero_stage": 0}),
+    ).plans[0]
 
 
 @pytest.mark.parametrize("payload", HOSTILE)
@@ -185,8 +219,12 @@ def test_generated_scripts_run_no_injected_command(tmp_path, payload):
     marker = tmp_path / "pwned"
     bad = payload.format(m=marker)
     good = _plan()
-    hostile = good.model_copy(update={"model": good.model.model_copy(update={"name": bad}),
-                                      "cluster": good.cluster.model_copy(update={"hosts": (bad, "n1")})})
+    hostile = good.model_copy(
+        update={
+            "model": good.model.model_copy(update={"name": bad}),
+            "cluster": good.cluster.model_copy(update={"hosts": (bad, "n1")}),
+        }
+    )
     for fmt in FORMATS:
         try:
             files = artifacts(hostile, fmt)
@@ -219,13 +257,26 @@ def test_hostile_host_through_the_api_is_422(server):
     graph = {"nodes": [{"id": "g", "kind": "gpu", "device": "h100-sxm", "host": "$(reboot)"}], "links": []}
     r = httpx.post(server.url + "/v1/plans", json={**PLAN_BODY, "cluster": {"graph": graph}}, timeout=30)
     assert r.status_code == 422 and "host" in json.dumps(r.json()["detail"][0]["loc"]), r.text
-    r = httpx.post(server.url + "/v1/plans", json={**PLAN_BODY, "model": {
-        "name": "x\n#SBATCH --wrap=id", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-        "ffn_hidden_size": 256, "vocab_size": 128}}, timeout=30)
+    r = httpx.post(
+        server.url + "/v1/plans",
+        json={
+            **PLAN_BODY,
+            "model": {
+                "name": "x\n#SBATCH --wrap=id",
+                "num_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "ffn_hidden_size": 256,
+                "vocab_size": 128,
+            },
+        },
+        timeout=30,
+    )
     assert r.status_code == 422 and "name" in json.dumps(r.json()["detail"][0]["loc"]), r.text
 
 
 # --- 3. the event loop never stalls ------------------------------------------------------------
+
 
 def test_healthz_stays_fast_under_a_held_lock_and_a_huge_cluster(tmp_path):
     budget = 2.0
@@ -299,8 +350,12 @@ def test_nvidia_smi_runs_off_the_event_loop(tmp_path):
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "BERTH_DEVICE": "gpu"}
     s = Server(tmp_path / "store.sqlite", extra_env=env)
     try:
-        body = {"model": "tiny-gpt", "training": {"seq_len": 128, "global_batch_size": 8},
-                "cluster": {"preset": "local"}, "search": {"top": 1}}
+        body = {
+            "model": "tiny-gpt",
+            "training": {"seq_len": 128, "global_batch_size": 8},
+            "cluster": {"preset": "local"},
+            "search": {"top": 1},
+        }
         with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=s.url, timeout=5) as c:
             c.get("/healthz")
             asked = pool.submit(httpx.post, s.url + "/v1/plans", json=body, timeout=60)
@@ -319,6 +374,7 @@ def test_nvidia_smi_runs_off_the_event_loop(tmp_path):
 
 
 # --- 4. bounded work and storage -----------------------------------------------------------------
+
 
 def _gpt_1t():
     from berth.planner.models import presets
@@ -357,10 +413,11 @@ def test_candidate_count_matches_the_enumeration():
         every = enumerate_candidates(model, training, cluster, spec)
         assert count_candidates(model, training, cluster, spec) == len(every)
         from berth.planner.search import _groups
+
         chunks = list(iter_candidates(_groups(model, training, cluster, spec), chunk=1000))
         assert all(len(c) == 1000 for c in chunks[:-1]) and sum(map(len, chunks)) == len(every)
         assert (chunks[0].tp == every.tp[:1000]).all()
-        assert (chunks[-1].zero_stage == every.zero_stage[-len(chunks[-1]):]).all()
+        assert (chunks[-1].zero_stage == every.zero_stage[-len(chunks[-1]) :]).all()
 
 
 def test_search_memory_is_bounded_by_its_chunk(monkeypatch):
@@ -405,8 +462,13 @@ def test_cancel_stops_the_search_thread():
 
 
 def test_full_queue_is_a_fast_429_with_retry_after(tmp_path):
-    s = Server(tmp_path / "store.sqlite", max_concurrent_searches=1, max_queued_requests=0, request_timeout_s=20,
-               extra_env={"BERTH_PLAN_CACHE_SIZE": "0"})
+    s = Server(
+        tmp_path / "store.sqlite",
+        max_concurrent_searches=1,
+        max_queued_requests=0,
+        request_timeout_s=20,
+        extra_env={"BERTH_PLAN_CACHE_SIZE": "0"},
+    )
     try:
         quick = {**SLOW_BODY, "search": {"top": 1, "fix": "tp=8,pp=16,zero=1,mbs=1,recompute=full"}}
         assert httpx.post(s.url + "/v1/plans", json=quick, timeout=60).status_code == 200  # the cluster is built
@@ -429,7 +491,8 @@ def test_repeated_answers_are_stored_once(server, tmp_path):
     first = httpx.get(f"{server.url}/v1/plans/{ids[0]}").json()
     last = httpx.get(f"{server.url}/v1/plans/{ids[-1]}").json()
     assert first["id"] == ids[0] and {k: v for k, v in first.items() if k not in ("id", "created")} == {
-        k: v for k, v in last.items() if k not in ("id", "created")}
+        k: v for k, v in last.items() if k not in ("id", "created")
+    }
     one = len(json.dumps(first))
     db = sqlite3.connect(tmp_path / "store.sqlite", timeout=10)
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -455,8 +518,14 @@ def test_store_retention_and_size_limits(tmp_path):
 
 
 def test_oversized_strings_are_refused_not_stored(server):
-    model = {"name": "a" * 500_000, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-             "ffn_hidden_size": 256, "vocab_size": 128}
+    model = {
+        "name": "a" * 500_000,
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "ffn_hidden_size": 256,
+        "vocab_size": 128,
+    }
     r = httpx.post(server.url + "/v1/plans", json={**PLAN_BODY, "model": model}, timeout=30)
     assert r.status_code == 422 and len(r.content) < 5000, (r.status_code, len(r.content))
     for field in ({"search": {"fix": "tp=8," * 10_000}}, {"cluster": {"graph": {}, "name": "g" * 1000}}):
@@ -493,11 +562,18 @@ def test_slow_header_connections_are_closed(tmp_path):
 
 # --- 5. validations -----------------------------------------------------------------------------
 
+
 def test_validation_without_a_key_refuses_to_start(tmp_path):
     env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "s.sqlite"), "BERTH_VALIDATION_ENABLED": "1"}
     env.pop("BERTH_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(free_port())], env=env,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(free_port())],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -534,12 +610,21 @@ def test_validation_queue_bounded_and_jobs_end_with_the_server(tmp_path):
     pytest.importorskip("torch")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    s = Server(tmp_path / "s.sqlite", validation_enabled=1, api_key="k", max_queued_validations=1,
-               extra_env={"TMPDIR": str(tmp)})
+    s = Server(
+        tmp_path / "s.sqlite",
+        validation_enabled=1,
+        api_key="k",
+        max_queued_validations=1,
+        extra_env={"TMPDIR": str(tmp)},
+    )
     try:
         c = httpx.Client(base_url=s.url, timeout=60, headers={"X-API-Key": "k"})
-        body = {"model": "tiny-gpt", "training": {"seq_len": 128, "global_batch_size": 8},
-                "cluster": {"preset": "local", "devices_per_node": 2}, "search": {"top": 1, "fix": "dp=2,zero=0"}}
+        body = {
+            "model": "tiny-gpt",
+            "training": {"seq_len": 128, "global_batch_size": 8},
+            "cluster": {"preset": "local", "devices_per_node": 2},
+            "search": {"top": 1, "fix": "dp=2,zero=0"},
+        }
         plan_id = c.post("/v1/plans", json=body).json()["id"]
         first = c.post("/v1/validations", json={"plan_id": plan_id, "steps": 200, "warmup": 1})
         assert first.status_code == 202, first.text
@@ -560,6 +645,7 @@ def test_validation_queue_bounded_and_jobs_end_with_the_server(tmp_path):
 
 # --- 6. strict input and output ---------------------------------------------------------------
 
+
 def _post_raw(url: str, text: str, content_type: str = "application/json") -> httpx.Response:
     return httpx.post(url + "/v1/plans", content=text.encode(), headers={"content-type": content_type}, timeout=30)
 
@@ -567,11 +653,13 @@ def _post_raw(url: str, text: str, content_type: str = "application/json") -> ht
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
 def test_non_finite_numbers_are_422(server, literal):
     link = '{"source": "g0", "target": "sw", "kind": "nvswitch", "bandwidth_GBps": @, "latency_us": 1}'
-    graph = ('{"nodes": [{"id": "g0", "kind": "gpu", "device": "h100-sxm", "host": "h"}, {"id": "sw", "kind": '
-             '"switch"}], "links": [LINK]}').replace("LINK", link)
+    graph = (
+        '{"nodes": [{"id": "g0", "kind": "gpu", "device": "h100-sxm", "host": "h"}, {"id": "sw", "kind": '
+        '"switch"}], "links": [LINK]}'
+    ).replace("LINK", link)
     bodies = [
-        '{"model": "llama3-8b", "training": {"seq_len": 2048, "global_batch_size": 8}, "cluster": {"graph": G}}'
-        .replace("G", graph),
+        '{"model": "llama3-8b", "training": {"seq_len": 2048, "global_batch_size": 8}, '
+        '"cluster": {"graph": G}}'.replace("G", graph),
         '{"model": "llama3-8b", "training": {"seq_len": 2048, "global_batch_size": 8, "token_budget": @}, '
         '"cluster": {"preset": "dgx-h100"}}',
         '{"model": "llama3-8b", "training": {"seq_len": 2048, "global_batch_size": 8}, "cluster": {"preset": '
@@ -585,30 +673,59 @@ def test_non_finite_numbers_are_422(server, literal):
 
 
 def test_booleans_are_not_numbers(server):
-    for patch in ({"cluster": {"preset": "dgx-h100", "nodes": True}},
-                  {"training": {"seq_len": 2048, "global_batch_size": True}},
-                  {"search": {"top": True}},
-                  {"model": {"name": "m", "num_layers": True, "hidden_size": 64, "num_attention_heads": 4,
-                             "ffn_hidden_size": 256, "vocab_size": 128}}):
+    for patch in (
+        {"cluster": {"preset": "dgx-h100", "nodes": True}},
+        {"training": {"seq_len": 2048, "global_batch_size": True}},
+        {"search": {"top": True}},
+        {
+            "model": {
+                "name": "m",
+                "num_layers": True,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "ffn_hidden_size": 256,
+                "vocab_size": 128,
+            }
+        },
+    ):
         r = httpx.post(server.url + "/v1/plans", json={**PLAN_BODY, **patch}, timeout=30)
         assert r.status_code == 422, (patch, r.text[:300])
 
 
-@pytest.mark.parametrize("key,value", [("attention_dropout", "abc"), ("num_hidden_layers", "8"),
-                                       ("tie_word_embeddings", "yes"), ("hidden_act", 3),
-                                       ("num_key_value_heads", 2.5), ("_name_or_path", "a b")])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("attention_dropout", "abc"),
+        ("num_hidden_layers", "8"),
+        ("tie_word_embeddings", "yes"),
+        ("hidden_act", 3),
+        ("num_key_value_heads", 2.5),
+        ("_name_or_path", "a b"),
+    ],
+)
 def test_hf_fields_of_the_wrong_type_are_422_naming_the_hf_key(server, key, value):
-    hf = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 1024, "num_attention_heads": 16,
-          "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000, key: value}
+    hf = {
+        "model_type": "llama",
+        "num_hidden_layers": 8,
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "intermediate_size": 2816,
+        "vocab_size": 32000,
+        key: value,
+    }
     r = httpx.post(server.url + "/v1/plans", json={**PLAN_BODY, "model": hf}, timeout=30)
     assert r.status_code == 422, r.text
     assert key in r.json()["detail"][0]["loc"], r.json()
 
 
 def test_responses_are_strict_json_with_null_for_undefined_costs(server):
-    body = {**PLAN_BODY, "cluster": {"preset": "dgx-h100", "nodes": 64},
-            "operations": {"failures_per_gpu_hour": 1.0, "price_per_gpu_hour": 2.0},
-            "search": {"top": 2, "objective": "goodput"}}
+    body = {
+        **PLAN_BODY,
+        "cluster": {"preset": "dgx-h100", "nodes": 64},
+        "operations": {"failures_per_gpu_hour": 1.0, "price_per_gpu_hour": 2.0},
+        "search": {"top": 2, "objective": "goodput"},
+    }
     r = httpx.post(server.url + "/v1/plans", json=body, timeout=60)
     assert r.status_code == 200, r.text[:300]
     goodput = strict_json(r.text)["plans"][0]["prediction"]["goodput"]
@@ -624,8 +741,7 @@ def test_chunked_body_over_the_limit_is_413(server):
             yield b"a" * 65536
         yield b'"}'
 
-    r = httpx.post(server.url + "/v1/plans", content=chunks(), headers={"content-type": "application/json"},
-                   timeout=30)
+    r = httpx.post(server.url + "/v1/plans", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 413, r.text
     assert httpx.get(server.url + "/healthz").status_code == 200
 
@@ -641,7 +757,10 @@ def test_fifo_is_never_opened_by_the_cli_edge_of_the_api(tmp_path):
     """The service refuses a path before touching it: the catalog is an enum in the schema."""
     from berth.api.schemas import PRESETS, PresetCluster
 
-    assert "local" in PRESETS and all(stat.S_ISREG(os.stat(ROOT / "hardware_profiles" / "servers" / f"{p}.json")
-                                               .st_mode) for p in PRESETS if p != "local")
+    assert "local" in PRESETS and all(
+        stat.S_ISREG(os.stat(ROOT / "hardware_profiles" / "servers" / f"{p}.json").st_mode)
+        for p in PRESETS
+        if p != "local"
+    )
     schema = PresetCluster.model_json_schema()["properties"]["preset"]
     assert schema.get("enum") and set(schema["enum"]) == set(PRESETS)

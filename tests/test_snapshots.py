@@ -33,8 +33,10 @@ def _compare(name: str, data: Any) -> None:
     old = path.read_text()
     if old != text:
         diff = "".join(list(difflib.unified_diff(old.splitlines(True), text.splitlines(True), str(path), "now"))[:80])
-        pytest.fail(f"{name} changed (a contract change must be deliberate): review and regenerate with "
-                    f"{REGENERATE}\n{diff}", pytrace=False)
+        pytest.fail(
+            f"{name} changed (a contract change must be deliberate): review and regenerate with {REGENERATE}\n{diff}",
+            pytrace=False,
+        )
 
 
 def _jsonable(value: Any) -> Any:
@@ -61,13 +63,28 @@ def cli_options() -> dict[str, Any]:
         return annotation.__name__ if isinstance(annotation, type) else str(annotation)
 
     def params(command) -> list[dict[str, Any]]:
-        return [{"name": p.name, "kind": p.param_type_name, "opts": list(p.opts),
-                 "secondary_opts": list(p.secondary_opts), "type": kind_of(p), "required": p.required,
-                 "multiple": p.multiple, "default": _jsonable(p.default), "help": getattr(p, "help", None)}
-                for p in command.params]
+        return [
+            {
+                "name": p.name,
+                "kind": p.param_type_name,
+                "opts": list(p.opts),
+                "secondary_opts": list(p.secondary_opts),
+                "type": kind_of(p),
+                "required": p.required,
+                "multiple": p.multiple,
+                "default": _jsonable(p.default),
+                "help": getattr(p, "help", None),
+            }
+            for p in command.params
+        ]
 
-    return {"berth": params(group), "commands": {name: {"help": (cmd.help or "").strip(), "params": params(cmd)}
-                                                for name, cmd in sorted(group.commands.items())}}
+    return {
+        "berth": params(group),
+        "commands": {
+            name: {"help": (cmd.help or "").strip(), "params": params(cmd)}
+            for name, cmd in sorted(group.commands.items())
+        },
+    }
 
 
 def test_openapi_schema(tmp_path):

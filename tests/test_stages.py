@@ -54,10 +54,13 @@ def test_vectorized_split_agrees_with_the_lists():
 def test_validity_keeps_uneven_splits_and_refuses_empty_stages():
     model, training = load_model("tiny-gpt"), TrainingSpec(seq_len=256, global_batch_size=16)
     cluster = cluster_from_preset("dgx-a100-80g", 1)
-    c = Candidates.from_layouts([Layout(pp=4, dp=2, num_microbatches=8, micro_batch_size=1),
-                                 Layout(pp=8, num_microbatches=16, micro_batch_size=1),
-                                 Layout(pp=2, dp=4, num_microbatches=4, micro_batch_size=1,
-                                        schedule="interleaved_1f1b", virtual_stages=3)])
+    c = Candidates.from_layouts(
+        [
+            Layout(pp=4, dp=2, num_microbatches=8, micro_batch_size=1),
+            Layout(pp=8, num_microbatches=16, micro_batch_size=1),
+            Layout(pp=2, dp=4, num_microbatches=4, micro_batch_size=1, schedule="interleaved_1f1b", virtual_stages=3),
+        ]
+    )
     with np.errstate(all="ignore"):
         reason = evaluate(model.model_copy(update={"num_layers": 6}), training, cluster, c).reason
     # 6 layers: pp 4 -> 1, 2, 2, 1; pp 8 > 6 layers; 2 x 3 chunks of 1 are even
@@ -100,8 +103,17 @@ def test_a_middle_stage_with_more_layers_is_costed():
     model = load_model("llama3.1-405b")
     training = TrainingSpec(seq_len=8192, global_batch_size=2048)
     cluster = cluster_from_preset("dgx-h100", 2048)
-    layout = Layout(tp=8, pp=16, dp=128, zero_stage=1, shard=128, micro_batch_size=1, num_microbatches=16,
-                    sequence_parallel=True, recompute="selective")
+    layout = Layout(
+        tp=8,
+        pp=16,
+        dp=128,
+        zero_stage=1,
+        shard=128,
+        micro_batch_size=1,
+        num_microbatches=16,
+        sequence_parallel=True,
+        recompute="selective",
+    )
     uneven = _one(model, training, cluster, layout)
     even = _one(model.model_copy(update={"num_layers": 128}), training, cluster, layout)
     from berth.cost_models import compute
@@ -121,13 +133,21 @@ def test_a_middle_stage_with_more_layers_is_costed():
 def test_405b_pp16_is_searchable_and_launch_ready():
     """`berth plan llama3.1-405b --fix tp=8,pp=16` (Meta's layout): plans, each with its stage sizes."""
     model = load_model("llama3.1-405b")
-    result = search(model, TrainingSpec(seq_len=8192, global_batch_size=2048), cluster_from_preset("dgx-h100", 2048),
-                    SearchSpec(top=3, fix={"tp": 8, "pp": 16}))
+    result = search(
+        model,
+        TrainingSpec(seq_len=8192, global_batch_size=2048),
+        cluster_from_preset("dgx-h100", 2048),
+        SearchSpec(top=3, fix={"tp": 8, "pp": 16}),
+    )
     assert result.plans and result.feasible > 0
     for p in result.plans:
         assert (p.layout.tp, p.layout.pp) == (8, 16) and p.stage_layers == [7, *[8] * 14, 7]
-    (p,) = predict_layouts(model, TrainingSpec(seq_len=8192, global_batch_size=2048),
-                           cluster_from_preset("dgx-h100", 2048), [result.plans[0].layout])
+    (p,) = predict_layouts(
+        model,
+        TrainingSpec(seq_len=8192, global_batch_size=2048),
+        cluster_from_preset("dgx-h100", 2048),
+        [result.plans[0].layout],
+    )
     assert p.stage_layers == [7, *[8] * 14, 7] and p.prediction.step_time_s == result.plans[0].prediction.step_time_s
 
 

@@ -21,10 +21,18 @@ CLUSTER = cluster_from_preset("dgx-h100", 2)
 
 def _plans():
     """A dense plan with cp, tp, pp and dp, and a MoE plan with ep: together every kind of term."""
-    dense = predict_layouts(load_model("llama3-8b"), TrainingSpec(seq_len=16384, global_batch_size=16), CLUSTER,
-                            [Layout(tp=2, cp=2, pp=2, dp=2, micro_batch_size=1, num_microbatches=8)])
-    moe = predict_layouts(presets()["mixtral-8x7b"], TrainingSpec(seq_len=4096, global_batch_size=64), CLUSTER,
-                          [Layout(dp=16, ep=8, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=4)])
+    dense = predict_layouts(
+        load_model("llama3-8b"),
+        TrainingSpec(seq_len=16384, global_batch_size=16),
+        CLUSTER,
+        [Layout(tp=2, cp=2, pp=2, dp=2, micro_batch_size=1, num_microbatches=8)],
+    )
+    moe = predict_layouts(
+        presets()["mixtral-8x7b"],
+        TrainingSpec(seq_len=4096, global_batch_size=64),
+        CLUSTER,
+        [Layout(dp=16, ep=8, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=4)],
+    )
     return [*dense, *moe]
 
 
@@ -55,8 +63,11 @@ def test_every_term_is_rendered_in_the_breakdown_table():
     for m in terms.MEMORY:
         assert f"memory: {m.label} " in text, m.name
     # a term tied to an axis no plan uses, or one no breakdown holds, is left out
-    dense_only = _text(breakdown_table([plans[0].model_copy(update={"layout": plans[0].layout.model_copy(
-        update={"cp": 1, "dp": 4})})], "t"))
+    dense_only = _text(
+        breakdown_table(
+            [plans[0].model_copy(update={"layout": plans[0].layout.model_copy(update={"cp": 1, "dp": 4})})], "t"
+        )
+    )
     assert "time: cp_comm" not in dense_only and "time: ep_comm" not in dense_only
     assert "time: tp_comm" in dense_only
 

@@ -30,12 +30,18 @@ def test_hierarchies_of_the_presets():
     # bridged pairs, two pairs on a socket through their PCIe switch uplinks, sockets over the CPU link,
     # and a 400 Gb/s NIC per pair
     assert levels(cluster_from_preset("pcie-h100", 2)) == [
-        (2, "nvlink", 300, "path"), (4, "pcie", 32, "shared"), (8, "pcie", 8, "shared"),
-        (16, "infiniband", 25, "shared")]
+        (2, "nvlink", 300, "path"),
+        (4, "pcie", 32, "shared"),
+        (8, "pcie", 8, "shared"),
+        (16, "infiniband", 25, "shared"),
+    ]
     assert levels(cluster_from_preset("aws-p4d", 2))[-1] == (16, "ethernet", 6.25, "shared")  # 4 NICs for 8 GPUs
     fat = cluster_from_preset("dgx-h100", 16, "fat-tree", 4, 4.0)
-    assert levels(fat) == [(8, "nvswitch", 450, "path"), (32, "infiniband", 50, "path"),
-                           (128, "infiniband", 12.5, "shared")]  # the spine gives a GPU a quarter of its NIC
+    assert levels(fat) == [
+        (8, "nvswitch", 450, "path"),
+        (32, "infiniband", 50, "path"),
+        (128, "infiniband", 12.5, "shared"),
+    ]  # the spine gives a GPU a quarter of its NIC
 
 
 def test_node_link_round_trip_gives_the_preset():
@@ -62,12 +68,26 @@ def test_pcie_boxes_with_bridged_pairs_keep_tp_at_most_2():
 
 
 def test_tp16_across_two_dgx_nodes_is_far_slower_than_tp8_inside_one():
-    model = ModelSpec(name="wide", num_layers=32, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=28672,
-                      vocab_size=32000, mlp="swiglu", norm="rmsnorm")
+    model = ModelSpec(
+        name="wide",
+        num_layers=32,
+        hidden_size=8192,
+        num_attention_heads=64,
+        ffn_hidden_size=28672,
+        vocab_size=32000,
+        mlp="swiglu",
+        norm="rmsnorm",
+    )
     training = TrainingSpec(seq_len=4096, global_batch_size=32)
-    tp16, tp8 = predict_layouts(model, training, cluster_from_preset("dgx-h100", 2), [
-        Layout(tp=16, micro_batch_size=1, num_microbatches=32),
-        Layout(tp=8, pp=2, micro_batch_size=1, num_microbatches=32)])
+    tp16, tp8 = predict_layouts(
+        model,
+        training,
+        cluster_from_preset("dgx-h100", 2),
+        [
+            Layout(tp=16, micro_batch_size=1, num_microbatches=32),
+            Layout(tp=8, pp=2, micro_batch_size=1, num_microbatches=32),
+        ],
+    )
     assert tp16.prediction.step_time_s > 1.4 * tp8.prediction.step_time_s
     assert tp16.prediction.time_breakdown_s["tp_comm"] > 2.5 * tp8.prediction.time_breakdown_s["tp_comm"]
     assert [g.crosses_slow_link for g in tp16.placement.groups if g.axis == "tp"] == [True]
@@ -103,8 +123,10 @@ def test_fat_tree_with_4_to_1_oversubscription_keeps_dp_inside_a_leaf():
     chosen = best(model, training, over, fix="tp=8,pp=4")
     dp = next(g for g in chosen.placement.groups if g.axis == "dp")
     assert dp.nodes_spanned <= 4 and dp.level == "4 hosts"  # the leaf
-    inside, across = (Layout(tp=8, pp=4, dp=4, micro_batch_size=1, num_microbatches=16, axis_order=o)
-                      for o in ("tp-dp-pp", "tp-pp-dp"))
+    inside, across = (
+        Layout(tp=8, pp=4, dp=4, micro_batch_size=1, num_microbatches=16, axis_order=o)
+        for o in ("tp-dp-pp", "tp-pp-dp")
+    )
     a, b = predict_layouts(model, training, over, [inside, across])
     assert b.prediction.time_breakdown_s["dp_comm"] > 4 * a.prediction.time_breakdown_s["dp_comm"]  # the spine
     assert b.prediction.step_time_s > 1.05 * a.prediction.step_time_s
@@ -141,19 +163,35 @@ def test_mixed_cluster_is_bounded_by_the_smallest_memory_and_paced_by_the_slowes
     assert big.prediction.fits and not mixed.prediction.fits
 
 
-@pytest.mark.parametrize("mutate, field, words", [
-    (lambda d: d["links"].append({"source": "n0.g0", "target": "n0.g0", "kind": "nvlink", "bandwidth_GBps": 1}),
-     "links[", "self-loop"),
-    (lambda d: d["links"][0].update(bandwidth_GBps=0), "bandwidth_GBps", "positive"),
-    (lambda d: d["links"][0].update(efficiency=1.5), "efficiency", "(0, 1]"),
-    (lambda d: d["nodes"][0].update(device="h900"), "device", "unknown device"),
-    (lambda d: d["nodes"].append(dict(d["nodes"][0])), "id", "duplicate"),
-    (lambda d: d["nodes"].append({"id": "lonely", "kind": "gpu", "device": "h100-sxm", "host": "n9"}),
-     "cluster.graph", "disconnected"),
-    (lambda d: d["nodes"].append({"id": "n1.g8", "kind": "gpu", "device": "h100-sxm", "host": "n1"})
-     or d["links"].append({"source": "n1.g8", "target": "n1.nvswitch", "kind": "nvswitch", "bandwidth_GBps": 450}),
-     "nodes", "different GPU counts"),
-])
+@pytest.mark.parametrize(
+    "mutate, field, words",
+    [
+        (
+            lambda d: d["links"].append({"source": "n0.g0", "target": "n0.g0", "kind": "nvlink", "bandwidth_GBps": 1}),
+            "links[",
+            "self-loop",
+        ),
+        (lambda d: d["links"][0].update(bandwidth_GBps=0), "bandwidth_GBps", "positive"),
+        (lambda d: d["links"][0].update(efficiency=1.5), "efficiency", "(0, 1]"),
+        (lambda d: d["nodes"][0].update(device="h900"), "device", "unknown device"),
+        (lambda d: d["nodes"].append(dict(d["nodes"][0])), "id", "duplicate"),
+        (
+            lambda d: d["nodes"].append({"id": "lonely", "kind": "gpu", "device": "h100-sxm", "host": "n9"}),
+            "cluster.graph",
+            "disconnected",
+        ),
+        (
+            lambda d: (
+                d["nodes"].append({"id": "n1.g8", "kind": "gpu", "device": "h100-sxm", "host": "n1"})
+                or d["links"].append(
+                    {"source": "n1.g8", "target": "n1.nvswitch", "kind": "nvswitch", "bandwidth_GBps": 450}
+                )
+            ),
+            "nodes",
+            "different GPU counts",
+        ),
+    ],
+)
 def test_bad_graphs_name_the_element(mutate, field, words):
     data = to_node_link(cluster_graph([(load_server("dgx-h100"), 2)]))
     mutate(data)

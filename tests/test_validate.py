@@ -38,8 +38,21 @@ def test_validate_two_cpu_processes_writes_report_and_stores_it(tmp_path):
     pytest.importorskip("torch", reason=TORCH_REASON)
     plans = plan_file(tmp_path)
     store, out = tmp_path / "store.sqlite", tmp_path / "report.json"
-    r = berth("validate", str(plans), "--steps", "3", "--warmup", "2", "--store", str(store), "--out", str(out),
-              "--trace", str(tmp_path / "traces"), "--json")
+    r = berth(
+        "validate",
+        str(plans),
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
+        "--store",
+        str(store),
+        "--out",
+        str(out),
+        "--trace",
+        str(tmp_path / "traces"),
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     # --trace: one Chrome trace per rank, listed in the report; the measured terms beside the predicted
@@ -100,8 +113,15 @@ def _run_with_fault(tmp_path, sig, **kwargs):
             sent.append(time.perf_counter())
 
     start = time.perf_counter()
-    report = validate(plan, steps=500, warmup=1, store=Store(tmp_path / "s.sqlite"), run_dir=run_dir,
-                      on_progress=on_progress, **kwargs)
+    report = validate(
+        plan,
+        steps=500,
+        warmup=1,
+        store=Store(tmp_path / "s.sqlite"),
+        run_dir=run_dir,
+        on_progress=on_progress,
+        **kwargs,
+    )
     return report, sent, time.perf_counter() - start
 
 
@@ -127,9 +147,16 @@ def test_hung_rank_ends_run_within_the_collective_timeout(tmp_path):
 def test_out_of_memory_is_reported_as_did_not_fit(tmp_path):
     plan = load_plan(plan_file(tmp_path))
     out = tmp_path / "result.json"
-    Path(f"{out}.rank1.error.json").write_text(json.dumps({
-        "type": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2.00 GiB",
-        "out_of_memory": True, "available_memory_bytes": 80 * 2**30}))
+    Path(f"{out}.rank1.error.json").write_text(
+        json.dumps(
+            {
+                "type": "OutOfMemoryError",
+                "message": "CUDA out of memory. Tried to allocate 2.00 GiB",
+                "out_of_memory": True,
+                "available_memory_bytes": 80 * 2**30,
+            }
+        )
+    )
     status, message = _failure(out, tmp_path / "none.stderr", 1, False, 100.0, plan)
     assert status == "did_not_fit" and "rank 1" in message and "available 80.00 GiB" in message
     assert "predicted peak" in message
@@ -142,8 +169,21 @@ def test_rank_slice_proxy_runs_one_rank_of_a_plan_larger_than_the_machine(tmp_pa
     store = tmp_path / "s.sqlite"
     reports = []
     for layers in ("2", "1"):
-        r = berth("validate", str(plans), "--proxy", "rank-slice", "--layers", layers, "--steps", "2",
-                  "--warmup", "1", "--store", str(store), "--json")
+        r = berth(
+            "validate",
+            str(plans),
+            "--proxy",
+            "rank-slice",
+            "--layers",
+            layers,
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--store",
+            str(store),
+            "--json",
+        )
         assert r.returncode == 0, r.stderr
         reports.append(json.loads(r.stdout))
     full, shallow = reports
