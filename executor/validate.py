@@ -403,7 +403,10 @@ def validate_proxy(
     if stage not in ("first", "last"):
         raise BerthError("stage", stage, "must be first or last")
     predicted, breakdown, in_flight = proxy_prediction(plan, layers, stage == "first")
-    work = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="berth-proxy-"))
+    if run_dir is None:  # a directory of our own, removed afterwards (the report keeps the stderr tail)
+        with tempfile.TemporaryDirectory(prefix="berth-proxy-") as tmp:
+            return validate_proxy(plan, layers, stage, steps, warmup, seed, store, out, on_progress, timeout_s, tmp)
+    work = Path(run_dir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "plan.json").write_text(plan.model_dump_json())
     result_path = work / "result.json"
@@ -551,7 +554,23 @@ def validate(
     if warmup < 0:
         raise BerthError("warmup", warmup, "must be 0 or more")
     preflight(plan, oversubscribe)
-    work = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="berth-validate-"))
+    if run_dir is None:  # a directory of our own, removed afterwards (the report keeps the stderr tail)
+        with tempfile.TemporaryDirectory(prefix="berth-validate-") as tmp:
+            return validate(
+                plan,
+                steps,
+                warmup,
+                seed,
+                store,
+                out,
+                on_progress,
+                oversubscribe,
+                timeout_s,
+                collective_timeout_s,
+                run_dir=tmp,
+                trace_dir=trace_dir,
+            )
+    work = Path(run_dir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "plans.json").write_text(json.dumps([plan.model_dump(mode="json")]))
     result_path = work / "result.json"
@@ -587,6 +606,7 @@ def validate(
         "PYTHONUNBUFFERED": "1",
         "BERTH_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
         "BERTH_RUN_DIR": str(work),
+        "TMPDIR": str(work),  # torchrun's own log directory (torchelastic_*) lands here and goes with it
     }
     if plan.cluster.device.kind == "cpu":
         env["BERTH_DEVICE"] = "cpu"

@@ -22,8 +22,20 @@ TORCH_REASON = "runs the plan with torch.distributed (torch: the executor extra)
 TINY = ["tiny-gpt", "--seq-len", "128", "--global-batch", "8"]
 
 
-def berth(*args, timeout=300):
-    return subprocess.run([*BERTH, *args], capture_output=True, text=True, timeout=timeout)
+def berth(*args, timeout=300, tmpdir=None):
+    env = {**os.environ, "TMPDIR": str(tmpdir)} if tmpdir else None
+    return subprocess.run([*BERTH, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def own_temp(tmp_path):
+    """A TMPDIR of the test's own, to see that a run leaves nothing behind in it."""
+    (tmp_path / "tmp").mkdir()
+    return tmp_path / "tmp"
+
+
+def left_behind(tmpdir):
+    """What runs left in `tmpdir`, less torch's one compile cache per user (torchinductor_<user>)."""
+    return [p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_")]
 
 
 def plan_file(tmp_path, *extra, devices="2"):
@@ -52,8 +64,10 @@ def test_validate_two_cpu_processes_writes_report_and_stores_it(tmp_path):
         "--trace",
         str(tmp_path / "traces"),
         "--json",
+        tmpdir=own_temp(tmp_path),
     )
     assert r.returncode == 0, r.stderr
+    assert left_behind(tmp_path / "tmp") == []  # the run's working directory (and torchrun's) removed afterwards
     report = json.loads(r.stdout)
     # --trace: one Chrome trace per rank, listed in the report; the measured terms beside the predicted
     assert sorted(report["traces"]) == [str(tmp_path / "traces" / f"rank{i}.trace.json") for i in (0, 1)]
@@ -168,6 +182,7 @@ def test_rank_slice_proxy_runs_one_rank_of_a_plan_larger_than_the_machine(tmp_pa
     plans = plan_file(tmp_path, "--fix", "tp=2,pp=2,dp=2,sp=1,zero=1,mbs=2,vpp=1", devices="8")
     store = tmp_path / "s.sqlite"
     reports = []
+    tmpdir = own_temp(tmp_path)
     for layers in ("2", "1"):
         r = berth(
             "validate",
@@ -183,8 +198,10 @@ def test_rank_slice_proxy_runs_one_rank_of_a_plan_larger_than_the_machine(tmp_pa
             "--store",
             str(store),
             "--json",
+            tmpdir=tmpdir,
         )
         assert r.returncode == 0, r.stderr
+        assert left_behind(tmpdir) == []  # the proxy's working directory is removed afterwards
         reports.append(json.loads(r.stdout))
     full, shallow = reports
     for rep in reports:
