@@ -43,6 +43,12 @@ from berth.planner.topology import local_gpus
 STARTUP_BUDGET_S = 120.0  # torchrun start, imports and model build, generously
 STEP_BUDGET_FACTOR = 20.0  # a step may run this many times slower than predicted before the watchdog fires
 TERMINATE_GRACE_S = 5.0
+# After a rank has written its error file, how long the others get to write theirs before the launch
+# is ended. torchrun itself stops the other ranks with SIGTERM and then waits 30 s before SIGKILL (its
+# agent's _stop_workers ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT in torch 2.13), and a rank stuck in a
+# collective or stopped ignores the SIGTERM: every failed run took half a minute more to report.
+WORKER_SHUTDOWN_GRACE_S = 5.0
+POLL_S = 0.5  # how often the launch is checked for its end or a rank's error file
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -135,9 +141,16 @@ def _watchdog_s(plan: Plan, steps: int) -> float:
 
 
 def _launch(
-    cmd: list[str], env: dict[str, str], deadline_s: float, on_progress: Progress | None, stderr_path: Path
+    cmd: list[str],
+    env: dict[str, str],
+    deadline_s: float,
+    on_progress: Progress | None,
+    stderr_path: Path,
+    failed: Callable[[], bool] | None = None,
 ) -> tuple[int | None, bool]:
-    """Run torchrun in its own process group; returns (exit code, timed out)."""
+    """Run torchrun in its own process group; returns (exit code, timed out). The group is killed
+    when it outlives `deadline_s`, or WORKER_SHUTDOWN_GRACE_S after `failed()` (a rank's error file)
+    first holds while torchrun is still waiting on the other ranks."""
     with stderr_path.open("w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
 
@@ -150,19 +163,30 @@ def _launch(
 
         reader = threading.Thread(target=follow, daemon=True)
         reader.start()
-        try:
-            rc = proc.wait(timeout=deadline_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-            rc = proc.returncode
+        end, failed_at = time.monotonic() + deadline_s, None
+        while True:
+            try:
+                rc, timed_out = proc.wait(timeout=POLL_S), False
+                break
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if failed_at is None and failed is not None and failed():
+                    failed_at = now
+                if now >= end or (failed_at is not None and now - failed_at >= WORKER_SHUTDOWN_GRACE_S):
+                    timed_out = now >= end and failed_at is None
+                    # a failed run's ranks have had their grace: no second one for torchrun's SIGTERM
+                    _kill_group(proc, (signal.SIGKILL,) if failed_at is not None else KILL_SIGNALS)
+                    rc = proc.returncode
+                    break
         reader.join(timeout=TERMINATE_GRACE_S)
     return rc, timed_out
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+KILL_SIGNALS = (signal.SIGTERM, signal.SIGKILL)  # each sent to the group, TERMINATE_GRACE_S apart
+
+
+def _kill_group(proc: subprocess.Popen, signals: tuple[signal.Signals, ...] = KILL_SIGNALS) -> None:
+    for sig in signals:
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -614,7 +638,11 @@ def validate(
         env[REQUIRE_GPU_ENV] = "1"  # a GPU plan is measured on a GPU or not at all
     deadline = timeout_s or _watchdog_s(plan, steps + warmup + (trace_dir is not None))
     started = time.perf_counter()
-    rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "torchrun.stderr")
+
+    def failed() -> bool:
+        return any(work.glob(f"{result_path.name}.rank*.error.json"))
+
+    rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "torchrun.stderr", failed)
     predicted = predicted_metrics(plan)
     common = {
         "id": uuid.uuid4().hex,

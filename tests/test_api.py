@@ -33,6 +33,15 @@ def server(tmp_path):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One server for the tests whose requests are all refused (nothing they send is stored): a
+    server start costs seconds on a loaded 2-core machine, and the bad-input matrix has ~20 cases."""
+    s = Server(tmp_path_factory.mktemp("api") / "store.sqlite")
+    yield s
+    s.stop()
+
+
 def test_plan_is_stored_and_survives_a_restart(tmp_path):
     store = tmp_path / "store.sqlite"
     s = Server(store)
@@ -265,16 +274,17 @@ BAD = [
 
 
 @pytest.mark.parametrize("patch,field,problem", BAD, ids=[b[1] + ":" + b[2] for b in BAD])
-def test_bad_input_is_a_4xx_naming_the_field(server, patch, field, problem):
+def test_bad_input_is_a_4xx_naming_the_field(shared_server, patch, field, problem):
     body = {**PLAN_BODY, **patch}
-    r = httpx.post(server.url + "/v1/plans", json=body, timeout=30)
+    r = httpx.post(shared_server.url + "/v1/plans", json=body, timeout=30)
     assert 400 <= r.status_code < 500, r.text
     detail = r.json()["detail"]
     assert any(field in [str(x) for x in d["loc"]] or field in str(d["loc"][-1]) for d in detail), detail
     assert problem.lower() in json.dumps(detail).lower()
 
 
-def test_oversized_and_malformed_bodies(server):
+def test_oversized_and_malformed_bodies(shared_server):
+    server = shared_server
     r = httpx.post(
         server.url + "/v1/plans",
         content=b"{" + b" " * 2_000_000 + b"}",

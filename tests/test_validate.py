@@ -154,7 +154,7 @@ def test_hung_rank_ends_run_within_the_collective_timeout(tmp_path):
     assert sent
     with contextlib.suppress(ProcessLookupError):
         os.kill(int((tmp_path / "run" / "rank1.pid").read_text()), signal.SIGKILL)
-    assert time.perf_counter() - sent[0] < 110
+    assert time.perf_counter() - sent[0] < 60  # 5 s collective timeout + WORKER_SHUTDOWN_GRACE_S, loaded
     assert report.status == "failed"
 
 
