@@ -44,7 +44,6 @@ from berth.planner.specs import (
     GoodputPrediction,
     Layout,
     ModelSpec,
-    Placement,
     Plan,
     Prediction,
     SearchSpec,
@@ -379,12 +378,14 @@ def search(
         (float(objective_value(ev, spec.objective)[i]), k, int(i)) for k, (_, ev, top) in enumerate(best) for i in top
     ]
     merged.sort(key=lambda t: -t[0])
-    plans, seen = [], set()
+    plans, seen, inner = [], set(), {}
     for _, k, i in merged:  # one plan per layout: its best axis order (an equal one keeps tp-dp-pp)
         key = best[k][0].layout(i).model_copy(update={"axis_order": "tp-dp-pp"})
         if key not in seen and len(plans) < spec.top:
             seen.add(key)
-            plans.append(make_plan(model, training, cluster, best[k][0], best[k][1], i, detail=not plans))
+            if k not in inner:  # one evaluation per chunk's kept rows, not one per plan
+                inner[k] = innermost_evaluation(model, training, cluster, best[k][0])
+            plans.append(make_plan(model, training, cluster, best[k][0], best[k][1], i, not plans, inner[k]))
     rejected = {REASONS[code][0]: n for code, n in sorted(reasons.items()) if code != VALID}
     return SearchResult(
         plans=plans, searched=total, feasible=feasible, rejected=rejected, closest=closest if not plans else None
@@ -414,13 +415,30 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int, detail: bool = True) -> Plan:
+def make_plan(
+    model,
+    training,
+    cluster,
+    c: Candidates,
+    ev: Evaluation,
+    i: int,
+    detail: bool = True,
+    inner: Evaluation | None = None,
+) -> Plan:
     """The plan of candidate i; `detail` lists its rank map and process groups (the best plan of a
-    search and every compared layout carry them; the runners-up carry the per-axis summary)."""
+    search and every compared layout carry them; the runners-up carry the per-axis summary).
+    `inner`: `innermost_evaluation` of the same candidates, when the caller has it (one vectorized
+    evaluation for many plans instead of one per plan)."""
     code = int(ev.reason[i])
     structurally_valid = code == VALID or REASONS[code][0] in ("out_of_memory", "memory_tight")
     layout = c.layout(i)
     prediction = prediction_at(ev, cluster, i) if structurally_valid else None
+    placed = None
+    if prediction:
+        if inner is None:
+            inner, i = innermost_evaluation(model, training, cluster, Candidates.from_layouts([layout])), 0
+        innermost_s = {k: float(v[i]) for k, v in inner.time_breakdown_s.items()}
+        placed = placement(layout, cluster, prediction.time_breakdown_s, innermost_s, detail)
     return Plan(
         berth_version=__version__,
         model=model,
@@ -430,7 +448,7 @@ def make_plan(model, training, cluster, c: Candidates, ev: Evaluation, i: int, d
         prediction=prediction,
         infeasible_reason=_reason_text(code, ev, cluster, i),
         stage_layers=_stage_layers(model, layout),
-        placement=_placement(model, training, cluster, layout, prediction, detail) if prediction else None,
+        placement=placed,
     )
 
 
@@ -441,18 +459,11 @@ def _stage_layers(model: ModelSpec, layout: Layout) -> list[int] | None:
         return None
 
 
-def _placement(model, training, cluster, layout: Layout, prediction: Prediction, detail: bool) -> Placement:
-    """Where the plan's groups sit, with each axis's traffic priced against the same layout on
-    a cluster as fast as its innermost domain everywhere."""
+def innermost_evaluation(model, training, cluster, c: Candidates) -> Evaluation:
+    """The candidates on a cluster as fast as its innermost domain everywhere: what a plan's
+    placement prices each axis's traffic against (where its groups sit, planner/placement.py)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        inner = evaluate(model, training, innermost_cluster(cluster), Candidates.from_layouts([layout]))
-    return placement(
-        layout,
-        cluster,
-        prediction.time_breakdown_s,
-        {k: float(v[0]) for k, v in inner.time_breakdown_s.items()},
-        detail,
-    )
+        return evaluate(model, training, innermost_cluster(cluster), c)
 
 
 def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str | None:
@@ -482,7 +493,8 @@ def predict_layouts(
     c = Candidates.from_layouts(layouts)
     with np.errstate(divide="ignore", invalid="ignore"):
         ev = evaluate(model, training, cluster, c, memory_headroom)
-    return [make_plan(model, training, cluster, c, ev, i) for i in range(len(layouts))]
+    inner = innermost_evaluation(model, training, cluster, c)
+    return [make_plan(model, training, cluster, c, ev, i, inner=inner) for i in range(len(layouts))]
 
 
 __all__ = [
