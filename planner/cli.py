@@ -14,7 +14,7 @@ from rich.console import Console
 from berth.planner import __version__
 from berth.planner.errors import BerthError
 from berth.planner.launch import formats_text
-from berth.planner.specs import DEFAULT_MEMORY_HEADROOM
+from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, Plan, TrainingSpec
 
 # Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
 # (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m berth.planner.cli plan ...`;
@@ -142,7 +142,7 @@ def _inputs(
     operations: tuple = (None, None, None),
     token_budget: float | None = None,
     framework: str = "pytorch",
-):
+) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
     from berth.planner.models import load_model
     from berth.planner.planning import default_precision, make_cluster, make_training, with_operations
 
@@ -849,7 +849,7 @@ def serve_cmd(
     serve(host, port, workers)
 
 
-def _load_plan(path: str, pick: int):
+def _load_plan(path: str, pick: int) -> Plan:
     """One plan of a plan file; a file that is no text or no JSON is refused naming it."""
     from berth.executor.validate import load_plan
 

@@ -27,6 +27,7 @@ import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -235,7 +236,7 @@ def artifacts(
 _IMAGE = TypeAdapter(ImageName)
 
 
-def _stages():
+def _stages() -> ModuleType:
     """berth.planner.stages, imported at first use: it loads numpy, and the CLI reads LAUNCH_FORMATS at start-up."""
     from berth.planner import stages
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from berth.cost_models.validity import divisors as search_divisors
 from berth.hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
+from berth.hardware_profiles.schema import DeviceProfile, ServerProfile
 from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.graphs import cluster_graph, to_node_link
 from berth.planner.layouts import check_layout, parse_spec
@@ -34,7 +35,7 @@ from berth.planner.specs import (
 from berth.planner.topology import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
 
 
-def load_profile(path: str | None):
+def load_profile(path: str | None) -> tuple[DeviceProfile, ServerProfile] | None:
     """(device, server) of a `berth profile` file, or None."""
     if not path:
         return None

@@ -8,6 +8,7 @@ when a figure is drawn.
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 from berth.cost_models.terms import TIME as TIME_TERMS
 from berth.executor.breakdown import OTHER, TERMS, term_of
@@ -27,7 +28,7 @@ def have_matplotlib() -> bool:
     return True
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -104,7 +104,7 @@ def cp_options(training: TrainingSpec, world: int) -> list[int]:
     return out
 
 
-def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_mbs: int | None):
+def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_mbs: int | None) -> np.ndarray:
     """(tp, pp, dp, mbs, nmb, schedule, vpp, axis order, cp) rows that divide correctly: the
     rule table's rules that read only tp, cp, pp and virtual_stages (cost_models/validity.py
     `prune`: the heads, the cp chunks, the stage split) judge (tp, cp, pp) and the virtual stages

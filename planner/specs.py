@@ -262,7 +262,7 @@ class ModelSpec(Spec):
         )
 
     @property
-    def params_per_layer(self):
+    def params_per_layer(self) -> float:
         """Parameters of a decoder layer (MoE: the mean over the layers, all experts counted)."""
         if not self.is_moe:
             return self.layer_params_total // self.num_layers
