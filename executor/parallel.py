@@ -33,7 +33,9 @@ What each layout field becomes:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -60,6 +62,9 @@ from berth.planner import stages
 from berth.planner.axes import MESH_DIMS
 from berth.planner.placement import coordinates
 from berth.planner.specs import Layout, ModelSpec, TrainingSpec
+
+if TYPE_CHECKING:  # imported at first use (_schedule_class)
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 LEARNING_RATE = 1e-3
 # MESH_DIMS (planner/axes.py): ("pp", "replicate", "shard", "cp", "tp"), torchtitan's order, outermost first
@@ -214,7 +219,7 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
-def apply_ep(model: Decoder, layout: Layout, rank: int):
+def apply_ep(model: Decoder, layout: Layout, rank: int) -> Callable[[], None]:
     """Mixture of experts on dp ranks only (tp = pp = 1, zero 0: executor/checks.py): ep ranks are
     consecutive dp ranks (rank = dp rank when dp is the only axis); each keeps num_experts / ep experts
     of every MoE layer (ep rank e: experts e x E/ep .. (e+1) x E/ep - 1) and dispatches tokens to the
@@ -276,7 +281,7 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=False)
 
 
-def _schedule_class(layout: Layout):
+def _schedule_class(layout: Layout) -> type[_PipelineSchedule]:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[layout.schedule]

@@ -95,7 +95,7 @@ def cuda_event_median(fn: Callable[[], None], reps: int, warmup: int = CUDA_WARM
     return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True))
 
 
-def _timer(device: torch.device, quick: bool = False):
+def _timer(device: torch.device, quick: bool = False) -> Callable[..., float]:
     """measure(fn, reps) -> median seconds. CUDA: events, with the repetitions sized from a first
     estimate to fill the timing budget; CPU: the host clock (ops are milliseconds long there)."""
     if device.type == "cuda":
@@ -236,7 +236,7 @@ def _time_attention(
     dtype, _ = _dtype(device)
     q, k, v = (torch.randn(b, s, heads, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 
-    def forward():
+    def forward() -> torch.Tensor:
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
 
     def timed() -> tuple[float, float]:
@@ -279,7 +279,7 @@ def measure_op_overhead(device: torch.device) -> float:
     reps = 2000
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def many():
+    def many() -> None:
         for _ in range(reps):
             torch.mul(x, 2.0)
 
