@@ -206,7 +206,7 @@ def measured_terms(reports: list[ValidationReport], predicted: np.ndarray) -> tu
 
 
 # what each parameter needs among the reports: a predicate on one report, and the words for it
-KINDS_NEEDED: dict[str, tuple[str, object]] = {
+KINDS_NEEDED: dict[str, tuple[str, Callable[[ValidationReport], bool]]] = {
     "compute_scale": ("reports with a step time (full or rank-slice)", lambda r: True),
     "attention_peak_fraction": (
         "reports with a step time at two or more sequence lengths or attention shares",
@@ -324,8 +324,8 @@ class Fit:
     initial: dict[str, float]
     fit_ids: list[str]
     held_out_ids: list[str]
+    cluster: ClusterSpec  # the calibrated cluster
     errors: dict[str, dict[str, float]] = field(default_factory=dict)
-    cluster: ClusterSpec | None = None
     fitted: list[str] = field(default_factory=list)
     not_fitted: dict[str, str] = field(default_factory=dict)  # parameter -> which reports would determine it
     uncertainty: dict[str, dict] = field(default_factory=dict)
@@ -400,7 +400,7 @@ def calibrate(
     fit_set, held = split(reports, holdout, seed) if holdout > 0 else (reports, [])
     explicit = names is not None
     candidates = tuple(n for n in (names or PARAMETERS) if n in PARAMETERS)
-    if explicit and len(candidates) != len(names):
+    if names is not None and len(candidates) != len(names):
         unknown = sorted(set(names) - set(PARAMETERS))
         raise BerthError("params", ",".join(unknown), f"unknown parameter; known: {', '.join(PARAMETERS)}")
     if len(fit_set) < MIN_REPORTS_PER_KIND:

@@ -333,7 +333,7 @@ def compare_cmd(
     if as_json:
         print(json.dumps(out))
         return
-    ref = best.plans[0].prediction.tokens_per_s if best and best.plans else None
+    ref = best.plans[0].predicted().tokens_per_s if best and best.plans else None
     if as_csv:
         sys.stdout.write(plans_csv(candidates, ref))
         return
@@ -343,7 +343,7 @@ def compare_cmd(
     print_reasons(console, candidates)
     if best and best.plans:
         b = best.plans[0]
-        console.print(f"best searched layout: {b.layout.short()} at {b.prediction.tokens_per_s:,.0f} tokens/s")
+        console.print(f"best searched layout: {b.layout.short()} at {b.predicted().tokens_per_s:,.0f} tokens/s")
     console.print(breakdown_table(candidates, "breakdowns"))
     for i, p in enumerate(candidates, 1):
         print_placement(console, p, f"#{i}", only_crossings=True)
@@ -886,7 +886,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # typer >= 0.24 vendors click
         from typer._click.exceptions import ClickException, NoArgsIsHelpError
     except ImportError:  # pragma: no cover - older typer on click
-        from click.exceptions import ClickException, NoArgsIsHelpError
+        from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[assignment]  # the same classes, click's own
 
     err_console = Console(stderr=True, highlight=False, soft_wrap=True)
     try:

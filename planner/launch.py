@@ -359,7 +359,7 @@ class _Run:
     def pytorchjob(self, image: str) -> dict[str, str]:
         name = _k8s_name(self.plan.model.name)
         env = [{"name": k, "value": v} for k, v in self.env.items()]
-        container = {
+        container: dict[str, Any] = {
             "name": "pytorch",
             "image": image,
             "workingDir": "/app",
@@ -790,7 +790,7 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
         raise LaunchRefused("torchtitan", reason)
     shard = x.shard if x.zero_stage else 1
     local = x.micro_batch_size * (x.num_microbatches if x.pp > 1 else 1)
-    parallelism = {
+    parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": x.dp // shard,
         "data_parallel_shard_degree": shard,
         "tensor_parallel_degree": x.tp,

@@ -80,7 +80,7 @@ def terms_png(report: ValidationReport, path: str | Path) -> Path:
     """Predicted and measured seconds per term (the rank that sets the step time), the term
     with the largest error marked."""
     plt = _pyplot()
-    b = report.breakdown
+    b = report.measured_breakdown()
     terms = [t for t, r in b.terms.items() if (r.predicted_s or 0) > 0 or r.measured_s is not None]
     x = range(len(terms))
     fig, ax = plt.subplots(figsize=(8, 3.6), dpi=100)

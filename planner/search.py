@@ -379,7 +379,8 @@ def search(
         (float(objective_value(ev, spec.objective)[i]), k, int(i)) for k, (_, ev, top) in enumerate(best) for i in top
     ]
     merged.sort(key=lambda t: -t[0])
-    plans, seen = [], set()
+    plans: list[Plan] = []
+    seen: set[Layout] = set()
     for _, k, i in merged:  # one plan per layout: its best axis order (an equal one keeps tp-dp-pp)
         key = best[k][0].layout(i).model_copy(update={"axis_order": "tp-dp-pp"})
         if key not in seen and len(plans) < spec.top:
@@ -405,7 +406,9 @@ def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
         memory_breakdown_bytes={k: float(v[i]) for k, v in ev.memory_breakdown_bytes.items()},
         model_flops_per_step=float(ev.model_flops_per_step),
         hardware_flops_per_step=float(ev.hardware_flops_per_step[i]),
-        goodput=GoodputPrediction(**ev.goodput.at(i), **{k: _finite(float(v[i])) for k, v in ev.cost.items()}),
+        goodput=GoodputPrediction.model_validate(
+            {**ev.goodput.at(i), **{k: _finite(float(v[i])) for k, v in ev.cost.items()}}
+        ),
     )
 
 
