@@ -260,10 +260,10 @@ class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
-        self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleDict({str(i): Block(spec, index=i) for i in range(spec.num_layers)})
-        self.norm = norm_layer(spec)
-        self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.norm: nn.Module | None = norm_layer(spec)
+        self.output: nn.Linear | None = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
