@@ -886,7 +886,8 @@ def main(argv: list[str] | None = None) -> None:
     try:  # typer >= 0.24 vendors click
         from typer._click.exceptions import ClickException, NoArgsIsHelpError
     except ImportError:  # pragma: no cover - older typer on click
-        from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[assignment]  # the same classes, click's own
+        # click's own classes under the names typer vendors (to mypy, two distinct types)
+        from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[assignment]
 
     err_console = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
