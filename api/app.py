@@ -60,9 +60,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.router.route_class = StrictRoute
     app.state.settings, app.state.store, app.state.service = settings, service.store, service
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.header_timeout_s)
-    app.add_exception_handler(BerthError, berth_error)
-    app.add_exception_handler(ValidationError, spec_error)
-    app.add_exception_handler(RequestValidationError, request_error)
+    # Starlette types a handler as taking any Exception; each of these takes the class it is registered for
+    app.add_exception_handler(BerthError, berth_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ValidationError, spec_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, request_error)  # type: ignore[arg-type]
     for module in (routes_service, routes_plans, routes_catalog, routes_validations):
         app.include_router(module.router)
     return app

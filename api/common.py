@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
+from starlette.types import Message
 
 from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.planning import json_text
@@ -127,7 +128,7 @@ class BodyLimit:
             )(scope, receive, send)
         body, sent = b"".join(chunks), False
 
-        async def replay():
+        async def replay() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
@@ -136,7 +137,7 @@ class BodyLimit:
 
         return await self.app(scope, replay, send)
 
-    async def _too_big(self, scope, receive, send):
+    async def _too_big(self, scope, receive, send) -> None:
         return await json_response({"detail": f"request body over {self.limit} bytes"}, 413, {"Connection": "close"})(
             scope, receive, send
         )

@@ -350,7 +350,7 @@ class Service:
         max_gpus = self.settings.max_gpus
         built = await self.builds.run(req.cluster, max_gpus) if _heavy(req.cluster) else None
 
-        def work():
+        def work() -> tuple:
             specs = self.resolve(req, built)
             return (*specs, then(*specs)) if then else specs
 

@@ -3,7 +3,7 @@ field, named as the field (choice fields hold codes into their CHOICES)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -12,6 +12,7 @@ from berth.planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_
 
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
 SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2
+_NOT_GIVEN = np.ones(0, dtype=np.int64)  # default of the optional columns: __post_init__ puts ones in its place
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,16 @@ class Candidates:
     schedule: np.ndarray  # codes into SCHEDULE_CHOICES
     sequence_parallel: np.ndarray  # 0/1
     axis_order: np.ndarray  # codes into AXIS_ORDER_CHOICES (innermost axis first)
-    cp: np.ndarray = None  # context-parallel degree (None: 1 for every candidate); cp sits right outside tp
-    ep: np.ndarray = None  # expert-parallel degree (carved out of dp); ones when not given
+    # context-parallel degree (not given: 1 for every candidate); cp sits right outside tp
+    cp: np.ndarray = field(default_factory=lambda: _NOT_GIVEN)
+    ep: np.ndarray = field(
+        default_factory=lambda: _NOT_GIVEN
+    )  # expert-parallel degree (carved out of dp); ones when not given
 
     def __post_init__(self) -> None:
-        if self.cp is None:
+        if self.cp is _NOT_GIVEN:
             object.__setattr__(self, "cp", np.ones_like(self.tp))
-        if self.ep is None:
+        if self.ep is _NOT_GIVEN:
             object.__setattr__(self, "ep", np.ones_like(self.tp))
 
     def __len__(self) -> int:

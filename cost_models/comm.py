@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from berth.cost_models.arrays import ArrayOrFloat
+from berth.hardware_profiles.schema import CollectiveOp
 from berth.planner.specs import ClusterSpec
 
 ALL_REDUCE_PASSES = 2.0  # reduce-scatter + all-gather
 HALF_PASSES = 1.0  # all-gather or reduce-scatter alone
 
 
-def members_per_block(size, stride, block_gpus: int):
+def members_per_block(size, stride, block_gpus: int) -> ArrayOrFloat:
     """How many members of a group with this size and rank stride share one block of GPUs."""
     size = np.asarray(size, dtype=float)
     stride = np.asarray(stride, dtype=float)
@@ -32,7 +34,9 @@ def members_per_block(size, stride, block_gpus: int):
     return np.clip(np.minimum(size, per_block), 1.0, None)
 
 
-def collective_time_s(cluster: ClusterSpec, nbytes, size, stride, passes, op: str = "all_reduce"):
+def collective_time_s(
+    cluster: ClusterSpec, nbytes, size, stride, passes, op: CollectiveOp = "all_reduce"
+) -> np.ndarray:
     """Hierarchical ring time of a collective over `size` ranks `stride` apart.
 
     `passes` is 2 for all-reduce and 1 for all-gather or reduce-scatter; `nbytes` is the full
@@ -55,22 +59,22 @@ def collective_time_s(cluster: ClusterSpec, nbytes, size, stride, passes, op: st
     return np.where(size > 1, passes * (bandwidth_term + latency_term) + base, 0.0)
 
 
-def all_reduce_s(cluster: ClusterSpec, nbytes, size, stride):
+def all_reduce_s(cluster: ClusterSpec, nbytes, size, stride) -> np.ndarray:
     return collective_time_s(cluster, nbytes, size, stride, ALL_REDUCE_PASSES)
 
 
-def all_gather_s(cluster: ClusterSpec, nbytes, size, stride):
+def all_gather_s(cluster: ClusterSpec, nbytes, size, stride) -> np.ndarray:
     """All-gather of a buffer of `nbytes` in total."""
     return collective_time_s(cluster, nbytes, size, stride, HALF_PASSES, "all_gather")
 
 
-def reduce_scatter_s(cluster: ClusterSpec, nbytes, size, stride):
+def reduce_scatter_s(cluster: ClusterSpec, nbytes, size, stride) -> np.ndarray:
     """Reduce-scatter of a buffer of `nbytes` in total (the ring cost of an all-gather; NCCL
     matches it, gloo is measured slower or faster through op_time_scale)."""
     return collective_time_s(cluster, nbytes, size, stride, HALF_PASSES, "reduce_scatter")
 
 
-def group_level(cluster: ClusterSpec, size, stride):
+def group_level(cluster: ClusterSpec, size, stride) -> np.ndarray:
     """Index into cluster.levels of the smallest domain that holds a whole group."""
     size = np.asarray(size, dtype=float)
     level = np.full(size.shape, len(cluster.levels) - 1, dtype=np.int64)
@@ -80,7 +84,7 @@ def group_level(cluster: ClusterSpec, size, stride):
     return level
 
 
-def p2p_s(cluster: ClusterSpec, nbytes, size, stride):
+def p2p_s(cluster: ClusterSpec, nbytes, size, stride) -> ArrayOrFloat:
     """One send/recv between neighbouring pipeline stages over the slowest level the pipeline
     group spans (the pipeline runs at the pace of its slowest hop)."""
     level = group_level(cluster, size, stride)
@@ -89,7 +93,7 @@ def p2p_s(cluster: ClusterSpec, nbytes, size, stride):
     return nbytes / bandwidth[level] + latency[level]
 
 
-def all_to_all_s(cluster: ClusterSpec, nbytes, size, stride):
+def all_to_all_s(cluster: ClusterSpec, nbytes, size, stride) -> np.ndarray:
     """All-to-all where each rank holds `nbytes` and sends (size-1)/size of it, 1/size to each peer
     (NCCL's alltoall: ncclSend/ncclRecv pairs to every peer at once; nccl-tests' busbw convention for
     alltoall is algbw x (n-1)/n, doc/PERFORMANCE.md). Every rank's traffic leaves through its own link

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.flops import BACKWARD_TO_FORWARD
 from berth.hardware_profiles.schema import AttentionPassModel, DeviceProfile, FrameworkCompute
 from berth.planner.specs import ModelSpec, TrainingSpec
@@ -49,14 +50,14 @@ def _framework(device: DeviceProfile, training: TrainingSpec) -> FrameworkComput
     return device.frameworks.get(training.framework)
 
 
-def _stream_s(device: DeviceProfile, nbytes):
+def _stream_s(device: DeviceProfile, nbytes) -> ArrayOrFloat:
     return nbytes / (device.memory_bandwidth_bytes_per_s * device.memory_bandwidth_fraction)
 
 
 memory_bound_time_s = _stream_s
 
 
-def gemm_efficiency(device: DeviceProfile, m, n=None, k=None):
+def gemm_efficiency(device: DeviceProfile, m, n=None, k=None) -> ArrayOrFloat:
     """Fraction of peak a compute-bound GEMM of (m x k) @ (k x n) reaches.
 
     With the device's shape model: 1/eff = (1 + m_knee/m + n_knee/n + k_knee/k) / max_fraction
@@ -72,7 +73,7 @@ def gemm_efficiency(device: DeviceProfile, m, n=None, k=None):
     return shape.max_fraction / (1.0 + shape.m_knee / m + shape.n_knee / n + shape.k_knee / k)
 
 
-def gemm_time_s(device: DeviceProfile, training: TrainingSpec, m, n, k, batch=1.0):
+def gemm_time_s(device: DeviceProfile, training: TrainingSpec, m, n, k, batch=1.0) -> ArrayOrFloat:
     """Roofline time of `batch` GEMMs of (m x k) @ (k x n) in the training precision."""
     flops = 2.0 * batch * m * n * k
     e = training.bytes_per_element
@@ -81,7 +82,7 @@ def gemm_time_s(device: DeviceProfile, training: TrainingSpec, m, n, k, batch=1.
     return np.maximum(compute, _stream_s(device, traffic))
 
 
-def _projection_s(device, training, rows, out, inp, count=1.0):
+def _projection_s(device, training, rows, out, inp, count=1.0) -> tuple[ArrayOrFloat, ArrayOrFloat]:
     """(forward, backward) of `count` projections y = x W^T, x: rows x inp, y: rows x out.
 
     Backward = dgrad (m, n, k) = (rows, inp, out) + wgrad (inp, out, rows). The three GEMMs share
@@ -100,7 +101,9 @@ def _projection_s(device, training, rows, out, inp, count=1.0):
     return count * fwd, count * (dgrad + wgrad)
 
 
-def layer_gemm_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
+def layer_gemm_s(
+    model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp
+) -> tuple[ArrayOrFloat, ArrayOrFloat]:
     """(forward, backward) seconds of the QKV, output and MLP GEMMs of one layer on one tp rank
     (Shoeybi 2019 split: QKV and MLP-in column-parallel, output and MLP-out row-parallel)."""
     h, f, s = model.hidden_size, model.ffn_hidden_size, training.seq_len
@@ -115,11 +118,11 @@ def layer_gemm_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile
     return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
-def layer_gemm_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
+def layer_gemm_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp) -> ArrayOrFloat:
     return layer_gemm_s(model, training, device, b, tp)[0]
 
 
-def attention_efficiency(p: AttentionPassModel, head_dim: float, s, rows):
+def attention_efficiency(p: AttentionPassModel, head_dim: float, s, rows) -> ArrayOrFloat:
     """1/eff = (1 + seq_knee/s + rows_knee/(b heads s)) / max_fraction(head_dim); the asymptote is
     interpolated in log2(head_dim) between the measured 64 and 128 and held beyond them."""
     d = np.asarray(head_dim, dtype=float)
@@ -128,7 +131,9 @@ def attention_efficiency(p: AttentionPassModel, head_dim: float, s, rows):
     return top / (1.0 + p.seq_knee / s + p.rows_knee / np.maximum(rows, 1.0))
 
 
-def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, cp=1):
+def attention_core_s(
+    model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, cp=1
+) -> tuple[ArrayOrFloat, ArrayOrFloat]:
     """(forward, backward) seconds of scores, softmax and context for the a/tp heads of one rank.
 
     Flash path: 4 b (a/tp) s^2 d x causal fraction FLOPs forward, 2.5x that backward, each at the
@@ -165,11 +170,11 @@ def attention_core_s(model: ModelSpec, training: TrainingSpec, device: DevicePro
     return fwd, BACKWARD_TO_FORWARD * fwd
 
 
-def attention_core_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
+def attention_core_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp) -> ArrayOrFloat:
     return attention_core_s(model, training, device, b, tp)[0]
 
 
-def elementwise_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp):
+def elementwise_forward_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp) -> ArrayOrFloat:
     """Legacy (profiles without `frameworks`): norms, residual adds, activation function, dropout
     as memory-bound passes over activations. Without sequence parallelism the b x s x h work is
     replicated on every tp rank; with it the sequence is split over tp (Korthikanti 2022, 4.2.2)."""
@@ -181,14 +186,16 @@ def elementwise_forward_s(model: ModelSpec, training: TrainingSpec, device: Devi
     return _stream_s(device, nbytes)
 
 
-def kernel_overhead_forward_s(device: DeviceProfile, tp=1):
+def kernel_overhead_forward_s(device: DeviceProfile, tp=1) -> ArrayOrFloat:
     """Dispatch cost of one layer's kernels; tensor-parallel layers pay the device's extra
     per-kernel overhead (DTensor dispatch and collective launches; calibrated, 0 by default)."""
     extra = np.where(np.asarray(tp) > 1, device.tp_kernel_overhead_s, 0.0)
     return device.kernels_per_layer_fwd * (device.kernel_overhead_s + extra)
 
 
-def layer_rest_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp):
+def layer_rest_s(
+    model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp
+) -> tuple[tuple[ArrayOrFloat, ArrayOrFloat], tuple[ArrayOrFloat, ArrayOrFloat]]:
     """(forward, backward) device seconds of the layer's work that is neither GEMM nor attention,
     and (forward, backward) host dispatch seconds.
 
@@ -221,7 +228,7 @@ def layer_rest_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile
     return device_s, (fw.dispatch_fwd_s + tp_extra, fw.dispatch_bwd_s + BACKWARD_TO_FORWARD * tp_extra)
 
 
-def host_and_device_s(device: DeviceProfile, training: TrainingSpec, dispatch_s, device_s):
+def host_and_device_s(device: DeviceProfile, training: TrainingSpec, dispatch_s, device_s) -> ArrayOrFloat:
     """Time of a pass that the host dispatches in dispatch_s and the GPU runs in device_s:
     max + exposed fraction x min (FrameworkCompute.dispatch_exposed_fraction; serial without an
     entry)."""
@@ -233,11 +240,11 @@ def host_and_device_s(device: DeviceProfile, training: TrainingSpec, dispatch_s,
 class LayerTimes(NamedTuple):
     """Seconds of one layer and micro-batch: the passes and the parts the step model reuses."""
 
-    forward: np.ndarray
-    backward: np.ndarray
-    attention_forward: np.ndarray
-    attention_backward: np.ndarray
-    gemm_forward: np.ndarray
+    forward: ArrayOrFloat
+    backward: ArrayOrFloat
+    attention_forward: ArrayOrFloat
+    attention_backward: ArrayOrFloat
+    gemm_forward: ArrayOrFloat
 
 
 def layer_times(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp, cp=1) -> LayerTimes:
@@ -251,13 +258,15 @@ def layer_times(model: ModelSpec, training: TrainingSpec, device: DeviceProfile,
     return LayerTimes(fwd, bwd, attn_f, attn_b, gemm_f)
 
 
-def layer_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp, cp=1):
+def layer_compute_s(
+    model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp, cp=1
+) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(forward, backward, attention-core forward) seconds of one layer and micro-batch (`layer_times`)."""
     t = layer_times(model, training, device, b, tp, sp, cp)
     return t.forward, t.backward, t.attention_forward
 
 
-def lm_head_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp):
+def lm_head_compute_s(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp) -> ArrayOrFloat:
     """Vocabulary-parallel output GEMM and cross-entropy (fp32 logits), forward + backward.
 
     With the framework's entry (fitted to head.json): the output GEMM's forward, dgrad and wgrad
@@ -278,7 +287,7 @@ def lm_head_compute_s(model: ModelSpec, training: TrainingSpec, device: DevicePr
     return fwd + bwd + fw.head_dispatch_s + _stream_s(device, nbytes)
 
 
-def optimizer_step_s(device: DeviceProfile, training: TrainingSpec, local_params):
+def optimizer_step_s(device: DeviceProfile, training: TrainingSpec, local_params) -> ArrayOrFloat:
     """AdamW update of the parameters this rank owns: memory-bound streaming of model states.
 
     With the framework's entry: optimizer_bytes_per_param (the bundled executor's AdamW with

@@ -17,33 +17,34 @@ from __future__ import annotations
 
 import numpy as np
 
+from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
 from berth.planner.specs import ModelSpec, TrainingSpec
 
 BACKWARD_TO_FORWARD = 2.0  # dgrad + wgrad GEMMs, each the size of the forward GEMM
 
 
-def attention_projection_flops(model: ModelSpec, s: int, b):
+def attention_projection_flops(model: ModelSpec, s: int, b) -> ArrayOrFloat:
     """Q, K, V and output projections, forward: 2bsh(h + 2 g h) + 2bsh^2 (GQA: g = kv/heads)."""
     h = model.hidden_size
     return 2.0 * b * s * h * (h + 2 * model.kv_heads * model.head_dim) + 2.0 * b * s * h * h
 
 
-def attention_core_flops(model: ModelSpec, s: int, b):
+def attention_core_flops(model: ModelSpec, s: int, b) -> ArrayOrFloat:
     """QK^T and attention-over-V, forward: 4bs^2h (Narayanan 2021 Eq. 3, full s^2)."""
     return 4.0 * b * s * s * model.hidden_size
 
 
-def mlp_flops(model: ModelSpec, s: int, b):
+def mlp_flops(model: ModelSpec, s: int, b) -> ArrayOrFloat:
     """MLP forward: 2bsh*ffn per weight matrix (2 for GELU, 3 for SwiGLU)."""
     return 2.0 * b * s * model.hidden_size * model.ffn_hidden_size * model.mlp_matrices
 
 
-def layer_forward_flops(model: ModelSpec, s: int, b):
+def layer_forward_flops(model: ModelSpec, s: int, b) -> ArrayOrFloat:
     return attention_projection_flops(model, s, b) + attention_core_flops(model, s, b) + mlp_flops(model, s, b)
 
 
-def lm_head_flops(model: ModelSpec, s: int, b):
+def lm_head_flops(model: ModelSpec, s: int, b) -> ArrayOrFloat:
     """Output projection to the vocabulary, forward: 2bshV (Narayanan 2021 Eq. 3, last term)."""
     return 2.0 * b * s * model.hidden_size * model.vocab_size
 
@@ -55,17 +56,17 @@ def model_flops_per_step(model: ModelSpec, training: TrainingSpec) -> float:
     """
     b, s = training.global_batch_size, training.seq_len
     per_pass = model.num_layers * layer_forward_flops(model.compute_view(), s, b) + lm_head_flops(model, s, b)
-    return (1.0 + BACKWARD_TO_FORWARD) * (per_pass + router_flops(model, s, b))
+    return float((1.0 + BACKWARD_TO_FORWARD) * (per_pass + router_flops(model, s, b)))
 
 
-def router_flops(model: ModelSpec, s: int, b):
+def router_flops(model: ModelSpec, s: int, b) -> ArrayOrFloat:
     """MoE: the router's h x E GEMM of every MoE layer, forward: 2bshE per layer. A mixture-of-experts
     layer's MLP counts the active experts only (top-k routed + shared: ModelSpec.compute_view), the
     FLOPs a token really costs (6 x active parameters per token, as MoE papers report MFU)."""
     return 2.0 * b * s * model.hidden_size * model.num_experts * model.num_moe_layers
 
 
-def recompute_flops_per_step(model: ModelSpec, training: TrainingSpec, recompute: np.ndarray):
+def recompute_flops_per_step(model: ModelSpec, training: TrainingSpec, recompute: np.ndarray) -> np.ndarray:
     """Extra forward FLOPs of activation recomputation over the global batch.
 
     full: the whole layer forward again (Narayanan 2021 Eq. 3 counts 4 passes);

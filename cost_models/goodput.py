@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from berth.cost_models import memory
+from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import Candidates
 from berth.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 
@@ -44,7 +45,7 @@ class Goodput:
     checkpoint_interval_s: np.ndarray
     lost_work_per_failure_s: np.ndarray
     checkpoint_stall_s_per_step: np.ndarray
-    goodput_fraction: np.ndarray
+    goodput_fraction: ArrayOrFloat
     goodput_tokens_per_s: np.ndarray
 
     def at(self, i: int) -> dict[str, float]:
@@ -52,7 +53,9 @@ class Goodput:
         return {f.name: float(v if np.ndim(v) == 0 else v[i]) for f in fields(self) for v in [getattr(self, f.name)]}
 
 
-def checkpoint_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates):
+def checkpoint_bytes(
+    model: ModelSpec, training: TrainingSpec, c: Candidates
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(total bytes, bytes per writing rank, writers) of one checkpoint.
 
     The writers are the ranks holding distinct state: a replica's tp x pp ranks; x ep where the
@@ -74,7 +77,7 @@ def checkpoint_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates):
     return total, per_rank, writers.astype(float)
 
 
-def daly_interval_s(write_s, mtbf_s: float):
+def daly_interval_s(write_s, mtbf_s: float) -> np.ndarray:
     """Daly 2006, Eq. 37: the checkpoint interval (compute time between checkpoints)."""
     write_s = np.asarray(write_s, dtype=float)
     x = write_s / (2.0 * mtbf_s)
@@ -82,7 +85,7 @@ def daly_interval_s(write_s, mtbf_s: float):
     return np.where(write_s < 2.0 * mtbf_s, np.maximum(tau, write_s), mtbf_s)
 
 
-def useful_fraction(interval_s, write_s, restart_s: float, mtbf_s: float):
+def useful_fraction(interval_s, write_s, restart_s: float, mtbf_s: float) -> ArrayOrFloat:
     """Young 1974 to first order: the share of wall time that is useful training."""
     interval_s, write_s = np.asarray(interval_s, dtype=float), np.asarray(write_s, dtype=float)
     lost = restart_s + (interval_s + write_s) / 2.0
@@ -112,7 +115,7 @@ def goodput(
     )
 
 
-def cost(cluster: ClusterSpec, step_time_s, goodput_tokens_per_s, token_budget: float | None):
+def cost(cluster: ClusterSpec, step_time_s, goodput_tokens_per_s, token_budget: float | None) -> dict[str, np.ndarray]:
     """Cost per step, per million useful tokens and for the token budget (None without a price),
     and energy per million useful tokens in kWh from the device TDP (None without one)."""
     world = cluster.world_size

@@ -53,7 +53,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE
+from berth.cost_models.arrays import ArrayOrFloat
+from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE, Candidates
 from berth.cost_models.pipeline import layers_in_flight, microbatches_in_flight
 from berth.hardware_profiles.schema import DeviceProfile
 from berth.planner import stages
@@ -103,11 +104,11 @@ RECIPE_FSDP2 = 2
 RECIPE_MEGATRON = 3
 
 
-def _cp(c):
+def _cp(c) -> np.ndarray:
     return np.asarray(getattr(c, "cp", 1))
 
 
-def precision_recipe(training: TrainingSpec, c):
+def precision_recipe(training: TrainingSpec, c) -> np.ndarray:
     """The precision recipe code of each candidate (constants above); the data-parallel ranks of
     FSDP2 are dp x cp (torchtitan's dp_shard_cp mesh)."""
     zero, dp = np.asarray(c.zero_stage), np.asarray(c.dp) * _cp(c)
@@ -134,7 +135,9 @@ def dp_collective_bytes(training: TrainingSpec, c) -> tuple[np.ndarray, np.ndarr
     return gathered, reduced
 
 
-def stage_params(model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False, ep=1, part: str = "all"):
+def stage_params(
+    model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False, ep=1, part: str = "all"
+) -> ArrayOrFloat:
     """Parameters on one rank of the first (or last) pipeline stage after the tp split.
 
     The stage's decoder layers follow the split rule (planner/stages.py; `vpp` virtual stages).
@@ -168,13 +171,13 @@ def stage_params(model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = Fa
     return layers + head + np.where(pp == 1, emb, 0.0)
 
 
-def local_layer_params(model: ModelSpec, tp, ep=1):
+def local_layer_params(model: ModelSpec, tp, ep=1) -> ArrayOrFloat:
     """One decoder layer's parameters on one rank (routed experts / ep, all / tp; MoE: the mean layer)."""
     experts = model.expert_params_per_layer
     return (model.params_per_layer - experts + experts / np.asarray(ep, dtype=float)) / tp
 
 
-def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1):
+def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1) -> ArrayOrFloat:
     """Parameters on one rank of the pipeline stage that holds the most: the first or the last (an
     embedding or head more), or a middle one where the split gives it more layers (pp > 2)."""
     ends = np.maximum(stage_params(model, pp, tp, True, vpp, ep=ep), stage_params(model, pp, tp, False, vpp, ep=ep))
@@ -185,14 +188,14 @@ def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1):
 def expert_share(model: ModelSpec, c) -> tuple[np.ndarray, np.ndarray]:
     """(parameters on one rank of the largest stage, the share of them that are routed experts): the
     split data-parallel costs (step.py) and the checkpoint (goodput.py) weigh dense and expert parts by."""
-    stage = largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep)
+    stage = np.asarray(largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep))
     if not model.is_moe:
         return stage, np.zeros_like(stage)
     expert = stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
     return stage, np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
 
 
-def expert_candidates(c, split_dp: bool = False):
+def expert_candidates(c, split_dp: bool = False) -> Candidates:
     """The candidates as the routed experts see them: replicated over dp / ep ranks (the expert-data-
     parallel group: ep ranks are carved out of dp, as Megatron-LM and torchtitan do), so ZeRO shards
     their states over shard / ep of them (at least 1; exact when ep divides shard, as with shard = dp).
@@ -247,7 +250,9 @@ def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray
     }
 
 
-def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, recompute, recipe=None):
+def layer_activation_bytes(
+    model: ModelSpec, training: TrainingSpec, b, tp, sp, recompute, recipe=None
+) -> tuple[np.ndarray, ArrayOrFloat]:
     """Activation bytes one layer keeps per micro-batch on one tp rank, and the whole layer's (what
     full recompute re-materializes). Korthikanti 2022 Sec. 4 for 16-bit residual streams (Megatron,
     FSDP2); the executor's fp32-parameter autocast recipe in `_autocast_layer_bytes`."""
@@ -289,7 +294,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, 
     ), full_layer
 
 
-def precision_recipe_of(training: TrainingSpec, tp):
+def precision_recipe_of(training: TrainingSpec, tp) -> int:
     """The recipe of a single-device-style layout (no dp) of width tp: for callers of the layer
     formula that have no whole candidate."""
     if training.precision == "fp32":
@@ -312,7 +317,9 @@ AUTOCAST_RESIDUAL_BYTES = FP32_BYTES
 AUTOCAST_ATTENTION_TENSORS = 5  # q, expanded k, expanded v, SDPA output, its copy for wo
 
 
-def _autocast_layer_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
+def _autocast_layer_bytes(
+    model: ModelSpec, training: TrainingSpec, b, tp, sp
+) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(full layer, selective, full-recompute checkpoint) bytes of the executor's autocast layer.
     Selective (executor/parallel.py `_selective`: the attention core checkpointed) keeps the core's
     inputs (q, and k, v before the GQA expansion: 2h + 4hg) instead of the expanded k, v and the
@@ -335,7 +342,7 @@ def _autocast_layer_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
     return full, selective, checkpoint
 
 
-def _op_sac_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
+def _op_sac_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp) -> ArrayOrFloat:
     """torchtitan's op-level selective activation checkpointing (activation_checkpoint.mode
     "selective", selective_ac_option "op"; `_custom_policy` in
     torchtitan/parallelisms/parallelize_llama.py at the benchmarked commit,
@@ -360,7 +367,7 @@ def _op_sac_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
     return tokens * (block_input + kept + attention_out + lse)
 
 
-def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, attention_s, gemm_fwd_s):
+def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, attention_s, gemm_fwd_s) -> np.ndarray:
     """Seconds one layer's selective recomputation costs, by what each stack recomputes
     (`layer_activation_bytes`): the attention core (the executor, Megatron-LM), or under FSDP2
     torchtitan's op-level policy, which keeps the attention output and every other matmul's output
@@ -375,7 +382,7 @@ def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, at
     return np.where(precision_recipe(training, c) == RECIPE_FSDP2, op_sac, attention_s)
 
 
-def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp):
+def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp) -> ArrayOrFloat:
     """What an MoE layer keeps beyond its compute view's (ModelSpec.compute_view: the active experts'
     intermediates as one MLP's), per micro-batch on one tp rank, averaged over the layers: the top-k
     permuted copies of the token hidden states the experts' GEMMs take (saved for their weight
@@ -396,11 +403,11 @@ def activation_bytes(
     model: ModelSpec,
     training: TrainingSpec,
     c,
-    stage: float,
+    stage: ArrayOrFloat,
     first: bool,
     layers=None,
     moe_model: ModelSpec | None = None,
-):
+) -> tuple[ArrayOrFloat, ArrayOrFloat]:
     """(stored, working) activations of the stage: stored layers x in-flight micro-batches plus
     the embedding output on the first stage or the final norm input on the last; and (full
     recompute) the one layer re-materialized during its backward. `layers`: the stage's decoder
@@ -426,7 +433,7 @@ def activation_bytes(
     return held + edge, working
 
 
-def boundary_bytes(model: ModelSpec, training: TrainingSpec, c):
+def boundary_bytes(model: ModelSpec, training: TrainingSpec, c) -> ArrayOrFloat:
     """One micro-batch's hidden states between layers (split over tp under sequence parallelism)."""
     return (
         training.bytes_per_element
@@ -437,7 +444,7 @@ def boundary_bytes(model: ModelSpec, training: TrainingSpec, c):
     )
 
 
-def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
+def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c) -> ArrayOrFloat:
     """Receive buffers torch.distributed.pipelining (framework "pytorch", pp > 1) allocates up front
     for every micro-batch of each local stage and keeps for the whole step: activations into all
     but the model's first stage, gradients into all but its last, i.e. 2v - 1 boundary tensors per
@@ -449,7 +456,7 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c):
     return boundary_bytes(model, training, c) * c.num_microbatches * receivers
 
 
-def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0):
+def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0) -> ArrayOrFloat:
     """Logits on the last stage at its loss backward: the output and the saved fp32 log-softmax of
     each of `in_flight` micro-batches, plus the gradients of the one in backward (vocabulary split
     over tp). PyTorch in 16-bit computes the loss on an fp32 copy and frees the 16-bit output of
@@ -467,7 +474,7 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
     return per_logit * b * training.seq_len * model.vocab_size / tp
 
 
-def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_head):
+def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_head) -> ArrayOrFloat:
     """The largest short-lived tensor of a step: the fp32 logits (or their gradient) of one
     micro-batch on the stage with the LM head, else an MLP activation gradient. The caching
     allocator keeps the segment such a tensor was carved from reserved beside the blocks the
@@ -479,7 +486,7 @@ def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_h
     return np.maximum(logits, mlp)
 
 
-def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero, ep=1):
+def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero, ep=1) -> np.ndarray:
     """Unsharded buffers of FSDP / ZeRO-3 (gathered layers) and ZeRO-2/3 (gradient reduce-scatter)."""
     layer = local_layer_params(model, tp, ep) * training.bytes_per_element
     params = np.where(zero >= 3, FSDP_PARAM_BUFFERS * layer, 0.0)
@@ -487,7 +494,7 @@ def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero, ep
     return params + grads
 
 
-def gradient_buckets(c, training: TrainingSpec):
+def gradient_buckets(c, training: TrainingSpec) -> ArrayOrFloat:
     """1 where the data-parallel wrapper keeps a persistent unsharded gradient copy: PyTorch DDP
     with gradient_as_bucket_view, which the executor uses for zero <= 1 when dp is the only axis
     (Megatron's persistent buffer is its `grad_buffer`, counted by the recipe)."""
@@ -520,7 +527,7 @@ def stage_memory_breakdown(
     first: bool,
     buckets: bool = True,
     middle: bool = False,
-):
+) -> dict[str, np.ndarray]:
     """Breakdown (dict of arrays, bytes) of the first or the last pipeline stage at its peak
     phase (module docstring); `middle`: the second stage (pp rank 1, the middle stage with the most
     micro-batches in flight; its layers only). `buckets=False` leaves out the data-parallel gradient
@@ -626,7 +633,9 @@ def stage_memory_breakdown(
     }
 
 
-def peak_memory(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c):
+def peak_memory(
+    model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Peak bytes per GPU (the worse of the first, the last and, with uneven stages, the second
     stage) and that stage's breakdown.
 

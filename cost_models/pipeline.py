@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
 
 
-def layers_in_flight(num_layers: int, pp, vpp, nmb, schedule, stage, stage_layers=None):
+def layers_in_flight(num_layers: int, pp, vpp, nmb, schedule, stage, stage_layers=None) -> np.ndarray:
     """Layer-micro-batches whose activations stage `stage` holds at its peak. `stage_layers`: the
     decoder layers of that stage (planner/stages.py; default num_layers / pp, the even split); under
     the interleaved schedule its in-flight chunks are counted at the stage's mean chunk size."""
@@ -36,12 +37,12 @@ def layers_in_flight(num_layers: int, pp, vpp, nmb, schedule, stage, stage_layer
     )
 
 
-def microbatches_in_flight(pp, vpp, nmb, schedule, stage):
+def microbatches_in_flight(pp, vpp, nmb, schedule, stage) -> np.ndarray:
     """Micro-batches that have started but not finished their backward on `stage` (for the
     per-micro-batch buffers such as embedding outputs)."""
     return layers_in_flight(1, pp, vpp, nmb, schedule, stage) * np.asarray(pp, dtype=float)
 
 
-def bubble_s(pp, vpp, mean_microbatch_s):
+def bubble_s(pp, vpp, mean_microbatch_s) -> ArrayOrFloat:
     """Idle time of the pipeline fill and drain: (p - 1)/v micro-batch times."""
     return (np.asarray(pp, dtype=float) - 1.0) / np.asarray(vpp, dtype=float) * mean_microbatch_s

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from berth.cost_models import comm, compute, flops, goodput, memory
+from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
 from berth.cost_models.pipeline import bubble_s
 from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
@@ -93,7 +94,7 @@ class Evaluation:
 BOTTLENECK_NAMES: tuple[str, ...] = ("compute", *BOTTLENECK_TERMS, "memory")  # "memory": does not fit
 
 
-def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride):
+def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride) -> np.ndarray:
     """Forward collectives of one layer: 2 all-reduces, or with sequence parallelism 2
     all-gathers + 2 reduce-scatters, which move the same bytes (Korthikanti 2022 Sec. 4.2.2)."""
     return TP_COLLECTIVES_PER_LAYER_PASS * comm.all_reduce_s(cluster, activation_bytes, tp, stride)
@@ -101,7 +102,7 @@ def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride):
 
 def cp_exchange_s(
     model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, b_local, tp, cp, cp_stride, attn_fwd_s, attn_bwd_s
-):
+) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) exposed seconds of one layer's ring-attention KV exchange for one micro-batch.
 
     Ring attention (Liu et al. 2023; torchtitan `context_parallel`, Megatron-LM's p2p CP): cp - 1
@@ -130,14 +131,14 @@ def cp_exchange_s(
     return fwd, bwd
 
 
-def overlapped_s(traffic_s, exposed_s):
+def overlapped_s(traffic_s, exposed_s) -> ArrayOrFloat:
     """Step time that `traffic_s` of communication costs when `exposed_s` of it is not hidden: the
     exposed part, plus the compute it overlaps slowed by OVERLAP_COMPUTE_SLOWDOWN of the hidden part
     (module constant)."""
     return exposed_s + OVERLAP_COMPUTE_SLOWDOWN * np.maximum(traffic_s - exposed_s, 0.0)
 
 
-def pipelined_exposed_s(traffic_s, window_s, chunks, overlap):
+def pipelined_exposed_s(traffic_s, window_s, chunks, overlap) -> ArrayOrFloat:
     """Exposed time of `traffic_s` of communication issued in `chunks` equal pieces (one per layer),
     each hidden behind the compute of the neighbouring layer, of which a share `overlap` is usable.
 
@@ -152,7 +153,7 @@ def pipelined_exposed_s(traffic_s, window_s, chunks, overlap):
 
 def _dp_times(
     training, cluster, c, stage_params, fwd_window_s, bwd_window_s, layers_per_stage, dp_stride, cp_stride=None
-):
+) -> np.ndarray:
     """Exposed data-parallel time per step, layer by layer against the compute it overlaps.
 
     - ZeRO 0 (DDP, Li et al. 2020): the gradient all-reduce runs in buckets during the last
@@ -191,7 +192,7 @@ def _dp_times(
     overlap = cluster.comm_overlap_efficiency
     n = layers_per_stage
 
-    def hidden(traffic, window):
+    def hidden(traffic, window) -> ArrayOrFloat:
         return overlapped_s(traffic, pipelined_exposed_s(traffic, window, n, overlap))
 
     ddp = hidden(ar_dp, bwd_window_s)
@@ -203,7 +204,9 @@ def _dp_times(
     return np.where(c.zero_stage == 0, ddp, np.where(c.zero_stage <= 2, zero12, zero3))
 
 
-def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None):
+def _stage_dp_times(
+    model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None
+) -> ArrayOrFloat:
     """Exposed data-parallel time of the stage that takes longest (`_stage_dp_times_part`). MoE: the
     routed experts' gradients are reduced over their expert-data-parallel group (dp / ep ranks, ep x
     the dp stride apart; memory.expert_candidates), the rest over dp; the two share the compute
@@ -241,7 +244,7 @@ def _stage_dp_times(model, training, cluster, c, layers, fwd, bwd_and_recompute,
 
 def _stage_dp_times_part(
     model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None, part="all", ep=1
-):
+) -> ArrayOrFloat:
     """Exposed data-parallel time of the stage that takes longest: each rank reduces (and gathers) its
     own stage's parameters behind its own layers' compute. With an even split the first or the last
     stage (an embedding or head more, the same layers) is that stage; with an uneven one
@@ -263,7 +266,7 @@ def _stage_dp_times_part(
             cp_stride,
         )
 
-    def at(params, n):
+    def at(params, n) -> np.ndarray:
         return _dp_times(training, cluster, c, params, n * fwd, n * bwd_and_recompute, n, dp_stride, cp_stride)
 
     pm = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, middle=True, ep=ep, part=part)
@@ -271,7 +274,9 @@ def _stage_dp_times_part(
     return np.maximum(ends, np.where(c.pp > 2, at(pm, n_middle), 0.0))
 
 
-def moe_layer_extra_s(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates, b, tp, stride):
+def moe_layer_extra_s(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates, b, tp, stride
+) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
     """(forward, backward, all-to-all per layer pass) seconds an MoE model adds to the mean layer of
     its compute view (ModelSpec.compute_view, whose MLP is one GEMM of the active experts' width):
 
@@ -294,7 +299,7 @@ def moe_layer_extra_s(model: ModelSpec, training: TrainingSpec, cluster: Cluster
     ep = np.asarray(c.ep, dtype=float)
     rows = b * training.seq_len
 
-    def mlp_s(r, width, count):
+    def mlp_s(r, width, count) -> tuple[ArrayOrFloat, ArrayOrFloat]:
         up = compute._projection_s(device, training, r, width / tp, h, count * (m - 1))
         down = compute._projection_s(device, training, r, h, width / tp, count)
         return up[0] + down[0], up[1] + down[1]
@@ -356,7 +361,7 @@ def evaluate(
     edge_tp = comm.all_reduce_s(cluster, act_bytes, tp, stride["tp"])
     p2p = np.where(pp > 1, 2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"]), 0.0)
 
-    def body(layers):
+    def body(layers) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
         """(compute, recompute, tp collectives, cp KV exchange, ep all-to-alls) of `layers` decoder layers
         for one micro-batch."""
         return layers * (fwd + bwd), layers * recompute, layers * tp_layer, layers * cp_layer, layers * ep_layer

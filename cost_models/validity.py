@@ -393,7 +393,7 @@ def structural_rules(c: Candidates, model: ModelSpec, training: TrainingSpec, cl
     return evaluate_rules(c, Facts.of(model, training, cluster))
 
 
-def structural_reasons(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec):
+def structural_reasons(c: Candidates, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> np.ndarray:
     """Reason codes for every PLAN rule (none depends on the cost model): the first broken wins."""
     return reason_codes(c, Facts.of(model, training, cluster))
 

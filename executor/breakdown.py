@@ -89,7 +89,7 @@ def compare(prediction: Any, ranks: list[dict[str, Any]], method: str) -> dict[s
             "measured_by": how,
         }
     scored = {t: abs(r["error_s"]) for t, r in rows.items() if r["error_s"] is not None}
-    largest = max(scored, key=scored.get) if scored else None
+    largest = max(scored, key=scored.__getitem__) if scored else None
     memory = memory_rows(prediction, rank)
     return {
         "rank": rank["rank"],

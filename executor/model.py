@@ -66,7 +66,7 @@ class _GatherSequence(torch.autograd.Function):
     this rank's slice (reduce-scatter as all-reduce + slice: gloo has no reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x, group, size, rank):
+    def forward(ctx, x, group, size, rank) -> torch.Tensor:
         import torch.distributed as dist
 
         ctx.group, ctx.rank, ctx.n = group, rank, x.shape[2]
@@ -75,7 +75,7 @@ class _GatherSequence(torch.autograd.Function):
         return torch.cat(parts, dim=2)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad) -> tuple[torch.Tensor, None, None, None]:
         import torch.distributed as dist
 
         grad = grad.contiguous().clone()
@@ -163,14 +163,14 @@ class AllToAll(torch.autograd.Function):
     the gradients back along the reversed splits (gloo implements all_to_all_single on CPU)."""
 
     @staticmethod
-    def forward(ctx, x, send: list[int], recv: list[int], group):
+    def forward(ctx, x, send: list[int], recv: list[int], group) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty((sum(recv), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad) -> tuple[torch.Tensor, None, None, None]:
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return out, None, None, None
@@ -260,10 +260,10 @@ class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
-        self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleDict({str(i): Block(spec, index=i) for i in range(spec.num_layers)})
-        self.norm = norm_layer(spec)
-        self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.norm: nn.Module | None = norm_layer(spec)
+        self.output: nn.Linear | None = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
@@ -287,7 +287,9 @@ def build_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float
     return model.to(dtype)
 
 
-def synthetic_batch(spec: ModelSpec, batch: int, seq_len: int, seed: int, step: int):
+def synthetic_batch(
+    spec: ModelSpec, batch: int, seq_len: int, seed: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and next-token targets from a fixed seed (the same on every rank).
 
     Each sequence walks a fixed random successor map over the vocabulary from a random start, so

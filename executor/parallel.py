@@ -33,7 +33,10 @@ What each layout field becomes:
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +48,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -60,6 +64,11 @@ from berth.planner import stages
 from berth.planner.axes import MESH_DIMS
 from berth.planner.placement import coordinates
 from berth.planner.specs import Layout, ModelSpec, TrainingSpec
+
+if TYPE_CHECKING:  # imported at first use (_schedule_class); the proxy imports this module
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    from berth.executor.proxy import StageSlice
 
 LEARNING_RATE = 1e-3
 # MESH_DIMS (planner/axes.py): ("pp", "replicate", "shard", "cp", "tp"), torchtitan's order, outermost first
@@ -85,12 +94,12 @@ class Coordinates:
 class Prepared:
     """A rank's model parts, optimizer and (for pp > 1) pipeline schedule."""
 
-    modules: list[nn.Module]
+    modules: Sequence[nn.Module]
     optimizer: torch.optim.Optimizer
-    schedule: object | None = None
+    schedule: _PipelineSchedule | None = None
     executed_as: list[str] = field(default_factory=list)
-    cp_group: object | None = None  # gradients still to be averaged over the cp group (FSDP2 covers dp only)
-    sync: object | None = None  # MoE with dp: the gradient reduction after the step's micro-batches
+    cp_group: dist.ProcessGroup | None = None  # gradients still to be averaged over the cp group (FSDP2 covers dp only)
+    sync: Callable[[], None] | None = None  # MoE with dp: the gradient reduction after the step's micro-batches
 
 
 def apply_cp(model: nn.Module, group, rank: int, size: int) -> None:
@@ -141,16 +150,21 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     return DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS)
 
 
+def _checkpointed(core: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return checkpoint(core, q, k, v, use_reentrant=False)
+
+
 def _selective(module: nn.Module) -> None:
     """Re-run the attention core (scores, softmax, context) in backward (Korthikanti 2022); the
     re-run is timed as `recompute` (executor/timing.py)."""
     for sub in module.modules():
         if isinstance(sub, Attention):
             core = timing.recomputed(sub.core)
-            sub.core = lambda q, k, v, _core=core: checkpoint(_core, q, k, v, use_reentrant=False)
+            # the instance's core becomes the checkpointed one (a deliberate per-instance override)
+            sub.core = functools.partial(_checkpointed, core)  # type: ignore[method-assign]
 
 
-def apply_recompute(model: Decoder, recompute: str) -> None:
+def apply_recompute(model: Decoder | StageSlice, recompute: str) -> None:
     if recompute == "full":
         for key, block in list(model.layers.items()):
             block.forward = timing.recomputed(block.forward)  # the re-run in backward is timed as recompute
@@ -180,7 +194,7 @@ def pipeline_chunk(model: Decoder, chunk: int, pp: int, vpp: int = 1) -> Decoder
 def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
     """Megatron-style tensor parallelism (and sequence parallelism) on one model part."""
     seq = Shard(1) if sp else Replicate()
-    top = {}
+    top: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if model.output is not None:
@@ -192,7 +206,7 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        plan = {
+        plan: dict[str, ParallelStyle] = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -200,7 +214,7 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        if block.feed_forward.w3 is not None:
+        if block.get_submodule("feed_forward").w3 is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
         if sp:
             plan.update(
@@ -214,7 +228,7 @@ def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sp: bool) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
-def apply_ep(model: Decoder, layout: Layout, rank: int):
+def apply_ep(model: Decoder, layout: Layout, rank: int) -> Callable[[], None]:
     """Mixture of experts on dp ranks only (tp = pp = 1, zero 0: executor/checks.py): ep ranks are
     consecutive dp ranks (rank = dp rank when dp is the only axis); each keeps num_experts / ep experts
     of every MoE layer (ep rank e: experts e x E/ep .. (e+1) x E/ep - 1) and dispatches tokens to the
@@ -262,8 +276,8 @@ def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["replicate", "shard"]
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy | None) -> None:
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard}
+def apply_fsdp(model: Decoder, dp_mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy | None) -> None:
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard}
     if mp is not None:
         kwargs["mp_policy"] = mp
     for block in model.layers.values():
@@ -276,10 +290,15 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=False)
 
 
-def _schedule_class(layout: Layout):
+def _schedule_class(layout: Layout) -> Callable[..., _PipelineSchedule]:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[layout.schedule]
+    classes: dict[str, Callable[..., _PipelineSchedule]] = {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+    }
+    return classes[layout.schedule]
 
 
 def prepare(
@@ -322,7 +341,7 @@ def prepare(
             model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True
         )
         if layout.zero_stage == 1:
-            opt = ZeroRedundancyOptimizer(
+            opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
                 ddp.parameters(),
                 optimizer_class=torch.optim.AdamW,
                 process_group=mesh["shard"].get_group(),
@@ -384,7 +403,7 @@ def _run_microbatches(
         first, last = coords.pp_rank == 0, coords.pp_rank == layout.pp - 1
         losses: list[torch.Tensor] = []
         args = (tokens,) if first else ()
-        kwargs = {"target": targets, "losses": losses} if last else {}
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if last else {}
         # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
         # until the step ends to merge them (measured +7 MB of 53 on tiny-gpt, 1f1b, 8 micro-batches)
         prepared.schedule.step(*args, return_outputs=False, **kwargs)
@@ -419,8 +438,8 @@ def _set_sync(model: nn.Module, sync: bool) -> None:
     set_requires_gradient_sync)."""
     if isinstance(model, DistributedDataParallel):
         model.require_backward_grad_sync = sync
-    elif hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
+    elif (set_sync := getattr(model, "set_requires_gradient_sync", None)) is not None:
+        set_sync(sync)
 
 
 def world_loss(local: torch.Tensor | None, layout: Layout, device: torch.device) -> float:

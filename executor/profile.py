@@ -18,6 +18,7 @@ measured number named in `sources`), plus the raw measurements.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,13 +38,13 @@ import torch.nn.functional as F
 
 from berth.executor.device import rank_device
 from berth.hardware_profiles import PROFILE_FORMAT, load_device, load_server
-from berth.hardware_profiles.schema import DeviceProfile, GemmCurve, LinkProfile, ServerProfile
+from berth.hardware_profiles.schema import CollectiveOp, DeviceProfile, GemmCurve, LinkProfile, Precision, ServerProfile
 
 GEMM_DIMS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 QUICK_GEMM_DIMS = (16, 64, 256, 1024)
 COMM_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 QUICK_COMM_SIZES = (1 << 16, 1 << 19, 1 << 21, 1 << 23)
-RING_FACTOR = {  # bytes each rank moves per byte of the full buffer, ring algorithms
+RING_FACTOR: dict[CollectiveOp, Callable[[int], float]] = {  # bytes each rank moves per byte of the full buffer, ring
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -95,7 +97,7 @@ def cuda_event_median(fn: Callable[[], None], reps: int, warmup: int = CUDA_WARM
     return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True))
 
 
-def _timer(device: torch.device, quick: bool = False):
+def _timer(device: torch.device, quick: bool = False) -> Callable[..., float]:
     """measure(fn, reps) -> median seconds. CUDA: events, with the repetitions sized from a first
     estimate to fill the timing budget; CPU: the host clock (ops are milliseconds long there)."""
     if device.type == "cuda":
@@ -120,7 +122,7 @@ def _timer(device: torch.device, quick: bool = False):
     return measure
 
 
-def _dtype(device: torch.device) -> tuple[torch.dtype, str]:
+def _dtype(device: torch.device) -> tuple[torch.dtype, Precision]:
     return (torch.bfloat16, "bf16") if device.type == "cuda" else (torch.float32, "fp32")
 
 
@@ -236,7 +238,7 @@ def _time_attention(
     dtype, _ = _dtype(device)
     q, k, v = (torch.randn(b, s, heads, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 
-    def forward():
+    def forward() -> torch.Tensor:
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
 
     def timed() -> tuple[float, float]:
@@ -258,7 +260,8 @@ class _flash_context:
     """The flash SDPA backend on CUDA (what the executor's layers use); the default elsewhere."""
 
     def __init__(self, device: torch.device):
-        self.device, self._ctx = device, None
+        self.device = device
+        self._ctx: contextlib.AbstractContextManager | None = None
 
     def __enter__(self) -> str:
         if self.device.type != "cuda":
@@ -279,7 +282,7 @@ def measure_op_overhead(device: torch.device) -> float:
     reps = 2000
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def many():
+    def many() -> None:
         for _ in range(reps):
             torch.mul(x, 2.0)
 
@@ -321,13 +324,13 @@ def _concurrent_compute(quick: bool, world: int) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
-    mine = {
+    mine: dict[str, Any] = {
         "gemm": measure_gemm(torch.device("cpu"), quick),
         "memory_bandwidth": measure_memory_bandwidth(torch.device("cpu"), quick),
         "attention": measure_attention(torch.device("cpu"), quick),
         "op_overhead": measure_op_overhead(torch.device("cpu")),
     }
-    everyone = [None] * world
+    everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
 
     def mean_rows(key: str, fields: tuple[str, ...]) -> list[dict]:
@@ -416,7 +419,7 @@ def measure_collectives(nprocs: int, quick: bool, compute: bool = False, timeout
         return json.loads(out.read_text())
 
 
-def fit_collective(points: list[list[float]], op: str, n: int) -> dict[str, float]:
+def fit_collective(points: list[list[float]], op: CollectiveOp, n: int) -> dict[str, float]:
     """Least squares on relative error of t = latency + bytes x factor / bus_bandwidth."""
     from scipy.optimize import nnls
 
@@ -432,13 +435,13 @@ def fit_collective(points: list[list[float]], op: str, n: int) -> dict[str, floa
 def isotonic(values: list[float], weights: list[float] | None = None) -> list[float]:
     """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent
     violators): GEMM efficiency does not fall as the smallest dimension grows, timing noise does."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
+    blocks: list[tuple[float, float, int]] = []  # (mean, weight, count)
     for v, w in zip(values, weights or [1.0] * len(values), strict=True):
-        blocks.append([float(v), float(w), 1])
+        blocks.append((float(v), float(w), 1))
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             m2, w2, c2 = blocks.pop()
             m1, w1, c1 = blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+            blocks.append(((m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2))
     return [b[0] for b in blocks for _ in range(b[2])]
 
 
@@ -493,11 +496,11 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
                 attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] / a[f"{name}_s"] / reference
                 for a in attention
             ]
-            predicted = [
+            modelled = [
                 attention_efficiency(model, a["head_dim"], a["seq"], a["batch"] * a["heads"] * a["seq"])
                 for a in attention
             ]
-            ratio = _median_ratio(measured, predicted)
+            ratio = _median_ratio(measured, modelled)
             passes[name] = model.model_copy(
                 update={
                     "max_fraction": float(min(1.0, model.max_fraction * ratio)),
@@ -508,7 +511,7 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
     return out
 
 
-def profile_fields(measurements: dict, base: DeviceProfile, precision: str) -> tuple[dict, dict, dict]:
+def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision) -> tuple[dict, dict, dict]:
     """The one place measured timings become DeviceProfile fields: (fields, sources, checks).
 
     GPU: `peak_flops_per_s` stays the datasheet peak of the base profile (what MFU is computed
@@ -526,7 +529,7 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: str) -> t
     dims, fractions = gemm_curve(gemm, reference, monotone=gpu)
     attention = [a["flops_per_s"] / reference for a in measurements["attention"]]
     bandwidth = measurements["memory_bandwidth_bytes_per_s"]
-    fields = {
+    fields: dict[str, Any] = {
         "peak_flops_per_s": {**base.peak_flops_per_s, precision: reference},
         "gemm": GemmCurve(min_dim=dims, peak_fraction=fractions),
         "attention_peak_fraction": min(1.0, float(np.median(attention))),
@@ -628,7 +631,9 @@ def build_profile(device_type: str, measurements: dict, comm: dict[int, dict], m
         fits = {op: fit_collective(comm[n]["results"][op], op, n) for op in RING_FACTOR}
         ar = fits["all_reduce"]
         bw = ar["bus_bandwidth_bytes_per_s"]
-        scale = {op: bw / f["bus_bandwidth_bytes_per_s"] for op, f in fits.items() if op != "all_reduce"}
+        scale: dict[CollectiveOp, float] = {
+            op: bw / f["bus_bandwidth_bytes_per_s"] for op, f in fits.items() if op != "all_reduce"
+        }
         # all-reduce latency over n ranks = base + 2 (n - 1) hops; split half and half
         hop = ar["latency_s"] / (2 * (n - 1)) / 2
         base_latency = ar["latency_s"] / 2
@@ -683,7 +688,7 @@ def run_profile(quick: bool = False, max_procs: int | None = None, progress: Pro
     cuda = device.type == "cuda"
     if not cuda:
         torch.set_num_threads(int(os.environ.get("BERTH_THREADS_PER_RANK", "1")))
-    machine = {
+    machine: dict[str, Any] = {
         "hostname": platform.node(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,

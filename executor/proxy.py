@@ -82,7 +82,7 @@ class StageSlice(nn.Module):
                 x = x[:, : x.shape[1] // self.sp_tp]  # the embedding's output is reduce-scattered
         for layer in self.layers.values():
             x = layer(x)
-        if self.head is not None:
+        if self.head is not None and self.norm is not None:  # the last stage's, both or neither
             x = self.norm(x)
             if self.sp_tp > 1:
                 x = x.repeat(1, self.sp_tp, 1)  # all-gathered before the vocab-parallel head
@@ -166,7 +166,7 @@ def main() -> None:
         dtype = torch.bfloat16 if training.precision == "bf16" else torch.float16
         autocast = training.precision != "fp32"
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        rec = {"forward_s": [], "backward_s": [], "optimizer_s": [], "step_compute_s": []}
+        rec: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "optimizer_s": [], "step_compute_s": []}
         memory.mark()
         for step in range(args.warmup + args.steps):
             outs: dict[int, torch.Tensor] = {}

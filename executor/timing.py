@@ -34,9 +34,10 @@ span, so the Chrome/Perfetto trace shows the regions above the operators.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,7 +185,9 @@ class _Span:
     __slots__ = ("timer", "name", "point", "ranges")
 
     def __init__(self, timer: StepTimer, name: str):
-        self.timer, self.name, self.point, self.ranges = timer, name, None, None
+        self.timer, self.name = timer, name
+        self.point: float | None = None
+        self.ranges: torch.autograd.profiler.record_function | None = None
 
     def __enter__(self) -> _Span:
         t = self.timer
@@ -348,7 +351,7 @@ def _group_of(fn: Callable[..., Any]) -> Callable[[tuple, dict], Any]:
 def instrument(
     timer: StepTimer,
     coordinates: dict[str, Any] | None,
-    modules: list[torch.nn.Module],
+    modules: Sequence[torch.nn.Module],
     schedule: Any = None,
     ddp: bool = False,
     groups: dict[str, str] | None = None,
@@ -413,10 +416,10 @@ def instrument(
 
     for name, kind in FUNCOL_KINDS.items():
         if hasattr(funcol, name):
-            patches.set(funcol, name, lambda fn, kind=kind: wrap_funcol(kind, fn))
+            patches.set(funcol, name, functools.partial(wrap_funcol, kind))
     patches.set(funcol, "wait_tensor", wrap_wait)
     for name, kind in DIST_KINDS.items():
-        patches.set(dist, name, lambda fn, kind=kind: wrap_dist(kind, fn))
+        patches.set(dist, name, functools.partial(wrap_dist, kind))
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -425,7 +428,7 @@ def instrument(
             ("wait_for_unshard", "dp_all_gather"),
             ("post_backward", "dp_reduce_scatter"),
         ):
-            patches.set(FSDPParamGroup, method, lambda fn, region=region: wrap_as(region, fn))
+            patches.set(FSDPParamGroup, method, functools.partial(wrap_as, region))
     except ImportError:  # pragma: no cover - torch without FSDP2
         pass
     if schedule is not None:
@@ -454,7 +457,7 @@ def instrument(
             h.remove()
 
 
-def model_state_bytes(modules: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, float]:
+def model_state_bytes(modules: Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Bytes this rank holds in parameters, gradients and optimizer state (local shards)."""
 
     def local(t: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ class PeakMemory:
         self.device = device
         self.peak: float | None = None
         self.collective_s: float | None = None  # time in gloo collectives after mark() (CPU only)
-        self._prof = None
+        self._prof: profile | None = None
 
     @property
     def method(self) -> str:
@@ -105,7 +105,9 @@ class PeakMemory:
         if self._prof is None:
             return
         self._prof.__exit__(None, None, None)
-        events = list(self._prof.profiler.kineto_results.events())
+        results = self._prof.profiler.kineto_results if self._prof.profiler is not None else None
+        assert results is not None  # torch sets both when the profile exits
+        events = list(results.events())
         marks = [e.start_ns() for e in events if e.name() == TRAIN_MARK]
         since = marks[0] if marks else 0
         self.collective_s = (
@@ -220,7 +222,9 @@ def run_steps(
         return elapsed, timer.end(), local
 
     ddp = isinstance(prepared.modules[0], DistributedDataParallel)
-    groups = {mesh.get_group(d).group_name: MESH_DIM_AXIS[d] for d in MESH_DIMS} if mesh is not None else {}
+    groups: dict[str, str] = (
+        {mesh.get_group(d).group_name: MESH_DIM_AXIS[d] for d in MESH_DIMS} if mesh is not None else {}
+    )
     with timing.instrument(
         timer, coordinates(layout) if world > 1 else None, prepared.modules, prepared.schedule, ddp=ddp, groups=groups
     ):

@@ -36,7 +36,15 @@ from berth.executor.breakdown import compare, terms_from_regions
 from berth.executor.checks import PROGRESS_PREFIX, REQUIRE_GPU_ENV, UnsupportedLayout, check_layout
 from berth.planner import __version__, stages
 from berth.planner.errors import BerthError
-from berth.planner.specs import Metrics, Plan, ValidationReport, pick_plan, plan_listing
+from berth.planner.specs import (
+    MeasuredBreakdown,
+    Metrics,
+    Plan,
+    ValidationReport,
+    ValidationStatus,
+    pick_plan,
+    plan_listing,
+)
 from berth.planner.store import Store
 from berth.planner.topology import local_gpus
 
@@ -154,8 +162,11 @@ def _launch(
     with stderr_path.open("w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
 
+        stdout = proc.stdout
+        assert stdout is not None  # stdout=PIPE
+
         def follow() -> None:
-            for line in proc.stdout:
+            for line in stdout:
                 at = line.find(PROGRESS_PREFIX)
                 if at >= 0 and on_progress is not None:
                     with contextlib.suppress(json.JSONDecodeError, TypeError):
@@ -198,9 +209,14 @@ def _kill_group(proc: subprocess.Popen, signals: tuple[signal.Signals, ...] = KI
             continue
 
 
+def _measured(breakdown: dict[str, Any] | None) -> MeasuredBreakdown | None:
+    """The report's breakdown (breakdown.compare's dict) as the spec it is validated into."""
+    return None if breakdown is None else MeasuredBreakdown.model_validate(breakdown)
+
+
 def _failure(
     out: Path, stderr_path: Path, rc: int | None, timed_out: bool, deadline_s: float, plan: Plan
-) -> tuple[str, str]:
+) -> tuple[ValidationStatus, str]:
     """(status, message) of a launch that left no result file."""
     errors = []
     for f in sorted(out.parent.glob(out.name + ".rank*.error.json")):
@@ -421,8 +437,8 @@ def validate_proxy(
         )
     require_torch()
     predicted_full = predicted_metrics(plan)
-    first_mem = proxy_prediction(plan, layers, True)[0].peak_memory_bytes
-    last_mem = proxy_prediction(plan, layers, False)[0].peak_memory_bytes
+    first_mem = proxy_prediction(plan, layers, True)[0].peak_memory_bytes or 0.0  # always set by proxy_prediction
+    last_mem = proxy_prediction(plan, layers, False)[0].peak_memory_bytes or 0.0
     stage = stage or ("first" if first_mem >= last_mem or x.pp == 1 else "last")
     if stage not in ("first", "last"):
         raise BerthError("stage", stage, "must be first or last")
@@ -463,7 +479,7 @@ def validate_proxy(
     deadline = timeout_s or STARTUP_BUDGET_S + STEP_BUDGET_FACTOR * (predicted.step_time_s or 10.0) * (steps + warmup)
     started = time.perf_counter()
     rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "proxy.stderr")
-    common = {
+    common: dict[str, Any] = {
         "id": uuid.uuid4().hex,
         "created": datetime.now(UTC).isoformat(),
         "berth_version": __version__,
@@ -550,7 +566,7 @@ def report_from_result(
         per_rank=extra["per_rank"],
         memory_method=result["memory_method"],
         executed_as=result["executed_as"],
-        breakdown=compare(plan.prediction, result["ranks"], result.get("timing_method", "")),
+        breakdown=_measured(compare(plan.prediction, result["ranks"], result.get("timing_method", ""))),
         traces=[r["trace_file"] for r in result["ranks"] if r.get("trace_file")],
     )
 
@@ -644,7 +660,7 @@ def validate(
 
     rc, timed_out = _launch(cmd, env, deadline, on_progress, work / "torchrun.stderr", failed)
     predicted = predicted_metrics(plan)
-    common = {
+    common: dict[str, Any] = {
         "id": uuid.uuid4().hex,
         "created": datetime.now(UTC).isoformat(),
         "berth_version": __version__,

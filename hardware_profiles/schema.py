@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Precision = Literal["bf16", "fp16", "fp32"]
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
+LinkKind = Literal["nvlink", "nvswitch", "pcie", "infiniband", "ethernet", "loopback"]
 
 
 class _Frozen(BaseModel):
@@ -197,7 +198,7 @@ class DeviceProfile(_Frozen):
 class LinkProfile(_Frozen):
     """A class of link (NVSwitch port, NIC rail…) with what collectives achieve over it."""
 
-    kind: Literal["nvlink", "nvswitch", "pcie", "infiniband", "ethernet", "loopback"]
+    kind: LinkKind
     bandwidth_bytes_per_s: float = Field(gt=0, description="per direction, per GPU")
     collective_efficiency: float = Field(gt=0, le=1, description="achieved ring bus bandwidth / wire bandwidth")
     hop_latency_s: float = Field(ge=0)

@@ -37,6 +37,7 @@ variance) and a 95 % interval.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +45,7 @@ from scipy.optimize import least_squares
 
 from berth.executor.breakdown import TERMS
 from berth.hardware_profiles import PROFILE_FORMAT
-from berth.hardware_profiles.schema import ServerProfile
+from berth.hardware_profiles.schema import LinkProfile, ServerProfile
 from berth.planner.errors import BerthError
 from berth.planner.search import predict_layouts
 from berth.planner.specs import ClusterSpec, ValidationReport
@@ -94,7 +95,7 @@ def apply(cluster: ClusterSpec, values: dict[str, float]) -> ClusterSpec:
         }
     )
 
-    def link(lk):
+    def link(lk) -> LinkProfile:
         return lk.model_copy(update={"bandwidth_bytes_per_s": lk.bandwidth_bytes_per_s / values["comm_scale"]})
 
     fabric = tuple(lv.model_copy(update={"link": link(lv.link)}) for lv in cluster.fabric)
@@ -120,7 +121,7 @@ def _decode(name: str, x: float) -> float:
     return float(np.exp(x)) if kind == "log" else x * MIB if kind == "mib" else float(x)
 
 
-def _bounds(names):
+def _bounds(names) -> tuple[np.ndarray, np.ndarray]:
     lo, hi = [], []
     for n in names:
         a, b, kind = PARAMETERS[n]
@@ -205,7 +206,7 @@ def measured_terms(reports: list[ValidationReport], predicted: np.ndarray) -> tu
 
 
 # what each parameter needs among the reports: a predicate on one report, and the words for it
-KINDS_NEEDED: dict[str, tuple[str, object]] = {
+KINDS_NEEDED: dict[str, tuple[str, Callable[[ValidationReport], bool]]] = {
     "compute_scale": ("reports with a step time (full or rank-slice)", lambda r: True),
     "attention_peak_fraction": (
         "reports with a step time at two or more sequence lengths or attention shares",
@@ -323,8 +324,8 @@ class Fit:
     initial: dict[str, float]
     fit_ids: list[str]
     held_out_ids: list[str]
+    cluster: ClusterSpec  # the calibrated cluster
     errors: dict[str, dict[str, float]] = field(default_factory=dict)
-    cluster: ClusterSpec | None = None
     fitted: list[str] = field(default_factory=list)
     not_fitted: dict[str, str] = field(default_factory=dict)  # parameter -> which reports would determine it
     uncertainty: dict[str, dict] = field(default_factory=dict)
@@ -353,10 +354,12 @@ def errors(reports: list[ValidationReport], values: dict[str, float] | None = No
     return out
 
 
-def split(reports: list[ValidationReport], holdout: float, seed: int = 0):
+def split(
+    reports: list[ValidationReport], holdout: float, seed: int = 0
+) -> tuple[list[ValidationReport], list[ValidationReport]]:
     """A deterministic split by report id hash: (fit, held out)."""
 
-    def key(r):
+    def key(r) -> float:
         return int(hashlib.sha256(f"{seed}:{r.id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
     held = [r for r in reports if key(r) < holdout]
@@ -397,7 +400,7 @@ def calibrate(
     fit_set, held = split(reports, holdout, seed) if holdout > 0 else (reports, [])
     explicit = names is not None
     candidates = tuple(n for n in (names or PARAMETERS) if n in PARAMETERS)
-    if explicit and len(candidates) != len(names):
+    if names is not None and len(candidates) != len(names):
         unknown = sorted(set(names) - set(PARAMETERS))
         raise BerthError("params", ",".join(unknown), f"unknown parameter; known: {', '.join(PARAMETERS)}")
     if len(fit_set) < MIN_REPORTS_PER_KIND:
@@ -417,13 +420,13 @@ def calibrate(
     if not terms:
         use[:] = False
 
-    def make_residuals(chosen):
-        def values_of(x):
+    def make_residuals(chosen) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], dict[str, float]]]:
+        def values_of(x) -> dict[str, float]:
             v = dict(initial)
             v.update({n: _decode(n, xi) for n, xi in zip(chosen, x, strict=True)})
             return v
 
-        def residuals(x):
+        def residuals(x) -> np.ndarray:
             t, m, pt = predict_with_terms(fit_set, values_of(x))
             rt = np.log(np.where(np.isfinite(t), t, 1e6) / mt)
             rm = np.log(np.where(np.isfinite(m[has_mem]), m[has_mem], 1e18) / mm[has_mem])

@@ -14,7 +14,7 @@ from rich.console import Console
 from berth.planner import __version__
 from berth.planner.errors import BerthError
 from berth.planner.launch import formats_text
-from berth.planner.specs import DEFAULT_MEMORY_HEADROOM
+from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, Plan, TrainingSpec
 
 # Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
 # (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m berth.planner.cli plan ...`;
@@ -142,7 +142,7 @@ def _inputs(
     operations: tuple = (None, None, None),
     token_budget: float | None = None,
     framework: str = "pytorch",
-):
+) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
     from berth.planner.models import load_model
     from berth.planner.planning import default_precision, make_cluster, make_training, with_operations
 
@@ -333,7 +333,7 @@ def compare_cmd(
     if as_json:
         print(json.dumps(out))
         return
-    ref = best.plans[0].prediction.tokens_per_s if best and best.plans else None
+    ref = best.plans[0].predicted().tokens_per_s if best and best.plans else None
     if as_csv:
         sys.stdout.write(plans_csv(candidates, ref))
         return
@@ -343,7 +343,7 @@ def compare_cmd(
     print_reasons(console, candidates)
     if best and best.plans:
         b = best.plans[0]
-        console.print(f"best searched layout: {b.layout.short()} at {b.prediction.tokens_per_s:,.0f} tokens/s")
+        console.print(f"best searched layout: {b.layout.short()} at {b.predicted().tokens_per_s:,.0f} tokens/s")
     console.print(breakdown_table(candidates, "breakdowns"))
     for i, p in enumerate(candidates, 1):
         print_placement(console, p, f"#{i}", only_crossings=True)
@@ -849,7 +849,7 @@ def serve_cmd(
     serve(host, port, workers)
 
 
-def _load_plan(path: str, pick: int):
+def _load_plan(path: str, pick: int) -> Plan:
     """One plan of a plan file; a file that is no text or no JSON is refused naming it."""
     from berth.executor.validate import load_plan
 
@@ -886,7 +886,8 @@ def main(argv: list[str] | None = None) -> None:
     try:  # typer >= 0.24 vendors click
         from typer._click.exceptions import ClickException, NoArgsIsHelpError
     except ImportError:  # pragma: no cover - older typer on click
-        from click.exceptions import ClickException, NoArgsIsHelpError
+        # click's own classes under the names typer vendors (to mypy, two distinct types)
+        from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[assignment]
 
     err_console = Console(stderr=True, highlight=False, soft_wrap=True)
     try:

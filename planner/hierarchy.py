@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from berth.hardware_profiles.schema import LinkProfile
+from berth.hardware_profiles.schema import LinkKind, LinkProfile
 from berth.planner.specs import FabricLevel
 
 # Achieved ring bus bandwidth / wire bandwidth per link kind when a link does not give its own
@@ -53,7 +53,7 @@ def gpu_order(g: nx.Graph) -> list[str]:
 class _Hop:
     bandwidth_GBps: float
     latency_us: float
-    kind: str
+    kind: LinkKind
     efficiency: float
 
 
@@ -66,7 +66,7 @@ class _Tree:
 
     def __init__(self, g: nx.Graph, root: str):
         tree = nx.maximum_spanning_tree(g, weight="bandwidth_GBps")
-        self.parent: dict[str, str | None] = {root: None}
+        self.parent: dict[str, str] = {}  # every node but the root (which `path` never steps up from)
         self.depth = {root: 0}
         self.up: dict[str, dict] = {}
         for u, v in nx.bfs_edges(tree, root):
@@ -74,7 +74,8 @@ class _Tree:
 
     def path(self, a: str, b: str) -> _Hop:
         """Bottleneck hop and total latency between a and b."""
-        worst, latency = None, 0.0
+        worst: dict | None = None
+        latency = 0.0
 
         def step(x: str) -> str:
             nonlocal worst, latency
@@ -221,13 +222,13 @@ def _level(g: nx.Graph, order: list[str], span, tree: _Tree, prev: int, size: in
                 if x not in own_kind or d["bandwidth_GBps"] < own_kind[x]["bandwidth_GBps"]:
                     own_kind[x] = d
     if cut:
-        j = min(cut, key=cut.get)
+        j = min(cut, key=cut.__getitem__)
         per_gpu = cut[j] / prev
         if per_gpu < best[0]:
             d = cut_kind[j]
             best = (per_gpu, d["kind"], _efficiency(d), "shared" if prev > 1 else "nic")
     if own:
-        x = min(own, key=own.get)
+        x = min(own, key=own.__getitem__)
         if own[x] < best[0]:
             d = own_kind[x]
             best = (own[x], d["kind"], _efficiency(d), "nic")

@@ -27,6 +27,7 @@ import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -235,7 +236,7 @@ def artifacts(
 _IMAGE = TypeAdapter(ImageName)
 
 
-def _stages():
+def _stages() -> ModuleType:
     """berth.planner.stages, imported at first use: it loads numpy, and the CLI reads LAUNCH_FORMATS at start-up."""
     from berth.planner import stages
 
@@ -358,7 +359,7 @@ class _Run:
     def pytorchjob(self, image: str) -> dict[str, str]:
         name = _k8s_name(self.plan.model.name)
         env = [{"name": k, "value": v} for k, v in self.env.items()]
-        container = {
+        container: dict[str, Any] = {
             "name": "pytorch",
             "image": image,
             "workingDir": "/app",
@@ -789,7 +790,7 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
         raise LaunchRefused("torchtitan", reason)
     shard = x.shard if x.zero_stage else 1
     local = x.micro_batch_size * (x.num_microbatches if x.pp > 1 else 1)
-    parallelism = {
+    parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": x.dp // shard,
         "data_parallel_shard_degree": shard,
         "tensor_parallel_degree": x.tp,

@@ -121,7 +121,8 @@ _OPTIONAL = {"num_key_value_heads", "n_inner"}
 # Mixture-of-experts keys by model type: (experts, top-k, expert ffn, shared experts, shared ffn, dense
 # leading layers). None: the family has no such key (Mixtral's experts are intermediate_size wide;
 # Qwen2-MoE has one shared expert of shared_expert_intermediate_size).
-_MOE_FIELDS: dict[str, tuple[str | None, ...]] = {
+# (experts, experts per token, then the optional keys: expert ffn, shared experts, shared ffn, first dense)
+_MOE_FIELDS: dict[str, tuple[str, str, str | None, str | None, str | None, str | None]] = {
     "mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate_size", None, None, None),
     "qwen2_moe": (
         "num_experts",
@@ -195,6 +196,8 @@ def _refuse_unsupported(cfg: dict[str, Any], source: str) -> None:
     supported = f"supported: dense decoder-only {', '.join(sorted(_HF_FAMILIES))}"
     model_type = cfg.get("model_type")
     supported += f"; mixture of experts {', '.join(sorted(_MOE_FIELDS))}"
+    if model_type is not None and not isinstance(model_type, str):  # a list or object: no family to look up
+        raise BerthError(f"{source}.model_type", model_type, f"unsupported model type; {supported}")
     for key in _MOE_KEYS:
         if model_type not in _MOE_FIELDS and cfg.get(key) not in (None, 0, 1, False):
             raise BerthError(
@@ -294,7 +297,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
     hidden/heads and unknown model types are refused naming the key (they would be planned
     wrongly). Attention/MLP biases are ignored (under 0.1% of the parameters and FLOPs)."""
     _refuse_unsupported(cfg, source)
-    model_type = cfg.get("model_type")
+    model_type: str = cfg["model_type"]  # a family of _HF_FAMILIES: _refuse_unsupported refused anything else
     family = _HF_FAMILIES[model_type]
     keys = family["keys"]
     missing = [k for k in keys if k and k not in cfg and k not in _OPTIONAL]

@@ -12,13 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import permutations
+from typing import cast
 
 import numpy as np
 
 from berth.cost_models import terms
 from berth.cost_models.comm import group_level
 from berth.planner.axes import ORDERED_AXES, RANK_AXES, with_cp
-from berth.planner.specs import PLACEMENT_DETAIL_MAX_RANKS, ClusterSpec, GroupPlacement, Layout, Placement
+from berth.planner.specs import (
+    PLACEMENT_DETAIL_MAX_RANKS,
+    AxisName,
+    ClusterSpec,
+    GroupPlacement,
+    Layout,
+    Placement,
+)
 
 AXES = ORDERED_AXES  # the axes of axis_order: tp, dp, pp
 # RANK_AXES (planner/axes.py): with context parallelism, right outside tp
@@ -148,7 +156,7 @@ def placement(
         term = AXIS_TERMS[axis]
         groups.append(
             GroupPlacement(
-                axis=axis,
+                axis=cast(AxisName, axis),  # one of shown_axes' or ep: the names AxisName lists
                 size=sizes[axis],
                 count=layout.world_size // sizes[axis],
                 stride=stride[axis],

@@ -8,6 +8,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 
 from berth.cost_models.validity import divisors as search_divisors
 from berth.hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
+from berth.hardware_profiles.schema import DeviceProfile, ServerProfile
 from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.graphs import cluster_graph, to_node_link
 from berth.planner.layouts import check_layout, parse_spec
@@ -34,7 +36,7 @@ from berth.planner.specs import (
 from berth.planner.topology import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
 
 
-def load_profile(path: str | None):
+def load_profile(path: str | None) -> tuple[DeviceProfile, ServerProfile] | None:
     """(device, server) of a `berth profile` file, or None."""
     if not path:
         return None
@@ -236,7 +238,7 @@ def compare(
     model: ModelSpec,
     training: TrainingSpec,
     cluster: ClusterSpec,
-    layouts: list[str | dict[str, Any]],
+    layouts: Sequence[str | dict[str, Any]],
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
 ) -> list[Plan]:
     if not layouts:
@@ -305,16 +307,16 @@ def fallback(
             old, new = getattr(chosen.layout, field), getattr(best.layout, field)
             if old != new:
                 changes.append(f"{field} {old} -> {new}")
-        ratio = best.prediction.tokens_per_s / chosen.prediction.tokens_per_s - 1.0
+        ratio = best.predicted().tokens_per_s / chosen.predicted().tokens_per_s - 1.0
         changes.append(f"throughput {ratio:+.1%}")
         return Fallback(
             nodes_lost=lost,
             world_size=cluster.world_size,
             global_batch_size=batch,
             layout=best.layout,
-            step_time_s=best.prediction.step_time_s,
-            tokens_per_s=best.prediction.tokens_per_s,
-            peak_memory_bytes=best.prediction.peak_memory_bytes,
+            step_time_s=best.predicted().step_time_s,
+            tokens_per_s=best.predicted().tokens_per_s,
+            peak_memory_bytes=best.predicted().peak_memory_bytes,
             changes=changes,
         )
     return None

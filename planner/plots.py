@@ -8,6 +8,7 @@ when a figure is drawn.
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 from berth.cost_models.terms import TIME as TIME_TERMS
 from berth.executor.breakdown import OTHER, TERMS, term_of
@@ -27,7 +28,7 @@ def have_matplotlib() -> bool:
     return True
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,7 +80,7 @@ def terms_png(report: ValidationReport, path: str | Path) -> Path:
     """Predicted and measured seconds per term (the rank that sets the step time), the term
     with the largest error marked."""
     plt = _pyplot()
-    b = report.breakdown
+    b = report.measured_breakdown()
     terms = [t for t, r in b.terms.items() if (r.predicted_s or 0) > 0 or r.measured_s is not None]
     x = range(len(terms))
     fig, ax = plt.subplots(figsize=(8, 3.6), dpi=100)

@@ -425,7 +425,7 @@ def _mib(x: float | None) -> str:
 
 def measured_terms_table(report: ValidationReport) -> Table:
     """Predicted beside measured, term by term (report.breakdown), the largest error marked."""
-    b = report.breakdown
+    b = report.measured_breakdown()
     t = Table(
         title=f"step terms, rank {b.rank} (the rank that sets the step time; mean of {report.steps} timed steps)",
         header_style="bold",
@@ -452,7 +452,7 @@ def measured_terms_table(report: ValidationReport) -> Table:
 
 
 def measured_memory_table(report: ValidationReport) -> Table:
-    b = report.breakdown
+    b = report.measured_breakdown()
     t = Table(title=f"memory, rank {b.rank} (MiB)", header_style="bold")
     for col in ("term", "predicted", "measured", "error"):
         t.add_column(col, justify="left" if col == "term" else "right")
@@ -466,7 +466,7 @@ def measured_memory_table(report: ValidationReport) -> Table:
 
 def measured_regions_line(report: ValidationReport) -> str:
     """The shown rank's measured regions (each collective kind apart), largest first."""
-    b = report.breakdown
+    b = report.measured_breakdown()
     rank = next((r for r in report.per_rank if r.get("rank") == b.rank and r.get("regions_s")), None)
     if rank is None:
         return ""

@@ -103,7 +103,7 @@ def cp_options(training: TrainingSpec, world: int) -> list[int]:
     return out
 
 
-def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_mbs: int | None):
+def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_mbs: int | None) -> np.ndarray:
     """(tp, pp, dp, mbs, nmb, schedule, vpp, axis order, cp) rows that divide correctly: the
     rule table's rules that read only tp, cp, pp and virtual_stages (cost_models/validity.py
     `prune`: the heads, the cp chunks, the stage split) judge (tp, cp, pp) and the virtual stages
@@ -378,7 +378,9 @@ def search(
         (float(objective_value(ev, spec.objective)[i]), k, int(i)) for k, (_, ev, top) in enumerate(best) for i in top
     ]
     merged.sort(key=lambda t: -t[0])
-    plans, seen, inner = [], set(), {}
+    plans: list[Plan] = []
+    seen: set[Layout] = set()
+    inner: dict[int, Evaluation] = {}
     for _, k, i in merged:  # one plan per layout: its best axis order (an equal one keeps tp-dp-pp)
         key = best[k][0].layout(i).model_copy(update={"axis_order": "tp-dp-pp"})
         if key not in seen and len(plans) < spec.top:
@@ -406,7 +408,9 @@ def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
         memory_breakdown_bytes={k: float(v[i]) for k, v in ev.memory_breakdown_bytes.items()},
         model_flops_per_step=float(ev.model_flops_per_step),
         hardware_flops_per_step=float(ev.hardware_flops_per_step[i]),
-        goodput=GoodputPrediction(**ev.goodput.at(i), **{k: _finite(float(v[i])) for k, v in ev.cost.items()}),
+        goodput=GoodputPrediction.model_validate(
+            {**ev.goodput.at(i), **{k: _finite(float(v[i])) for k, v in ev.cost.items()}}
+        ),
     )
 
 
@@ -435,9 +439,10 @@ def make_plan(
     prediction = prediction_at(ev, cluster, i) if structurally_valid else None
     placed = None
     if prediction:
+        row = i
         if inner is None:
-            inner, i = innermost_evaluation(model, training, cluster, Candidates.from_layouts([layout])), 0
-        innermost_s = {k: float(v[i]) for k, v in inner.time_breakdown_s.items()}
+            inner, row = innermost_evaluation(model, training, cluster, Candidates.from_layouts([layout])), 0
+        innermost_s = {k: float(v[row]) for k, v in inner.time_breakdown_s.items()}
         placed = placement(layout, cluster, prediction.time_breakdown_s, innermost_s, detail)
     return Plan(
         berth_version=__version__,

@@ -20,6 +20,7 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Framework = Literal["pytorch", "megatron"]
 AxisOrder = Literal["tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"]
+AxisName = Literal["tp", "cp", "dp", "pp", "ep"]  # the values of berth.planner.axes.Axis
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
 SCHEDULE_CHOICES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 # innermost axis first; tp-dp-pp (Megatron's default) first so that ties keep it
@@ -262,7 +263,7 @@ class ModelSpec(Spec):
         )
 
     @property
-    def params_per_layer(self):
+    def params_per_layer(self) -> float:
         """Parameters of a decoder layer (MoE: the mean over the layers, all experts counted)."""
         if not self.is_moe:
             return self.layer_params_total // self.num_layers
@@ -684,7 +685,7 @@ class GroupPlacement(Spec):
     """Where the process groups of one parallel axis sit, and what their slowest link costs."""
 
     # ep (MoE): consecutive dp ranks, the dp stride apart
-    axis: Literal["tp", "cp", "dp", "pp", "ep"] = Field(description="the parallel axis: tp, cp, dp, pp or ep (MoE)")
+    axis: AxisName = Field(description="the parallel axis: tp, cp, dp, pp or ep (MoE)")
     size: int = Field(description="ranks in one group of this axis (its degree)")
     count: int = Field(description="how many groups of this axis")
     stride: int = Field(description="rank distance between neighbours in a group")
@@ -751,6 +752,12 @@ class Plan(Spec):
     )
     placement: Placement | None = Field(default=None, description="rank -> GPU mapping and process groups")
     fallback: Fallback | None = Field(default=None, description="the best layout with one node lost (when asked for)")
+
+    def predicted(self) -> Prediction:
+        """The prediction of a plan that has one (every plan the search returns); ValueError otherwise."""
+        if self.prediction is None:
+            raise ValueError(f"plan {self.layout.short()} has no prediction: {self.infeasible_reason}")
+        return self.prediction
 
 
 def plan_listing(data: Any) -> list[Any] | None:
@@ -901,3 +908,9 @@ class ValidationReport(Spec):
         default_factory=list,
         description="Chrome/Perfetto trace files of one step, one per rank (`berth validate --trace DIR`)",
     )
+
+    def measured_breakdown(self) -> MeasuredBreakdown:
+        """The measured step terms of a report that has them; ValueError otherwise (callers check first)."""
+        if self.breakdown is None:
+            raise ValueError(f"validation report {self.id} has no measured breakdown")
+        return self.breakdown

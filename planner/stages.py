@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import numpy as np
 
+StageSplit = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (first, middle, last, valid), broadcast
+
 TABULATE_FROM = 256  # candidate arrays at least this long are answered from a table over (pp, vpp)
 
 
-def _tabulated(rule, num_layers, pp, vpp):
+def _tabulated(rule, num_layers, pp, vpp) -> StageSplit | None:
     """`rule` over long candidate arrays, evaluated once per (pp, vpp) pair on a small grid and
     gathered (the search asks for 10^5 candidates with a handful of distinct degrees); the same
     arrays as `rule` on the inputs, or None where the inputs are not a layer count and long
@@ -61,7 +63,7 @@ def _tabulated(rule, num_layers, pp, vpp):
     return tuple(np.take(np.broadcast_to(t, grid_pp.shape).ravel(), flat) for t in table)
 
 
-def split(num_layers, pp, vpp=1):
+def split(num_layers, pp, vpp=1) -> StageSplit:
     """(first, middle, last, valid) decoder layers of the first, every middle and the last chunk
     (virtual stage) for L = `num_layers` over pp x vpp chunks (module docstring): int64 arrays
     broadcast over the inputs. With one chunk all three are L. `valid` is False where the first or
@@ -69,7 +71,7 @@ def split(num_layers, pp, vpp=1):
     return _tabulated(_split, num_layers, pp, vpp) or _split(num_layers, pp, vpp)
 
 
-def _split(num_layers, pp, vpp):
+def _split(num_layers, pp, vpp) -> StageSplit:
     L = np.asarray(num_layers, dtype=np.int64)
     chunks = np.asarray(pp, dtype=np.int64) * np.asarray(vpp, dtype=np.int64)
     k = -(-L // chunks)  # ceil(L / S): every middle chunk
@@ -80,14 +82,14 @@ def _split(num_layers, pp, vpp):
     return first, middle, last, (first >= 1) & (last >= 1)
 
 
-def stage_split(num_layers, pp, vpp=1):
+def stage_split(num_layers, pp, vpp=1) -> StageSplit:
     """(first, middle, last, valid) decoder layers of the first, every middle and the last pipeline
     rank (a rank holds vpp chunks: the first rank chunk 0 and vpp - 1 middle chunks, the last rank
     vpp - 1 middle chunks and the last chunk); with pp = 1 all three are L."""
     return _tabulated(_stage_split, num_layers, pp, vpp) or _stage_split(num_layers, pp, vpp)
 
 
-def _stage_split(num_layers, pp, vpp):
+def _stage_split(num_layers, pp, vpp) -> StageSplit:
     first, middle, last, valid = _split(num_layers, pp, vpp)
     v = np.asarray(vpp, dtype=np.int64)
     one = np.asarray(pp) == 1

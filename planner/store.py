@@ -187,7 +187,8 @@ class Store:
         return ValidationReport.model_validate_json(row[0]) if row else None
 
     def validations(self, limit: int | None = None, status: str | None = None) -> list[ValidationReport]:
-        query, args = "SELECT body FROM validations", []
+        query = "SELECT body FROM validations"
+        args: list[str | int] = []
         if status:
             query += " WHERE status = ?"
             args.append(status)

@@ -85,8 +85,8 @@ def cluster_from_graph(
         hosts[g.nodes[x]["host"]] = hosts.get(g.nodes[x]["host"], 0) + 1
     sizes = set(hosts.values())
     if len(sizes) != 1:
-        counts = ", ".join(f"{h}: {n}" for h, n in list(hosts.items())[:6])
-        raise BerthError(f"{field}.nodes", counts, "hosts hold different GPU counts; not supported yet")
+        listed = ", ".join(f"{h}: {n}" for h, n in list(hosts.items())[:6])
+        raise BerthError(f"{field}.nodes", listed, "hosts hold different GPU counts; not supported yet")
     counts: dict[str, int] = {}
     for x in order:
         counts[g.nodes[x]["device"]] = counts.get(g.nodes[x]["device"], 0) + 1

@@ -122,3 +122,12 @@ def test_strict_json_and_body_limit_in_process(tmp_path):
         assert r.status_code == 413, r.text
         r = client.post("/v1/plans", json={**TINY, "training": {"seq_len": 128, "global_batch_size": 0}})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][:2] == ["body", "training"], r.text
+
+
+def test_a_model_type_that_is_no_text_is_422_in_process(tmp_path):
+    """An HF config whose model_type is a list is refused naming the field (it was a 500)."""
+    app = create_app(Settings(store_path=str(tmp_path / "app.sqlite")))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/plans", json={**TINY, "model": {"model_type": ["llama"], "hidden_size": 64}})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["body", "model", "model_type"]

@@ -116,6 +116,15 @@ def test_unknown_model_type_is_refused_with_the_supported_list():
     assert err.value.field == "model.model_type" and "mamba" in str(err.value) and "llama" in str(err.value)
 
 
+@pytest.mark.parametrize("model_type", [["llama"], {"family": "llama"}])
+def test_a_model_type_that_is_no_text_is_refused_naming_it(model_type):
+    """Found by mypy: a list or object as model_type was looked up in the family tables and raised
+    TypeError (unhashable): a traceback from the CLI, a 500 from the API."""
+    with pytest.raises(BerthError) as err:
+        load_model({"model_type": model_type, "hidden_size": 64})
+    assert err.value.field == "model.model_type" and "unsupported model type" in str(err.value)
+
+
 def test_hf_config_missing_keys_are_named():
     with pytest.raises(BerthError) as err:
         load_model({"model_type": "llama", "hidden_size": 4096})
