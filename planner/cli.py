@@ -14,7 +14,7 @@ from rich.console import Console
 from berth.planner import __version__
 from berth.planner.errors import BerthError
 from berth.planner.launch import formats_text
-from berth.planner.specs import DEFAULT_MEMORY_HEADROOM
+from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, TrainingSpec
 
 # Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
 # (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m berth.planner.cli plan ...`;
@@ -142,7 +142,7 @@ def _inputs(
     operations: tuple = (None, None, None),
     token_budget: float | None = None,
     framework: str = "pytorch",
-):
+) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
     """The options of `plan` and `compare` as berth.planner.inputs takes them (the service's
     bodies become the same values); the CLI may read files."""
     from berth.planner.inputs import ClusterInput, OperationsInput, TrainingInput, resolve

@@ -6,10 +6,12 @@ the plain values below (`ClusterInput`, `TrainingInput`, `OperationsInput`, the 
 and render a BerthError (CLI: exit 2 and one line; API: a 422 whose `loc` names the field). The
 defaults, the checks and the field names of the errors live here, once.
 
-Files: `allow_files` is a required keyword of everything here that could open one. The CLI passes
-True (a model YAML/JSON or HF config.json, a topology graph FILE.json, a `berth profile` file: the
-user's own disk); the service passes False, and then only the package's catalog names and inline
-objects are accepted: a name that is no preset is refused before any path is looked at.
+Files: `resolve` and `make_cluster_input` take `allow_files` as a required keyword (`make_cluster`
+defaults to False). The CLI passes True (a model YAML/JSON or HF config.json, a topology graph
+FILE.json, a `berth profile` file: the user's own disk); the service passes False, and then only the
+package's catalog names and inline objects are accepted: a name that is no preset is refused before
+any path is looked at. `load_profile` and `load_graph_file` open files: the CLI's own, reached from
+here only with allow_files.
 """
 
 from __future__ import annotations
