@@ -318,10 +318,11 @@ class Service:
         for run_dir in list(self.run_dirs):
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def resolve(self, req: Any, cluster: ClusterSpec | None) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
-        """A plan or compare request's specs, by the conversion the CLI uses (no file is named)."""
-        if cluster is None:
-            cluster = build_cluster(req.cluster.to_input(), self.settings.max_gpus)
+    def resolve(self, req: Any, cluster: ClusterInput | ClusterSpec) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
+        """A plan or compare request's specs, by the conversion the CLI uses (no file is named);
+        `cluster` is the request's, or built already."""
+        if isinstance(cluster, ClusterInput):
+            cluster = build_cluster(cluster, self.settings.max_gpus)
         return resolve(req.model, cluster, req.training.to_input(), req.operations.to_input(), allow_files=False)
 
     async def resolved(self, req: Any, cancel: threading.Event, then: Callable | None = None) -> tuple:
@@ -333,7 +334,7 @@ class Service:
         built = await self.builds.run(cluster, max_gpus) if _heavy(cluster) else None
 
         def work():
-            specs = self.resolve(req, built)
+            specs = self.resolve(req, cluster if built is None else built)
             return (*specs, then(*specs)) if then else specs
 
         return await self.light.run(work, cancel)
