@@ -13,17 +13,9 @@ from berth.api.common import COMMON_ERRORS, ERROR, StrictRoute, json_response
 from berth.api.schemas import CompareRequest, CompareResponse, LaunchRequest, LaunchResponse, PlanRequest, PlanResponse
 from berth.api.service import Service, get_service
 from berth.planner.errors import BerthError
+from berth.planner.inputs import make_search
 from berth.planner.launch import artifacts
-from berth.planner.planning import (
-    cached_plan,
-    compare,
-    compare_json,
-    json_text,
-    make_search,
-    plan,
-    plans_text,
-    with_fallback,
-)
+from berth.planner.planning import cached_plan, compare, compare_json, json_text, plan, plans_text, with_fallback
 from berth.planner.specs import pick_plan, plan_listing
 
 router = APIRouter(route_class=StrictRoute)

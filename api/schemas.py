@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from berth.hardware_profiles import server_names
 from berth.hardware_profiles.schema import LinkProfile, Precision
+from berth.planner.inputs import ClusterInput, OperationsInput, TrainingInput
 from berth.planner.launch import FORMATS
 from berth.planner.specs import (
     DEFAULT_MEMORY_HEADROOM,
@@ -54,6 +55,10 @@ class TrainingRequest(Body):
     )
     token_budget: float | None = Field(default=None, gt=0, le=1e16, description="tokens to train on, for the cost")
 
+    def to_input(self) -> TrainingInput:
+        """The values berth.planner.inputs turns into a TrainingSpec (the CLI's options become the same)."""
+        return TrainingInput(**self.model_dump())
+
 
 class PresetCluster(Body):
     preset: PresetName = Field(
@@ -67,6 +72,12 @@ class PresetCluster(Body):
     nodes_per_leaf: int | None = Field(default=None, gt=0, le=MAX_NODES, description="fat-tree: nodes per leaf")
     oversubscription: float = Field(default=1.0, ge=1.0, le=64.0, description="fat-tree: leaf down/up bandwidth")
 
+    def to_input(self) -> ClusterInput:
+        """The cluster as berth.planner.inputs takes it: a catalog name, never a file."""
+        return ClusterInput(
+            self.preset, self.nodes, self.devices_per_node, self.fabric, self.nodes_per_leaf, self.oversubscription
+        )
+
 
 class GraphCluster(Body):
     graph: dict[str, Any] = Field(description='networkx node-link: {"nodes": [...], "links": [...]}')
@@ -77,6 +88,9 @@ class GraphCluster(Body):
         pattern=r"^[^\x00-\x1f\x7f]+$",
         description="the cluster's label in tables and plans",
     )
+
+    def to_input(self) -> ClusterInput:
+        return ClusterInput(graph=self.graph, graph_name=self.name)
 
 
 class OperationsRequest(Body):
@@ -94,6 +108,9 @@ class OperationsRequest(Body):
     price_per_gpu_hour: float | None = Field(
         default=None, ge=0, le=1e6, description="currency units per GPU-hour (no cost without it)"
     )
+
+    def to_input(self) -> OperationsInput:
+        return OperationsInput(**self.model_dump())
 
 
 class SearchRequest(Body):

@@ -33,16 +33,15 @@ from fastapi import HTTPException, Request
 from fastapi.responses import Response
 
 from berth.api.common import RETRY_AFTER_S, busy
-from berth.api.schemas import GraphCluster, PresetCluster, ValidationRequest
+from berth.api.schemas import ValidationRequest
 from berth.api.settings import Settings
 from berth.hardware_profiles import load_server
 from berth.planner.errors import BerthError
-from berth.planner.models import load_model
-from berth.planner.planning import default_precision, make_cluster, make_training, with_operations
+from berth.planner.inputs import ClusterInput, make_cluster_input, resolve
 from berth.planner.search import SearchTimeout
-from berth.planner.specs import ClusterSpec, Plan
+from berth.planner.specs import ClusterSpec, ModelSpec, Plan, TrainingSpec
 from berth.planner.store import BUSY_TIMEOUT_S, Store
-from berth.planner.topology import LOCAL, cluster_from_node_link
+from berth.planner.topology import LOCAL
 
 # A preset cluster of more GPUs than this, or a graph of more elements, is built in the one
 # "build" thread: a 65,536-GPU preset takes seconds of pure Python, and must not hold the threads
@@ -120,43 +119,33 @@ def _kill_children() -> None:
             time.sleep(0.5)
 
 
-def _heavy(cluster_req: Any) -> bool:
+def _heavy(cluster: ClusterInput) -> bool:
     """Whether building this cluster may take seconds (see HEAVY_CLUSTER_GPUS)."""
-    if isinstance(cluster_req, GraphCluster):
-        g = cluster_req.graph
+    if cluster.graph is not None:
+        g = cluster.graph
         return sum(len(g[k]) for k in ("nodes", "links") if isinstance(g.get(k), list)) > HEAVY_GRAPH_ELEMENTS
-    if cluster_req.preset == LOCAL:
+    if cluster.preset == LOCAL:
         return False
-    return load_server(cluster_req.preset).gpus_per_node * cluster_req.nodes > HEAVY_CLUSTER_GPUS
+    return load_server(cluster.preset).gpus_per_node * cluster.nodes > HEAVY_CLUSTER_GPUS
 
 
-def build_cluster(cluster_req: PresetCluster | GraphCluster, max_gpus: int) -> ClusterSpec:
-    """The cluster of a request (a preset of the catalog, `local`, or an inline graph), refused
-    when it has more than `max_gpus` GPUs, counted before the graph is built."""
+def build_cluster(cluster: ClusterInput, max_gpus: int) -> ClusterSpec:
+    """The cluster of a request (a preset of the catalog, `local`, or an inline graph: never a
+    file), refused when it has more than `max_gpus` GPUs, counted before the graph is built."""
 
     def too_big(gpus: int) -> None:
         if gpus > max_gpus:
             raise BerthError("cluster", gpus, f"{gpus:,} GPUs is more than this server plans for ({max_gpus:,})")
 
-    if isinstance(cluster_req, GraphCluster):
-        nodes = cluster_req.graph.get("nodes")
+    if cluster.graph is not None:
+        nodes = cluster.graph.get("nodes")
         if isinstance(nodes, list):
             too_big(sum(1 for n in nodes if isinstance(n, dict) and n.get("kind") == "gpu"))
-        cluster = cluster_from_node_link(cluster_req.graph, cluster_req.name)
-    else:
-        if cluster_req.preset != LOCAL:
-            too_big(load_server(cluster_req.preset).gpus_per_node * cluster_req.nodes)
-        cluster = make_cluster(
-            cluster_req.preset,
-            cluster_req.nodes,
-            cluster_req.devices_per_node,
-            fabric=cluster_req.fabric,
-            nodes_per_leaf=cluster_req.nodes_per_leaf,
-            oversubscription=cluster_req.oversubscription,
-            allow_files=False,
-        )
-    too_big(cluster.world_size)
-    return cluster
+    elif cluster.preset != LOCAL:
+        too_big(load_server(cluster.preset).gpus_per_node * cluster.nodes)
+    built = make_cluster_input(cluster, allow_files=False)
+    too_big(built.world_size)
+    return built
 
 
 class Builds:
@@ -183,7 +172,7 @@ class Builds:
         with self._lock:
             self.pending -= 1
 
-    async def run(self, cluster_req: Any, max_gpus: int) -> ClusterSpec:
+    async def run(self, cluster: ClusterInput, max_gpus: int) -> ClusterSpec:
         with self._lock:
             if self.pending >= self.limit:
                 raise busy(
@@ -194,7 +183,7 @@ class Builds:
             self.pending += 1
         pool = self._executor()
         try:
-            future = pool.submit(build_cluster, cluster_req, max_gpus)
+            future = pool.submit(build_cluster, cluster, max_gpus)
         except BrokenProcessPool:
             self._done(None)
             self.kill(pool)
@@ -329,29 +318,23 @@ class Service:
         for run_dir in list(self.run_dirs):
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def resolve(self, req: Any, cluster: ClusterSpec | None) -> tuple[Any, Any, ClusterSpec]:
-        model = load_model(req.model, allow_files=False)
-        if cluster is None:
-            cluster = build_cluster(req.cluster, self.settings.max_gpus)
-        ops = req.operations
-        if ops is not None:
-            gbps = ops.storage_write_gbps_per_gpu
-            cluster = with_operations(
-                cluster, ops.failures_per_gpu_hour, gbps * 1e9 if gbps else None, ops.price_per_gpu_hour
-            )
-        fields = req.training.model_dump()
-        fields["precision"] = fields["precision"] or default_precision(cluster)
-        return model, make_training(**fields), cluster
+    def resolve(self, req: Any, cluster: ClusterInput | ClusterSpec) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
+        """A plan or compare request's specs, by the conversion the CLI uses (no file is named);
+        `cluster` is the request's, or built already."""
+        if isinstance(cluster, ClusterInput):
+            cluster = build_cluster(cluster, self.settings.max_gpus)
+        return resolve(req.model, cluster, req.training.to_input(), req.operations.to_input(), allow_files=False)
 
     async def resolved(self, req: Any, cancel: threading.Event, then: Callable | None = None) -> tuple:
         """Model, training and cluster, built in a worker thread (`local` asks nvidia-smi there),
         a large cluster in the build process; never on the event loop. `then(model, training,
         cluster)` runs in the same thread and its result is returned too."""
         max_gpus = self.settings.max_gpus
-        built = await self.builds.run(req.cluster, max_gpus) if _heavy(req.cluster) else None
+        cluster = req.cluster.to_input()
+        built = await self.builds.run(cluster, max_gpus) if _heavy(cluster) else None
 
         def work() -> tuple:
-            specs = self.resolve(req, built)
+            specs = self.resolve(req, cluster if built is None else built)
             return (*specs, then(*specs)) if then else specs
 
         return await self.light.run(work, cancel)

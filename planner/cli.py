@@ -143,26 +143,18 @@ def _inputs(
     token_budget: float | None = None,
     framework: str = "pytorch",
 ) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
-    from berth.planner.models import load_model
-    from berth.planner.planning import default_precision, make_cluster, make_training, with_operations
+    """The options of `plan` and `compare` as berth.planner.inputs takes them (the service's
+    bodies become the same values); the CLI may read files."""
+    from berth.planner.inputs import ClusterInput, OperationsInput, TrainingInput, resolve
 
-    spec = load_model(model)
-    failures, storage_gbps, price = operations
-    cl = with_operations(
-        make_cluster(cluster, nodes, devices, profile, *fabric),
-        failures,
-        storage_gbps * 1e9 if storage_gbps is not None else None,
-        price,
+    kind, per_leaf, oversubscription = fabric
+    return resolve(
+        model,
+        ClusterInput(cluster, nodes, devices, kind, per_leaf, oversubscription, profile=profile),
+        TrainingInput(seq_len, global_batch, precision, flash, framework, token_budget),
+        OperationsInput(*operations),
+        allow_files=True,
     )
-    training = make_training(
-        seq_len=seq_len,
-        global_batch_size=global_batch,
-        precision=precision or default_precision(cl),
-        flash_attention=flash,
-        framework=framework,
-        token_budget=token_budget,
-    )
-    return spec, training, cl
 
 
 def _unit(cluster) -> str:
@@ -203,7 +195,8 @@ def plan_cmd(
     as_csv: Csv = False,
 ) -> None:
     """Search every valid layout and show the fastest that fit (exit 1 when none fits)."""
-    from berth.planner.planning import lose_nodes, make_search, plan, plans_json, with_fallback
+    from berth.planner.inputs import make_search
+    from berth.planner.planning import lose_nodes, plan, plans_json, with_fallback
     from berth.planner.render import breakdown_table, count, goodput_table, plans_csv, plans_table, print_placement
 
     if as_json and as_csv:
@@ -302,11 +295,16 @@ def compare_cmd(
     flash: Flash = True,
     framework: FrameworkOpt = "pytorch",
     memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
+    failures: Failures = None,
+    storage_gbps: Storage = None,
+    price: Price = None,
+    token_budget: Budget = None,
     as_json: Json = False,
     as_csv: Csv = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
-    from berth.planner.planning import compare, compare_json, make_search, plan
+    from berth.planner.inputs import make_search
+    from berth.planner.planning import compare, compare_json, plan
     from berth.planner.render import breakdown_table, plans_csv, plans_table, print_placement, print_reasons
 
     if as_json and as_csv:
@@ -322,7 +320,9 @@ def compare_cmd(
         flash,
         profile,
         (fabric, nodes_per_leaf, oversubscription),
-        framework=framework,
+        (failures, storage_gbps, price),
+        token_budget,
+        framework,
     )
     candidates = compare(spec, training, cl, layout, memory_headroom)
     try:
@@ -365,7 +365,7 @@ def topology_cmd(
     as_json: Json = False,
 ) -> None:
     """Build a cluster's topology graph from presets (or read one) and show its fast domains."""
-    from berth.planner.planning import load_graph_file, preset_graph
+    from berth.planner.inputs import load_graph_file, preset_graph
 
     _out_file(out)
     if len(servers) == 1 and servers[0].endswith(".json"):

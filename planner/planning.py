@@ -1,5 +1,5 @@
-"""The functions the CLI and the API share: resolve inputs into specs, plan, compare, and the
-JSON contract they both print."""
+"""The functions the CLI and the API share: plan, compare, and the JSON contract they both print.
+Turning user input into specs is `berth.planner.inputs`."""
 
 from __future__ import annotations
 
@@ -10,22 +10,28 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from berth.cost_models.validity import divisors as search_divisors
-from berth.hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
-from berth.hardware_profiles.schema import DeviceProfile, ServerProfile
-from berth.planner.errors import BerthError, from_validation_error
-from berth.planner.graphs import cluster_graph, to_node_link
+from berth.planner.errors import BerthError
+
+# The input conversion lives in berth.planner.inputs; these names stay importable from here for
+# the callers that planned with them (tests, notebooks).
+from berth.planner.inputs import (  # noqa: F401
+    default_precision,
+    load_graph_file,
+    load_profile,
+    make_cluster,
+    make_search,
+    make_training,
+    preset_graph,
+    with_operations,
+)
 from berth.planner.layouts import check_layout, parse_spec
 from berth.planner.search import SearchResult, predict_layouts, search
 from berth.planner.specs import (
     DEFAULT_MEMORY_HEADROOM,
     MAX_MEMORY_HEADROOM,
-    MAX_NODES,
     ClusterSpec,
     Fallback,
     ModelSpec,
@@ -33,146 +39,6 @@ from berth.planner.specs import (
     SearchSpec,
     TrainingSpec,
 )
-from berth.planner.topology import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
-
-
-def load_profile(path: str | None) -> tuple[DeviceProfile, ServerProfile] | None:
-    """(device, server) of a `berth profile` file, or None."""
-    if not path:
-        return None
-    try:
-        return load_profile_file(path)
-    except OSError as err:
-        raise BerthError("profile", path, f"cannot read: {err.strerror}") from None
-    except ValidationError as err:
-        raise from_validation_error(err, "profile") from None
-    except ValueError as err:
-        raise BerthError("profile", path, str(err)) from None
-
-
-def load_graph_file(path: str) -> ClusterSpec:
-    """A cluster from a node-link graph file (docs/topology.md)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as err:
-        raise BerthError("cluster", path, f"cannot read: {err.strerror}") from None
-    except ValueError as err:
-        raise BerthError("cluster", path, f"not JSON: {err}") from None
-    return cluster_from_node_link(data, Path(path).stem, field=f"cluster ({Path(path).name})")
-
-
-def preset_graph(
-    servers: list[str], fabric: str = "rails", nodes_per_leaf: int | None = None, oversubscription: float = 1.0
-) -> tuple[dict[str, Any], ClusterSpec]:
-    """The node-link graph of PRESET[:NODES] servers on one fabric (mixed presets make a
-    heterogeneous cluster), and the cluster derived from it."""
-    parts = []
-    for item in servers:
-        name, _, count = item.partition(":")
-        try:
-            server = load_server(name)
-        except UnknownProfileError as err:
-            raise BerthError("cluster.preset", name, f"unknown preset; known: {', '.join(err.known)}") from None
-        if count and not (count.isdigit() and 1 <= int(count) <= MAX_NODES):
-            raise BerthError("cluster.nodes", item, f"write PRESET:NODES with NODES in 1..{MAX_NODES}")
-        parts.append((server, int(count or 1)))
-    if len({s.gpus_per_node for s, _ in parts}) > 1:
-        raise BerthError("cluster.preset", servers, "servers with different GPU counts cannot be mixed yet")
-    g = cluster_graph(parts, fabric, nodes_per_leaf, oversubscription)
-    data = to_node_link(g)
-    return data, cluster_from_node_link(data, "+".join(servers))
-
-
-def make_cluster(
-    cluster: str,
-    nodes: int = 1,
-    devices_per_node: int | None = None,
-    profile: str | None = None,
-    fabric: str = "rails",
-    nodes_per_leaf: int | None = None,
-    oversubscription: float = 1.0,
-    allow_files: bool = True,
-) -> ClusterSpec:
-    """A preset for `nodes` servers (on a rail or fat-tree fabric), a node-link graph file
-    (`*.json`), or `local`: this machine (its GPUs, or CPU worker processes). A `berth profile`
-    file replaces the device (and, for `local`, the links) by measured ones. The service passes
-    allow_files=False: then only the preset catalog's names are accepted and no path is opened."""
-    if not allow_files:
-        if profile is not None:
-            raise BerthError("profile", profile, "a request cannot name a file on the server")
-        if cluster != LOCAL and cluster not in server_names():
-            raise BerthError(
-                "cluster.preset",
-                cluster,
-                f"unknown preset; known: {', '.join(server_names())}, {LOCAL}; or give the cluster as an inline graph",
-            )
-    measured = load_profile(profile)
-    if cluster == LOCAL:
-        if nodes != 1:
-            raise BerthError("cluster.nodes", nodes, "a local cluster is this one machine: nodes must be 1")
-        return local_cluster(devices_per_node, measured)
-    if devices_per_node is not None:
-        raise BerthError("cluster.devices_per_node", devices_per_node, "applies to --cluster local only")
-    if cluster.endswith(".json"):
-        if nodes != 1 or fabric != "rails" or nodes_per_leaf or oversubscription != 1.0:
-            raise BerthError(
-                "cluster",
-                cluster,
-                "a graph file gives its own nodes and fabric: drop --nodes, "
-                "--fabric, --nodes-per-leaf and --oversubscription",
-            )
-        spec = load_graph_file(cluster)
-    else:
-        spec = cluster_from_preset(cluster, nodes, fabric, nodes_per_leaf, oversubscription)
-    if measured is not None:
-        device = measured[0]
-        if device.kind != spec.device.kind:
-            raise BerthError(
-                "profile", profile, f"a {device.kind} profile cannot describe {cluster}'s {spec.device.kind}s"
-            )
-        spec = spec.model_copy(update={"device": device.model_copy(update={"memory_bytes": spec.device.memory_bytes})})
-    return spec
-
-
-def with_operations(
-    cluster: ClusterSpec,
-    failures_per_gpu_hour: float | None = None,
-    storage_write_bytes_per_s_per_gpu: float | None = None,
-    price_per_gpu_hour: float | None = None,
-    restart_s: float | None = None,
-) -> ClusterSpec:
-    """The cluster with its failure rate, storage bandwidth, restart time and price set (None keeps)."""
-    values = {
-        "failures_per_gpu_hour": failures_per_gpu_hour,
-        "price_per_gpu_hour": price_per_gpu_hour,
-        "storage_write_bytes_per_s_per_gpu": storage_write_bytes_per_s_per_gpu,
-        "restart_s": restart_s,
-    }
-    update = {k: v for k, v in values.items() if v is not None}
-    try:
-        return ClusterSpec.model_validate({**cluster.model_dump(), **update}) if update else cluster
-    except ValidationError as err:
-        raise from_validation_error(err, "cluster") from None
-
-
-def default_precision(cluster: ClusterSpec) -> str:
-    """bf16 on GPUs; fp32 on CPU workers, where bf16 matmuls are slow without AVX512-BF16."""
-    return "fp32" if cluster.device.kind == "cpu" else "bf16"
-
-
-def make_training(**fields: Any) -> TrainingSpec:
-    try:
-        return TrainingSpec(**fields)
-    except ValidationError as err:
-        raise from_validation_error(err, "training") from None
-
-
-def make_search(top: int = 5, fix: str | dict | None = None, **fields: Any) -> SearchSpec:
-    fixed = parse_spec(fix, "fix") if isinstance(fix, str) else dict(fix or {})
-    try:
-        return SearchSpec(top=top, fix=fixed, **fields)
-    except ValidationError as err:
-        raise from_validation_error(err, "search") from None
 
 
 class _PlanCache:
