@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from berth.executor import timing
-from berth.executor.device import init_cuda
 from berth.executor.context_parallel import shard_batch
+from berth.executor.device import init_cuda
 from berth.executor.model import synthetic_batch
 from berth.executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
 from berth.planner.axes import MESH_DIM_AXIS, MESH_DIMS
