@@ -6,8 +6,8 @@ reads the local head count from the tensor shapes, so the same code runs unsplit
 Positions use rotary embeddings (no parameters), so the parameter count equals
 ModelSpec.num_params exactly.
 
-Context parallelism runs on PyTorch's context-parallel API (executor/context_parallel.py, applied by
-executor/parallel.py `apply_cp`): the batch is split by its head-tail load balancer (a rank holds
+Context parallelism runs on PyTorch's context-parallel API (executor/context_parallel.py `apply_cp`,
+called by executor/parallel.py): the batch is split by its head-tail load balancer (a rank holds
 chunks r and 2cp-1-r of the 2 cp chunks of every sequence, the split of torchtitan and Megatron-LM),
 each Attention rotates its tokens at their global positions (`ContextParallel`), and its inner
 `CausalAttention` module, wrapped by the API's `_ContextParallel` style, receives q, k, v as

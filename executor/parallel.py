@@ -302,7 +302,6 @@ def prepare(
                 "(the cost model shards over dp x cp: measured parameter and state memory is higher)"
             )
     if spec.is_moe:  # dp only (executor/checks.py), with or without ep: an explicit gradient reduction
-        _maybe_apply_cp(model, layout, mesh, coords)
         apply_recompute(model, layout.recompute)
         sync = apply_ep(model, layout, coords.rank)
         return Prepared([model], _optimizer(model.parameters()), executed_as=executed_as, sync=sync)
