@@ -80,9 +80,10 @@ TIME: tuple[TimeTerm, ...] = (
         "cp_comm",
         "context-parallel exchange of keys and values, the part attention does not hide",
         "#da8bc3",
-        ("cp_all_gather", "cp_reduce_scatter", "cp_all_reduce"),
-        "collectives on the context-parallel group: the executor's all-gather of K and V and the "
-        "reduce-scatter of their gradients (the cost model's ring exchange; its exposed part)",
+        ("cp_all_to_all", "cp_all_gather", "cp_all_reduce"),
+        "collectives on the context-parallel group: the ring steps of PyTorch's context-parallel API, "
+        "K and V (and dK, dV in backward) sent to the next rank as a permutation all-to-all (the cost "
+        "model's ring exchange; its exposed part), and the cp gradient all-reduce after FSDP2",
         axis="cp",
         shown_when="cp",
     ),

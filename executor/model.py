@@ -6,25 +6,28 @@ reads the local head count from the tensor shapes, so the same code runs unsplit
 Positions use rotary embeddings (no parameters), so the parameter count equals
 ModelSpec.num_params exactly.
 
-Context parallelism (`ContextParallel`, set on each Attention by executor/parallel.py): a rank holds
-chunks r and 2cp-1-r of the 2 cp chunks of every sequence (the load-balanced causal split of
-torchtitan and Megatron-LM), rotates them at their global positions and attends over the keys and
-values all-gathered across the cp group, masked by global position. This is all-gather KV attention
-(Megatron-LM's cp_comm_type "all_gather"; the Llama 3 paper, Sec. 3.3.2, trained with it), not a
-ring: PyTorch's `context_parallel` cannot shard the CPU attention op
-(aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy in torch 2.13). The
-gather's backward sums dK, dV over the group and keeps the rank's slice (an all-reduce on gloo,
-which has no reduce-scatter).
+Context parallelism runs on PyTorch's context-parallel API (executor/context_parallel.py `apply_cp`,
+called by executor/parallel.py): the batch is split by its head-tail load balancer (a rank holds
+chunks r and 2cp-1-r of the 2 cp chunks of every sequence, the split of torchtitan and Megatron-LM),
+each Attention rotates its tokens at their global positions (`ContextParallel`), and its inner
+`CausalAttention` module, wrapped by the API's `_ContextParallel` style, receives q, k, v as
+sequence-sharded DTensors whose fused SDPA op the API runs as ring attention.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from berth.planner.specs import ModelSpec
+
+if TYPE_CHECKING:
+    from berth.executor.context_parallel import ContextParallel
 
 ROPE_THETA = 10000.0
 INIT_STD = 0.02  # GPT-2 / Megatron initialization
@@ -48,62 +51,28 @@ def rotary(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tens
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
-def load_balanced_positions(local_len: int, rank: int, cp: int) -> torch.Tensor:
-    """Global positions of the tokens cp rank `rank` holds: chunks rank and 2cp-1-rank of 2cp."""
-    c = local_len // 2
-    first, second = rank * c, (2 * cp - 1 - rank) * c
-    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+# devices whose SDPA never reaches a fused op the context-parallel API shards (CausalAttention)
+STAND_IN_DEVICES = ("cpu",)
 
 
-def load_balanced_chunks(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
-    """This cp rank's tokens of `x` (full sequences along `dim`): chunks rank and 2cp-1-rank."""
-    chunks = x.chunk(2 * cp, dim=dim)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim).contiguous()
+class CausalAttention(nn.Module):
+    """Causal softmax attention of (batch, heads, seq, head_dim) q, k, v; k and v may have fewer
+    heads (grouped-query). Context parallelism wraps it (executor/context_parallel.py, torchtitan's
+    inner attention): q, k, v then arrive as sequence-sharded DTensors, and the fused SDPA op they
+    reach runs as the API's ring attention. On CUDA that op is what F.scaled_dot_product_attention
+    selects (flash, efficient or cuDNN); on CPU, whose SDPA selects ops the API cannot shard, the
+    flash op is called directly and runs the CPU stand-in kernel executor/context_parallel.py
+    registers."""
 
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence dim (2) over the cp group; backward: sum over the group, keep
-    this rank's slice (reduce-scatter as all-reduce + slice: gloo has no reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, group, size, rank) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group, ctx.rank, ctx.n = group, rank, x.shape[2]
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad) -> tuple[torch.Tensor, None, None, None]:
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.narrow(2, ctx.rank * ctx.n, ctx.n).contiguous(), None, None, None
-
-
-class ContextParallel:
-    """This rank's place in its cp group (shared, not copied, when a model part is deep-copied)."""
-
-    def __init__(self, group, rank: int, size: int):
-        self.group, self.rank, self.size = group, rank, size
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def positions(self, local_len: int, device) -> torch.Tensor:
-        return load_balanced_positions(local_len, self.rank, self.size).to(device)
-
-    def key_positions(self, local_len: int, device) -> torch.Tensor:
-        return torch.cat([load_balanced_positions(local_len, r, self.size) for r in range(self.size)]).to(device)
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return _GatherSequence.apply(x, self.group, self.size, self.rank)
-
-    def mask(self, local_len: int, device) -> torch.Tensor:
-        """Causal by global position: query p sees key p' <= p (True = attend)."""
-        return self.key_positions(local_len, device)[None, :] <= self.positions(local_len, device)[:, None]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        if not isinstance(q, DTensor):  # one rank holds the whole sequence
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if q.device.type in STAND_IN_DEVICES:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
 
 
 class Attention(nn.Module):
@@ -118,17 +87,12 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, kv * d, bias=False)
         self.wv = nn.Linear(h, kv * d, bias=False)
         self.wo = nn.Linear(heads * d, h, bias=False)
-        self.context_parallel: ContextParallel | None = None
+        self.inner = CausalAttention()
+        self.context_parallel: ContextParallel | None = None  # set by executor/context_parallel.py apply_cp
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Scores, softmax and context: the part selective recomputation re-runs."""
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        cp = self.context_parallel
-        if cp is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=cp.mask(q.shape[2], q.device))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.inner(q, k, v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -136,11 +100,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         cp = self.context_parallel
-        if cp is None:
-            out = self.core(rotary(q), rotary(k), v)
-        else:
-            pos = cp.positions(s, x.device)
-            out = self.core(rotary(q, pos), cp.gather(rotary(k, pos)), cp.gather(v))
+        pos = cp.positions(s, x.device) if cp is not None else None  # global positions of this rank's tokens
+        out = self.core(rotary(q, pos), rotary(k, pos), v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -14,10 +14,11 @@ What each layout field becomes:
   (Megatron-LM, Shoeybi et al. 2019), row-parallel embedding, column-parallel LM head;
   sequence_parallel: `SequenceParallel` on the norms, the row-parallel outputs reduce-scattered
   over the sequence (Korthikanti et al. 2022).
-- cp: each rank takes chunks r and 2cp-1-r of every sequence (executor/train.py) and attends over
-  keys and values all-gathered across the cp group (executor/model.py: all-gather KV attention,
-  not a ring; torch's `context_parallel` cannot shard the CPU attention op); gradients are averaged
-  over the cp ranks (DDP over every rank, else an all-reduce after FSDP2's dp reduction).
+- cp: PyTorch's context-parallel API (executor/context_parallel.py): each rank takes chunks r and
+  2cp-1-r of every sequence (its head-tail load balancer, executor/train.py) and every attention runs
+  as the API's ring attention over the cp mesh axis (on CPU with a stand-in for the fused flash
+  kernel); gradients are averaged over the cp ranks (DDP over every rank, else an all-reduce after
+  FSDP2's dp reduction).
 - pp: `torch.distributed.pipelining` with hand-split stages, virtual stage k of rank r holding
   model chunk r + k * pp (looping placement, Narayanan et al. 2021); gpipe -> ScheduleGPipe,
   1f1b -> Schedule1F1B, interleaved_1f1b -> ScheduleInterleaved1F1B.
@@ -59,7 +60,8 @@ from torch.utils.checkpoint import checkpoint
 
 from berth.executor import timing
 from berth.executor.checks import UnsupportedLayout, check_layout  # noqa: F401 (re-exported)
-from berth.executor.model import Attention, Decoder, MoE, build_model, loss_fn
+from berth.executor.context_parallel import apply_cp
+from berth.executor.model import STAND_IN_DEVICES, Attention, Decoder, MoE, build_model, loss_fn
 from berth.planner import stages
 from berth.planner.axes import MESH_DIMS
 from berth.planner.placement import coordinates
@@ -100,16 +102,6 @@ class Prepared:
     executed_as: list[str] = field(default_factory=list)
     cp_group: dist.ProcessGroup | None = None  # gradients still to be averaged over the cp group (FSDP2 covers dp only)
     sync: Callable[[], None] | None = None  # MoE with dp: the gradient reduction after the step's micro-batches
-
-
-def apply_cp(model: nn.Module, group, rank: int, size: int) -> None:
-    """All-gather KV context parallelism on every attention (executor/model.py, ContextParallel)."""
-    from berth.executor.model import ContextParallel
-
-    cp = ContextParallel(group, rank, size)
-    for sub in model.modules():
-        if isinstance(sub, Attention):
-            sub.context_parallel = cp
 
 
 def reduce_cp_gradients(prepared: Prepared, cp: int) -> None:
@@ -321,8 +313,8 @@ def prepare(
         return Prepared([model], _optimizer(model.parameters()))
     executed_as: list[str] = []
     if layout.cp > 1:
-        apply_cp(model, mesh["cp"].get_group(), coords.cp_rank, layout.cp)
-        executed_as.append("cp runs all-gather KV attention (Megatron's all_gather CP, Llama 3), not a ring")
+        if device.type in STAND_IN_DEVICES:
+            executed_as.append("cp ring attention runs the CPU stand-in for the fused flash attention kernel")
         if layout.zero_stage >= 1:
             executed_as.append(
                 f"zero {layout.zero_stage} shards over dp only, then averages gradients over cp "
@@ -334,6 +326,7 @@ def prepare(
         return Prepared([model], _optimizer(model.parameters()), executed_as=executed_as, sync=sync)
     if layout.tp == 1 and layout.pp == 1 and layout.zero_stage <= 1:
         # DDP over the default group: every rank, i.e. dp x cp (the cp ranks' gradients averaged too)
+        _maybe_apply_cp(model, layout, mesh, coords)
         apply_recompute(model, layout.recompute)
         # gradient_as_bucket_view: gradients live in DDP's buckets (no second copy), as in Megatron's
         # contiguous gradient buffer, which is what the memory model counts.
@@ -358,6 +351,7 @@ def prepare(
     )
     del model
     for part in parts:
+        _maybe_apply_cp(part, layout, mesh, coords)
         if layout.tp > 1:
             apply_tp(part, mesh["tp"], layout.sequence_parallel)
         apply_recompute(part, layout.recompute)
@@ -377,6 +371,13 @@ def prepare(
         schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn)
     cp_group = mesh["cp"].get_group() if layout.cp > 1 else None
     return Prepared(parts, opt, schedule, executed_as, cp_group)
+
+
+def _maybe_apply_cp(model: nn.Module, layout: Layout, mesh: DeviceMesh, coords: Coordinates) -> None:
+    """Ring attention on the cp mesh axis (after the pipeline split: a stage's copy of the model gets
+    its own hooks)."""
+    if layout.cp > 1:
+        apply_cp(model, mesh["cp"], coords.cp_rank)
 
 
 def run_microbatches(

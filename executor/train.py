@@ -29,8 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from berth.executor import timing
+from berth.executor.context_parallel import shard_batch
 from berth.executor.device import init_cuda
-from berth.executor.model import load_balanced_chunks, synthetic_batch
+from berth.executor.model import synthetic_batch
 from berth.executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
 from berth.planner.axes import MESH_DIM_AXIS, MESH_DIMS
 from berth.planner.placement import coordinates
@@ -201,8 +202,8 @@ def run_steps(
         tokens, targets = synthetic_batch(spec, training.global_batch_size, training.seq_len, seed, step)
         mine = slice(coords.dp_rank * per_rank, (coords.dp_rank + 1) * per_rank)
         tokens, targets = tokens[mine].to(device), targets[mine].to(device)
-        if layout.cp > 1:  # this cp rank's load-balanced chunks of every sequence
-            tokens, targets = (load_balanced_chunks(x, coords.cp_rank, layout.cp) for x in (tokens, targets))
+        if layout.cp > 1:  # this cp rank's load-balanced chunks of every sequence (the API's head-tail split)
+            tokens, targets = shard_batch(mesh["cp"], [tokens, targets])
         if world > 1:
             dist.barrier()
         if device.type == "cuda":

@@ -159,3 +159,130 @@ def test_zero_shards_over_cp_ranks_when_dp_is_one():
             one_node,
             SearchSpec(top=1, fix={"zero_stage": 3, "shard": 1}),
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# the executor's context parallelism: PyTorch's context-parallel API (executor/context_parallel.py)
+
+GQA = MODEL.model_copy(
+    update={"name": "tiny-gqa", "num_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2}
+)
+
+
+def test_cpu_flash_stand_in_matches_sdpa_and_registers_only_once():
+    """The CPU kernel of aten._scaled_dot_product_flash_attention (the stand-in for the fused kernel
+    the API's ring calls): output, fp32 log-sum-exp and, through autograd's own formula, the backward
+    match F.scaled_dot_product_attention (fp32, grouped-query, causal and not); once registered, the op
+    has a CPU kernel and a second registration is refused."""
+    import torch
+
+    from berth.executor.context_parallel import FLASH_OP, register_cpu_flash_kernel
+
+    register_cpu_flash_kernel()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(FLASH_OP, "CPU")
+    assert register_cpu_flash_kernel() is False
+    g = torch.Generator().manual_seed(0)
+    for kv_heads, causal in ((2, True), (4, False)):
+        q = torch.randn(2, 4, 12, 8, generator=g, requires_grad=True)
+        k, v = (torch.randn(2, kv_heads, 12, 8, generator=g, requires_grad=True) for _ in range(2))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=causal)[:2]
+        grad = torch.randn(out.shape, generator=g)
+        mine = torch.autograd.grad(out, (q, k, v), grad)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads < 4)
+        theirs = torch.autograd.grad(ref, (q, k, v), grad)
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+        scores = q @ k.repeat_interleave(4 // kv_heads, 1).transpose(-2, -1) / 8**0.5
+        if causal:
+            scores = scores.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
+        assert lse.dtype == torch.float32 and torch.allclose(lse, scores.logsumexp(-1), rtol=1e-5)
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _ring_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    """One cp rank: a grouped-query Attention under executor/context_parallel.py apply_cp on the sharded
+    sequence, run twice: on the CPU stand-in, then down CausalAttention's CUDA branch with
+    F.scaled_dot_product_attention replaced by a recording stand-in for CUDA's SDPA selection (it calls
+    the flash op, as bf16 on an H100 selects). Saves each run's output and gradients."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from berth.executor import model as model_module
+    from berth.executor.context_parallel import apply_cp, shard_batch
+    from berth.executor.model import Attention
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    calls = []
+
+    def recording_sdpa(q, k, v, *, is_causal, enable_gqa):
+        calls.append((type(q).__name__, tuple(k.shape), is_causal, enable_gqa))
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=is_causal)[0]
+
+    runs = {}
+    for branch in ("cpu_stand_in", "cuda_branch"):
+        if branch == "cuda_branch":
+            model_module.STAND_IN_DEVICES = ()
+            model_module.F.scaled_dot_product_attention = recording_sdpa
+        torch.manual_seed(0)
+        attention = Attention(GQA)
+        x, grad = torch.randn(2, 16, GQA.hidden_size), torch.randn(2, 16, GQA.hidden_size)
+        apply_cp(attention, mesh["cp"], rank)
+        x_local, grad_local = shard_batch(mesh["cp"], [x, grad])
+        x_local.requires_grad_(True)
+        out = attention(x_local)
+        out.backward(grad_local)
+        runs[branch] = {
+            "out": out.detach(),
+            "dx": x_local.grad,
+            "dw": {n: p.grad for n, p in attention.named_parameters()},
+            "calls": list(calls),
+        }
+    torch.save(runs, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ring_attention_on_gloo_matches_one_process(tmp_path):
+    """Two gloo ranks run a grouped-query attention layer through the API (the head-tail split, the
+    DTensor dispatch, the ring, the log-sum-exp merge): each rank's output and input gradient equal the
+    one-process layer's on its tokens, and the weight gradients summed over the ranks equal the
+    one-process ones (fp32, rel 1e-5), on the CPU stand-in and down the CUDA branch. The CUDA branch
+    hands F.scaled_dot_product_attention the DTensors with is_causal and the un-repeated K, V (flash's
+    grouped-query support: the ring moves kv_heads, as cost_models/step.py cp_exchange_s counts)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from berth.executor.model import Attention
+
+    world = 2
+    mp.spawn(_ring_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
+    torch.manual_seed(0)
+    attention = Attention(GQA)
+    x = torch.randn(2, 16, GQA.hidden_size, requires_grad=True)
+    grad = torch.randn(2, 16, GQA.hidden_size)
+    out = attention(x)
+    out.backward(grad)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    for branch in ("cpu_stand_in", "cuda_branch"):
+        for r, runs in enumerate(ranks):
+            saved = runs[branch]
+            assert rel(saved["out"], _head_tail(out.detach(), r, world)) < 1e-5
+            assert rel(saved["dx"], _head_tail(x.grad, r, world)) < 1e-5
+            # one call per layer forward, K of kv_heads (the DTensor shape: the global sequence)
+            want = [("DTensor", (2, 2, 16, 16), True, True)] if branch == "cuda_branch" else []
+            assert saved["calls"] == want
+        for name, p in attention.named_parameters():
+            assert rel(sum(runs[branch]["dw"][name] for runs in ranks), p.grad) < 1e-5, (branch, name)
+
+
+def _head_tail(t, rank: int, cp: int):
+    """Chunks rank and 2cp-1-rank of the 2 cp chunks along dim 1 (the split the API's load balancer makes)."""
+    import torch
+
+    chunks = t.chunk(2 * cp, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
