@@ -174,7 +174,7 @@ def stage_params(model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = Fa
     }[part]
     edge = 0.0 if part == "expert" else 1.0
     local = per_layer / tp
-    if etp is not None and np.any(np.asarray(etp) != np.asarray(tp)):  # the experts split by etp, the rest by tp
+    if model.is_moe and etp is not None and np.any(np.asarray(etp) != np.asarray(tp)):  # experts / etp, rest / tp
         dense = 0.0 if part == "expert" else (model.params_per_layer - experts) / np.asarray(tp, dtype=float)
         routed = 0.0 if part == "dense" else experts / ep / np.asarray(etp, dtype=float)
         local = np.where(np.asarray(etp) != np.asarray(tp), dense + routed, local)
@@ -195,7 +195,7 @@ def local_layer_params(model: ModelSpec, tp, ep=1, etp=None):
     layer; etp None: tp)."""
     experts = model.expert_params_per_layer
     today = (model.params_per_layer - experts + experts / np.asarray(ep, dtype=float)) / tp
-    if etp is None or not np.any(np.asarray(etp) != np.asarray(tp)):
+    if not model.is_moe or etp is None or not np.any(np.asarray(etp) != np.asarray(tp)):
         return today
     folded = (model.params_per_layer - experts) / tp + experts / np.asarray(ep, dtype=float) / etp
     return np.where(np.asarray(etp) != np.asarray(tp), folded, today)
