@@ -485,7 +485,7 @@ class Layout(Spec):
         default=None,
         gt=0,
         description="expert-tensor-parallel degree (MoE models; Megatron-LM's --expert-tensor-parallel-size): "
-        "ranks that split each routed expert's weights; None: tp (the experts split as the dense layers). 1: "
+        "ranks that split each routed expert's weights; left out (null): tp, the experts split as the dense layers. 1: "
         "MoE parallel folding (Liu et al. 2025, arXiv 2504.14960): each rank holds num_experts / ep whole experts "
         "and the ep group is consecutive ranks of tp x dp (ep x expert_tp must divide tp x dp)",
     )
