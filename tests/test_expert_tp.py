@@ -12,6 +12,8 @@ from berth.cost_models import comm, memory
 from berth.cost_models.candidates import Candidates
 from berth.cost_models.step import A2A_PER_MOE_LAYER, MOE_IMBALANCE, _tp_layer_s, evaluate
 from berth.cost_models.validity import EXECUTOR, PLAN, Facts, violations
+from berth.executor.checks import UnsupportedLayout
+from berth.executor.checks import check_layout as executor_check
 from berth.planner.errors import BerthError
 from berth.planner.launch import artifacts
 from berth.planner.layouts import check_layout, parse_spec
@@ -121,8 +123,10 @@ def test_rules_and_their_refusals():
     assert "expert_tp_needs_moe" in [
         r.name for r, _ in violations(layout(ep=1, expert_tp=1), Facts.of(dense, TRAINING, TWO_NODES))
     ]
-    # the bundled executor runs experts as the dense layers only
+    # the bundled executor runs experts as the dense layers only: its pre-flight check names the field
     assert "expert_tp_in_executor" in broken(layout(expert_tp=1), EXECUTOR)
+    with pytest.raises(UnsupportedLayout, match="expert_tp = 1 != tp = 2"):
+        executor_check(MIXTRAL, TRAINING, layout(expert_tp=1), 16)
     # the edges: one line naming the field and the values that would do
     with pytest.raises(BerthError, match=r"expert_tp.*valid: 1, 4"):
         check_layout(parse_spec("tp=4,dp=4,ep=4,etp=2,sp=1,zero=1"), MIXTRAL, TRAINING, TWO_NODES)
