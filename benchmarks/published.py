@@ -39,9 +39,8 @@ Megatron-Core's MoE runs (2024-26) run bf16, FlashAttention-class fused attentio
 profile's measured SDPA), untied embeddings, dropless top-k routing with the all-to-all dispatcher and
 the distributed optimizer (ZeRO-1 over dp); `framework="megatron"` for memory and the layer's
 non-GEMM work. Megatron's MoE parallel folding (experts with their own tensor-parallel size, ETP, and
-the expert group laid out inside a node) is not expressible: berth's experts take the attention's tp
-and its ep group is ep data-parallel ranks at stride tp (the record's `expert_tp` is compared and the
-difference named in the case's notes).
+the expert group laid out on consecutive ranks) maps to Layout.expert_tp (the record's `expert_tp`;
+berth models expert TP 1 or tp).
 
 Nothing is fitted here: every number comes from the device and server profiles. Runs berth cannot
 express are listed with the reason (FP8, torch.compile, async TP, DeepSpeed's 2021 ZeRO-3,
@@ -591,6 +590,7 @@ def _megatron_core(row: dict) -> Case:
         seq_len=row["seq_len"], global_batch_size=batch, precision="bf16", flash_attention=True, framework="megatron"
     )
     zero = row.get("zero_stage") or 0
+    etp = row.get("expert_tp")
     layout = Layout(
         tp=tp,
         cp=cp,
@@ -605,15 +605,12 @@ def _megatron_core(row: dict) -> Case:
         schedule="interleaved_1f1b" if pp > 1 and vpp > 1 else "1f1b",
         recompute=row["activation_recompute"] or "none",
         sequence_parallel=bool(row["sequence_parallel"]),
+        expert_tp=etp if model.is_moe and etp is not None and etp != tp else None,
     )
     measured = megatron_core_flops(row, batch) / (n * row["tflops_per_gpu"] * 1e12)
     notes = [f"FLOPs: Megatron-LM's count with the {row['derived']['attention_flops']} attention products"]
-    etp = row.get("expert_tp")
-    if ep > 1 and etp is not None and etp != tp:
-        notes.append(
-            f"published with MoE parallel folding (expert TP {etp}, the ep group inside a node); predicted "
-            f"with expert TP = tp = {tp} and ep ranks at stride tp, berth's only expert layout"
-        )
+    if layout.etp != tp:
+        notes.append(f"MoE parallel folding: expert TP {etp} (Layout.expert_tp), the ep group on consecutive ranks")
     return Case(
         row["id"],
         row["source_id"],

@@ -34,12 +34,16 @@ class Candidates:
     ep: np.ndarray = field(
         default_factory=lambda: _NOT_GIVEN
     )  # expert-parallel degree (carved out of dp); ones when not given
+    # expert-tensor-parallel degree in effect (Layout.etp: tp where the layout leaves expert_tp out); tp when not given
+    expert_tp: np.ndarray = field(default_factory=lambda: _NOT_GIVEN)
 
     def __post_init__(self) -> None:
         if self.cp is _NOT_GIVEN:
             object.__setattr__(self, "cp", np.ones_like(self.tp))
         if self.ep is _NOT_GIVEN:
             object.__setattr__(self, "ep", np.ones_like(self.tp))
+        if self.expert_tp is _NOT_GIVEN:
+            object.__setattr__(self, "expert_tp", self.tp)
 
     def __len__(self) -> int:
         return int(self.tp.shape[0])
@@ -64,6 +68,7 @@ class Candidates:
             axis_order=col([AXIS_ORDER_CHOICES.index(x.axis_order) for x in layouts]),
             cp=col([x.cp for x in layouts]),
             ep=col([x.ep for x in layouts]),
+            expert_tp=col([x.etp for x in layouts]),
         )
 
     def layout(self, i: int) -> Layout:
@@ -82,6 +87,7 @@ class Candidates:
             axis_order=AXIS_ORDER_CHOICES[int(self.axis_order[i])],
             cp=int(self.cp[i]),
             ep=int(self.ep[i]),
+            expert_tp=None if self.expert_tp[i] == self.tp[i] else int(self.expert_tp[i]),
         )
 
     def strides(self) -> dict[str, np.ndarray]:

@@ -108,6 +108,22 @@ def _cp(c) -> np.ndarray:
     return np.asarray(getattr(c, "cp", 1))
 
 
+def expert_tp_of(c) -> np.ndarray:
+    """The candidates' expert-tensor-parallel degree (Candidates.expert_tp; tp where a struct has none)."""
+    etp = getattr(c, "expert_tp", None)
+    return np.asarray(c.tp if etp is None else etp)
+
+
+def expert_fold(c) -> np.ndarray:
+    """tp / expert_tp: how many times more ranks hold each expert shard than hold each dense shard (1 with
+    expert_tp = tp; tp with expert_tp = 1). MoE parallel folding (Liu et al. 2025, arXiv 2504.14960, Sec. 3;
+    Megatron-LM megatron/core/parallel_state.py initialize_model_parallel): the experts run on
+    expert_tp x ep x expert-dp x pp over the attention's tp x cp x dp x pp ranks, expert-dp =
+    world / (expert_tp x ep x pp) = tp x dp / (expert_tp x ep) (cp 1 here: ep_with_cp)."""
+    tp = np.asarray(c.tp, dtype=float)
+    return tp / np.maximum(np.asarray(expert_tp_of(c), dtype=float), 1.0)
+
+
 def precision_recipe(training: TrainingSpec, c) -> np.ndarray:
     """The precision recipe code of each candidate (constants above); the data-parallel ranks of
     FSDP2 are dp x cp (torchtitan's dp_shard_cp mesh)."""
@@ -136,7 +152,7 @@ def dp_collective_bytes(training: TrainingSpec, c) -> tuple[np.ndarray, np.ndarr
 
 
 def stage_params(
-    model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False, ep=1, part: str = "all"
+    model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False, ep=1, part: str = "all", etp=None
 ) -> ArrayOrFloat:
     """Parameters on one rank of the first (or last) pipeline stage after the tp split.
 
@@ -147,8 +163,9 @@ def stage_params(
     only).
 
     Mixture of experts: a rank holds num_experts / ep of each MoE layer's routed experts, split by
-    tp too (expert-tensor parallelism = tp, Megatron-LM's default for --expert-tensor-parallel-size);
-    the experts per layer are the mean over the layers (first_k_dense layers counted as if spread).
+    `etp` (expert-tensor parallelism; None: tp, Megatron-LM's default for --expert-tensor-parallel-size;
+    1: whole experts, MoE parallel folding, Liu et al. 2025 Sec. 3); the experts per layer are the mean
+    over the layers (first_k_dense layers counted as if spread).
     `part`: "all", "dense" (all but the routed experts) or "expert" (the routed experts only).
     """
     ep = np.asarray(ep, dtype=float)
@@ -159,11 +176,16 @@ def stage_params(
         "expert": experts / ep,
     }[part]
     edge = 0.0 if part == "expert" else 1.0
+    local = per_layer / tp
+    if model.is_moe and etp is not None and np.any(np.asarray(etp) != np.asarray(tp)):  # experts / etp, rest / tp
+        dense = 0.0 if part == "expert" else (model.params_per_layer - experts) / np.asarray(tp, dtype=float)
+        routed = 0.0 if part == "dense" else experts / ep / np.asarray(etp, dtype=float)
+        local = np.where(np.asarray(etp) != np.asarray(tp), dense + routed, local)
     first_layers, middle_layers, last_layers, _ = stages.stage_split(model.num_layers, pp, vpp)
     if middle:
-        return np.asarray(middle_layers, dtype=float) * per_layer / tp
+        return np.asarray(middle_layers, dtype=float) * local
     pp = np.asarray(pp, dtype=float)
-    layers = np.asarray(first_layers if first else last_layers, dtype=float) * per_layer / tp
+    layers = np.asarray(first_layers if first else last_layers, dtype=float) * local
     emb = edge * model.embedding_params / tp
     head = np.where((pp == 1) & model.tied_embeddings, 0.0, emb) + edge * model.final_norm_params
     if first:
@@ -171,41 +193,62 @@ def stage_params(
     return layers + head + np.where(pp == 1, emb, 0.0)
 
 
-def local_layer_params(model: ModelSpec, tp, ep=1) -> ArrayOrFloat:
-    """One decoder layer's parameters on one rank (routed experts / ep, all / tp; MoE: the mean layer)."""
+def local_layer_params(model: ModelSpec, tp, ep=1, etp=None) -> ArrayOrFloat:
+    """One decoder layer's parameters on one rank (routed experts / ep / etp, the rest / tp; MoE: the mean
+    layer; etp None: tp)."""
     experts = model.expert_params_per_layer
-    return (model.params_per_layer - experts + experts / np.asarray(ep, dtype=float)) / tp
+    today = (model.params_per_layer - experts + experts / np.asarray(ep, dtype=float)) / tp
+    if not model.is_moe or etp is None or not np.any(np.asarray(etp) != np.asarray(tp)):
+        return today
+    folded = (model.params_per_layer - experts) / tp + experts / np.asarray(ep, dtype=float) / etp
+    return np.where(np.asarray(etp) != np.asarray(tp), folded, today)
 
 
-def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1) -> ArrayOrFloat:
+def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1, etp=None) -> ArrayOrFloat:
     """Parameters on one rank of the pipeline stage that holds the most: the first or the last (an
     embedding or head more), or a middle one where the split gives it more layers (pp > 2)."""
-    ends = np.maximum(stage_params(model, pp, tp, True, vpp, ep=ep), stage_params(model, pp, tp, False, vpp, ep=ep))
-    mid = np.where(np.asarray(pp) > 2, stage_params(model, pp, tp, False, vpp, middle=True, ep=ep), 0.0)
+    ends = np.maximum(
+        stage_params(model, pp, tp, True, vpp, ep=ep, etp=etp), stage_params(model, pp, tp, False, vpp, ep=ep, etp=etp)
+    )
+    mid = np.where(np.asarray(pp) > 2, stage_params(model, pp, tp, False, vpp, middle=True, ep=ep, etp=etp), 0.0)
     return np.maximum(ends, mid)
 
 
 def expert_share(model: ModelSpec, c) -> tuple[np.ndarray, np.ndarray]:
     """(parameters on one rank of the largest stage, the share of them that are routed experts): the
     split data-parallel costs (step.py) and the checkpoint (goodput.py) weigh dense and expert parts by."""
-    stage = np.asarray(largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep))
+    etp = expert_tp_of(c)
+    stage = np.asarray(largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep, etp))
     if not model.is_moe:
         return stage, np.zeros_like(stage)
-    expert = stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
+    expert = stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert", etp=etp)
     return stage, np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
 
 
 def expert_candidates(c, split_dp: bool = False) -> Candidates:
-    """The candidates as the routed experts see them: replicated over dp / ep ranks (the expert-data-
-    parallel group: ep ranks are carved out of dp, as Megatron-LM and torchtitan do), so ZeRO shards
-    their states over shard / ep of them (at least 1; exact when ep divides shard, as with shard = dp).
-    `split_dp`: dp becomes dp / ep too (their gradient reduction's group); memory keeps dp, which
+    """The candidates as the routed experts see them: replicated over the expert-data-parallel group,
+    dp / ep ranks with expert_tp = tp (ep ranks carved out of dp, as Megatron-LM and torchtitan do), and
+    tp x dp / (ep x expert_tp) ranks in general (Megatron-LM's expert_data_parallel_size, parallel_state.py
+    initialize_model_parallel; `expert_fold`), so ZeRO shards their states over shard x fold / ep of them
+    (at least 1; exact when ep divides shard x fold, as with shard = dp).
+    `split_dp`: dp becomes that group too (their gradient reduction's group); memory keeps dp, which
     only picks the precision recipe, the same for every parameter of a rank."""
     from dataclasses import replace
 
     ep = np.maximum(np.asarray(c.ep, dtype=float), 1.0)
-    shard = np.maximum(np.asarray(c.shard, dtype=float) / ep, 1.0)
-    return replace(c, dp=np.asarray(c.dp) / ep, shard=shard) if split_dp else replace(c, shard=shard)
+    fold = expert_fold(c)
+    shard = np.maximum(np.asarray(c.shard, dtype=float) * fold / ep, 1.0)
+    return replace(c, dp=np.asarray(c.dp) * fold / ep, shard=shard) if split_dp else replace(c, shard=shard)
+
+
+def dispatch_share(c) -> np.ndarray:
+    """The share of its micro-batch's tokens one rank dispatches to the experts: 1 with expert_tp = tp
+    (every tp rank of an ep group dispatches them; Megatron gathers the sequence-parallel shards over the
+    expert-tp group), expert_tp / tp with expert_tp < tp (sequence parallelism is required then: each tp
+    rank routes its own seq / tp tokens, Megatron-LM's MoEAlltoAllTokenDispatcher with an expert-tp group of
+    expert_tp ranks, megatron/core/transformer/moe/token_dispatcher.py)."""
+    etp, tp = np.asarray(expert_tp_of(c), dtype=float), np.asarray(c.tp, dtype=float)
+    return np.where(etp != tp, etp / tp, 1.0)
 
 
 def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray]:
@@ -486,9 +529,9 @@ def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_h
     return np.maximum(logits, mlp)
 
 
-def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero, ep=1) -> np.ndarray:
+def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero, ep=1, etp=None) -> np.ndarray:
     """Unsharded buffers of FSDP / ZeRO-3 (gathered layers) and ZeRO-2/3 (gradient reduce-scatter)."""
-    layer = local_layer_params(model, tp, ep) * training.bytes_per_element
+    layer = local_layer_params(model, tp, ep, etp) * training.bytes_per_element
     params = np.where(zero >= 3, FSDP_PARAM_BUFFERS * layer, 0.0)
     grads = np.where(zero >= 2, FSDP_GRAD_BUFFERS * layer, 0.0)
     return params + grads
@@ -535,10 +578,11 @@ def stage_memory_breakdown(
     allocator: their sum is the reserved peak."""
     first = first and not middle
     stage = 0.0 if first else 1.0 if middle else np.asarray(c.pp, dtype=float) - 1.0
-    params = stage_params(model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep)
+    etp = expert_tp_of(c)
+    params = stage_params(model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep, etp=etp)
     st = model_state_bytes(training, params, c)
     if model.is_moe:  # the routed experts' states shard over the expert-data-parallel group (expert_candidates)
-        experts = stage_params(model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep, part="expert")
+        experts = stage_params(model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep, part="expert", etp=etp)
         dense = model_state_bytes(training, params - experts, c)
         moe = model_state_bytes(training, experts, expert_candidates(c))
         st = {k: dense[k] + moe[k] if k != "grad_element" else dense[k] for k in dense}
@@ -554,7 +598,7 @@ def stage_memory_breakdown(
     # micro-batches past the head but not yet through their loss backward: all of them under GPipe
     loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.num_microbatches, 1)
     logits = np.where(holds_head, logits_bytes(model, training, c.micro_batch_size, c.tp, loss_in_flight), 0.0)
-    buffers = sharding_buffer_bytes(model, training, c.tp, c.zero_stage, c.ep)
+    buffers = sharding_buffer_bytes(model, training, c.tp, c.zero_stage, c.ep, etp)
     receive = pipeline_buffer_bytes(model, training, c)
     inflight = microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)
     accumulating = np.asarray(c.num_microbatches, dtype=float) > inflight + 1e-9
@@ -563,7 +607,9 @@ def stage_memory_breakdown(
     held_grads = persistent + accumulated + st["grad_buffer"]
     # one layer's gradients and its largest backward temporary (an MLP activation gradient)
     layer_grads = np.where(
-        (accumulated > 0) | (st["grad_buffer"] > 0), 0.0, local_layer_params(model, c.tp, c.ep) * st["grad_element"]
+        (accumulated > 0) | (st["grad_buffer"] > 0),
+        0.0,
+        local_layer_params(model, c.tp, c.ep, etp) * st["grad_element"],
     )
     mlp_temp = training.bytes_per_element * c.micro_batch_size * training.seq_len * act_model.ffn_hidden_size / c.tp
     # FSDP2 without resharding after forward (ZeRO-2, and zero 0 with tp/pp) keeps the whole
@@ -611,7 +657,8 @@ def stage_memory_breakdown(
     transient = np.where(which < 2, largest_transient_bytes(act_model, training, c, holds_head), 0.0)
     if model.is_moe:  # the dispatched tokens (top-k copies of the micro-batch's hidden states) and their gradient
         dispatched = (
-            training.bytes_per_element
+            dispatch_share(c)
+            * training.bytes_per_element
             * np.asarray(c.micro_batch_size, dtype=float)
             * training.seq_len
             * model.experts_per_token

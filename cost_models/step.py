@@ -100,6 +100,18 @@ def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride) -> np.ndarra
     return TP_COLLECTIVES_PER_LAYER_PASS * comm.all_reduce_s(cluster, activation_bytes, tp, stride)
 
 
+def moe_tp_collective_share(model: ModelSpec, c: Candidates) -> ArrayOrFloat:
+    """The share of a layer's tensor-parallel collectives a layout runs: 1, less the MLP's collective
+    (one of TP_COLLECTIVES_PER_LAYER_PASS) in each MoE layer whose experts run unsplit by tp
+    (expert_tp < tp: no tp collective inside the expert MLP, the tokens reach the experts by the ep
+    all-to-all; Liu et al. 2025 Sec. 3; Megatron's MoEAlltoAllTokenDispatcher gathers over the expert-tp
+    group only); a shared expert is a tp-split MLP and keeps it."""
+    if not model.is_moe or model.num_shared_experts:
+        return 1.0
+    dropped = model.num_moe_layers / model.num_layers / TP_COLLECTIVES_PER_LAYER_PASS
+    return np.where(memory.expert_tp_of(c) != c.tp, 1.0 - dropped, 1.0)
+
+
 def cp_exchange_s(
     model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, b_local, tp, cp, cp_stride, attn_fwd_s, attn_bwd_s
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -209,11 +221,17 @@ def _stage_dp_times(
 ) -> ArrayOrFloat:
     """Exposed data-parallel time of the stage that takes longest (`_stage_dp_times_part`). MoE: the
     routed experts' gradients are reduced over their expert-data-parallel group (dp / ep ranks, ep x
-    the dp stride apart; memory.expert_candidates), the rest over dp; the two share the compute
-    window in proportion to their bytes on the rank."""
+    the dp stride apart; with expert_tp < tp, tp x dp / (ep x expert_tp) ranks, expert_tp x ep apart;
+    memory.expert_candidates), the rest over dp; the two share the compute window in proportion to
+    their bytes on the rank."""
     if not model.is_moe:
         return _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride)
     _, share = memory.expert_share(model, c)
+    etp = memory.expert_tp_of(c)
+    # the expert-data-parallel group's stride: ep x the dp stride with expert_tp = tp; with expert_tp < tp the
+    # expert ranks are ordered expert_tp-ep-edp inside tp x dp (Megatron's expert RankGenerator, order
+    # tp-ep-dp-pp), so the group's members are expert_tp x ep ranks apart
+    edp_stride = np.where(etp != c.tp, etp * c.ep, dp_stride * c.ep)
     dense = _stage_dp_times_part(
         model,
         training,
@@ -234,7 +252,7 @@ def _stage_dp_times(
         layers,
         fwd * share,
         bwd_and_recompute * share,
-        dp_stride * c.ep,
+        edp_stride,
         cp_stride,
         part="expert",
         ep=c.ep,
@@ -250,8 +268,9 @@ def _stage_dp_times_part(
     stage (an embedding or head more, the same layers) is that stage; with an uneven one
     (planner/stages.py) each of the first, a middle and the last stage is costed."""
     n_first, n_middle, n_last = layers
-    pf = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=ep, part=part)
-    pl = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, ep=ep, part=part)
+    etp = memory.expert_tp_of(c)
+    pf = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=ep, part=part, etp=etp)
+    pl = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, ep=ep, part=part, etp=etp)
     even = (n_first == n_middle) & (n_last == n_middle)
     if np.all(even):
         return _dp_times(
@@ -269,7 +288,7 @@ def _stage_dp_times_part(
     def at(params, n) -> np.ndarray:
         return _dp_times(training, cluster, c, params, n * fwd, n * bwd_and_recompute, n, dp_stride, cp_stride)
 
-    pm = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, middle=True, ep=ep, part=part)
+    pm = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, middle=True, ep=ep, part=part, etp=etp)
     ends = np.maximum(at(pf, n_first), at(pl, n_last))
     return np.maximum(ends, np.where(c.pp > 2, at(pm, n_middle), 0.0))
 
@@ -290,6 +309,13 @@ def moe_layer_extra_s(
       hidden states, micro-batch x seq x k x h x bytes, over the ep group (ep ranks of dp, the dp
       stride apart). Every tp rank of an ep group dispatches the micro-batch's tokens (Megatron-LM
       without sequence parallelism; with it Megatron gathers over tp first: the same bytes).
+    Expert-tensor parallelism below tp (expert_tp = 1, MoE parallel folding: Liu et al. 2025, arXiv
+    2504.14960, Sec. 3 and Fig. 3; Megatron-LM --expert-tensor-parallel-size, parallel_state.py
+    initialize_model_parallel's expert RankGenerator of order tp-ep-dp-pp): sequence parallelism holds
+    each tp rank's own seq / tp tokens (`memory.dispatch_share`), which it routes to whole experts
+    (expert ffn / expert_tp wide; rows per expert b x s / tp x k x ep / E); the all-to-all moves those
+    tokens over an ep group of consecutive ranks (stride expert_tp = 1: inside a node when ep fits in
+    it, `comm.all_to_all_s` at the level the group spans).
     Averaged over the layers (first_k_dense layers have none)."""
     if not model.is_moe:
         zero = np.zeros(len(c))
@@ -298,17 +324,21 @@ def moe_layer_extra_s(
     h, k, fe, m = model.hidden_size, model.experts_per_token, model.expert_ffn, model.mlp_matrices
     ep = np.asarray(c.ep, dtype=float)
     rows = b * training.seq_len
+    etp = memory.expert_tp_of(c)
+    folded = etp != c.tp
+    routed = memory.dispatch_share(c)  # the share of the micro-batch's tokens this rank dispatches
 
-    def mlp_s(r, width, count) -> tuple[ArrayOrFloat, ArrayOrFloat]:
-        up = compute._projection_s(device, training, r, width / tp, h, count * (m - 1))
-        down = compute._projection_s(device, training, r, h, width / tp, count)
+    def mlp_s(r, width, count, split) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+        up = compute._projection_s(device, training, r, width / split, h, count * (m - 1))
+        down = compute._projection_s(device, training, r, h, width / split, count)
         return up[0] + down[0], up[1] + down[1]
 
-    real_f, real_b = mlp_s(rows * k * ep / model.num_experts, fe, model.num_experts / ep)
-    view_f, view_b = mlp_s(rows, k * fe, 1.0)
+    real_f, real_b = mlp_s(rows * routed * k * ep / model.num_experts, fe, model.num_experts / ep, etp)
+    view_f, view_b = mlp_s(rows, k * fe, 1.0, tp)
     share = model.num_moe_layers / model.num_layers
-    dispatched = training.bytes_per_element * b * training.seq_len * k * h
-    a2a = share * MOE_IMBALANCE * comm.all_to_all_s(cluster, dispatched, c.ep, stride)
+    dispatched = routed * training.bytes_per_element * b * training.seq_len * k * h
+    ep_stride = np.where(folded, etp, stride)  # the expert order tp-ep-dp-pp: ep right outside expert tp
+    a2a = share * MOE_IMBALANCE * comm.all_to_all_s(cluster, dispatched, c.ep, ep_stride)
     return share * (MOE_IMBALANCE * real_f - view_f), share * (MOE_IMBALANCE * real_b - view_b), a2a
 
 
@@ -338,7 +368,7 @@ def evaluate(
     moe_fwd, moe_bwd, a2a = moe_layer_extra_s(model, training, cluster, c, b, tp, stride["dp"])
     fwd, bwd = fwd + moe_fwd, bwd + moe_bwd
     act_bytes = e * b * s * h
-    tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"])
+    tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"]) * moe_tp_collective_share(model, c)
     cp_fwd, cp_bwd = cp_exchange_s(
         model, training, cluster, b, tp, c.cp, stride["cp"], lt.attention_forward, lt.attention_backward
     )
@@ -381,12 +411,13 @@ def evaluate(
     dp = _stage_dp_times(
         model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"], stride["cp"]
     )
-    local_params = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep) / np.where(
+    etp = memory.expert_tp_of(c)
+    local_params = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep, etp) / np.where(
         c.zero_stage >= 1, c.shard * c.cp, 1
     )
-    if model.is_moe:  # the routed experts' optimizer states shard over max(shard / ep, 1) ranks only
-        experts = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert")
-        expert_shard = np.maximum(c.shard / c.ep, 1.0) * c.cp
+    if model.is_moe:  # the routed experts' optimizer states shard over max(shard x tp / (ep x etp), 1) ranks only
+        experts = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert", etp=etp)
+        expert_shard = np.maximum(c.shard * memory.expert_fold(c) / c.ep, 1.0) * c.cp
         local_params = local_params + np.where(
             c.zero_stage >= 1, experts / expert_shard - experts / (c.shard * c.cp), 0.0
         )
@@ -471,7 +502,7 @@ def stage_compute(
     )
     has_head = (pp == 1) | (not first)
     head = np.where(has_head, compute.lm_head_compute_s(model, training, device, b, tp), 0.0)
-    params = memory.stage_params(model, c.pp, c.tp, first, c.virtual_stages, ep=c.ep)
+    params = memory.stage_params(model, c.pp, c.tp, first, c.virtual_stages, ep=c.ep, etp=memory.expert_tp_of(c))
     local = params / np.where(c.zero_stage >= 1, c.shard * c.cp, 1)
     return {
         "forward_backward": c.num_microbatches * (layers * (fwd + bwd) + head),

@@ -38,6 +38,8 @@ VALID = 0
 CP_MIN_CHUNK_TOKENS = 16
 # the axis orders Megatron-LM has: its default, and --use-tp-pp-dp-mapping
 MEGATRON_ORDERS = [AXIS_ORDER_CHOICES.index("tp-dp-pp"), AXIS_ORDER_CHOICES.index("tp-pp-dp")]
+# the axis orders with pp outermost (the expert groups of expert_tp < tp lie inside one pipeline stage's ranks)
+PP_OUTERMOST = [i for i, o in enumerate(AXIS_ORDER_CHOICES) if o.endswith("-pp")]
 
 PLAN = "plan"  # berth's plans: the search's mask and pruning, compare / --layout / --fix, the API
 EXECUTOR = "executor"  # the bundled executor's pre-flight check (berth validate, executor/train.py)
@@ -129,11 +131,29 @@ def _interleaved(x: Layout, f: Facts) -> str:
 
 
 def _ep_dp(x: Layout, f: Facts) -> str:
-    valid = divisors(gcd(x.dp, f.model.num_experts or 1))
+    if x.etp == x.tp:
+        valid = divisors(gcd(x.dp, f.model.num_experts or 1))
+        return (
+            f"ep = {x.ep} must divide dp = {x.dp} (expert-parallel ranks are carved out of the data-parallel "
+            f"ranks); valid: {listing(valid)}"
+        )
+    valid = divisors(gcd(x.tp * x.dp // max(x.etp, 1), f.model.num_experts or 1))
     return (
-        f"ep = {x.ep} must divide dp = {x.dp} (expert-parallel ranks are carved out of the data-parallel "
-        f"ranks); valid: {listing(valid)}"
+        f"ep x expert_tp = {x.ep} x {x.etp} must divide tp x dp = {x.tp} x {x.dp} (Megatron-LM's expert ranks "
+        f"cover the attention's tp x dp ranks); valid ep: {listing(valid)}"
     )
+
+
+def _etp_values(x: Layout, f: Facts) -> str:
+    return (
+        f"expert_tp = {x.etp} must be 1 (whole experts per rank, MoE parallel folding) or tp = {x.tp} (the "
+        f"experts split as the dense layers); valid: {listing(sorted({1, x.tp}))}"
+    )
+
+
+def _etp(c: Candidates) -> np.ndarray:
+    """The candidates whose experts run with their own tensor-parallel size (expert_tp < tp)."""
+    return c.expert_tp != c.tp
 
 
 def _one_f_one_b(c: Candidates) -> np.ndarray:
@@ -291,18 +311,58 @@ _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "expert_tp_not_one_or_tp",
+        ("expert_tp", "tp"),
+        lambda c, f: (c.expert_tp != 1) & (c.expert_tp != c.tp),
+        "expert_tp must be 1 or tp (berth models the experts unsplit or split as the dense layers)",
+        _etp_values,
+    ),
+    Rule(
+        "expert_tp_needs_moe",
+        ("expert_tp", "tp"),
+        lambda c, f: _etp(c) & (f.model.num_experts == 0),
+        "expert_tp != tp needs a mixture-of-experts model (num_experts > 0)",
+        lambda x, f: (
+            f"expert_tp = {x.etp} != tp = {x.tp} splits routed experts; {f.model.name} is dense (num_experts 0)"
+        ),
+    ),
+    Rule(
+        "expert_tp_needs_sequence_parallel",
+        ("expert_tp", "sequence_parallel"),
+        lambda c, f: _etp(c) & (c.sequence_parallel == 0),
+        "expert_tp < tp needs sequence parallelism: each tp rank routes its own seq / tp tokens to whole "
+        "experts (Megatron-LM requires sequence parallelism for MoE with tp: moe_layer.py, yaml_arguments.py)",
+        lambda x, f: (
+            f"expert_tp = {x.etp} < tp = {x.tp}: each tp rank routes its own seq / tp tokens to whole experts, "
+            "which needs sequence parallelism (sp=1)"
+        ),
+    ),
+    Rule(
+        "expert_tp_needs_pp_outermost",
+        ("expert_tp", "pp", "axis_order"),
+        lambda c, f: _etp(c) & (c.pp > 1) & ~np.isin(c.axis_order, PP_OUTERMOST),
+        "expert_tp < tp places the ep group on consecutive ranks of tp x dp: with pp > 1 pp must be the "
+        "outermost axis (Megatron-LM's initialize_model_parallel asserts the pp-last order when the experts' "
+        "data-parallel size differs from the attention's)",
+        lambda x, f: (
+            f"expert_tp = {x.etp} < tp = {x.tp} with pp = {x.pp}: the expert groups need pp outermost; valid "
+            f"axis_order: {listing([AXIS_ORDER_CHOICES[i] for i in PP_OUTERMOST])}"
+        ),
+    ),
+    Rule(
         "ep_not_divide_dp",
-        ("ep", "dp"),
-        lambda c, f: c.dp % np.maximum(c.ep, 1) != 0,
-        "ep must divide dp (expert-parallel ranks are carved out of the data-parallel ranks)",
+        ("ep", "dp", "expert_tp", "tp"),
+        lambda c, f: (c.tp * c.dp) % (np.maximum(c.ep, 1) * np.maximum(c.expert_tp, 1)) != 0,
+        "ep x expert_tp must divide tp x dp (expert_tp = tp: ep divides dp, the expert-parallel ranks carved out "
+        "of the data-parallel ranks; Megatron-LM's initialize_model_parallel: world % (expert_tp x ep x pp) = 0)",
         _ep_dp,
     ),
     Rule(
         "ep_with_cp",
-        ("ep", "cp"),
-        lambda c, f: (c.ep > 1) & (c.cp > 1),
-        "ep > 1 with cp > 1 is not modelled (Megatron-LM and torchtitan fold the cp ranks into the "
-        "expert-parallel group; berth carves ep out of dp only)",
+        ("ep", "cp", "expert_tp"),
+        lambda c, f: ((c.ep > 1) | _etp(c)) & (c.cp > 1),
+        "ep > 1 or expert_tp < tp with cp > 1 is not modelled (Megatron-LM and torchtitan fold the cp ranks "
+        "into the expert-parallel group; berth carves ep out of tp x dp only)",
     ),
 )
 
@@ -347,6 +407,17 @@ _EXECUTOR_RULES: tuple[Rule, ...] = (
         ("tp", "pp"),
         lambda c, f: f.model.tied_embeddings & ((c.tp > 1) | (c.pp > 1)),
         "tied embeddings with tp or pp > 1 are not supported by the executor",
+        applies=frozenset({EXECUTOR}),
+    ),
+    Rule(
+        "expert_tp_in_executor",
+        ("expert_tp", "tp"),
+        lambda c, f: _etp(c),
+        "the bundled executor splits experts as the dense layers: expert_tp must equal tp",
+        lambda x, f: (
+            f"expert_tp = {x.etp} != tp = {x.tp}: the bundled executor runs mixture of experts on dp only and "
+            "splits experts as the dense layers (plan it for Megatron-LM)"
+        ),
         applies=frozenset({EXECUTOR}),
     ),
     Rule(

@@ -66,6 +66,10 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
         "pp": ("--pipeline-model-parallel-size", "megatron/core/model_parallel_config.py:83"),
         "dp": ("(derived by Megatron: world size / (tp x cp x pp))", "megatron/core/parallel_state.py"),
         "ep": ("--expert-model-parallel-size", "megatron/core/model_parallel_config.py:127"),
+        "expert_tp": (
+            "--expert-tensor-parallel-size (tp when the layout leaves expert_tp out, Megatron's own default)",
+            "megatron/core/model_parallel_config.py:130; megatron/training/arguments.py validate_args",
+        ),
         "shard": (
             "--num-distributed-optimizer-instances",
             "megatron/core/distributed/distributed_data_parallel_config.py:34",
@@ -111,6 +115,7 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
             "model code, not the config)",
             "deepspeed/moe/layer.py",
         ),
+        "expert_tp": ("(none: mixture of experts refused)", "deepspeed/moe/layer.py"),
         "shard": ("(none: refused below dp; MiCS was removed)", "deepspeed/runtime/config.py:119"),
         "zero_stage": ("zero_optimization.stage", "deepspeed/runtime/zero/config.py:95"),
         "recompute": (
@@ -138,6 +143,11 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
             "(none: mixture of experts refused; parallelism.expert_parallel_degree applies to torchtitan's own "
             "MoE models, not the Llama 3 builder berth writes)",
             "torchtitan/config/configs.py:282",
+        ),
+        "expert_tp": (
+            "(none: mixture of experts refused; torchtitan 0.3's experts take no tensor parallelism of their own: "
+            "its sparse mesh is efsdp x ep with efsdp = dp_shard x cp x tp / ep)",
+            "torchtitan/distributed/parallel_dims.py:279; torchtitan/config/configs.py:279",
         ),
         "shard": ("parallelism.data_parallel_shard_degree", "torchtitan/config/configs.py:124"),
         "zero_stage": ("parallelism.fsdp_reshard_after_forward", "torchtitan/config/configs.py:136"),
@@ -476,7 +486,7 @@ def _megatron_stage_args(num_layers: int, pp: int, vpp: int) -> list[tuple[str, 
 
 
 # Mixture-of-experts arguments (MEGATRON_MOE_SOURCES): the layout's ep, the experts' tensor parallelism
-# equal to tp (Megatron's default, the rule planner/specs.py and cost_models/memory.py use), the
+# (Layout.etp: expert_tp, tp where the layout leaves it out, Megatron's default; 1 for MoE parallel folding), the
 # all-to-all token dispatcher the cost model prices, grouped GEMMs, and the model's expert shape.
 MEGATRON_MOE_SOURCES = {
     "--num-experts": "megatron/training/arguments.py:3518",
@@ -499,7 +509,7 @@ def _megatron_moe_args(m, x) -> list[tuple[str, object]]:
         ("--moe-router-topk", m.experts_per_token),
         ("--moe-ffn-hidden-size", m.expert_ffn),
         ("--expert-model-parallel-size", x.ep),
-        ("--expert-tensor-parallel-size", x.tp),
+        ("--expert-tensor-parallel-size", x.etp),
         ("--moe-token-dispatcher-type", "alltoall"),
         ("--moe-grouped-gemm", None),
     ]

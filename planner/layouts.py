@@ -1,5 +1,5 @@
 """The layout SPEC grammar shared by `--layout` and `--fix`: comma-separated key=value pairs,
-e.g. "tp=8,pp=4,dp=2,zero=1,recompute=selective,mbs=1,vpp=5,sp=1"."""
+e.g. "tp=8,pp=4,dp=2,zero=1,recompute=selective,mbs=1,vpp=5,sp=1" (MoE: "ep=8,etp=1")."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ ALIASES = {
     "vpp": "virtual_stages",
     "sp": "sequence_parallel",
     "order": "axis_order",
+    "etp": "expert_tp",
 }
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -105,6 +106,8 @@ def check_values(values: dict[str, Any], field: str = "layout") -> None:
     for key, value in values.items():
         if key not in LAYOUT_FIELDS:
             raise BerthError(f"{field}.{key}", value, f"unknown layout field; known: {', '.join(LAYOUT_FIELDS)}")
+        if value is None and Layout.model_fields[key].default is None:
+            continue  # an optional field left to its derived value (expert_tp: tp)
         choices = _CHOICES.get(key)
         if choices is not None and value not in choices:
             shown = "0 or 1" if key == "sequence_parallel" else ", ".join(map(str, choices))

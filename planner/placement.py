@@ -124,7 +124,7 @@ def rank_map(layout: Layout, cluster: ClusterSpec, order: tuple[str, ...] | None
 
 
 # the time term each axis's traffic lands in; ep (MoE expert parallelism) groups are ep consecutive dp
-# ranks (the dp stride apart), listed in the placement when ep > 1
+# ranks (the dp stride apart; with expert_tp = 1, ep consecutive ranks), listed in the placement when ep > 1
 AXIS_TERMS = terms.AXIS_TERMS
 
 
@@ -146,7 +146,9 @@ def placement(
     what that costs (its time term here minus on `innermost_cluster`); with `detail`, the full
     rank map and groups up to PLACEMENT_DETAIL_MAX_RANKS ranks."""
     sizes, stride = _sizes(layout), strides(layout)
-    sizes["ep"], stride["ep"] = layout.ep, stride["dp"]
+    # ep: ep data-parallel ranks the dp stride apart; with expert_tp < tp consecutive ranks, expert_tp apart
+    # (Megatron's expert order tp-ep-dp-pp; cost_models/step.py moe_layer_extra_s)
+    sizes["ep"], stride["ep"] = layout.ep, layout.etp if layout.etp != layout.tp else stride["dp"]
     groups = []
     for axis in (*shown_axes(layout), "ep") if layout.ep > 1 else shown_axes(layout):
         k = int(group_level(cluster, sizes[axis], stride[axis]))

@@ -41,6 +41,8 @@ def _compact_layout(p: Plan) -> str:
     parts = [f"tp{x.tp}", *([f"cp{x.cp}"] if x.cp > 1 else []), f"pp{x.pp}", f"dp{x.dp}"]
     if x.ep > 1:
         parts.append(f"ep{x.ep}")
+    if x.etp != x.tp:
+        parts.append(f"etp{x.etp}")
     if x.zero_stage:
         parts.append(f"z{x.zero_stage}/{x.shard}")
     parts.append(f"mbs{x.micro_batch_size}x{x.num_microbatches}")

@@ -151,16 +151,25 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
 
 
 def _inner_options(dp: int, tp: int, experts: int = 0, cp: bool = False) -> np.ndarray:
-    """(zero, shard, recompute, sp, ep) options for a given dp and tp; ep (MoE models only, `experts`
-    > 0) ranges over the common divisors of dp and the number of experts. ZeRO shards over shard x cp
-    ranks (cost_models/memory.py), so with context parallelism (`cp`) shard = 1 under ZeRO still
-    shards, over the cp ranks (torchtitan's FSDP over dp_shard x cp with dp_shard 1, Megatron's
-    distributed optimizer over dp x cp)."""
+    """(zero, shard, recompute, sp, ep, expert_tp) options for a given dp and tp; ep (MoE models only,
+    `experts` > 0) ranges over the common divisors of dp and the number of experts. ZeRO shards over
+    shard x cp ranks (cost_models/memory.py), so with context parallelism (`cp`) shard = 1 under ZeRO
+    still shards, over the cp ranks (torchtitan's FSDP over dp_shard x cp with dp_shard 1, Megatron's
+    distributed optimizer over dp x cp).
+    expert_tp: MoE models (whose groups know their tp) try the experts split as the dense layers (tp)
+    and, with tp > 1, whole experts per rank (1, MoE parallel folding: sequence parallelism on, ep over
+    the common divisors of tp x dp and the experts); dense models hold 0, "= tp" (`_block` resolves it;
+    1 where tp is 1)."""
     shards = [d for d in divisors(dp) if d > 1] + ([1] if cp else [])
     zero_shard = [(0, 1)] + [(z, s) for z in (1, 2, 3) for s in shards]
     sps = (0, 1) if tp > 1 else (0,)
     eps = divisors(math.gcd(dp, experts)) if experts else [1]
-    opts = [(z, s, r, sp, ep) for (z, s), r, sp, ep in product(zero_shard, range(len(RECOMPUTE_CHOICES)), sps, eps)]
+    same = tp if experts or tp == 1 else 0
+    recomputes = range(len(RECOMPUTE_CHOICES))
+    opts = [(z, s, r, sp, ep, same) for (z, s), r, sp, ep in product(zero_shard, recomputes, sps, eps)]
+    if experts and tp > 1:
+        folded = divisors(math.gcd(tp * dp, experts))
+        opts += [(z, s, r, 1, ep, 1) for (z, s), r, ep in product(zero_shard, recomputes, folded)]
     return np.asarray(opts, dtype=np.int64)
 
 
@@ -176,7 +185,7 @@ _STRUCT_COLUMNS = (
     "axis_order",
     "cp",
 )
-_INNER_COLUMNS = ("zero_stage", "shard", "recompute", "sequence_parallel", "ep")
+_INNER_COLUMNS = ("zero_stage", "shard", "recompute", "sequence_parallel", "ep", "expert_tp")
 
 
 def _groups(
@@ -203,15 +212,16 @@ def _groups(
 
 
 def _group_tables(rows: np.ndarray, codes: dict[str, int], experts: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(structural rows, inner options) of each (dp, tp > 1, cp > 1) group with the fixed codes applied."""
-    groups: dict[tuple[int, bool, bool], list[int]] = {}
+    """(structural rows, inner options) of each (dp, tp > 1, cp > 1) group with the fixed codes applied;
+    MoE models group by tp itself (their expert_tp and ep options depend on it)."""
+    groups: dict[tuple[int, int, bool], list[int]] = {}
     cp_column = _STRUCT_COLUMNS.index("cp")
     for i, (tp, dp, cp) in enumerate(rows[:, [0, 2, cp_column]].tolist()):  # lists: iterating numpy rows is slow
-        groups.setdefault((dp, tp > 1, cp > 1), []).append(i)
+        groups.setdefault((dp, tp if experts else min(tp, 2), cp > 1), []).append(i)
     out = []
-    for (dp, has_tp, has_cp), idx in groups.items():
+    for (dp, tp, has_cp), idx in groups.items():
         struct = rows[np.asarray(idx)]
-        inner = _inner_options(dp, 2 if has_tp else 1, experts, has_cp)
+        inner = _inner_options(dp, tp, experts, has_cp)
         struct = struct[_matches(struct, _STRUCT_COLUMNS, codes)]
         inner = inner[_matches(inner, _INNER_COLUMNS, codes)]
         if len(struct) and len(inner):
@@ -235,7 +245,7 @@ def _refuse_empty_fix(
             table, columns = (struct, _STRUCT_COLUMNS) if column in _STRUCT_COLUMNS else (inner, _INNER_COLUMNS)
             present.update(np.unique(table[:, columns.index(column)]).tolist())
         if _fix_codes({key: fix[key]})[column] not in present:
-            values = sorted(present)
+            values = sorted(present - {0} if key == "expert_tp" else present)  # 0: a dense model's "= tp"
             valid = [_CODES[key][v] for v in values] if key in _CODES else values
             raise refuse_fix(fix, key, valid, model, training, cluster)
 
@@ -256,10 +266,11 @@ def count_candidates(model: ModelSpec, training: TrainingSpec, cluster: ClusterS
 def _block(struct: np.ndarray, inner: np.ndarray) -> Candidates:
     s = np.repeat(struct, len(inner), axis=0)
     o = np.tile(inner, (len(struct), 1))
-    return Candidates(
-        **{name: s[:, j] for j, name in enumerate(_STRUCT_COLUMNS)},
-        **{name: o[:, j] for j, name in enumerate(_INNER_COLUMNS)},
-    )
+    columns = {name: s[:, j] for j, name in enumerate(_STRUCT_COLUMNS)}
+    columns |= {name: o[:, j] for j, name in enumerate(_INNER_COLUMNS)}
+    etp = columns["expert_tp"]
+    columns["expert_tp"] = np.where(etp == 0, columns["tp"], etp)  # 0: "= tp" (_inner_options)
+    return Candidates(**columns)
 
 
 def iter_candidates(groups: list[tuple[np.ndarray, np.ndarray]], chunk: int | None = None) -> Iterator[Candidates]:
@@ -289,7 +300,7 @@ def enumerate_candidates(
     """Every candidate of the search at once (tests and small searches; `search` streams them)."""
     return Candidates.concat(
         [_block(struct, inner) for struct, inner in _groups(model, training, cluster, search)]
-        or [_block(np.zeros((0, 9), np.int64), np.zeros((1, 5), np.int64))]
+        or [_block(np.zeros((0, len(_STRUCT_COLUMNS)), np.int64), np.zeros((1, len(_INNER_COLUMNS)), np.int64))]
     )
 
 

@@ -482,6 +482,14 @@ class Layout(Spec):
         description="expert-parallel degree (MoE models): ranks carved out of dp, each "
         "holding num_experts / ep experts; 1 for dense models",
     )
+    expert_tp: int | None = Field(
+        default=None,
+        gt=0,
+        description="expert-tensor-parallel degree (MoE models; Megatron-LM's --expert-tensor-parallel-size): "
+        "ranks that split each routed expert's weights; left out (null): tp, the experts split as the dense layers. 1: "
+        "MoE parallel folding (Liu et al. 2025, arXiv 2504.14960): each rank holds num_experts / ep whole experts "
+        "and the ep group is consecutive ranks of tp x dp (ep x expert_tp must divide tp x dp)",
+    )
     shard: int = Field(
         default=1,
         gt=0,
@@ -535,10 +543,17 @@ class Layout(Spec):
         axis_order (torchtitan's mesh pp, dp_replicate, dp_shard, cp, tp; Megatron's tp-cp-ep-dp-pp)."""
         return with_cp(self.order)
 
+    @property
+    def etp(self) -> int:
+        """The expert-tensor-parallel degree in effect: expert_tp, or tp where it is not given."""
+        return self.tp if self.expert_tp is None else self.expert_tp
+
     def short(self) -> str:
         parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}", f"dp={self.dp}"]
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.etp != self.tp:
+            parts.append(f"etp={self.etp}")
         if self.zero_stage:
             parts += [f"zero={self.zero_stage}", f"shard={self.shard}"]
         parts += [f"mbs={self.micro_batch_size}", f"nmb={self.num_microbatches}"]

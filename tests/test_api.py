@@ -418,3 +418,23 @@ def test_context_parallel_layout_and_fix_over_http(server):
     bad = {**PLAN_BODY, "training": {"seq_len": 1000, "global_batch_size": 32}, "search": {"fix": {"cp": 16}}}
     r = c.post("/v1/plans", json=bad)
     assert r.status_code == 422 and "cp" in r.text, r.text
+
+
+def test_expert_tp_in_compare_over_http(server):
+    """expert_tp (text `etp=1` and object) in compared layouts: the plan JSON carries it, the ep group of
+    whole experts lies inside one node, and a value other than 1 or tp is a 422 naming the field."""
+    c = httpx.Client(base_url=server.url, timeout=60)
+    base = {
+        "model": "mixtral-8x7b",
+        "training": {"seq_len": 4096, "global_batch_size": 256},
+        "cluster": {"preset": "dgx-h100", "nodes": 2},
+    }
+    folded = {"tp": 2, "ep": 8, "expert_tp": 1, "sequence_parallel": True, "zero_stage": 1, "recompute": "full"}
+    r = c.post("/v1/compare", json={**base, "layouts": ["tp=2,ep=8,etp=1,sp=1,zero=1,recompute=full", folded]})
+    assert r.status_code == 200, r.text
+    candidates = r.json()["candidates"]
+    assert [x["layout"]["expert_tp"] for x in candidates] == [1, 1]
+    (ep,) = [g for g in candidates[0]["placement"]["groups"] if g["axis"] == "ep"]
+    assert ep["stride"] == 1 and ep["nodes_spanned"] == 1
+    r = c.post("/v1/compare", json={**base, "layouts": ["tp=4,ep=4,etp=2,sp=1"]})
+    assert r.status_code == 422 and "expert_tp" in r.text, r.text

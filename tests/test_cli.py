@@ -126,7 +126,12 @@ def test_moe_plan_carries_ep_in_json_and_tables():
     r = berth(*args, "--json")
     assert r.returncode == 0, r.stderr
     plans = json.loads(r.stdout)["plans"]
-    assert plans and all(p["layout"]["ep"] == 8 and p["layout"]["dp"] % 8 == 0 for p in plans)
+    # ep x expert_tp divides tp x dp (expert_tp null: tp, ep carved out of dp; 1: whole experts, ep over tp x dp)
+    etp = [p["layout"]["expert_tp"] or p["layout"]["tp"] for p in plans]
+    assert plans and all(
+        p["layout"]["ep"] == 8 and (p["layout"]["tp"] * p["layout"]["dp"]) % (8 * e) == 0
+        for p, e in zip(plans, etp, strict=True)
+    )
     assert all("ep_comm" in p["prediction"]["time_breakdown_s"] for p in plans)
     table = subprocess.run(
         [*BERTH, *args], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "100"}

@@ -106,6 +106,7 @@ def random_layouts(rng: np.random.Generator, n: int, world: int, batch: int) -> 
             schedule=pick(SCHEDULE_CHOICES),
             sequence_parallel=bool(pick([0, 1])),
             axis_order=pick(AXIS_ORDER_CHOICES),
+            expert_tp=pick([None, None, None, 1, 2]),
         )
         if k % 2:
             x["dp"] = max(1, world // (x["tp"] * x["cp"] * x["pp"]))
@@ -114,6 +115,7 @@ def random_layouts(rng: np.random.Generator, n: int, world: int, batch: int) -> 
             x["ep"] = pick([1, 2]) if x["cp"] == 1 else 1
             x["schedule"] = "interleaved_1f1b" if x["virtual_stages"] > 1 else pick(["1f1b", "gpipe"])
             x["sequence_parallel"] = x["sequence_parallel"] and x["tp"] > 1
+            x["expert_tp"] = pick([None, None, 1])  # MoE parallel folding: whole experts per rank
         out.append(Layout(**x))
     return out
 

@@ -93,11 +93,17 @@ def brute_force(model, training, cluster):
                                     continue
                                 for rec in RECOMPUTE_CHOICES:
                                     for sp in (False, True) if tp > 1 else (False,):
-                                        for order, ep in (
-                                            (o, e) for o in distinct_orders(tp, pp, dp) for e in range(1, dp + 1)
+                                        for order, ep, etp in (
+                                            (o, e, et)
+                                            for o in distinct_orders(tp, pp, dp)
+                                            for e in range(1, tp * dp + 1)
+                                            for et in ((tp, 1) if model.num_experts and tp > 1 else (tp,))
                                         ):
-                                            # ep (MoE only) divides dp and the experts
-                                            if ep > 1 and (not model.num_experts or dp % ep or model.num_experts % ep):
+                                            # ep (MoE only) divides the experts and dp (experts split by tp) or
+                                            # tp x dp (whole experts per rank, expert_tp = 1, with sp)
+                                            if ep > 1 and (not model.num_experts or model.num_experts % ep):
+                                                continue
+                                            if (dp if etp == tp else tp * dp) % ep or (etp < tp and not sp):
                                                 continue
                                             layouts.append(
                                                 Layout(
@@ -115,6 +121,7 @@ def brute_force(model, training, cluster):
                                                     schedule=schedule,
                                                     sequence_parallel=sp,
                                                     axis_order=order,
+                                                    expert_tp=None if etp == tp else etp,
                                                 )
                                             )
     # scored in one call: the cost model is elementwise over candidates, so this gives the same numbers
