@@ -177,4 +177,5 @@ def shard_batch(cp_mesh, tensors: list[torch.Tensor], seq_dim: int = 1) -> list[
 
     seq_len = tensors[0].shape[seq_dim]
     balancer = load_balancer(seq_len, cp_mesh.size(), tensors[0].device)
-    return _context_parallel_shard(cp_mesh, tensors, [seq_dim] * len(tensors), load_balancer=balancer)
+    shards = _context_parallel_shard(cp_mesh, tensors, [seq_dim] * len(tensors), load_balancer=balancer)
+    return [t for t in shards if isinstance(t, torch.Tensor)]  # tensors in, tensors out (no BlockMask)

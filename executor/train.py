@@ -202,7 +202,7 @@ def run_steps(
         tokens, targets = synthetic_batch(spec, training.global_batch_size, training.seq_len, seed, step)
         mine = slice(coords.dp_rank * per_rank, (coords.dp_rank + 1) * per_rank)
         tokens, targets = tokens[mine].to(device), targets[mine].to(device)
-        if layout.cp > 1:  # this cp rank's load-balanced chunks of every sequence (the API's head-tail split)
+        if layout.cp > 1 and mesh is not None:  # this cp rank's load-balanced chunks (the API's head-tail split)
             tokens, targets = shard_batch(mesh["cp"], [tokens, targets])
         if world > 1:
             dist.barrier()

@@ -155,7 +155,7 @@ def make_cluster(
     return spec
 
 
-def load_profile(path: str | None) -> tuple[DeviceProfile, ServerProfile | None] | None:
+def load_profile(path: str | None) -> tuple[DeviceProfile, ServerProfile] | None:
     """(device, server) of a `berth profile` file, or None. The CLI's only: `make_cluster` refuses
     a profile before this without allow_files."""
     if not path:
