@@ -168,19 +168,8 @@ def stage_params(
     over the layers (first_k_dense layers counted as if spread).
     `part`: "all", "dense" (all but the routed experts) or "expert" (the routed experts only).
     """
-    ep = np.asarray(ep, dtype=float)
-    experts = model.expert_params_per_layer
-    per_layer = {
-        "all": model.params_per_layer - experts + experts / ep,
-        "dense": model.params_per_layer - experts + 0.0 * ep,
-        "expert": experts / ep,
-    }[part]
     edge = 0.0 if part == "expert" else 1.0
-    local = per_layer / tp
-    if model.is_moe and etp is not None and np.any(np.asarray(etp) != np.asarray(tp)):  # experts / etp, rest / tp
-        dense = 0.0 if part == "expert" else (model.params_per_layer - experts) / np.asarray(tp, dtype=float)
-        routed = 0.0 if part == "dense" else experts / ep / np.asarray(etp, dtype=float)
-        local = np.where(np.asarray(etp) != np.asarray(tp), dense + routed, local)
+    local = local_layer_params(model, tp, ep, etp, part)
     first_layers, middle_layers, last_layers, _ = stages.stage_split(model.num_layers, pp, vpp)
     if middle:
         return np.asarray(middle_layers, dtype=float) * local
@@ -193,15 +182,22 @@ def stage_params(
     return layers + head + np.where(pp == 1, emb, 0.0)
 
 
-def local_layer_params(model: ModelSpec, tp, ep=1, etp=None) -> ArrayOrFloat:
+def local_layer_params(model: ModelSpec, tp, ep=1, etp=None, part: str = "all") -> ArrayOrFloat:
     """One decoder layer's parameters on one rank (routed experts / ep / etp, the rest / tp; MoE: the mean
-    layer; etp None: tp)."""
+    layer; etp None: tp). `part` as in `stage_params`."""
+    ep = np.asarray(ep, dtype=float)
     experts = model.expert_params_per_layer
-    today = (model.params_per_layer - experts + experts / np.asarray(ep, dtype=float)) / tp
-    if not model.is_moe or etp is None or not np.any(np.asarray(etp) != np.asarray(tp)):
-        return today
-    folded = (model.params_per_layer - experts) / tp + experts / np.asarray(ep, dtype=float) / etp
-    return np.where(np.asarray(etp) != np.asarray(tp), folded, today)
+    per_layer = {
+        "all": model.params_per_layer - experts + experts / ep,
+        "dense": model.params_per_layer - experts + 0.0 * ep,
+        "expert": experts / ep,
+    }[part]
+    local = per_layer / tp
+    if model.is_moe and etp is not None and np.any(np.asarray(etp) != np.asarray(tp)):  # experts / etp, rest / tp
+        dense = 0.0 if part == "expert" else (model.params_per_layer - experts) / np.asarray(tp, dtype=float)
+        routed = 0.0 if part == "dense" else experts / ep / np.asarray(etp, dtype=float)
+        local = np.where(np.asarray(etp) != np.asarray(tp), dense + routed, local)
+    return local
 
 
 def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1, etp=None) -> ArrayOrFloat:
