@@ -3,7 +3,8 @@
     python -m benchmarks.engine_check [--megatron-dir PATH] [--json]
 
 For a representative plan set (the README's launch cases, searched, and hand-picked layouts covering pp,
-interleaved vpp, ZeRO 0-3, hybrid sharding, sequence parallelism, recompute, gradient accumulation), every
+interleaved vpp, ZeRO 0-3, hybrid sharding, sequence parallelism, recompute, gradient accumulation, context
+parallelism, uneven stages, and mixture of experts with ep and expert_tp = tp or 1 for Megatron), every
 engine format is generated and loaded by the engine itself:
 
 - DeepSpeed (the `engines` extra): `deepspeed.runtime.config.DeepSpeedConfig` with a one-process gloo group and
@@ -19,11 +20,16 @@ Stand-ins, each for a GPU-only piece the parsers never call: torchtitan 0.3.0's 
 expert-parallel dispatch (`torchtitan.distributed.minimal_async_ep.kernels`, imported at module level, needs
 triton, which CPU torch lacks) when triton is absent; DeepSpeed's shared-memory allreduce op, which its CPU
 accelerator JIT-compiles (minutes) on every process-group set-up; Megatron's `get_device_arch_version`
-(a torch.cuda query), answered 9 (Hopper, where tp > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1).
+(a torch.cuda query), answered 9 (Hopper, where tp > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1), and its
+`torch.cuda.get_device_capability` check for --moe-grouped-gemm, answered (9, 0).
 
 Nothing is fetched: the engines are the installed packages and the checkout given. Each loader returns the
 parsed values in one vocabulary (tp, pp, vpp, dp, shard, zero, micro/global batch, accumulation, recompute,
-sp, precision, seq_len) for tests/test_engines.py to compare with the plan.
+sp, precision, seq_len; Megatron's experts, top-k, expert ffn, shared-expert ffn, MoE layer pattern, ep, etp and
+dispatcher) for tests/test_engines.py to compare with the plan.
+
+Last run against Megatron-LM (this machine's Python 3.11 + triton 3.9, no GPU): fc61ce5a60 (2026-03, the last
+commit before the checkout requires Python 3.12): all 15 plans parse and validate, the three MoE plans included.
 """
 
 from __future__ import annotations
@@ -159,6 +165,64 @@ LAYOUT_CASES = [
 ]
 
 
+# Mixture of experts, planned for Megatron-LM (the engine that runs berth's MoE layouts; DeepSpeed and torchtitan
+# refuse them with their reason): experts split as the dense layers (expert_tp = tp), MoE parallel folding
+# (expert_tp = 1, the ep group across tp x dp), and a DeepSeek-V3-style model with a shared expert, dense first
+# layers (--moe-layer-freq) and 61 layers on 16 uneven stages.
+MOE_CASES = [
+    (
+        "mixtral-8x7b",
+        4,
+        64,
+        Layout(
+            tp=2,
+            pp=2,
+            dp=8,
+            ep=4,
+            zero_stage=1,
+            shard=8,
+            micro_batch_size=2,
+            num_microbatches=4,
+            sequence_parallel=True,
+        ),
+    ),
+    (
+        "mixtral-8x7b",
+        4,
+        64,
+        Layout(
+            tp=2,
+            pp=2,
+            dp=8,
+            ep=8,
+            expert_tp=1,
+            zero_stage=1,
+            shard=8,
+            micro_batch_size=2,
+            num_microbatches=4,
+            sequence_parallel=True,
+        ),
+    ),
+    (
+        "deepseek-v3-style",
+        64,
+        1024,
+        Layout(
+            tp=4,
+            pp=16,
+            dp=8,
+            ep=8,
+            expert_tp=1,
+            zero_stage=1,
+            shard=8,
+            micro_batch_size=1,
+            num_microbatches=128,
+            sequence_parallel=True,
+        ),
+    ),
+]
+
+
 def plan_set() -> list[tuple[str, Plan]]:
     """(name, plan): the top plan of each README case (framework pytorch and megatron) and the layout cases."""
     out = []
@@ -175,6 +239,10 @@ def plan_set() -> list[tuple[str, Plan]]:
             [layout],
         )
         out.append((f"{model}-{nodes}n-{layout.short()}", p))
+    for model, nodes, batch, layout in MOE_CASES:
+        training = TrainingSpec(seq_len=4096, global_batch_size=batch, framework="megatron")
+        (p,) = predict_layouts(load_model(model), training, cluster_from_preset("dgx-h100", nodes), [layout])
+        out.append((f"{model}-{nodes}n-megatron-{layout.short()}", p))
     return out
 
 
@@ -366,6 +434,7 @@ except Exception as e:  # an import the checkout needs and this machine lacks
     print(json.dumps({"import_error": f"{type(e).__name__}: {e}"}))
     sys.exit(0)
 A.get_device_arch_version = lambda: 9  # stand-in for the torch.cuda query: Hopper
+A.torch.cuda.get_device_capability = lambda *a: (9, 0)  # the same for --moe-grouped-gemm's check
 out = []
 for job in jobs:
     os.environ.update(WORLD_SIZE=str(job["world"]), RANK="0", LOCAL_RANK="0")
@@ -458,6 +527,23 @@ def megatron_values(args: dict[str, Any]) -> dict[str, Any]:
         "norm": args["normalization"],
         "untied": args["untie_embeddings_and_output_weights"],
         "tp_pp_dp": args["use_tp_pp_dp_mapping"],
+        **_megatron_moe_values(args),
+    }
+
+
+def _megatron_moe_values(args: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts arguments Megatron parsed (none for a dense model)."""
+    if not args.get("num_experts"):
+        return {}
+    return {
+        "experts": args["num_experts"],
+        "topk": args["moe_router_topk"],
+        "expert_ffn": args["moe_ffn_hidden_size"],
+        "shared_ffn": args["moe_shared_expert_intermediate_size"] or 0,
+        "moe_layer_freq": args["moe_layer_freq"],
+        "ep": args["expert_model_parallel_size"],
+        "etp": args["expert_tensor_parallel_size"],
+        "dispatcher": args["moe_token_dispatcher_type"],
     }
 
 

@@ -190,4 +190,23 @@ def test_megatron_arguments_pass_megatrons_parse_args_and_validate_args():
             "norm": "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm",
             "untied": not m.tied_embeddings,
             "tp_pp_dp": x.axis_order == "tp-pp-dp",
+            **_moe_expected(plan),
         }, name
+
+
+def _moe_expected(plan):
+    """The mixture-of-experts arguments Megatron must have parsed, from the plan (none for a dense model)."""
+    x, m = plan.layout, plan.model
+    if not m.is_moe:
+        return {}
+    return {
+        "experts": m.num_experts,
+        "topk": m.experts_per_token,
+        "expert_ffn": m.expert_ffn,
+        "shared_ffn": m.num_shared_experts * m.shared_ffn,
+        # every layer an MoE layer (Megatron's default 1), or the dense first layers as a 0/1 list
+        "moe_layer_freq": str([0] * m.first_k_dense + [1] * m.num_moe_layers) if m.first_k_dense else 1,
+        "ep": x.ep,
+        "etp": x.etp,
+        "dispatcher": "alltoall",
+    }
