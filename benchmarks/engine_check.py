@@ -169,55 +169,16 @@ LAYOUT_CASES = [
 # refuse them with their reason): experts split as the dense layers (expert_tp = tp), MoE parallel folding
 # (expert_tp = 1, the ep group across tp x dp), and a DeepSeek-V3-style model with a shared expert, dense first
 # layers (--moe-layer-freq) and 61 layers on 16 uneven stages.
+_MIXTRAL = dict(tp=2, pp=2, dp=8, zero_stage=1, shard=8, micro_batch_size=2, num_microbatches=4, sequence_parallel=True)
 MOE_CASES = [
-    (
-        "mixtral-8x7b",
-        4,
-        64,
-        Layout(
-            tp=2,
-            pp=2,
-            dp=8,
-            ep=4,
-            zero_stage=1,
-            shard=8,
-            micro_batch_size=2,
-            num_microbatches=4,
-            sequence_parallel=True,
-        ),
-    ),
-    (
-        "mixtral-8x7b",
-        4,
-        64,
-        Layout(
-            tp=2,
-            pp=2,
-            dp=8,
-            ep=8,
-            expert_tp=1,
-            zero_stage=1,
-            shard=8,
-            micro_batch_size=2,
-            num_microbatches=4,
-            sequence_parallel=True,
-        ),
-    ),
+    ("mixtral-8x7b", 4, 64, Layout(ep=4, **_MIXTRAL)),
+    ("mixtral-8x7b", 4, 64, Layout(ep=8, expert_tp=1, **_MIXTRAL)),
     (
         "deepseek-v3-style",
         64,
         1024,
         Layout(
-            tp=4,
-            pp=16,
-            dp=8,
-            ep=8,
-            expert_tp=1,
-            zero_stage=1,
-            shard=8,
-            micro_batch_size=1,
-            num_microbatches=128,
-            sequence_parallel=True,
+            tp=4, pp=16, dp=8, ep=8, expert_tp=1, zero_stage=1, shard=8, num_microbatches=128, sequence_parallel=True
         ),
     ),
 ]
