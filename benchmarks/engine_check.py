@@ -29,7 +29,7 @@ sp, precision, seq_len; Megatron's experts, top-k, expert ffn, shared-expert ffn
 dispatcher) for tests/test_engines.py to compare with the plan.
 
 Last run against Megatron-LM (this machine's Python 3.11 + triton 3.9, no GPU): fc61ce5a60 (2026-03, the last
-commit before the checkout requires Python 3.12): all 15 plans parse and validate, the three MoE plans included.
+commit before the checkout requires Python 3.12): all 16 plans parse and validate, the four MoE plans included.
 """
 
 from __future__ import annotations
@@ -167,12 +167,18 @@ LAYOUT_CASES = [
 
 # Mixture of experts, planned for Megatron-LM (the engine that runs berth's MoE layouts; DeepSpeed and torchtitan
 # refuse them with their reason): experts split as the dense layers (expert_tp = tp), MoE parallel folding
-# (expert_tp = 1, the ep group across tp x dp), and a DeepSeek-V3-style model with a shared expert, dense first
-# layers (--moe-layer-freq) and 61 layers on 16 uneven stages.
+# (expert_tp = 1, the ep group across tp x dp), expert_tp 2 of tp 4, and a DeepSeek-V3-style model with a shared
+# expert, dense first layers (--moe-layer-freq) and 61 layers on 16 uneven stages.
 _MIXTRAL = dict(tp=2, pp=2, dp=8, zero_stage=1, shard=8, micro_batch_size=2, num_microbatches=4, sequence_parallel=True)
 MOE_CASES = [
     ("mixtral-8x7b", 4, 64, Layout(ep=4, **_MIXTRAL)),
     ("mixtral-8x7b", 4, 64, Layout(ep=8, expert_tp=1, **_MIXTRAL)),
+    (
+        "mixtral-8x7b",
+        4,
+        64,
+        Layout(**{**_MIXTRAL, "tp": 4, "dp": 4, "shard": 4, "num_microbatches": 8}, ep=4, expert_tp=2),
+    ),
     (
         "deepseek-v3-style",
         64,

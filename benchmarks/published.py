@@ -40,7 +40,7 @@ profile's measured SDPA), untied embeddings, dropless top-k routing with the all
 the distributed optimizer (ZeRO-1 over dp); `framework="megatron"` for memory and the layer's
 non-GEMM work. Megatron's MoE parallel folding (experts with their own tensor-parallel size, ETP, and
 the expert group laid out on consecutive ranks) maps to Layout.expert_tp (the record's `expert_tp`;
-berth models expert TP 1 or tp).
+berth models expert TP as any divisor of tp).
 
 Nothing is fitted here: every number comes from the device and server profiles. Runs berth cannot
 express are listed with the reason (FP8, torch.compile, async TP, DeepSpeed's 2021 ZeRO-3,

@@ -421,17 +421,20 @@ def selective_recompute_s(model: ModelSpec, training: TrainingSpec, c, fwd_s, at
     return np.where(precision_recipe(training, c) == RECIPE_FSDP2, op_sac, attention_s)
 
 
-def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp) -> ArrayOrFloat:
+def moe_activation_bytes(model: ModelSpec, training: TrainingSpec, b, tp, sp, etp=None) -> ArrayOrFloat:
     """What an MoE layer keeps beyond its compute view's (ModelSpec.compute_view: the active experts'
     intermediates as one MLP's), per micro-batch on one tp rank, averaged over the layers: the top-k
     permuted copies of the token hidden states the experts' GEMMs take (saved for their weight
     gradients), the experts' outputs before the weighted combine (saved for the routing weights'
     gradient), each k x h per token, and the router's fp32 probabilities (E per token). With
     expert-tensor parallelism = tp every tp rank holds all of its micro-batch's tokens (split over tp
-    only under sequence parallelism)."""
+    only under sequence parallelism); with expert_tp < tp (`etp`; None: tp) a rank's experts take the
+    tokens its expert-tp group gathered, expert_tp / tp of them (`dispatch_share`)."""
     if not model.is_moe:
         return 0.0
     tokens = b * training.seq_len / np.where(np.asarray(sp) > 0, tp, 1)
+    if etp is not None:
+        tokens = tokens * np.where(np.asarray(etp) != np.asarray(tp), etp, 1)
     per_token = (
         2 * model.experts_per_token * model.hidden_size * training.bytes_per_element + FP32_BYTES * model.num_experts
     )
@@ -456,7 +459,9 @@ def activation_bytes(
         model, training, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, precision_recipe(training, c)
     )
     if moe_model is not None and moe_model.is_moe:
-        extra = moe_activation_bytes(moe_model, training, c.micro_batch_size, c.tp, c.sequence_parallel)
+        extra = moe_activation_bytes(
+            moe_model, training, c.micro_batch_size, c.tp, c.sequence_parallel, expert_tp_of(c)
+        )
         per_layer = per_layer + np.where(c.recompute == RECOMPUTE_FULL, 0.0, extra)
         full_layer = full_layer + extra
     if layers is None:

@@ -309,13 +309,17 @@ def moe_layer_extra_s(
       hidden states, micro-batch x seq x k x h x bytes, over the ep group (ep ranks of dp, the dp
       stride apart). Every tp rank of an ep group dispatches the micro-batch's tokens (Megatron-LM
       without sequence parallelism; with it Megatron gathers over tp first: the same bytes).
-    Expert-tensor parallelism below tp (expert_tp = 1, MoE parallel folding: Liu et al. 2025, arXiv
-    2504.14960, Sec. 3 and Fig. 3; Megatron-LM --expert-tensor-parallel-size, parallel_state.py
+    Expert-tensor parallelism below tp (expert_tp < tp; expert_tp = 1 is MoE parallel folding: Liu et al.
+    2025, arXiv 2504.14960, Sec. 3 and Fig. 3; Megatron-LM --expert-tensor-parallel-size, parallel_state.py
     initialize_model_parallel's expert RankGenerator of order tp-ep-dp-pp): sequence parallelism holds
-    each tp rank's own seq / tp tokens (`memory.dispatch_share`), which it routes to whole experts
-    (expert ffn / expert_tp wide; rows per expert b x s / tp x k x ep / E); the all-to-all moves those
-    tokens over an ep group of consecutive ranks (stride expert_tp = 1: inside a node when ep fits in
-    it, `comm.all_to_all_s` at the level the group spans).
+    each tp rank's own seq / tp tokens, which the all-to-all moves over an ep group of ranks expert_tp
+    apart (consecutive with expert_tp = 1: inside a node when ep fits in it, `comm.all_to_all_s` at the
+    level the group spans); with expert_tp > 1 the expert-tp group of consecutive ranks then all-gathers
+    what it received (and reduce-scatters the experts' outputs in the combine: the same bytes;
+    Megatron's MoEAlltoAllTokenDispatcher gathers over the expert-tp group), so each rank runs the
+    expert_tp / tp share of the tokens (`memory.dispatch_share`) through experts expert ffn / expert_tp
+    wide (rows per expert b x s x expert_tp / tp x k x ep / E). The all-to-all returned is one
+    dispatch (or combine) with that gather (or reduce-scatter).
     Averaged over the layers (first_k_dense layers have none)."""
     if not model.is_moe:
         zero = np.zeros(len(c))
@@ -336,9 +340,12 @@ def moe_layer_extra_s(
     real_f, real_b = mlp_s(rows * routed * k * ep / model.num_experts, fe, model.num_experts / ep, etp)
     view_f, view_b = mlp_s(rows, k * fe, 1.0, tp)
     share = model.num_moe_layers / model.num_layers
-    dispatched = routed * training.bytes_per_element * b * training.seq_len * k * h
+    own = np.where(folded, 1.0 / np.asarray(c.tp, dtype=float), 1.0)  # the tokens a rank sends: its own seq / tp
+    dispatched = own * training.bytes_per_element * b * training.seq_len * k * h
     ep_stride = np.where(folded, etp, stride)  # the expert order tp-ep-dp-pp: ep right outside expert tp
-    a2a = share * MOE_IMBALANCE * comm.all_to_all_s(cluster, dispatched, c.ep, ep_stride)
+    # expert_tp < tp: the expert-tp group (consecutive ranks) gathers what its members received (0 at expert_tp 1)
+    gather = np.where(folded, comm.all_gather_s(cluster, dispatched * etp, etp, 1), 0.0)
+    a2a = share * MOE_IMBALANCE * (comm.all_to_all_s(cluster, dispatched, c.ep, ep_stride) + gather)
     return share * (MOE_IMBALANCE * real_f - view_f), share * (MOE_IMBALANCE * real_b - view_b), a2a
 
 

@@ -146,8 +146,8 @@ def _ep_dp(x: Layout, f: Facts) -> str:
 
 def _etp_values(x: Layout, f: Facts) -> str:
     return (
-        f"expert_tp = {x.etp} must be 1 (whole experts per rank, MoE parallel folding) or tp = {x.tp} (the "
-        f"experts split as the dense layers); valid: {listing(sorted({1, x.tp}))}"
+        f"expert_tp = {x.etp} must divide tp = {x.tp} (1: whole experts per rank, MoE parallel folding; tp: the "
+        f"experts split as the dense layers); valid: {listing(divisors(x.tp))}"
     )
 
 
@@ -311,10 +311,10 @@ _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "expert_tp_not_one_or_tp",
+        "expert_tp_not_divide_tp",
         ("expert_tp", "tp"),
-        lambda c, f: (c.expert_tp != 1) & (c.expert_tp != c.tp),
-        "expert_tp must be 1 or tp (berth models the experts unsplit or split as the dense layers)",
+        lambda c, f: c.tp % np.maximum(c.expert_tp, 1) != 0,
+        "expert_tp must divide tp (the expert-tp group is consecutive ranks inside the attention's tp group)",
         _etp_values,
     ),
     Rule(

@@ -486,9 +486,10 @@ class Layout(Spec):
         default=None,
         gt=0,
         description="expert-tensor-parallel degree (MoE models; Megatron-LM's --expert-tensor-parallel-size): "
-        "ranks that split each routed expert's weights; left out (null): tp, the experts split as the dense layers. 1: "
-        "MoE parallel folding (Liu et al. 2025, arXiv 2504.14960): each rank holds num_experts / ep whole experts "
-        "and the ep group is consecutive ranks of tp x dp (ep x expert_tp must divide tp x dp)",
+        "ranks that split each routed expert's weights, a divisor of tp; left out (null): tp, the experts split as "
+        "the dense layers. 1: MoE parallel folding (Liu et al. 2025, arXiv 2504.14960): each rank holds num_experts "
+        "/ ep whole experts and the ep group is consecutive ranks of tp x dp; between 1 and tp, the expert-tp group "
+        "of consecutive ranks gathers the tokens its ep all-to-all brought (ep x expert_tp must divide tp x dp)",
     )
     shard: int = Field(
         default=1,

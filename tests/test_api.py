@@ -422,7 +422,7 @@ def test_context_parallel_layout_and_fix_over_http(server):
 
 def test_expert_tp_in_compare_over_http(server):
     """expert_tp (text `etp=1` and object) in compared layouts: the plan JSON carries it, the ep group of
-    whole experts lies inside one node, and a value other than 1 or tp is a 422 naming the field."""
+    whole experts lies inside one node, and a value that does not divide tp is a 422 naming the field."""
     c = httpx.Client(base_url=server.url, timeout=60)
     base = {
         "model": "mixtral-8x7b",
@@ -436,5 +436,5 @@ def test_expert_tp_in_compare_over_http(server):
     assert [x["layout"]["expert_tp"] for x in candidates] == [1, 1]
     (ep,) = [g for g in candidates[0]["placement"]["groups"] if g["axis"] == "ep"]
     assert ep["stride"] == 1 and ep["nodes_spanned"] == 1
-    r = c.post("/v1/compare", json={**base, "layouts": ["tp=4,ep=4,etp=2,sp=1"]})
+    r = c.post("/v1/compare", json={**base, "layouts": ["tp=4,ep=4,etp=3,sp=1"]})
     assert r.status_code == 422 and "expert_tp" in r.text, r.text

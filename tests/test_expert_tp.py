@@ -102,6 +102,37 @@ def test_all_to_all_inside_the_node_and_no_tp_collective_in_the_experts():
     assert ev.time_breakdown_s["tp_comm"][1] == pytest.approx(nmb * (2 * layers * 1 * one + edge))
 
 
+def test_expert_tp_between_one_and_tp():
+    """tp 4 x dp 4 on two nodes, ep 4, expert_tp 2 (Megatron's --expert-tensor-parallel-size 2): each rank
+    holds E / ep experts split in 2, sends its own seq / tp tokens over an ep group of ranks 2 apart (inside
+    a node), and its expert-tp pair of consecutive ranks all-gathers what the pair received (the
+    reduce-scatter of the combine moves the same bytes): the all-to-all of expert_tp 1 plus that gather."""
+    x = {"tp": 4, "dp": 4, "ep": 4, "shard": 4, "num_microbatches": 64}
+    c = Candidates.from_layouts([layout(expert_tp=1, **x), layout(expert_tp=2, **x)])
+    ev = evaluate(MIXTRAL, TRAINING, TWO_NODES, c)
+    own = TRAINING.seq_len * 2 * MIXTRAL.hidden_size * 2 / 4  # seq / tp x k x h x bf16
+    per_layer = [
+        comm.all_to_all_s(TWO_NODES, own, 4.0, 1),
+        comm.all_to_all_s(TWO_NODES, own, 4.0, 2) + comm.all_gather_s(TWO_NODES, 2 * own, 2.0, 1),
+    ]
+    assert comm.group_level(TWO_NODES, 4.0, 2) == 0  # the ep group of 4 ranks 2 apart stays in a node
+    for i in range(2):
+        want = 64 * MIXTRAL.num_layers * A2A_PER_MOE_LAYER * MOE_IMBALANCE * per_layer[i]
+        assert ev.time_breakdown_s["ep_comm"][i] == pytest.approx(want, rel=1e-9)
+    # the experts on a rank: split in 2, so half of expert_tp 1's; the dense layers as with any expert_tp
+    expert = [memory.stage_params(MIXTRAL, 1, 4, True, ep=4, part="expert", etp=e) for e in (1, 2, 4)]
+    assert float(expert[0]) == pytest.approx(EXPERTS / 4) and float(expert[1]) == pytest.approx(EXPERTS / 8)
+    assert float(expert[2]) == pytest.approx(EXPERTS / 16)
+    # the experts' saved inputs: the pair's gathered tokens, twice expert_tp 1's
+    saved = [memory.moe_activation_bytes(MIXTRAL, TRAINING, 1, 4, 1, e) for e in (1, 2)]
+    assert float(saved[1]) == pytest.approx(2 * float(saved[0]))
+    # Megatron's launch carries it
+    (plan,) = predict_layouts(
+        MIXTRAL, TRAINING, cluster_from_preset("dgx-h100", 2), [layout(expert_tp=2, recompute="full", **x)]
+    )
+    assert "--expert-tensor-parallel-size 2" in artifacts(plan, "megatron")["megatron-args.txt"]
+
+
 def test_rules_and_their_refusals():
     facts = Facts.of(MIXTRAL, TRAINING, TWO_NODES)
 
@@ -112,7 +143,8 @@ def test_rules_and_their_refusals():
     assert (
         broken(layout(tp=2, dp=4, pp=2, ep=8, expert_tp=1, shard=4, num_microbatches=64)) == []
     )  # ep 8 > dp 4: ep x 1 | tp x dp
-    assert "expert_tp_not_one_or_tp" in broken(layout(tp=4, dp=4, ep=4, expert_tp=2, shard=4))
+    assert broken(layout(tp=4, dp=4, ep=4, expert_tp=2, shard=4, num_microbatches=64)) == []
+    assert "expert_tp_not_divide_tp" in broken(layout(tp=4, dp=4, ep=4, expert_tp=3, shard=4))
     assert "expert_tp_needs_sequence_parallel" in broken(layout(expert_tp=1, sequence_parallel=False))
     assert "ep_not_divide_dp" in broken(
         layout(dp=4, ep=8, shard=4, tp=4, num_microbatches=64)
@@ -128,8 +160,8 @@ def test_rules_and_their_refusals():
     with pytest.raises(UnsupportedLayout, match="expert_tp = 1 != tp = 2"):
         executor_check(MIXTRAL, TRAINING, layout(expert_tp=1), 16)
     # the edges: one line naming the field and the values that would do
-    with pytest.raises(BerthError, match=r"expert_tp.*valid: 1, 4"):
-        check_layout(parse_spec("tp=4,dp=4,ep=4,etp=2,sp=1,zero=1"), MIXTRAL, TRAINING, TWO_NODES)
+    with pytest.raises(BerthError, match=r"expert_tp.*valid: 1, 2, 4"):
+        check_layout(parse_spec("tp=4,dp=4,ep=4,etp=3,sp=1,zero=1"), MIXTRAL, TRAINING, TWO_NODES)
 
 
 def test_search_tries_whole_experts_and_fix_pins_them():
