@@ -4,7 +4,7 @@
 
 For a representative plan set (the README's launch cases, searched, and hand-picked layouts covering pp,
 interleaved vpp, ZeRO 0-3, hybrid sharding, sequence parallelism, recompute, gradient accumulation, context
-parallelism, uneven stages, and mixture of experts with ep and expert_tp = tp or 1 for Megatron), every
+parallelism, uneven stages, and mixture of experts with ep and expert_tp = tp, 1 or 2 of 4 for Megatron), every
 engine format is generated and loaded by the engine itself:
 
 - DeepSpeed (the `engines` extra): `deepspeed.runtime.config.DeepSpeedConfig` with a one-process gloo group and
