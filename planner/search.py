@@ -150,7 +150,7 @@ def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_m
     return np.asarray(rows, dtype=np.int64).reshape(-1, 9)
 
 
-def _inner_options(dp: int, tp: int, experts: int = 0, cp: bool = False) -> np.ndarray:
+def _inner_options(dp: int, tp: int, experts: int = 0, cp: bool = False, fixed_etp: int | None = None) -> np.ndarray:
     """(zero, shard, recompute, sp, ep, expert_tp) options for a given dp and tp; ep (MoE models only,
     `experts` > 0) ranges over the common divisors of dp and the number of experts. ZeRO shards over
     shard x cp ranks (cost_models/memory.py), so with context parallelism (`cp`) shard = 1 under ZeRO
@@ -159,7 +159,8 @@ def _inner_options(dp: int, tp: int, experts: int = 0, cp: bool = False) -> np.n
     expert_tp: MoE models (whose groups know their tp) try the experts split as the dense layers (tp)
     and, with tp > 1, whole experts per rank (1, MoE parallel folding: sequence parallelism on, ep over
     the common divisors of tp x dp and the experts); dense models hold 0, "= tp" (`_block` resolves it;
-    1 where tp is 1)."""
+    1 where tp is 1). An expert_tp between 1 and tp is searched only where search.fix names it
+    (`fixed_etp`): ep then over the common divisors of tp x dp / expert_tp and the experts."""
     shards = [d for d in divisors(dp) if d > 1] + ([1] if cp else [])
     zero_shard = [(0, 1)] + [(z, s) for z in (1, 2, 3) for s in shards]
     sps = (0, 1) if tp > 1 else (0,)
@@ -168,8 +169,10 @@ def _inner_options(dp: int, tp: int, experts: int = 0, cp: bool = False) -> np.n
     recomputes = range(len(RECOMPUTE_CHOICES))
     opts = [(z, s, r, sp, ep, same) for (z, s), r, sp, ep in product(zero_shard, recomputes, sps, eps)]
     if experts and tp > 1:
-        folded = divisors(math.gcd(tp * dp, experts))
-        opts += [(z, s, r, 1, ep, 1) for (z, s), r, ep in product(zero_shard, recomputes, folded)]
+        below = [1] + ([fixed_etp] if fixed_etp and 1 < fixed_etp < tp and tp % fixed_etp == 0 else [])
+        for etp in below:
+            folded = divisors(math.gcd(tp * dp // etp, experts))
+            opts += [(z, s, r, 1, ep, etp) for (z, s), r, ep in product(zero_shard, recomputes, folded)]
     return np.asarray(opts, dtype=np.int64)
 
 
@@ -221,7 +224,7 @@ def _group_tables(rows: np.ndarray, codes: dict[str, int], experts: int = 0) -> 
     out = []
     for (dp, tp, has_cp), idx in groups.items():
         struct = rows[np.asarray(idx)]
-        inner = _inner_options(dp, tp, experts, has_cp)
+        inner = _inner_options(dp, tp, experts, has_cp, codes.get("expert_tp"))
         struct = struct[_matches(struct, _STRUCT_COLUMNS, codes)]
         inner = inner[_matches(inner, _INNER_COLUMNS, codes)]
         if len(struct) and len(inner):

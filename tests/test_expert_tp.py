@@ -167,11 +167,15 @@ def test_rules_and_their_refusals():
 def test_search_tries_whole_experts_and_fix_pins_them():
     result = search(MIXTRAL, TRAINING, TWO_NODES, SearchSpec(top=3, fix={"tp": 2, "expert_tp": 1}))
     assert result.plans and all(p.layout.etp == 1 and p.layout.sequence_parallel for p in result.plans)
+    # a divisor between 1 and tp is searched where fix names it (ep x 2 dividing tp x dp)
+    result = search(MIXTRAL, TRAINING, TWO_NODES, SearchSpec(top=5, fix={"tp": 4, "expert_tp": 2}))
+    assert result.plans and all(p.layout.etp == 2 and p.layout.sequence_parallel for p in result.plans)
+    assert all((p.layout.tp * p.layout.dp) % (p.layout.ep * 2) == 0 for p in result.plans)
     # unfixed: expert_tp = 1 is among what is searched, and it wins here (the ep group stays in the node)
     best = search(MIXTRAL, TRAINING, TWO_NODES, SearchSpec(top=1, fix={"tp": 2, "ep": 8}))
     assert best.plans[0].layout.etp == 1
-    with pytest.raises(BerthError, match="fix.expert_tp"):
-        search(MIXTRAL, TRAINING, TWO_NODES, SearchSpec(top=1, fix={"tp": 4, "expert_tp": 2}))
+    with pytest.raises(BerthError, match="fix.expert_tp=3.*valid: 1, 2, 4"):
+        search(MIXTRAL, TRAINING, TWO_NODES, SearchSpec(top=1, fix={"tp": 4, "expert_tp": 3}))
 
 
 def test_megatron_launch_carries_expert_tp():
