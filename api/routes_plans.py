@@ -12,10 +12,17 @@ from fastapi.responses import Response
 from berth.api.common import COMMON_ERRORS, ERROR, StrictRoute, json_response
 from berth.api.schemas import CompareRequest, CompareResponse, LaunchRequest, LaunchResponse, PlanRequest, PlanResponse
 from berth.api.service import Service, get_service
-from berth.planner.errors import BerthError
 from berth.planner.inputs import make_search
 from berth.planner.launch import artifacts
-from berth.planner.planning import cached_plan, compare, compare_json, json_text, plan, plans_text, with_fallback
+from berth.planner.planning import (
+    cached_plan,
+    compare_json,
+    compare_with_best,
+    json_text,
+    plan,
+    plans_text,
+    with_fallback,
+)
 from berth.planner.specs import pick_plan, plan_listing
 
 router = APIRouter(route_class=StrictRoute)
@@ -60,19 +67,16 @@ async def create_compare(req: CompareRequest, service: ServiceDep) -> Response:
         model, training, cluster = await service.resolved(req, cancel)
 
         def score() -> str:
-            candidates = compare(model, training, cluster, req.layouts, req.memory_headroom)
-            try:
-                best = plan(
-                    model,
-                    training,
-                    cluster,
-                    make_search(top=1, memory_headroom=req.memory_headroom),
-                    service.settings.max_candidates,
-                    deadline,
-                    cancel,
-                )
-            except BerthError:
-                best = None
+            candidates, best = compare_with_best(
+                model,
+                training,
+                cluster,
+                req.layouts,
+                req.memory_headroom,
+                service.settings.max_candidates,
+                deadline,
+                cancel,
+            )
             return json_text(compare_json(candidates, best))
 
         return await service.answered(await service.searches.run(score, cancel), "compare")

@@ -303,8 +303,7 @@ def compare_cmd(
     as_csv: Csv = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
-    from berth.planner.inputs import make_search
-    from berth.planner.planning import compare, compare_json, plan
+    from berth.planner.planning import compare_json, compare_with_best
     from berth.planner.render import breakdown_table, plans_csv, plans_table, print_placement, print_reasons
 
     if as_json and as_csv:
@@ -324,11 +323,7 @@ def compare_cmd(
         token_budget,
         framework,
     )
-    candidates = compare(spec, training, cl, layout, memory_headroom)
-    try:
-        best = plan(spec, training, cl, make_search(top=1, memory_headroom=memory_headroom))
-    except BerthError:
-        best = None
+    candidates, best = compare_with_best(spec, training, cl, layout, memory_headroom)
     out = compare_json(candidates, best)
     if as_json:
         print(json.dumps(out))

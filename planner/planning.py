@@ -119,6 +119,35 @@ def compare(
     return predict_layouts(model, training, cluster, specs, memory_headroom)
 
 
+def compare_with_best(
+    model: ModelSpec,
+    training: TrainingSpec,
+    cluster: ClusterSpec,
+    layouts: Sequence[str | dict[str, Any]],
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+    max_candidates: int | None = None,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+) -> tuple[list[Plan], SearchResult | None]:
+    """`berth compare` and POST /v1/compare: the given layouts predicted side by side (`compare`) and the
+    best layout the search finds for the same inputs, the reference of their gap (None where the search
+    finds none: the comparison stands without it)."""
+    candidates = compare(model, training, cluster, layouts, memory_headroom)
+    try:
+        best = plan(
+            model,
+            training,
+            cluster,
+            make_search(top=1, memory_headroom=memory_headroom),
+            max_candidates,
+            deadline,
+            cancel,
+        )
+    except BerthError:
+        best = None
+    return candidates, best
+
+
 def lose_nodes(cluster: ClusterSpec, lost: int) -> ClusterSpec:
     """The cluster with `lost` nodes gone: every level of its fabric capped at the GPUs left."""
     nodes = cluster.nodes - lost
