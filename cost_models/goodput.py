@@ -70,8 +70,8 @@ def checkpoint_bytes(
     ep = np.maximum(np.asarray(c.ep, dtype=float), 1.0)
     shard_cp = np.asarray(c.shard, dtype=float) * np.asarray(c.cp, dtype=float)
     dense_ranks = np.where(zero, shard_cp, 1.0)
-    fold = memory.expert_fold(c)  # expert_tp < tp: the experts' states shard over tp / expert_tp times more ranks
-    expert_ranks = np.where(zero, np.maximum(np.asarray(c.shard, dtype=float) * fold / ep, 1.0) * c.cp, 1.0)
+    # the experts' states shard over their expert-data-parallel share of the ZeRO group (memory.expert_candidates)
+    expert_ranks = np.where(zero, memory.expert_candidates(c).shard * c.cp, 1.0)
     writers = (c.tp * c.pp) * np.where(zero, np.maximum(shard_cp, ep), ep)
     stage, share = memory.expert_share(model, c)
     per_rank = stage * per_param * ((1.0 - share) / dense_ranks + share / expert_ranks)

@@ -187,17 +187,9 @@ def local_layer_params(model: ModelSpec, tp, ep=1, etp=None, part: str = "all") 
     layer; etp None: tp). `part` as in `stage_params`."""
     ep = np.asarray(ep, dtype=float)
     experts = model.expert_params_per_layer
-    per_layer = {
-        "all": model.params_per_layer - experts + experts / ep,
-        "dense": model.params_per_layer - experts + 0.0 * ep,
-        "expert": experts / ep,
-    }[part]
-    local = per_layer / tp
-    if model.is_moe and etp is not None and np.any(np.asarray(etp) != np.asarray(tp)):  # experts / etp, rest / tp
-        dense = 0.0 if part == "expert" else (model.params_per_layer - experts) / np.asarray(tp, dtype=float)
-        routed = 0.0 if part == "dense" else experts / ep / np.asarray(etp, dtype=float)
-        local = np.where(np.asarray(etp) != np.asarray(tp), dense + routed, local)
-    return local
+    dense = 0.0 if part == "expert" else (model.params_per_layer - experts) / np.asarray(tp, dtype=float)
+    routed = 0.0 if part == "dense" else experts / ep / np.asarray(tp if etp is None else etp, dtype=float)
+    return dense + routed + 0.0 * ep
 
 
 def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1, etp=None) -> ArrayOrFloat:

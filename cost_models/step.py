@@ -424,7 +424,7 @@ def evaluate(
     )
     if model.is_moe:  # the routed experts' optimizer states shard over max(shard x tp / (ep x etp), 1) ranks only
         experts = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert", etp=etp)
-        expert_shard = np.maximum(c.shard * memory.expert_fold(c) / c.ep, 1.0) * c.cp
+        expert_shard = memory.expert_candidates(c).shard * c.cp
         local_params = local_params + np.where(
             c.zero_stage >= 1, experts / expert_shard - experts / (c.shard * c.cp), 0.0
         )

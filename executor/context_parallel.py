@@ -141,11 +141,15 @@ class ContextParallel:
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
+        self._positions: dict[tuple[int, str], torch.Tensor] = {}  # every layer asks for the same ones
 
     def positions(self, local_len: int, device: torch.device | str) -> torch.Tensor:
         """Global positions of this rank's `local_len` tokens: its shard of the load balancer's order."""
-        order = load_balancer(local_len * self.size, self.size, device)._generate_indices()[0]
-        return order.chunk(self.size)[self.rank].to(device)
+        key = (local_len, str(device))
+        if key not in self._positions:
+            order = load_balancer(local_len * self.size, self.size, device)._generate_indices()[0]
+            self._positions[key] = order.chunk(self.size)[self.rank].to(device)
+        return self._positions[key]
 
 
 def apply_cp(model: nn.Module, cp_mesh, rank: int) -> None:
