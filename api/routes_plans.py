@@ -43,7 +43,7 @@ async def create_plan(req: PlanRequest, service: ServiceDep) -> Response:
     def cached(model, training, cluster) -> str | None:
         """A repeated question's answer, without waiting for a search thread."""
         result = cached_plan(model, training, cluster, spec, settings.max_candidates)
-        return plans_text(result) if result is not None and not req.search.fallback else None
+        return plans_text(result, cluster) if result is not None and not req.search.fallback else None
 
     async def work(deadline: float, cancel: threading.Event) -> Response:
         model, training, cluster, answer = await service.resolved(req, cancel, cached)
@@ -52,7 +52,7 @@ async def create_plan(req: PlanRequest, service: ServiceDep) -> Response:
             result = plan(model, training, cluster, spec, settings.max_candidates, deadline, cancel)
             if req.search.fallback:
                 result = with_fallback(result, spec, deadline, cancel)
-            return plans_text(result)
+            return plans_text(result, cluster)
 
         if answer is None:
             answer = await service.searches.run(search, cancel)

@@ -188,6 +188,12 @@ class PlanResponse(BaseModel):
     searched: int = Field(description="layouts evaluated")
     feasible: int = Field(description="layouts that can run and fit")
     rejected: dict[str, int] = Field(description="layouts rejected, counted by reason code")
+    why_none: str | None = Field(
+        default=None,
+        description="when no layout fits (plans empty): why, the text `berth plan` prints (the smallest predicted "
+        "peak against the device memory with the layout that has it, or every rule broken with its count); null "
+        "when some plan fits",
+    )
 
 
 class CompareResponse(BaseModel):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from berth.cost_models import comm, compute, flops, goodput, memory
+from berth.cost_models import comm, compute, flops, goodput, memory, terms
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
 from berth.cost_models.pipeline import bubble_s
@@ -58,8 +58,11 @@ FP32 = 4.0
 # and the token all-to-all. The expert GEMMs' shape (rows per expert) is costed as it runs.
 MOE_IMBALANCE = 1.15
 A2A_PER_MOE_LAYER = 4  # dispatch and combine, forward and backward (Megatron-LM's MoEAlltoAllTokenDispatcher)
-COMPUTE_BOUND_SHARE = 0.05  # below this share of the step no overhead is called the bottleneck
+# The bottleneck is the largest of these groups of the step's time terms, compute included: the term
+# that takes most of the step ("memory" instead when the layout does not fit). Bubble and pipeline
+# sends are one group (the pipeline's cost).
 BOTTLENECK_TERMS = {
+    "compute": ("compute",),
     "tp_comm": ("tp_comm",),
     "cp_comm": ("cp_comm",),
     "dp_comm": ("dp_comm",),
@@ -68,6 +71,9 @@ BOTTLENECK_TERMS = {
     "optimizer": ("optimizer",),
     "ep_comm": ("ep_comm",),  # MoE models only
 }
+# The communication terms whose collectives can run behind compute: comm_total_s holds what their
+# traffic takes, hidden or not; time_breakdown_s what they add to the step.
+COMM_TERMS = ("tp_comm", "cp_comm", "pp_comm", "dp_comm", "ep_comm")
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,7 @@ class Evaluation:
     time_breakdown_s: dict[str, np.ndarray]
     memory_breakdown_bytes: dict[str, np.ndarray]
     bottleneck: np.ndarray  # index into BOTTLENECK_NAMES
+    comm_total_s: dict[str, np.ndarray]  # COMM_TERMS: seconds of traffic per step, hidden behind compute or not
     model_flops_per_step: float
     hardware_flops_per_step: np.ndarray
     goodput: goodput.Goodput
@@ -91,7 +98,7 @@ class Evaluation:
         return self.reason == VALID
 
 
-BOTTLENECK_NAMES: tuple[str, ...] = ("compute", *BOTTLENECK_TERMS, "memory")  # "memory": does not fit
+BOTTLENECK_NAMES: tuple[str, ...] = (*BOTTLENECK_TERMS, "memory")  # "memory": does not fit
 
 
 def _tp_layer_s(cluster: ClusterSpec, activation_bytes, tp, stride) -> np.ndarray:
@@ -165,8 +172,9 @@ def pipelined_exposed_s(traffic_s, window_s, chunks, overlap) -> ArrayOrFloat:
 
 def _dp_times(
     training, cluster, c, stage_params, fwd_window_s, bwd_window_s, layers_per_stage, dp_stride, cp_stride=None
-) -> np.ndarray:
-    """Exposed data-parallel time per step, layer by layer against the compute it overlaps.
+) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed, total) data-parallel time per step, layer by layer against the compute it overlaps:
+    what the traffic adds to the step, and what it takes on the links, hidden or not.
 
     - ZeRO 0 (DDP, Li et al. 2020): the gradient all-reduce runs in buckets during the last
       micro-batch's backward; the last bucket is exposed.
@@ -213,13 +221,23 @@ def _dp_times(
     zero3_mb = gather_fwd + hidden(gather + scatter, bwd_window_s)
     zero3_last = gather_fwd + hidden(gather + scatter + ar_replicate, bwd_window_s)
     zero3 = (c.num_microbatches - 1.0) * zero3_mb + zero3_last
-    return np.where(c.zero_stage == 0, ddp, np.where(c.zero_stage <= 2, zero12, zero3))
+    exposed = np.where(c.zero_stage == 0, ddp, np.where(c.zero_stage <= 2, zero12, zero3))
+    total = np.where(
+        c.zero_stage == 0,
+        ar_dp,
+        np.where(
+            c.zero_stage <= 2,
+            scatter + ar_replicate + gather,
+            c.num_microbatches * (2.0 * gather + scatter) + ar_replicate,
+        ),
+    )
+    return exposed, total
 
 
 def _stage_dp_times(
     model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None
-) -> ArrayOrFloat:
-    """Exposed data-parallel time of the stage that takes longest (`_stage_dp_times_part`). MoE: the
+) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed, total) data-parallel time of the stage that takes longest (`_stage_dp_times_part`). MoE: the
     routed experts' gradients are reduced over their expert-data-parallel group (dp / ep ranks, ep x
     the dp stride apart; with expert_tp < tp, tp x dp / (ep x expert_tp) ranks, expert_tp x ep apart;
     memory.expert_candidates), the rest over dp; the two share the compute window in proportion to
@@ -257,13 +275,13 @@ def _stage_dp_times(
         part="expert",
         ep=c.ep,
     )
-    return dense + moe
+    return dense[0] + moe[0], dense[1] + moe[1]
 
 
 def _stage_dp_times_part(
     model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None, part="all", ep=1
-) -> ArrayOrFloat:
-    """Exposed data-parallel time of the stage that takes longest: each rank reduces (and gathers) its
+) -> tuple[np.ndarray, np.ndarray]:
+    """(exposed, total) data-parallel time of the stage whose exposed time is longest: each rank reduces (and gathers) its
     own stage's parameters behind its own layers' compute. With an even split the first or the last
     stage (an embedding or head more, the same layers) is that stage; with an uneven one
     (planner/stages.py) each of the first, a middle and the last stage is costed."""
@@ -285,12 +303,16 @@ def _stage_dp_times_part(
             cp_stride,
         )
 
-    def at(params, n) -> np.ndarray:
+    def at(params, n) -> tuple[np.ndarray, np.ndarray]:
         return _dp_times(training, cluster, c, params, n * fwd, n * bwd_and_recompute, n, dp_stride, cp_stride)
 
+    def longer(a, b) -> tuple[np.ndarray, np.ndarray]:
+        return np.maximum(a[0], b[0]), np.where(b[0] > a[0], b[1], a[1])
+
     pm = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, middle=True, ep=ep, part=part, etp=etp)
-    ends = np.maximum(at(pf, n_first), at(pl, n_last))
-    return np.maximum(ends, np.where(c.pp > 2, at(pm, n_middle), 0.0))
+    middle = at(pm, n_middle)
+    ends = longer(at(pf, n_first), at(pl, n_last))
+    return longer(ends, (np.where(c.pp > 2, middle[0], 0.0), middle[1]))
 
 
 def moe_layer_extra_s(
@@ -415,7 +437,7 @@ def evaluate(
     mean_mb = np.where(pp == 1, slowest, (first + last + (pp - 2.0) * middle) / pp)
 
     bubble = bubble_s(pp, vpp, mean_mb)
-    dp = _stage_dp_times(
+    dp, dp_total = _stage_dp_times(
         model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"], stride["cp"]
     )
     etp = memory.expert_tp_of(c)
@@ -449,6 +471,14 @@ def evaluate(
     if model.is_moe:
         time["ep_comm"] = nmb * slow[4]
     step = nmb * slowest + bubble + dp + optimizer
+    # what each communication term's traffic takes, hidden or not: the ring exchange with no attention to
+    # hide behind, the data-parallel traffic before overlap; tp, pp and ep collectives are never hidden
+    n_slow = np.where(middle_is_slowest, n_middle, np.where(last_is_slowest, n_last, n_first))
+    cp_all = sum(cp_exchange_s(model, training, cluster, b, tp, c.cp, stride["cp"], 0.0, 0.0))
+    comm_total = {k: time[k] for k in COMM_TERMS if k in time} | {
+        "cp_comm": np.maximum(nmb * n_slow * cp_all, time["cp_comm"]),
+        "dp_comm": np.maximum(dp_total, dp),
+    }
 
     peak, mem = memory.peak_memory(model, training, device, c)
     reason = structural_reasons(c, model, training, cluster)
@@ -471,6 +501,7 @@ def evaluate(
         time_breakdown_s=time,
         memory_breakdown_bytes=mem,
         bottleneck=_bottleneck(time, step, reason),
+        comm_total_s=comm_total,
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops,
         goodput=good,
@@ -479,13 +510,10 @@ def evaluate(
 
 
 def _bottleneck(time: dict[str, np.ndarray], step: np.ndarray, reason: np.ndarray) -> np.ndarray:
-    """Index into BOTTLENECK_NAMES of the largest non-compute term; "compute" when every
-    overhead is under COMPUTE_BOUND_SHARE of the step; "recompute" when the recomputation a
-    fitting layout pays is the largest; "memory" only when the layout does not fit."""
+    """Index into BOTTLENECK_NAMES of the largest group of BOTTLENECK_TERMS (terms.BOTTLENECK_DEFINITION):
+    the term that takes most of the step, compute included; "memory" only when the layout does not fit."""
     terms = np.stack([sum(time.get(k, np.zeros_like(step)) for k in keys) for keys in BOTTLENECK_TERMS.values()])
-    largest = np.argmax(terms, axis=0)
-    share = np.take_along_axis(terms, largest[None], axis=0)[0] / step
-    index = np.where(share < COMPUTE_BOUND_SHARE, 0, largest + 1)
+    index = np.argmax(terms, axis=0)
     return np.where((reason == OUT_OF_MEMORY) | (reason == MEMORY_TIGHT), BOTTLENECK_NAMES.index("memory"), index)
 
 

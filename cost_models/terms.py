@@ -204,3 +204,12 @@ AXIS_TERMS: dict[str, str] = {t.axis: t.name for t in TIME if t.axis}  # axis ->
 def describe(terms: tuple[TimeTerm, ...] | tuple[MemoryTerm, ...]) -> str:
     """One line per term (name, unit: what it is): the API's description of a breakdown."""
     return "; ".join(f"{t.name} ({t.unit}): {t.description}" for t in terms)
+
+
+# What a plan's `bottleneck` names (cost_models/step.py BOTTLENECK_TERMS groups the terms; one text for the
+# table legend, --help and the JSON schema).
+BOTTLENECK_DEFINITION = (
+    "the time term that takes the largest share of the step (compute, recompute, tp_comm, cp_comm, dp_comm, "
+    "pipeline_bubble = bubble + pp_comm, optimizer, ep_comm: time_breakdown_s), or 'memory' when the layout "
+    "does not fit or is memory_tight"
+)

@@ -20,8 +20,29 @@ from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec,
 # (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m berth.planner.cli plan ...`;
 # tests/test_cli.py checks it).
 
-app = typer.Typer(no_args_is_help=True, help="berth: plan parallel layouts for training.")
-console = Console()  # the terminal's width (80 when piped): tables adapt, see berth.planner.render.NARROW
+# Exit codes: 0 done (also when the reader of the output goes away: `berth plan ... | head -1`), 1 no layout
+# fits (plan) or a validation failed (validate), 2 bad input, 130 interrupted.
+EXIT_NO_FIT = 1
+# plain click help (rich_markup_mode=None): wrapped at the terminal's width, option names never truncated
+app = typer.Typer(no_args_is_help=True, help="berth: plan parallel layouts for training.", rich_markup_mode=None)
+
+
+class _Console(Console):
+    """rich's Console, but a closed pipe (the reader gone: `| head`) ends the command quietly with 0."""
+
+    def on_broken_pipe(self) -> None:
+        _quiet_exit()
+
+
+def _quiet_exit() -> None:
+    """The reader of stdout is gone: point stdout at /dev/null (so the interpreter's last flush cannot
+    fail) and exit 0."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    raise SystemExit(0)
+
+
+console = _Console()  # the terminal's width (80 when piped): tables adapt, see berth.planner.render.NARROW
 
 
 def _version(value: bool) -> None:
@@ -194,10 +215,19 @@ def plan_cmd(
     as_json: Json = False,
     as_csv: Csv = False,
 ) -> None:
-    """Search every valid layout and show the fastest that fit (exit 1 when none fits)."""
+    """Search every valid layout and show the fastest that fit (exit 1 when none fits, with the reason)."""
     from berth.planner.inputs import make_search
     from berth.planner.planning import lose_nodes, plan, plans_json, with_fallback
-    from berth.planner.render import breakdown_table, count, goodput_table, plans_csv, plans_table, print_placement
+    from berth.planner.render import (
+        BOTTLENECK_LEGEND,
+        breakdown_table,
+        count,
+        goodput_table,
+        plans_csv,
+        plans_table,
+        print_layouts,
+        print_placement,
+    )
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -227,7 +257,7 @@ def plan_cmd(
     if show_fallback:
         result = with_fallback(result, search_spec)
     if as_json:
-        print(json.dumps(plans_json(result)))
+        print(json.dumps(plans_json(result, cl)))
     elif as_csv:
         sys.stdout.write(plans_csv(result.plans))
     if not result.plans:
@@ -244,6 +274,8 @@ def plan_cmd(
         f"({cl.world_size} {_unit(cl)}), seq {seq_len}, global batch {global_batch}, {training.precision}"
     )
     console.print(plans_table(result.plans, head, width=console.width))
+    print_layouts(console, result.plans)
+    console.print(BOTTLENECK_LEGEND, highlight=False)
     rejected = ", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none"
     console.print(f"searched {result.searched:,} layouts: {result.feasible:,} feasible; rejected: {rejected}")
     if result.plans:
@@ -261,21 +293,16 @@ def plan_cmd(
 
 
 def _no_fit(result, cluster, quiet: bool) -> None:
-    """Exit 1 naming the tightest resource: the smallest predicted peak against the device memory."""
+    """Exit EXIT_NO_FIT with the reason (planning.why_none: the text the service gives)."""
+    from berth.planner.planning import why_none
+
     if not quiet:
         rejected = ", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none"
         console.print(f"searched {result.searched:,} layouts: {result.feasible:,} feasible; rejected: {rejected}")
-    if result.closest is not None:
-        layout, peak = result.closest
-        why = (
-            f"the smallest predicted peak is {peak / 2**30:,.1f} GiB of "
-            f"{cluster.device.memory_bytes / 2**30:,.1f} GiB per {_unit(cluster)[:-1]} ({layout}); "
-            "more GPUs, a shorter sequence or a smaller global batch"
-        )
-    else:
-        why = "every layout breaks a rule: " + (", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none")
-    Console(stderr=True).print(f"[red]no layout fits[/red]: {why}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+    Console(stderr=True).print(
+        f"[red]no layout fits[/red]: {why_none(result, cluster)}", highlight=False, soft_wrap=True
+    )
+    raise typer.Exit(EXIT_NO_FIT)
 
 
 @app.command("compare")
@@ -304,7 +331,15 @@ def compare_cmd(
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
     from berth.planner.planning import compare_json, compare_with_best
-    from berth.planner.render import breakdown_table, plans_csv, plans_table, print_placement, print_reasons
+    from berth.planner.render import (
+        BOTTLENECK_LEGEND,
+        breakdown_table,
+        plans_csv,
+        plans_table,
+        print_layouts,
+        print_placement,
+        print_reasons,
+    )
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -335,10 +370,13 @@ def compare_cmd(
     console.print(
         plans_table(candidates, f"{spec.name} on {cl.world_size} {_unit(cl)}: candidates", ref, width=console.width)
     )
+    print_layouts(console, candidates)
     print_reasons(console, candidates)
+    console.print(BOTTLENECK_LEGEND, highlight=False)
     if best and best.plans:
         b = best.plans[0]
-        console.print(f"best searched layout: {b.layout.short()} at {b.predicted().tokens_per_s:,.0f} tokens/s")
+        console.print(f"best searched layout, at {b.predicted().tokens_per_s:,.0f} tokens/s:", highlight=False)
+        console.print(f"  {b.layout.short()}", soft_wrap=True, highlight=False, markup=False)
     console.print(breakdown_table(candidates, "breakdowns"))
     for i, p in enumerate(candidates, 1):
         print_placement(console, p, f"#{i}", only_crossings=True)
@@ -408,7 +446,7 @@ def presets_cmd(as_json: Json = False) -> None:
         return
     t = Table(title="cluster presets (per node)", header_style="bold")
     for col in ("name", "device", "GPUs", "intra-node GB/s", "inter-node GB/s per GPU", "description"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col in ("name", "device"), overflow="fold")  # a name is printed whole
     for s in servers:
         t.add_row(
             s.name,
@@ -421,7 +459,7 @@ def presets_cmd(as_json: Json = False) -> None:
     console.print(t)
     d = Table(title="devices", header_style="bold")
     for col in ("name", "bf16 TFLOP/s", "memory GiB", "memory TB/s", "description"):
-        d.add_column(col)
+        d.add_column(col, no_wrap=col == "name", overflow="fold")
     for x in devices:
         d.add_row(
             x.name,
@@ -431,7 +469,9 @@ def presets_cmd(as_json: Json = False) -> None:
             x.display_name,
         )
     console.print(d)
-    console.print("models: " + ", ".join(f"{n} ({count(m.num_params)})" for n, m in sorted(presets().items())))
+    console.print(
+        "models: " + ", ".join(f"{n} ({count(m.num_params)})" for n, m in sorted(presets().items())), highlight=False
+    )
 
 
 @app.command("validate")
@@ -887,6 +927,12 @@ def main(argv: list[str] | None = None) -> None:
     err_console = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         code = app(args=argv, prog_name="berth", standalone_mode=False)
+    except SystemExit as done:
+        # typer turns a write to a closed pipe (print of --json / --csv into `| head`) into exit 1 after
+        # wrapping stdout in click's PacifyFlushWrapper: that is the reader gone, not a failure
+        if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            _quiet_exit()
+        raise done
     except BerthError as err:
         from rich.markup import escape
 
@@ -902,6 +948,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except typer.Abort:
         sys.exit(130)
+    except BrokenPipeError:  # print() to a closed pipe (`berth plan --json | head -c 10`)
+        _quiet_exit()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_exit()
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -81,7 +81,8 @@ def resolve(
 ) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
     """Model, training and cluster specs of one plan or compare question. `cluster` may be a
     ClusterSpec built already (the service builds a large one in a child process)."""
-    spec = load_model(model, allow_files=allow_files)
+    seq = training.seq_len if isinstance(training.seq_len, int) and training.seq_len > 0 else None
+    spec = load_model(model, allow_files=allow_files, seq_len=seq)
     built = cluster if isinstance(cluster, ClusterSpec) else make_cluster_input(cluster, allow_files=allow_files)
     built = apply_operations(built, operations or OperationsInput())
     return spec, training_spec(training, built), built

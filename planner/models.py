@@ -27,11 +27,12 @@ def _presets() -> dict[str, ModelSpec]:
     return {name: ModelSpec(name=name, **fields) for name, fields in raw.items()}
 
 
-def load_model(ref: str | dict[str, Any], allow_files: bool = True) -> ModelSpec:
+def load_model(ref: str | dict[str, Any], allow_files: bool = True, seq_len: int | None = None) -> ModelSpec:
     """A ModelSpec from a preset name, a path to a YAML/JSON file, or a dict (a ModelSpec or an
-    HF config). The service passes allow_files=False: a request never reads the server's disk."""
+    HF config). The service passes allow_files=False: a request never reads the server's disk.
+    `seq_len`: the sequence it will be planned at (an HF config's sliding window, `_check_window`)."""
     if isinstance(ref, dict):
-        return model_from_dict(ref, source="model")
+        return model_from_dict(ref, source="model", seq_len=seq_len)
     known = presets()
     if ref in known:
         return known[ref]
@@ -72,12 +73,12 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True) -> ModelSpec
             data["_name_or_path"] = stem
     else:
         data.setdefault("name", stem)
-    return model_from_dict(data, source="model")
+    return model_from_dict(data, source="model", seq_len=seq_len)
 
 
-def model_from_dict(data: dict[str, Any], source: str = "model") -> ModelSpec:
+def model_from_dict(data: dict[str, Any], source: str = "model", seq_len: int | None = None) -> ModelSpec:
     if "model_type" in data:
-        return from_hf_config(data, source)
+        return from_hf_config(data, source, seq_len)
     try:
         return ModelSpec.model_validate(data, strict=True)  # no bool or text as a number
     except ValidationError as err:
@@ -191,7 +192,27 @@ _ENCODER_TYPES = (
 _DECODER_ONLY_HEADS = ("ForCausalLM", "LMHeadModel", "Model")
 
 
-def _refuse_unsupported(cfg: dict[str, Any], source: str) -> None:
+def _check_window(cfg: dict[str, Any], source: str, seq_len: int | None) -> None:
+    """Sliding-window attention (Mistral 7B v0.1: 4,096 tokens) is not modelled: berth prices full causal
+    attention, which is the same computation while the window covers the whole sequence. So a window at
+    least as long as the sequence planned (`seq_len`; not given: the longest the config allows,
+    max_position_embeddings) is accepted, and a shorter one refused naming the key."""
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or not cfg.get("use_sliding_window", True):
+        return
+    longest = seq_len if seq_len is not None else cfg.get("max_position_embeddings")
+    if isinstance(longest, int) and window < longest:
+        what = f"the sequence of {longest:,} tokens" if seq_len is not None else f"max_position_embeddings {longest:,}"
+        raise BerthError(
+            f"{source}.sliding_window",
+            window,
+            f"a window shorter than {what}: sliding-window attention is not modelled (berth prices full causal "
+            f"attention, exact while the window covers the sequence); plan sequences up to {window:,} tokens, or "
+            "set it to null to plan full attention",
+        )
+
+
+def _refuse_unsupported(cfg: dict[str, Any], source: str, seq_len: int | None = None) -> None:
     """Refuse a config whose architecture berth does not model (a BerthError naming the key)."""
     supported = f"supported: dense decoder-only {', '.join(sorted(_HF_FAMILIES))}"
     model_type = cfg.get("model_type")
@@ -228,15 +249,7 @@ def _refuse_unsupported(cfg: dict[str, Any], source: str) -> None:
             model_type,
             f"unsupported model type; {supported} (or write a berth model spec: docs)",
         )
-    window, longest = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
-    if isinstance(window, int) and cfg.get("use_sliding_window", True) and (not longest or window < longest):
-        raise BerthError(
-            f"{source}.sliding_window",
-            window,
-            "sliding-window attention is not modelled (berth "
-            "prices full causal attention); set it to null to plan full attention, which is exact "
-            f"for sequences up to {window} tokens",
-        )
+    _check_window(cfg, source, seq_len)
     heads, hidden, head_dim = (
         cfg.get("num_attention_heads", cfg.get("n_head")),
         cfg.get("hidden_size", cfg.get("n_embd")),
@@ -290,13 +303,14 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, 
     return out
 
 
-def from_hf_config(cfg: dict[str, Any], source: str = "model") -> ModelSpec:
+def from_hf_config(cfg: dict[str, Any], source: str = "model", seq_len: int | None = None) -> ModelSpec:
     """Map a Hugging Face config.json of a decoder-only model to a ModelSpec: dense families and the
     mixture-of-experts ones of _MOE_FIELDS (Mixtral, Qwen2-MoE, DeepSeek-V2/V3 without MLA). Other
-    mixtures of experts, MLA, encoders, encoder-decoders, sliding-window attention, a head_dim other than
-    hidden/heads and unknown model types are refused naming the key (they would be planned
-    wrongly). Attention/MLP biases are ignored (under 0.1% of the parameters and FLOPs)."""
-    _refuse_unsupported(cfg, source)
+    mixtures of experts, MLA, encoders, encoder-decoders, a sliding window shorter than the sequence
+    (`_check_window`), a head_dim other than hidden/heads and unknown model types are refused naming the
+    key (they would be planned wrongly). Attention/MLP biases are ignored (under 0.1% of the parameters
+    and FLOPs)."""
+    _refuse_unsupported(cfg, source, seq_len)
     model_type: str = cfg["model_type"]  # a family of _HF_FAMILIES: _refuse_unsupported refused anything else
     family = _HF_FAMILIES[model_type]
     keys = family["keys"]

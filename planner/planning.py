@@ -230,20 +230,38 @@ def with_fallback(
     return replace(result, plans=[first, *result.plans[1:]], serialized=[])
 
 
-def plans_json(result: SearchResult) -> dict[str, Any]:
+def why_none(result: SearchResult, cluster: ClusterSpec) -> str:
+    """Why no layout fits, in one line (`berth plan` prints it, the service answers it as `why_none`): the
+    smallest predicted peak against the device memory when some layout breaks no rule but memory, else
+    every rule broken with its count."""
+    rejected = ", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none"
+    unit = "CPU worker" if cluster.device.kind == "cpu" else "GPU"
+    if result.closest is not None:
+        layout, peak = result.closest
+        return (
+            f"the smallest predicted peak is {peak / 2**30:,.1f} GiB of "
+            f"{cluster.device.memory_bytes / 2**30:,.1f} GiB per {unit} ({layout}); "
+            f"more GPUs, a shorter sequence or a smaller global batch (rejected: {rejected})"
+        )
+    return f"every layout of {result.searched:,} searched breaks a rule: {rejected}"
+
+
+def plans_json(result: SearchResult, cluster: ClusterSpec | None = None) -> dict[str, Any]:
+    """The plan JSON contract (CLI --json, POST /v1/plans); `why_none` says why when no plan fits."""
     return {
         "plans": [p.model_dump(mode="json") for p in result.plans],
         "searched": result.searched,
         "feasible": result.feasible,
         "rejected": result.rejected,
+        "why_none": why_none(result, cluster) if not result.plans and cluster is not None else None,
     }
 
 
-def plans_text(result: SearchResult) -> str:
+def plans_text(result: SearchResult, cluster: ClusterSpec | None = None) -> str:
     """`plans_json` as compact JSON text, serialized once per result: the service answers a
     repeated question from the plan cache, and the plans' dump is most of its work."""
     if not result.serialized:
-        result.serialized.append(json_text(plans_json(result)))
+        result.serialized.append(json_text(plans_json(result, cluster)))
     return result.serialized[0]
 
 
@@ -265,14 +283,18 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def gap_to_best(p: Plan, best_tokens_per_s: float | None) -> float | None:
+    """A compared layout's tokens/s over the best searched plan's, minus 1; None for a layout that does
+    not fit or is not ranked (its infeasible_reason says why): a throughput it cannot run at is no gap."""
+    if not best_tokens_per_s or p.prediction is None or p.infeasible_reason:
+        return None
+    return p.prediction.tokens_per_s / best_tokens_per_s - 1.0
+
+
 def compare_json(candidates: list[Plan], best: SearchResult | None) -> dict[str, Any]:
     best_plan = best.plans[0] if best and best.plans else None
     out: dict[str, Any] = {"candidates": [p.model_dump(mode="json") for p in candidates]}
     out["best_searched"] = best_plan.model_dump(mode="json") if best_plan else None
     if best_plan and best_plan.prediction:
-        ref = best_plan.prediction.tokens_per_s
-        out["gap_to_best"] = [
-            (p.prediction.tokens_per_s / ref - 1.0) if p.prediction and not p.infeasible_reason else None
-            for p in candidates
-        ]
+        out["gap_to_best"] = [gap_to_best(p, best_plan.prediction.tokens_per_s) for p in candidates]
     return out

@@ -6,7 +6,8 @@ from rich.console import Console
 from rich.table import Table
 
 from berth.cost_models import terms
-from berth.planner.specs import ClusterSpec, Plan, ValidationReport, with_cp
+from berth.cost_models.step import COMM_TERMS
+from berth.planner.specs import LAYOUT_FIELDS, ClusterSpec, Plan, ValidationReport, with_cp
 
 GIB = 2**30
 # the breakdown's terms, their order and labels come from the registry (cost_models/terms.py)
@@ -83,6 +84,16 @@ def _has_cp(plans: list[Plan]) -> bool:
 
 
 RESULT_COLUMNS = ("step", "tokens/s", "MFU", "GiB", "fits", "bottleneck")
+BOTTLENECK_LEGEND = "bottleneck: " + terms.BOTTLENECK_DEFINITION
+
+
+def gap_cell(p: Plan, best_tokens_per_s: float | None) -> str:
+    """The "vs best" cell: the throughput gap to the best searched plan, only for a layout that fits
+    (planning.gap_to_best); "-" for one that does not (its reason is in the bottleneck column)."""
+    from berth.planner.planning import gap_to_best
+
+    gap = gap_to_best(p, best_tokens_per_s)
+    return "-" if gap is None else f"{gap:+.1%}"
 
 
 def _result_cells(p: Plan, best_tokens_per_s: float | None, markup: bool = True) -> list[str]:
@@ -101,7 +112,7 @@ def _result_cells(p: Plan, best_tokens_per_s: float | None, markup: bool = True)
             note,
         ]
     if best_tokens_per_s:
-        cells.append(f"{pr.tokens_per_s / best_tokens_per_s - 1:+.1%}" if pr else "-")
+        cells.append(gap_cell(p, best_tokens_per_s))
     return cells
 
 
@@ -126,7 +137,8 @@ def plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None =
 
 def _narrow_plans_table(plans: list[Plan], title: str, best_tokens_per_s: float | None) -> Table:
     """The plan table in under 80 columns: the layout in one cell, no step time (tokens/s says
-    it; the breakdown below has it) and a misfit's GiB in red with bottleneck "memory"."""
+    it; the breakdown below has it) and a misfit's GiB in red (a tight one's in yellow) with its reason
+    as the bottleneck; its "vs best" is "-" (the reason says why)."""
     from rich import box
 
     t = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -134,8 +146,9 @@ def _narrow_plans_table(plans: list[Plan], title: str, best_tokens_per_s: float 
         t.add_column(
             col,
             justify="left" if col in ("layout", "bottleneck") else "right",
-            no_wrap=col != "layout",
-            min_width=20 if col == "layout" else None,
+            no_wrap=col not in ("layout", "bottleneck"),
+            overflow="fold",
+            min_width=16 if col == "layout" else None,
         )
     for i, p in enumerate(plans, 1):
         pr = p.prediction
@@ -144,47 +157,72 @@ def _narrow_plans_table(plans: list[Plan], title: str, best_tokens_per_s: float 
         else:
             tight = (p.infeasible_reason or "").startswith("memory_tight")
             gib = f"{pr.peak_memory_bytes / GIB:.1f}"
-            shown = f"[yellow]{gib} tight[/yellow]" if tight else gib if pr.fits else f"[red]{gib}[/red]"
+            shown = f"[yellow]{gib}[/yellow]" if tight else gib if pr.fits else f"[red]{gib}[/red]"
             note = pr.bottleneck if not p.infeasible_reason else p.infeasible_reason.split(":")[0]
             cells = [f"{pr.tokens_per_s:,.0f}", f"{pr.mfu:.1%}", shown, note]
         if best_tokens_per_s:
-            cells.append(f"{pr.tokens_per_s / best_tokens_per_s - 1:+.1%}" if pr else "-")
+            cells.append(gap_cell(p, best_tokens_per_s))
         t.add_row(str(i), _compact_layout(p), *cells)
     return t
 
 
+def print_layouts(console: Console, plans: list[Plan], title: str = "layouts (paste into --layout)") -> None:
+    """Each plan's layout as one unbroken `--layout` value on its own line (never wrapped by the
+    terminal width, so it can be copied whole)."""
+    console.print(title + ":", highlight=False)
+    for i, p in enumerate(plans, 1):
+        console.print(f"#{i} {p.layout.short()}", soft_wrap=True, highlight=False, markup=False)
+
+
+CSV_PREDICTION = ("step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_bytes", "memory_capacity_bytes", "fits")
+
+
+def csv_header() -> list[str]:
+    """The CSV's columns, the same whatever the plans: every Layout field, the prediction, each time term (seconds), each communication
+    term's traffic hidden or not (seconds), each memory term (bytes). expert_tp is the degree that runs (tp
+    where the layout leaves it out)."""
+    return [
+        "rank",
+        *LAYOUT_FIELDS,
+        "stage_layers",
+        *CSV_PREDICTION,
+        "bottleneck",
+        *(f"time_{t.name}_s" for t in terms.TIME),
+        *(f"comm_total_{name}_s" for name in COMM_TERMS),
+        *(f"memory_{m.name}_bytes" for m in terms.MEMORY),
+        "vs_best",
+        "infeasible_reason",
+    ]
+
+
 def plans_csv(plans: list[Plan], best_tokens_per_s: float | None = None) -> str:
-    """The plans as CSV in SI units (seconds, bytes), one row per plan, for spreadsheets."""
+    """The plans as CSV in SI units (seconds, bytes), one row per plan, for spreadsheets; the header
+    (`csv_header`) does not depend on the plans."""
     import csv
     import io
 
+    from berth.planner.planning import gap_to_best
+
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    fields = (
-        "tp",
-        *(("cp",) if _has_cp(plans) else ()),
-        "pp",
-        "dp",
-        "ep",
-        "shard",
-        "zero_stage",
-        "recompute",
-        "micro_batch_size",
-        "num_microbatches",
-        "virtual_stages",
-        "schedule",
-        "sequence_parallel",
-        "axis_order",
-    )
-    pred = ("step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "bottleneck")
-    w.writerow(["rank", *fields, "stage_layers", *pred, "vs_best", "infeasible_reason"])
+    w.writerow(csv_header())
     for i, p in enumerate(plans, 1):
         pr = p.prediction
-        lay = [int(v) if isinstance(v, bool) else v for v in (getattr(p.layout, f) for f in fields)]
-        vals = [getattr(pr, k) for k in pred] if pr else [""] * len(pred)
-        gap = pr.tokens_per_s / best_tokens_per_s - 1 if pr and best_tokens_per_s else ""
+        x = p.layout
+        lay = [x.etp if f == "expert_tp" else getattr(x, f) for f in LAYOUT_FIELDS]
+        lay = [int(v) if isinstance(v, bool) else v for v in lay]
+        n_pred = len(CSV_PREDICTION) + 1 + len(terms.TIME) + len(COMM_TERMS) + len(terms.MEMORY)
+        if pr is None:
+            vals: list = [""] * n_pred
+        else:
+            vals = [int(v) if isinstance(v, bool) else v for v in (getattr(pr, k) for k in CSV_PREDICTION)]
+            vals += [pr.bottleneck]
+            vals += [pr.time_breakdown_s.get(t.name, 0.0) for t in terms.TIME]
+            vals += [pr.comm_total_s.get(n, pr.time_breakdown_s.get(n, 0.0)) for n in COMM_TERMS]
+            vals += [pr.memory_breakdown_bytes.get(m.name, 0.0) for m in terms.MEMORY]
+        gap = gap_to_best(p, best_tokens_per_s)
         stages = " ".join(map(str, p.stage_layers)) if p.stage_layers else ""
-        w.writerow([i, *lay, stages, *vals, gap, p.infeasible_reason or ""])
+        w.writerow([i, *lay, stages, *vals, "" if gap is None else gap, p.infeasible_reason or ""])
     return buf.getvalue()
 
 
@@ -215,7 +253,19 @@ def shown_time_terms(plans: list[Plan]) -> list[terms.TimeTerm]:
     return [term for term in terms.TIME if shown(term)]
 
 
+def _hidden_s(p: Plan, term: str) -> float:
+    """Seconds of a communication term's traffic that compute hides (0 where the prediction has no total:
+    a plan from before berth reported it, or a term never hidden)."""
+    pr = p.prediction
+    if pr is None or term not in pr.comm_total_s:
+        return 0.0
+    total = pr.comm_total_s[term]
+    return total - pr.time_breakdown_s.get(term, 0.0) if total > 1.001 * pr.time_breakdown_s.get(term, 0.0) else 0.0
+
+
 def breakdown_table(plans: list[Plan], title: str) -> Table:
+    """Time and memory by term; a communication term compute partly hides has a second row, its whole
+    traffic, beside the row of what it adds to the step (time_breakdown_s: the exposed part)."""
     t = Table(title=title, header_style="bold")
     t.add_column("term")
     for i, _ in enumerate(plans, 1):
@@ -227,6 +277,11 @@ def breakdown_table(plans: list[Plan], title: str) -> Table:
             f"time: {term.label}",
             *[_seconds(p.prediction.time_breakdown_s.get(term.name, 0.0)) if p.prediction else "-" for p in plans],
         )
+        if any(_hidden_s(p, term.name) > 0.0 for p in plans):
+            t.add_row(
+                f"  {term.label} traffic, hidden or not",
+                *[_seconds(p.prediction.comm_total_s[term.name]) if _hidden_s(p, term.name) else "-" for p in plans],
+            )
     for mem in terms.MEMORY:
         t.add_row(
             f"memory: {mem.label}",
@@ -243,9 +298,12 @@ def breakdown_table(plans: list[Plan], title: str) -> Table:
 
 
 def print_reasons(console: Console, plans: list[Plan]) -> None:
+    """Why each layout that does not fit (or is not ranked) is so; its layout is in `print_layouts`."""
+    from rich.markup import escape
+
     for i, p in enumerate(plans, 1):
         if p.infeasible_reason:
-            console.print(f"  #{i} {p.layout.short()}: [yellow]{p.infeasible_reason}[/yellow]")
+            console.print(f"  #{i}: [yellow]{escape(p.infeasible_reason)}[/yellow]", highlight=False)
 
 
 def _metric(key: str, value: float | None) -> str:

@@ -419,6 +419,7 @@ def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
         fits=bool(ev.peak_memory_bytes[i] <= allocator_capacity_bytes(cluster.device, cluster.world_size)),
         bottleneck=BOTTLENECK_NAMES[int(ev.bottleneck[i])],
         time_breakdown_s={k: float(v[i]) for k, v in ev.time_breakdown_s.items()},
+        comm_total_s={k: float(v[i]) for k, v in ev.comm_total_s.items()},
         memory_breakdown_bytes={k: float(v[i]) for k, v in ev.memory_breakdown_bytes.items()},
         model_flops_per_step=float(ev.model_flops_per_step),
         hardware_flops_per_step=float(ev.hardware_flops_per_step[i]),

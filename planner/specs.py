@@ -678,12 +678,16 @@ class Prediction(Spec):
         "communicator buffers)"
     )
     fits: bool = Field(description="the predicted peak is at most memory_capacity_bytes (the headroom not applied)")
-    bottleneck: str = Field(
-        description="the largest term: 'compute' when every overhead is small, a communication, bubble or recompute "
-        "term, or 'memory' when the layout does not fit"
-    )
+    bottleneck: str = Field(description="the bottleneck: " + terms.BOTTLENECK_DEFINITION)
     time_breakdown_s: dict[str, float] = Field(
         description="seconds per step by term (cost_models/terms.py): " + terms.describe(terms.TIME)
+    )
+    comm_total_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="seconds per step each communication term's traffic takes on the links, hidden behind compute "
+        "or not (tp_comm, cp_comm, pp_comm, dp_comm, ep_comm); time_breakdown_s holds the exposed part, what it "
+        "adds to the step (with the slowdown the hidden part causes to the compute it overlaps). Total minus "
+        "exposed is the traffic compute hides: near the total, a slower link or less compute exposes it",
     )
     memory_breakdown_bytes: dict[str, float] = Field(
         description="bytes per GPU at the peak by term (cost_models/terms.py): " + terms.describe(terms.MEMORY)
