@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from berth.cost_models import memory
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.flops import BACKWARD_TO_FORWARD
 from berth.hardware_profiles.schema import AttentionPassModel, DeviceProfile, FrameworkCompute
@@ -274,16 +275,17 @@ def lm_head_compute_s(model: ModelSpec, training: TrainingSpec, device: DevicePr
     gradient, downcast), the weight casts of the head (weight_bytes) and the embedding's dense
     gradient accumulation (weight_bytes_bwd again), and head_dispatch_s. Without it: the legacy
     3x GEMM + 16 bytes per logit."""
-    s, v, h = training.seq_len, model.vocab_size, model.hidden_size
+    s, h = training.seq_len, model.hidden_size
+    v_tp = memory.vocab_rows(model, tp)  # the padded vocabulary's rows on one tp rank
     rows = b * s
     fw = _framework(device, training)
     if fw is None:
-        gemm = gemm_time_s(device, training, rows, v / tp, h)
-        loss_bytes = 4.0 * 4 * rows * v / tp  # fp32 logits: upcast, softmax, grad write and read
+        gemm = gemm_time_s(device, training, rows, v_tp, h)
+        loss_bytes = 4.0 * 4 * rows * v_tp  # fp32 logits: upcast, softmax, grad write and read
         return (1.0 + BACKWARD_TO_FORWARD) * gemm + _stream_s(device, loss_bytes)
-    fwd, bwd = _projection_s(device, training, rows, v / tp, h)
-    weights = v * h / tp
-    nbytes = fw.loss_bytes_per_logit * rows * v / tp + (fw.weight_bytes_fwd + 2 * fw.weight_bytes_bwd) * weights
+    fwd, bwd = _projection_s(device, training, rows, v_tp, h)
+    weights = v_tp * h
+    nbytes = fw.loss_bytes_per_logit * rows * v_tp + (fw.weight_bytes_fwd + 2 * fw.weight_bytes_bwd) * weights
     return fwd + bwd + fw.head_dispatch_s + _stream_s(device, nbytes)
 
 

@@ -151,6 +151,16 @@ def dp_collective_bytes(training: TrainingSpec, c) -> tuple[np.ndarray, np.ndarr
     return gathered, reduced
 
 
+def vocab_rows(model: ModelSpec, tp) -> ArrayOrFloat:
+    """Vocabulary rows of the embedding and of the LM head one tensor-parallel rank holds and computes:
+    the vocabulary padded to a multiple of tp, split evenly (ceil(V / tp)). The bundled executor pads
+    so (executor/model.py `padded_vocab`, this function); torchtitan's uneven DTensor shard gives its
+    largest rank as many. Megatron-LM pads further, to a multiple of 128 x tp
+    (--make-vocab-size-divisible-by), not counted here."""
+    tp = np.asarray(tp, dtype=float)
+    return np.ceil(model.vocab_size / tp)
+
+
 def stage_params(
     model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False, ep=1, part: str = "all", etp=None
 ) -> ArrayOrFloat:
@@ -175,7 +185,7 @@ def stage_params(
         return np.asarray(middle_layers, dtype=float) * local
     pp = np.asarray(pp, dtype=float)
     layers = np.asarray(first_layers if first else last_layers, dtype=float) * local
-    emb = edge * model.embedding_params / tp
+    emb = edge * vocab_rows(model, tp) * model.hidden_size
     head = np.where((pp == 1) & model.tied_embeddings, 0.0, emb) + edge * model.final_norm_params
     if first:
         return layers + emb + np.where(pp == 1, head, 0.0)
@@ -507,7 +517,7 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
         per_logit = LOGITS_SAVED_BYTES * in_flight + e * (in_flight - 1.0) + LOGITS_BACKWARD_BYTES + parallel_loss
     else:
         per_logit = (e + LOGITS_SAVED_BYTES) * in_flight + LOGITS_BACKWARD_BYTES + parallel_loss
-    return per_logit * b * training.seq_len * model.vocab_size / tp
+    return per_logit * b * training.seq_len * vocab_rows(model, tp)
 
 
 def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_head) -> ArrayOrFloat:
@@ -517,7 +527,7 @@ def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_h
     next peak allocates (`allocator_transient_blocks` in the device profile)."""
     tokens = np.asarray(c.micro_batch_size, dtype=float) * training.seq_len
     logit_bytes = training.bytes_per_element if training.cross_entropy == "fused" else FP32_BYTES
-    logits = np.where(holds_head, logit_bytes * tokens * model.vocab_size / c.tp, 0.0)
+    logits = np.where(holds_head, logit_bytes * tokens * vocab_rows(model, c.tp), 0.0)
     mlp = training.bytes_per_element * tokens * model.ffn_hidden_size / c.tp
     return np.maximum(logits, mlp)
 

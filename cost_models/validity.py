@@ -11,8 +11,8 @@ nothing else: the search's mask (`structural_reasons`) and its pruning (planner/
 
 `applies` says whom a rule binds: PLAN (what berth plans and the engines run: the search,
 `compare`, the API) and/or EXECUTOR (what the bundled torch.distributed executor runs: `berth
-validate`, executor/train.py). A rule that only the bundled executor has (it does not pad the
-vocabulary, for instance, where the engines do) is tagged EXECUTOR alone: the planner still plans
+validate`, executor/train.py). A rule that only the bundled executor has (it splits the
+feed-forward layer evenly, for instance) is tagged EXECUTOR alone: the planner still plans
 such a layout, and `berth validate` says why this executor cannot run it.
 
 An infeasible candidate is a mask plus a reason, never an exception (DESIGN convention 4).
@@ -376,18 +376,6 @@ _EXECUTOR_RULES: tuple[Rule, ...] = (
         lambda x, f: (
             f"tp={x.tp} does not divide ffn {f.model.ffn_hidden_size} (the bundled executor splits the "
             "feed-forward layer evenly)"
-        ),
-        applies=frozenset({EXECUTOR}),
-    ),
-    Rule(
-        "tp_not_divide_vocab",
-        ("tp",),
-        lambda c, f: f.model.vocab_size % c.tp != 0,
-        "the bundled executor splits the embedding and the LM head evenly over tp (the engines pad the "
-        "vocabulary): tp must divide vocab_size",
-        lambda x, f: (
-            f"tp={x.tp} does not divide vocab {f.model.vocab_size} (the bundled executor splits the "
-            "embedding and LM head evenly; Megatron-LM and torchtitan pad the vocabulary)"
         ),
         applies=frozenset({EXECUTOR}),
     ),

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from berth.cost_models.memory import vocab_rows
 from berth.planner.specs import ModelSpec
 
 if TYPE_CHECKING:
@@ -213,6 +214,42 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def padded_vocab(spec: ModelSpec, tp: int = 1) -> int:
+    """The vocabulary the executor builds: vocab_size padded to a multiple of tp, so the embedding and the
+    LM head split evenly over the tensor-parallel ranks (Megatron-LM and torchtitan likewise run any
+    vocabulary at any tp). The rows per rank are the cost model's (`berth.cost_models.memory.vocab_rows`,
+    the one rule). The padded ids are never inputs nor targets (`synthetic_batch` draws from vocab_size)
+    and their logits are masked out of the softmax (`_pad_vocabulary`): the padded model computes what
+    the unpadded one does."""
+    return int(vocab_rows(spec, tp)) * tp
+
+
+def _pad_vocabulary(model: Decoder, vocab: int) -> None:
+    """Grow the embedding and the LM head to `vocab` rows: the real rows keep their weights (the same
+    draws as the unpadded model), the padded rows are zeros, and the head gets a frozen bias of 0 on the
+    real logits and -inf on the padded ones, so they take no share of the softmax, get no gradient and
+    stay zero (tensor parallelism shards the bias with the head's rows: ColwiseParallel)."""
+    spec = model.spec
+    real, h = spec.vocab_size, spec.hidden_size
+    if vocab == real or model.tok_embeddings is None or model.output is None:
+        return
+    rng = torch.get_rng_state()  # building modules draws an init: keep the global stream as unpadded
+    emb = nn.Embedding(vocab, h)
+    head = nn.Linear(h, vocab, bias=True)
+    torch.set_rng_state(rng)
+    with torch.no_grad():
+        emb.weight.zero_()
+        emb.weight[:real] = model.tok_embeddings.weight
+        head.weight.zero_()
+        head.weight[:real] = model.output.weight
+        head.bias.zero_()
+        head.bias[real:] = float("-inf")
+    head.bias.requires_grad_(False)
+    if spec.tied_embeddings:
+        head.weight = emb.weight
+    model.tok_embeddings, model.output = emb, head
+
+
 class Decoder(nn.Module):
     """Embedding, blocks, final norm, LM head. Layers live in a ModuleDict keyed by their global
     index so a pipeline stage can drop the others and keep names stable (torchtitan's pattern);
@@ -236,8 +273,9 @@ class Decoder(nn.Module):
         return self.output(h) if self.output is not None else h
 
 
-def build_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> Decoder:
-    """The same weights on every rank for the same seed (the build order the reference notes)."""
+def build_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32, tp: int = 1) -> Decoder:
+    """The same weights on every rank for the same seed (the build order the reference notes); the
+    vocabulary padded to a multiple of the layout's `tp` (`padded_vocab`, `_pad_vocabulary`)."""
     torch.manual_seed(seed)
     model = Decoder(spec)
     residual_std = INIT_STD / (2 * spec.num_layers) ** 0.5
@@ -245,6 +283,7 @@ def build_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float
         if p.dim() > 1:
             residual = name.rsplit(".", 2)[-2] in RESIDUAL_PROJECTIONS
             nn.init.normal_(p, mean=0.0, std=residual_std if residual else INIT_STD)
+    _pad_vocabulary(model, padded_vocab(spec, tp))
     return model.to(dtype)
 
 

@@ -303,7 +303,7 @@ def prepare(
     coords: Coordinates,
 ) -> Prepared:
     """Model parts, optimizer and schedule of this rank, built in the order the reference gives."""
-    model = build_model(spec, seed).to(device)
+    model = build_model(spec, seed, tp=layout.tp).to(device)
     mp = None
     if device.type == "cuda" and training.precision != "fp32":
         dtype = torch.bfloat16 if training.precision == "bf16" else torch.float16

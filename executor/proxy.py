@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from berth.cost_models.memory import vocab_rows
 from berth.executor.checks import PROGRESS_PREFIX
 from berth.executor.device import rank_device
 from berth.executor.model import INIT_STD, Block, norm_layer
@@ -64,13 +65,14 @@ class StageSlice(nn.Module):
         spec, x = plan.model, plan.layout
         tp, sp = x.tp, x.sequence_parallel and x.tp > 1
         self.sp_tp = tp if sp else 1
-        self.embed = nn.Embedding(spec.vocab_size // tp, spec.hidden_size) if first else None
+        rows = int(vocab_rows(spec, tp))  # the padded vocabulary's rows on one tp rank
+        self.embed = nn.Embedding(rows, spec.hidden_size) if first else None
         blocks = [Block(spec, tp) for _ in range(layers)]
         self.layers = nn.ModuleDict(
             {str(i): SequenceParallelBlock(blk, tp) if sp else blk for i, blk in enumerate(blocks)}
         )
         self.norm = norm_layer(spec) if last else None
-        self.head = nn.Linear(spec.hidden_size, spec.vocab_size // tp, bias=False) if last else None
+        self.head = nn.Linear(spec.hidden_size, rows, bias=False) if last else None
         for p in self.parameters():
             if p.dim() > 1:
                 nn.init.normal_(p, std=INIT_STD)
@@ -154,7 +156,7 @@ def main() -> None:
         g = torch.Generator(device="cpu").manual_seed(args.seed)
         if first:
             inputs = [
-                torch.randint(0, spec.vocab_size // x.tp, (x.micro_batch_size, training.seq_len), generator=g)
+                torch.randint(0, int(vocab_rows(spec, x.tp)), (x.micro_batch_size, training.seq_len), generator=g)
                 for _ in range(x.num_microbatches)
             ]
         else:

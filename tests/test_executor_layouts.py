@@ -241,3 +241,40 @@ def test_moe_expert_parallel_matches_single_process(tmp_path, model):
     check(launch(tmp_path / "two", two, 2, model=model), reference, 2)
     four = [Layout(dp=4, ep=2, micro_batch_size=2, num_microbatches=1)]
     check(launch(tmp_path / "four", four, 4, model=model), reference, 4)
+
+
+# An odd vocabulary (1,001 tokens; GPT-2's 50,257 is odd too): tp = 2 does not divide it.
+ODD_VOCAB = MODEL.model_copy(update={"name": "tiny-gpt-v1001", "vocab_size": 1001})
+
+
+def test_odd_vocabulary_at_tp2_pads_and_matches_single_process(tmp_path):
+    """The executor pads the vocabulary to a multiple of tp (executor/model.py padded_vocab, as Megatron-LM
+    and torchtitan run any vocabulary) and masks the padded logits out of the softmax: tp = 2 on 2 gloo
+    ranks (with sequence parallelism, selective and full recomputation) runs a 1,001-token vocabulary and reproduces the
+    single-process, unpadded losses of the same seed. The pre-flight check and `berth validate`'s rules
+    no longer refuse it, and the cost model counts the padded rows a rank holds (ceil(V / tp))."""
+    from berth.cost_models import memory
+    from berth.cost_models.validity import EXECUTOR, Facts, violations
+    from berth.executor.model import build_model, padded_vocab
+
+    model = ModelSpec.model_validate(ODD_VOCAB.model_dump())
+    assert padded_vocab(model, 2) == 1002 and padded_vocab(model, 1) == 1001
+    assert float(memory.vocab_rows(model, 2)) == 501
+    # the cost model's embedding, head and logits count the padded vocabulary: as if it had 1,002 tokens
+    even = model.model_copy(update={"vocab_size": 1002})
+    assert float(memory.stage_params(model, 1, 2, True)) == float(memory.stage_params(even, 1, 2, True))
+    assert float(memory.logits_bytes(model, TRAINING, 1, 2)) == float(memory.logits_bytes(even, TRAINING, 1, 2))
+    padded = build_model(model, tp=2)
+    assert padded.output.weight.shape[0] == 1002 and padded.output.bias[-1].item() == float("-inf")
+    # the real rows are the unpadded model's (the same draws), the padded row zeros
+    assert torch.equal(padded.tok_embeddings.weight[:1001], build_model(model).tok_embeddings.weight)
+    layouts = [
+        Layout(tp=2, micro_batch_size=4, num_microbatches=2),
+        Layout(tp=2, sequence_parallel=True, micro_batch_size=8, recompute="selective"),
+        Layout(tp=2, micro_batch_size=2, num_microbatches=4, recompute="full"),
+    ]
+    facts = Facts(model, TRAINING, 2)
+    assert all(not violations(x, facts, who=EXECUTOR) for x in layouts)
+    reference = run_steps(model, TRAINING, Layout(micro_batch_size=8), STEPS).losses
+    assert reference[-1] < reference[0]
+    check(launch(tmp_path, layouts, 2, model=model), reference, 2)
