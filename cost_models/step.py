@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from berth.cost_models import comm, compute, flops, goodput, memory, terms
+from berth.cost_models import comm, compute, flops, goodput, memory
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
 from berth.cost_models.pipeline import bubble_s
@@ -281,8 +281,8 @@ def _stage_dp_times(
 def _stage_dp_times_part(
     model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride=None, part="all", ep=1
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(exposed, total) data-parallel time of the stage whose exposed time is longest: each rank reduces (and gathers) its
-    own stage's parameters behind its own layers' compute. With an even split the first or the last
+    """(exposed, total) data-parallel time of the stage whose exposed time is longest: each rank reduces
+    (and gathers) its own stage's parameters behind its own layers' compute. With an even split the first or the last
     stage (an embedding or head more, the same layers) is that stage; with an uneven one
     (planner/stages.py) each of the first, a middle and the last stage is costed."""
     n_first, n_middle, n_last = layers
@@ -510,7 +510,7 @@ def evaluate(
 
 
 def _bottleneck(time: dict[str, np.ndarray], step: np.ndarray, reason: np.ndarray) -> np.ndarray:
-    """Index into BOTTLENECK_NAMES of the largest group of BOTTLENECK_TERMS (terms.BOTTLENECK_DEFINITION):
+    """Index into BOTTLENECK_NAMES of the largest group of BOTTLENECK_TERMS (terms.py BOTTLENECK_DEFINITION):
     the term that takes most of the step, compute included; "memory" only when the layout does not fit."""
     terms = np.stack([sum(time.get(k, np.zeros_like(step)) for k in keys) for keys in BOTTLENECK_TERMS.values()])
     index = np.argmax(terms, axis=0)

@@ -178,9 +178,9 @@ CSV_PREDICTION = ("step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_byte
 
 
 def csv_header() -> list[str]:
-    """The CSV's columns, the same whatever the plans: every Layout field, the prediction, each time term (seconds), each communication
-    term's traffic hidden or not (seconds), each memory term (bytes). expert_tp is the degree that runs (tp
-    where the layout leaves it out)."""
+    """The CSV's columns, the same whatever the plans: every Layout field, the prediction, each time term
+    (seconds), each communication term's traffic hidden or not (seconds), each memory term (bytes).
+    expert_tp is the degree that runs (tp where the layout leaves it out)."""
     return [
         "rank",
         *LAYOUT_FIELDS,

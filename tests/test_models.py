@@ -319,3 +319,53 @@ def test_unknown_preset():
     with pytest.raises(BerthError) as err:
         load_model("llama9-1t")
     assert err.value.field == "model" and "llama3-70b" in str(err.value)
+
+
+# mistralai/Mistral-7B-v0.1 config.json as published (huggingface.co/mistralai/Mistral-7B-v0.1, main):
+# a 4,096-token sliding window, which is full causal attention for sequences up to 4,096 tokens.
+MISTRAL_7B_V01 = {
+    "architectures": ["MistralForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.34.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+
+
+def test_a_sliding_window_that_covers_the_sequence_is_planned(tmp_path):
+    """Mistral 7B v0.1 plans at sequence 4,096 (its window covers the sequence: exact full attention) and
+    is refused at 8,192 naming the key, through the real CLI and the service's conversion alike."""
+    import json
+    import subprocess
+    import sys
+
+    from berth.planner.inputs import ClusterInput, TrainingInput, resolve
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MISTRAL_7B_V01))
+    cli = [sys.executable, "-m", "berth.planner.cli", "plan", str(path), "--global-batch", "64", "--top", "1"]
+    ok = subprocess.run([*cli, "--seq-len", "4096", "--json"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["plans"][0]["model"]["num_kv_heads"] == 8
+    long = subprocess.run([*cli, "--seq-len", "8192"], capture_output=True, text=True, timeout=120)
+    assert long.returncode == 2 and "model.sliding_window" in long.stderr and "8,192" in long.stderr, long.stderr
+    spec, _, _ = resolve(MISTRAL_7B_V01, ClusterInput("dgx-h100"), TrainingInput(4096, 64), allow_files=False)
+    assert spec.num_layers == 32
+    with pytest.raises(BerthError) as err:
+        resolve(MISTRAL_7B_V01, ClusterInput("dgx-h100"), TrainingInput(4097, 64), allow_files=False)
+    assert err.value.field == "model.sliding_window"
