@@ -186,15 +186,18 @@ def test_the_edges_refuse_exactly_what_the_table_refuses():
 
 def test_a_planned_layout_the_executor_refuses_is_refused_by_an_executor_only_rule():
     """The drift this table removed: the planner planned tp=2 with a vocabulary of 50,257 and the
-    executor refused it with rules of its own. Now the executor refuses a planned layout only by a
-    rule tagged EXECUTOR alone, and says which."""
+    executor refused it with rules of its own. Now the executor pads the vocabulary (executor/model.py
+    padded_vocab) and runs that layout; it refuses a planned layout only by a rule tagged EXECUTOR
+    alone, and says which."""
     training = TrainingSpec(seq_len=1024, global_batch_size=16)
     cluster = cluster_from_preset("dgx-h100", 1)
     layout = Layout(tp=2, dp=4, micro_batch_size=2, num_microbatches=2)
     plan = predict_layouts(GPT2_LIKE, training, cluster, [layout])[0]
     assert plan.infeasible_reason is None and plan.prediction is not None
-    with pytest.raises(UnsupportedLayout, match="vocab 50257.*pad the vocabulary"):
-        executor_check(GPT2_LIKE, training, plan.layout, plan.layout.world_size)
+    executor_check(GPT2_LIKE, training, plan.layout, plan.layout.world_size)  # runs: the vocabulary is padded
+    with pytest.raises(UnsupportedLayout, match="does not divide ffn"):
+        odd_ffn = GPT2_LIKE.model_copy(update={"ffn_hidden_size": 3071})
+        executor_check(odd_ffn, training, plan.layout, plan.layout.world_size)
     facts = Facts(GPT2_LIKE, training, cluster.world_size)
     for model in (GPT2_LIKE, MODELS[2]):
         for p in search(model, training, cluster, SearchSpec(top=20)).plans:
