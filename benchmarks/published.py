@@ -24,7 +24,7 @@ and `derived` notes):
   then on); step time = those FLOPs / (GPUs x TFLOP/s).
 
 Engine facts each prediction follows: Megatron 2021-22 ran fp16 with unfused (non-Flash) attention,
-dropout, tied embeddings and Megatron's memory behaviour (`framework="megatron"`); MPT runs bf16
+dropout, tied embeddings and Megatron's memory behaviour (`engine="megatron"`); MPT runs bf16
 with flash attention, no dropout, tied embeddings and PyTorch FSDP FULL_SHARD (ZeRO-3 with the
 shard group = all data-parallel ranks); torchtitan runs Llama 3 (SwiGLU, RMSNorm, GQA, untied
 128,256-token vocabulary) with FSDP2 and flash attention. Clusters: 8-GPU DGX-like nodes with
@@ -37,7 +37,7 @@ the power cap.
 
 Megatron-Core's MoE runs (2024-26) run bf16, FlashAttention-class fused attention (predicted with the
 profile's measured SDPA), untied embeddings, dropless top-k routing with the all-to-all dispatcher and
-the distributed optimizer (ZeRO-1 over dp); `framework="megatron"` for memory and the layer's
+the distributed optimizer (ZeRO-1 over dp); `engine="megatron"` for memory and the layer's
 non-GEMM work. Megatron's MoE parallel folding (experts with their own tensor-parallel size, ETP, and
 the expert group laid out on consecutive ranks) maps to Layout.expert_tp (the record's `expert_tp`;
 berth models expert TP as any divisor of tp).
@@ -101,15 +101,10 @@ H100_96GB_MEMORY_SCALE = 96 / 80
 H100_96GB_CLOCK_DERATE = (500 / 700) ** (1 / 3)
 H100_96GB_MEMORY_BANDWIDTH = 2.41e12
 
-# torchtitan and Composer gather bf16 parameters under FSDP mixed precision (param_dtype bf16; the
-# bundled executor keeps fp32 parameters under autocast) and step a fused AdamW: the device
-# profiles' "torchtitan" compute entry (cost_models/compute.py), not the executor's "pytorch" one.
-FSDP_BF16_STACK = "torchtitan"
-# MosaicML's MPT under Composer FSDP: its own stack entry (fused low-precision LayerNorm, fused
-# Wqkv, GELU, no rotary: benchmarks/op_census.py), and the attention kernel its A100 tables ran:
-# attn_impl "triton" (llm-foundry b2a43a147 submit_benchmarks.py default and mpt-*.yaml; the `gpu`
-# extra pinned flash-attn 1.0.x), FlashAttention v1 class.
-MOSAICML_STACK = "llmfoundry"
+# torchtitan and Composer gather bf16 parameters under FSDP mixed precision and step a fused AdamW: their
+# engines ("torchtitan", "llmfoundry") price a layer's non-GEMM work with their own compute stacks
+# (cost_models/engines.py). MosaicML's MPT ran attn_impl "triton" (llm-foundry b2a43a147
+# submit_benchmarks.py default and mpt-*.yaml; the `gpu` extra pinned flash-attn 1.0.x), FlashAttention v1 class.
 # torchtitan's benchmark ran PyTorch nightly 1963fc8 (2024-12): F.scaled_dot_product_attention's flash
 # backend was FlashAttention-2 (FlashAttention-3 class kernels came to SDPA later).
 TORCHTITAN_ATTENTION = "flash2"
@@ -219,14 +214,9 @@ def _device_for(gpu_type: str):
     raise Skip(f"gpu_type {gpu_type!r} has no profile")
 
 
-def _cluster(row: dict, compute_stack: str | None = None) -> ClusterSpec:
-    """The record's cluster; `compute_stack` names the device profile's `frameworks` entry whose
-    non-GEMM layer work and optimizer step the run's engine has, when it is not the one
-    TrainingSpec.framework selects (memory still follows TrainingSpec.framework)."""
+def _cluster(row: dict) -> ClusterSpec:
+    """The record's cluster."""
     device, preset = _device_for(row["gpu_type"])
-    if compute_stack and compute_stack in getattr(device, "frameworks", {}):
-        stacks = {**device.frameworks, "pytorch": device.frameworks[compute_stack]}
-        device = device.model_copy(update={"frameworks": stacks})
     per_node = row.get("gpus_per_node") or GPUS_PER_NODE_DEFAULT
     n = row["num_gpus"]
     if n % per_node:
@@ -315,7 +305,7 @@ def _megatron(row: dict) -> Case:
         global_batch_size=batch,
         precision=_precision(row),
         flash_attention=_flash_attention(row),
-        framework="megatron",
+        engine="megatron",
     )
     schedule = "interleaved_1f1b" if pp > 1 and vpp > 1 else "1f1b"
     layout = Layout(
@@ -396,7 +386,7 @@ def _mosaicml(row: dict) -> Case:
         precision="bf16",
         flash_attention=True,
         attention_kernel=MOSAICML_ATTENTION,
-        framework="pytorch",
+        engine="llmfoundry",
         cross_entropy="fused",
     )
     recompute = "full" if row["activation_recompute"] == "full" else "none"
@@ -430,7 +420,7 @@ def _mosaicml(row: dict) -> Case:
         row["source_id"],
         model,
         training,
-        _cluster(row, MOSAICML_STACK),
+        _cluster(row),
         layout,
         measured,
         "global batch tokens / (printed tokens/s per GPU x GPUs)",
@@ -488,7 +478,7 @@ def _torchtitan(row: dict) -> Case:
         precision="bf16",
         flash_attention=True,
         attention_kernel=TORCHTITAN_ATTENTION,
-        framework="pytorch",
+        engine="torchtitan",
     )
     layout = Layout(
         tp=tp,
@@ -515,7 +505,7 @@ def _torchtitan(row: dict) -> Case:
         row["source_id"],
         model,
         training,
-        _cluster(row, FSDP_BF16_STACK),
+        _cluster(row),
         layout,
         measured,
         "global batch tokens / (printed tokens/s per GPU x GPUs)",
@@ -587,7 +577,7 @@ def _megatron_core(row: dict) -> Case:
         moe_ffn_hidden_size=row.get("moe_ffn_hidden_size"),
     )
     training = TrainingSpec(
-        seq_len=row["seq_len"], global_batch_size=batch, precision="bf16", flash_attention=True, framework="megatron"
+        seq_len=row["seq_len"], global_batch_size=batch, precision="bf16", flash_attention=True, engine="megatron"
     )
     zero = row.get("zero_stage") or 0
     etp = row.get("expert_tp")

@@ -15,7 +15,7 @@ sources there; the H100 fits come from ../shared/reference/h100-microbench via
   backward apart. Unfused attention (Megatron 2021-22) is two batched GEMMs plus softmax passes.
 - The rest of the layer (norms, rotary, activation function, residual adds, dtype casts of the
   weights under autocast, kernel dispatch): what the training stack's kernels decide, so it is
-  kept per framework (`DeviceProfile.frameworks[TrainingSpec.framework]`, see FrameworkCompute):
+  kept per compute stack (`DeviceProfile.frameworks`, the engine's entry, see FrameworkCompute):
   a host dispatch time per layer pass plus bytes moved at the device's streaming bandwidth.
 
 Profiles without the measured models (a `berth profile` of a CPU, older files) fall back to the
@@ -31,6 +31,7 @@ import numpy as np
 
 from berth.cost_models import memory
 from berth.cost_models.arrays import ArrayOrFloat
+from berth.cost_models.engines import engine_of
 from berth.cost_models.flops import BACKWARD_TO_FORWARD
 from berth.hardware_profiles.schema import AttentionPassModel, DeviceProfile, FrameworkCompute
 from berth.planner.specs import ModelSpec, TrainingSpec
@@ -48,7 +49,11 @@ GELU_FFN_SHARE = 0.5  # GELU touches one b x s x ffn tensor where SiLU(gate) * u
 
 
 def _framework(device: DeviceProfile, training: TrainingSpec) -> FrameworkCompute | None:
-    return device.frameworks.get(training.framework)
+    """The engine's compute stack: the first of its `compute_stacks` (cost_models/engines.py) the device has."""
+    for stack in engine_of(training).compute_stacks:
+        if stack in device.frameworks:
+            return device.frameworks[stack]
+    return None
 
 
 def _stream_s(device: DeviceProfile, nbytes) -> ArrayOrFloat:

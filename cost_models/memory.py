@@ -55,10 +55,13 @@ import numpy as np
 
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE, Candidates
+from berth.cost_models.engines import RECIPE_MEGATRON as RECIPE_MEGATRON_ENGINE
+from berth.cost_models.engines import RECIPE_PYTORCH as RECIPE_PYTORCH_ENGINE
+from berth.cost_models.engines import engine_of
 from berth.cost_models.pipeline import layers_in_flight, microbatches_in_flight
 from berth.hardware_profiles.schema import DeviceProfile
 from berth.planner import stages
-from berth.planner.specs import ModelSpec, TrainingSpec
+from berth.planner.specs import EngineTuning, ModelSpec, TrainingSpec
 
 FP32_BYTES = 4
 HALF_BYTES = 2  # a bf16/fp16 element
@@ -130,7 +133,7 @@ def precision_recipe(training: TrainingSpec, c) -> np.ndarray:
     zero, dp = np.asarray(c.zero_stage), np.asarray(c.dp) * _cp(c)
     if training.precision == "fp32":
         return np.full(np.shape(zero), RECIPE_FP32)
-    if training.framework == "megatron":
+    if engine_of(training).recipe == RECIPE_MEGATRON_ENGINE:
         return np.full(np.shape(zero), RECIPE_MEGATRON)
     fsdp2 = (zero >= 2) | ((dp > 1) & ((np.asarray(c.tp) > 1) | (np.asarray(c.pp) > 1)))
     return np.where(fsdp2, RECIPE_FSDP2, RECIPE_AUTOCAST)
@@ -263,7 +266,7 @@ def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray
     # ZeRO / FSDP shard over shard x cp ranks: the cp ranks hold the same parameters, and torchtitan's
     # FSDP mesh is dp_shard x cp, Megatron's distributed optimizer shards over dp x cp
     shard = np.asarray(c.shard, dtype=float) * _cp(c)
-    fsdp2 = (training.framework == "pytorch") & (
+    fsdp2 = (engine_of(training).recipe == RECIPE_PYTORCH_ENGINE) & (
         (zero >= 2) | ((np.asarray(c.dp) * _cp(c) > 1) & ((np.asarray(c.tp) > 1) | (np.asarray(c.pp) > 1)))
     )
     megatron = recipe == RECIPE_MEGATRON
@@ -305,7 +308,7 @@ def layer_activation_bytes(
     masks = 2 * MASK_BYTES if model.dropout else 0
     # norm inputs (2), QKV input, MLP input, dropout masks: replicated across tp unless sp; the
     # QKV and MLP inputs stay gathered under DTensor sp (framework "pytorch")
-    linear_split = 1 if training.framework == "pytorch" else hidden_split
+    linear_split = 1 if engine_of(training).recipe == RECIPE_PYTORCH_ENGINE else hidden_split
     unsplit = (2 * e + masks) * sbh / hidden_split + 2 * e * sbh / linear_split
     # Q, K, V, attention output, and the MLP intermediates: split by tp.
     mlp_tensors = 3 if model.mlp == "swiglu" else 2
@@ -340,7 +343,7 @@ def precision_recipe_of(training: TrainingSpec, tp) -> int:
     formula that have no whole candidate."""
     if training.precision == "fp32":
         return RECIPE_FP32
-    return RECIPE_MEGATRON if training.framework == "megatron" else RECIPE_AUTOCAST
+    return RECIPE_MEGATRON if engine_of(training).recipe == RECIPE_MEGATRON_ENGINE else RECIPE_AUTOCAST
 
 
 # The executor's layer under autocast with fp32 parameters (executor/model.py Block): the residual
@@ -497,7 +500,7 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c) -> ArrayO
     micro-batch on the first and the last rank (PipelineStage._prepare_forward_infra and
     _prepare_backward_infra, torch 2.x; measured by benchmarks/accuracy.py). Megatron-LM receives
     into transient tensors: none."""
-    torch_pipeline = (np.asarray(c.pp) > 1) & (training.framework == "pytorch")
+    torch_pipeline = (np.asarray(c.pp) > 1) & (engine_of(training).recipe == RECIPE_PYTORCH_ENGINE)
     receivers = np.where(torch_pipeline, 2.0 * np.asarray(c.virtual_stages, dtype=float) - 1.0, 0.0)
     return boundary_bytes(model, training, c) * c.num_microbatches * receivers
 
@@ -513,7 +516,7 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
         # the 16-bit logits of each micro-batch in flight, saved by the kernel, which writes their
         # gradient into them (flash-attn's CrossEntropyLoss(inplace_backward=True), llm-foundry)
         per_logit = e * in_flight + 0.0 * parallel_loss
-    elif training.framework == "pytorch" and training.precision != "fp32":
+    elif engine_of(training).recipe == RECIPE_PYTORCH_ENGINE and training.precision != "fp32":
         per_logit = LOGITS_SAVED_BYTES * in_flight + e * (in_flight - 1.0) + LOGITS_BACKWARD_BYTES + parallel_loss
     else:
         per_logit = (e + LOGITS_SAVED_BYTES) * in_flight + LOGITS_BACKWARD_BYTES + parallel_loss
@@ -549,7 +552,7 @@ def gradient_buckets(c, training: TrainingSpec) -> ArrayOrFloat:
         & (np.asarray(c.dp) > 1)
         & (np.asarray(c.tp) == 1)
         & (np.asarray(c.pp) == 1)
-        & (training.framework == "pytorch")
+        & (engine_of(training).recipe == RECIPE_PYTORCH_ENGINE)
     ).astype(float)
 
 
@@ -683,6 +686,27 @@ def stage_memory_breakdown(
     }
 
 
+STATE_TERMS = ("parameters", "gradients", "autocast_copies", "sharding_buffers")
+ACTIVATION_TERMS = ("activations", "pipeline_buffers")
+
+
+def tuned_breakdown(b: dict[str, np.ndarray], tuning: EngineTuning) -> dict[str, np.ndarray]:
+    """A stage's breakdown with the engine's fitted memory parameters (EngineTuning; planner/engine_fit.py):
+    the model-state terms x state_bytes_scale, the optimizer state x optimizer_bytes_scale, the activation
+    terms x activation_scale, the logits x logits_scale, fixed_bytes added to the framework term, and the
+    allocator's reserve over what
+    is allocated (reserve_fraction x the rest) added to its fragmentation term. Neutral values return `b`."""
+    if tuning.neutral:
+        return b
+    out = {k: v * tuning.state_bytes_scale if k in STATE_TERMS else v for k, v in b.items()}
+    out["optimizer_state"] = b["optimizer_state"] * tuning.optimizer_bytes_scale
+    out.update({k: b[k] * tuning.activation_scale for k in ACTIVATION_TERMS})
+    out["logits"] = b["logits"] * tuning.logits_scale
+    out["framework"] = b["framework"] + tuning.fixed_bytes
+    out["fragmentation"] = b["fragmentation"] + tuning.reserve_fraction * sum(out.values())
+    return out
+
+
 def peak_memory(
     model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -693,8 +717,8 @@ def peak_memory(
     embedding or head, so they are never the peak. With an uneven one (planner/stages.py) a middle
     stage holds more layers than the first or last: the second stage, the middle one with the most
     micro-batches in flight, is taken too."""
-    first = stage_memory_breakdown(model, training, device, c, first=True)
-    last = stage_memory_breakdown(model, training, device, c, first=False)
+    first = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=True), training.tuning)
+    last = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=False), training.tuning)
     total_first = sum(first.values())
     total_last = sum(last.values())
     use_first = total_first >= total_last
@@ -704,7 +728,9 @@ def peak_memory(
         np.asarray(model.num_layers) % (np.asarray(c.pp) * np.asarray(c.virtual_stages)) != 0
     )
     if np.any(uneven):
-        mid = stage_memory_breakdown(model, training, device, c, first=False, middle=True)
+        mid = tuned_breakdown(
+            stage_memory_breakdown(model, training, device, c, first=False, middle=True), training.tuning
+        )
         use_mid = uneven & (sum(mid.values()) > peak)
         breakdown = {k: np.where(use_mid, mid[k], breakdown[k]) for k in breakdown}
         peak = np.where(use_mid, sum(mid.values()), peak)

@@ -29,10 +29,12 @@ import numpy as np
 from berth.cost_models import comm, compute, flops, goodput, memory
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
+from berth.cost_models.engines import param_gather_exposed
 from berth.cost_models.pipeline import bubble_s
 from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
+from berth.hardware_profiles.schema import LinkProfile
 from berth.planner import stages
-from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, TrainingSpec
+from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, EngineTuning, ModelSpec, TrainingSpec
 
 TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Shoeybi 2019, Fig. 4)
 # The fraction of a compute window that hides data-parallel communication is the cluster's
@@ -217,11 +219,14 @@ def _dp_times(
 
     ddp = hidden(ar_dp, bwd_window_s)
     gather_fwd = hidden(gather, fwd_window_s)  # behind a forward: ZeRO-1/2's next step, ZeRO-3's micro-batch
-    zero12 = hidden(scatter + ar_replicate, bwd_window_s) + gather_fwd
+    exposed = param_gather_exposed(training)  # ZeRO-1/2's gather after the step (DeepSpeed) or behind the forward
+    zero12 = hidden(scatter + ar_replicate, bwd_window_s) + (
+        gather_fwd if exposed == 0.0 else (1.0 - exposed) * gather_fwd + exposed * gather
+    )
     zero3_mb = gather_fwd + hidden(gather + scatter, bwd_window_s)
     zero3_last = gather_fwd + hidden(gather + scatter + ar_replicate, bwd_window_s)
     zero3 = (c.num_microbatches - 1.0) * zero3_mb + zero3_last
-    exposed = np.where(c.zero_stage == 0, ddp, np.where(c.zero_stage <= 2, zero12, zero3))
+    charged = np.where(c.zero_stage == 0, ddp, np.where(c.zero_stage <= 2, zero12, zero3))
     total = np.where(
         c.zero_stage == 0,
         ar_dp,
@@ -231,7 +236,7 @@ def _dp_times(
             c.num_microbatches * (2.0 * gather + scatter) + ar_replicate,
         ),
     )
-    return exposed, total
+    return charged, total
 
 
 def _stage_dp_times(
@@ -380,6 +385,8 @@ def evaluate(
 ) -> Evaluation:
     """`memory_headroom`: a layout whose predicted peak is above (1 - headroom) of what the
     allocator can reserve is "tight" (MEMORY_TIGHT), above all of it out of memory."""
+    tuning = training.tuning
+    cluster = tuned_cluster(cluster, tuning)
     device = cluster.device
     e, s, h = training.bytes_per_element, training.seq_len, model.hidden_size
     tp, pp, vpp, nmb = c.tp.astype(float), c.pp.astype(float), c.virtual_stages, c.num_microbatches
@@ -392,12 +399,16 @@ def evaluate(
     stride = c.strides()
 
     cm = model.compute_view()  # MoE: the dense model with the same per-token work
-    lt = compute.layer_times(cm, training, device, b, tp, c.sequence_parallel, c.cp)
+    lt = tuned_layer_times(compute.layer_times(cm, training, device, b, tp, c.sequence_parallel, c.cp), tuning)
     fwd, bwd, attn, gemm_fwd = lt.forward, lt.backward, lt.attention_forward, lt.gemm_forward
     moe_fwd, moe_bwd, a2a = moe_layer_extra_s(model, training, cluster, c, b, tp, stride["dp"])
     fwd, bwd = fwd + moe_fwd, bwd + moe_bwd
     act_bytes = e * b * s * h
     tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"]) * moe_tp_collective_share(model, c)
+    if tuning.pipeline_latency_scale != 1.0:  # the host-synchronized pipeline's tp collectives (EngineTuning)
+        synced = tuned_cluster(cluster, EngineTuning(latency_scale=tuning.pipeline_latency_scale))
+        tp_sync = _tp_layer_s(synced, act_bytes, tp, stride["tp"]) * moe_tp_collective_share(model, c)
+        tp_fwd = np.where(pp > 1, tp_sync, tp_fwd)
     cp_fwd, cp_bwd = cp_exchange_s(
         model, training, cluster, b, tp, c.cp, stride["cp"], lt.attention_forward, lt.attention_backward
     )
@@ -416,9 +427,13 @@ def evaluate(
     cp_layer = cp_fwd + cp_bwd
     ep_layer = A2A_PER_MOE_LAYER * a2a
     # Embedding (vocab-parallel: one all-reduce) and LM head (one in backward).
-    head = compute.lm_head_compute_s(model, training, device, b, tp)
+    head = compute.lm_head_compute_s(model, training, device, b, tp) / tuning.compute_efficiency
     edge_tp = comm.all_reduce_s(cluster, act_bytes, tp, stride["tp"])
-    p2p = np.where(pp > 1, 2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"]), 0.0)
+    p2p = np.where(
+        pp > 1,
+        2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"]) + tuning.pipeline_microbatch_overhead_s,
+        0.0,
+    )
 
     def body(layers) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
         """(compute, recompute, tp collectives, cp KV exchange, ep all-to-alls) of `layers` decoder layers
@@ -506,6 +521,51 @@ def evaluate(
         hardware_flops_per_step=hw_flops,
         goodput=good,
         cost=goodput.cost(cluster, step, good.goodput_tokens_per_s, training.token_budget),
+    )
+
+
+def tuned_cluster(cluster: ClusterSpec, tuning: EngineTuning) -> ClusterSpec:
+    """The cluster as the engine achieves it (EngineTuning; planner/engine_fit.py): the innermost fabric
+    level's bandwidth x intra_node_bandwidth_scale, every outer level's x inter_node_bandwidth_scale, every
+    latency x latency_scale, and the engine's data-parallel overlap. Neutral values return `cluster`."""
+    if tuning.neutral:
+        return cluster
+
+    def link(lk: LinkProfile, scale: float) -> LinkProfile:
+        return lk.model_copy(
+            update={
+                "bandwidth_bytes_per_s": lk.bandwidth_bytes_per_s * scale,
+                "hop_latency_s": lk.hop_latency_s * tuning.latency_scale,
+            }
+        )
+
+    intra, inter = tuning.intra_node_bandwidth_scale, tuning.inter_node_bandwidth_scale
+    fabric = tuple(
+        lv.model_copy(update={"link": link(lv.link, intra if i == 0 else inter)}) for i, lv in enumerate(cluster.fabric)
+    )
+    return cluster.model_copy(
+        update={
+            "intra_node": link(cluster.intra_node, intra),
+            "inter_node": link(cluster.inter_node, inter),
+            "fabric": fabric,
+            "collective_base_latency_s": cluster.collective_base_latency_s * tuning.latency_scale,
+            "comm_overlap_efficiency": cluster.comm_overlap_efficiency if tuning.overlap is None else tuning.overlap,
+        }
+    )
+
+
+def tuned_layer_times(lt: compute.LayerTimes, tuning: EngineTuning) -> compute.LayerTimes:
+    """A layer's compute at the engine's fitted speed (x 1 / compute_efficiency) plus its host overhead per
+    micro-batch (layer_overhead_s, a third in the forward, two thirds in the backward, as the work splits)."""
+    if tuning.neutral:
+        return lt
+    k, oh = 1.0 / tuning.compute_efficiency, tuning.layer_overhead_s
+    return lt._replace(
+        forward=lt.forward * k + oh / 3.0,
+        backward=lt.backward * k + 2.0 * oh / 3.0,
+        attention_forward=lt.attention_forward * k,
+        attention_backward=lt.attention_backward * k,
+        gemm_forward=lt.gemm_forward * k,
     )
 
 

@@ -27,7 +27,8 @@ from math import gcd
 
 import numpy as np
 
-from berth.cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED, Candidates
+from berth.cost_models.candidates import SCHEDULE_INTERLEAVED, Candidates
+from berth.cost_models.engines import ENGINE_RULE_NAMES, ENGINES, RULE_BY_NAME, rule_broken
 from berth.planner import stages
 from berth.planner.specs import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, ClusterSpec, Layout, ModelSpec, TrainingSpec
 
@@ -36,8 +37,6 @@ VALID = 0
 # step's attention block is too small to hide its KV transfer, and flash kernels tile by 64-128.
 # 16 keeps tiny test models (seq 64, cp 2) valid; the search asks much more (planner/search.py).
 CP_MIN_CHUNK_TOKENS = 16
-# the axis orders Megatron-LM has: its default, and --use-tp-pp-dp-mapping
-MEGATRON_ORDERS = [AXIS_ORDER_CHOICES.index("tp-dp-pp"), AXIS_ORDER_CHOICES.index("tp-pp-dp")]
 # the axis orders with pp outermost (the expert groups of expert_tp < tp lie inside one pipeline stage's ranks)
 PP_OUTERMOST = [i for i, o in enumerate(AXIS_ORDER_CHOICES) if o.endswith("-pp")]
 
@@ -156,22 +155,6 @@ def _etp(c: Candidates) -> np.ndarray:
     return c.expert_tp != c.tp
 
 
-def _one_f_one_b(c: Candidates) -> np.ndarray:
-    return (c.schedule != SCHEDULE_GPIPE) & (c.pp > 1)
-
-
-def _megatron(c: Candidates, f: Facts) -> np.ndarray:
-    """The vectorized form of planner/launch.py _megatron_refusal (tests/test_launch.py checks they agree)."""
-    if f.training.framework != "megatron":
-        return np.zeros(len(c), dtype=bool)
-    return (
-        ((c.schedule == SCHEDULE_GPIPE) & (c.pp > 1))
-        | ~np.isin(c.axis_order, MEGATRON_ORDERS)
-        | ((c.zero_stage >= 2) & (c.shard < c.dp))
-        | ((f.model.num_experts > 0) & (c.tp > 1) & (c.sequence_parallel == 0))
-    )
-
-
 _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
     Rule(
         "world_size_mismatch",
@@ -271,30 +254,6 @@ _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
         lambda x, f: "sequence parallelism splits the tensor-parallel group's activations: it needs tp > 1",
     ),
     Rule(
-        "too_few_microbatches",
-        ("num_microbatches", "pp", "schedule"),
-        lambda c, f: _one_f_one_b(c) & (c.num_microbatches < c.pp),
-        "1F1B schedules need num_microbatches >= pp",
-        lambda x, f: f"1F1B schedules need num_microbatches >= pp; {x.num_microbatches} < {x.pp}",
-    ),
-    Rule(
-        "microbatches_not_multiple_of_pp",
-        ("num_microbatches", "pp", "schedule"),
-        lambda c, f: (c.schedule == SCHEDULE_INTERLEAVED) & (c.num_microbatches % c.pp != 0),
-        "interleaved_1f1b needs num_microbatches divisible by pp",
-        lambda x, f: f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}",
-    ),
-    # engine megatron only (the bundled executor is a PyTorch stack)
-    Rule(
-        "megatron_cannot_express",
-        ("axis_order", "dp", "pp", "schedule", "sequence_parallel", "shard", "tp", "zero_stage"),
-        _megatron,
-        "framework megatron: Megatron-LM runs no GPipe, orders axes tp-dp-pp or tp-pp-dp, ZeRO-2/3 (Megatron "
-        "FSDP) shard over all of dp, and mixture of experts with tp needs sequence parallelism (planner/launch.py "
-        "refuses the rest)",
-        applies=frozenset({PLAN}),
-    ),
-    Rule(
         "ep_needs_moe",
         ("ep",),
         lambda c, f: (c.ep > 1) & (f.model.num_experts == 0),
@@ -366,7 +325,31 @@ _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
     ),
 )
 
+
 # What the bundled executor cannot run and the engines can (executor/parallel.py, executor/model.py).
+def _engine_rule(name: str, engine: str | None = None) -> Rule:
+    """A rule of the engine table (cost_models/engines.py) as a layout rule: for the plan, the rule of the
+    training's engine; with `engine`, that engine's (the bundled executor's pre-flight check)."""
+    r = RULE_BY_NAME[name]
+
+    def detail(x: Layout, f: Facts) -> str:
+        e = ENGINES[engine or f.training.engine]
+        return f"engine {e.label}: {r.detail(x, f.model, f.training)}"
+
+    return Rule(
+        name if engine is None else f"{engine}_{name}",
+        r.reads,
+        lambda c, f: rule_broken(name, c, f.model, f.training, engine),
+        r.text,
+        detail,
+        applies=frozenset({PLAN}) if engine is None else frozenset({EXECUTOR}),
+    )
+
+
+# what each engine can run (the training's engine binds the plan; the bundled executor's pre-flight adds its own)
+_ENGINE_RULES: tuple[Rule, ...] = tuple(_engine_rule(n) for n in ENGINE_RULE_NAMES)
+_EXECUTOR_ENGINE_RULES: tuple[Rule, ...] = tuple(_engine_rule(r.name, "executor") for r in ENGINES["executor"].rules)
+
 _EXECUTOR_RULES: tuple[Rule, ...] = (
     Rule(
         "tp_not_divide_ffn",
@@ -425,13 +408,13 @@ _MEMORY: tuple[tuple[str, str], ...] = (
 # The one table, in reporting order (the first broken rule is a candidate's reason). The memory
 # reasons come from the cost model (cost_models/step.py) and sit between the structural rules and
 # the executor-only ones, so the search's codes do not depend on the executor's rules.
-RULES: tuple[Rule, ...] = _RULES_BEFORE_MEMORY + _EXECUTOR_RULES
+RULES: tuple[Rule, ...] = _RULES_BEFORE_MEMORY + _ENGINE_RULES + _EXECUTOR_ENGINE_RULES + _EXECUTOR_RULES
 RULE: dict[str, Rule] = {r.name: r for r in RULES}
 REASONS: tuple[tuple[str, str], ...] = (
     (("", ""),)
-    + tuple((r.name, r.text) for r in _RULES_BEFORE_MEMORY)
+    + tuple((r.name, r.text) for r in _RULES_BEFORE_MEMORY + _ENGINE_RULES)
     + _MEMORY
-    + tuple((r.name, r.text) for r in _EXECUTOR_RULES)
+    + tuple((r.name, r.text) for r in _EXECUTOR_ENGINE_RULES + _EXECUTOR_RULES)
 )
 REASON_CODES = {name: i for i, (name, _) in enumerate(REASONS)}
 OUT_OF_MEMORY = REASON_CODES["out_of_memory"]

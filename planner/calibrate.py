@@ -237,6 +237,7 @@ MIN_REPORTS_PER_KIND = 2  # a parameter needs two reports of its kind: one repor
 REPORTS_PER_PARAMETER = 2  # fitted parameters of a quantity (time, memory) <= its reports / 2: a spare for each
 MEMORY_PARAMETERS = ("framework_overhead_bytes", "allocator_fragmentation_fraction")
 MAX_EVALUATIONS = 60  # Jacobian evaluations of the fit: a well-posed fit converges in 5-20
+MOVED = 1e-3  # a fit whose fitted coordinates all moved less than this did not move
 FIT_TOLERANCE = 1e-6  # relative change of cost or step at which the fit stops: far below report noise (~1 %)
 
 
@@ -470,6 +471,13 @@ def calibrate(
         xtol=FIT_TOLERANCE,
         gtol=FIT_TOLERANCE,
     )
+    if np.max(np.abs(result.x - x0)) < MOVED:
+        raise BerthError(
+            "reports",
+            len(fit_set),
+            f"the fit of {', '.join(chosen)} did not move from the profile's values (the profile is kept): these "
+            "reports agree with it, or are too few to move it",
+        )
     values = values_of(result.x)
     fitted = apply(reports[0].plan.cluster, values)
     used = {t: int(n) for t, n in zip(TERMS, use.sum(axis=0), strict=True) if n}

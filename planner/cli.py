@@ -123,12 +123,14 @@ Precision = Annotated[
     str | None, typer.Option("--precision", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)")
 ]
 Flash = Annotated[bool, typer.Option("--flash-attention/--no-flash-attention", help="FlashAttention kernels")]
-FrameworkOpt = Annotated[
-    str,
+EngineOpt = Annotated[
+    str | None,
     typer.Option(
+        "--engine",
         "--framework",
-        help="whose memory behaviour to predict: pytorch (DTensor, "
-        "FSDP2, DDP: the bundled executor, torchtitan) or megatron",
+        help="the training engine: executor (berth's, the default), torchtitan, megatron (NeMo, Megatron-Bridge), "
+        "deepspeed, llmfoundry or generic (to calibrate); `berth engines` lists what each runs. --framework is the "
+        "old name (pytorch = executor)",
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
@@ -145,7 +147,11 @@ Csv = Annotated[bool, typer.Option("--csv", help="print the plans as CSV (SI uni
 
 Profile = Annotated[
     str | None,
-    typer.Option("--profile", help="a `berth profile` output: measured device (and, with --cluster local, links)"),
+    typer.Option(
+        "--profile",
+        help="a `berth profile` output (measured device, and with --cluster local links) or an engine profile "
+        "(`berth calibrate --runs ... --out`: the engine and its fitted parameters)",
+    ),
 ]
 
 
@@ -162,7 +168,7 @@ def _inputs(
     fabric: tuple = ("rails", None, 1.0),
     operations: tuple = (None, None, None),
     token_budget: float | None = None,
-    framework: str = "pytorch",
+    engine: str | None = None,
 ) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
     """The options of `plan` and `compare` as berth.planner.inputs takes them (the service's
     bodies become the same values); the CLI may read files."""
@@ -172,7 +178,7 @@ def _inputs(
     return resolve(
         model,
         ClusterInput(cluster, nodes, devices, kind, per_leaf, oversubscription, profile=profile),
-        TrainingInput(seq_len, global_batch, precision, flash, framework, token_budget),
+        TrainingInput(seq_len, global_batch, precision, flash, engine, token_budget),
         OperationsInput(*operations),
         allow_files=True,
     )
@@ -196,7 +202,7 @@ def plan_cmd(
     global_batch: Batch = 256,
     precision: Precision = None,
     flash: Flash = True,
-    framework: FrameworkOpt = "pytorch",
+    engine: EngineOpt = None,
     top: Annotated[int, typer.Option("--top", help="how many plans to show")] = 5,
     fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2 or tp=8,cp=16,pp=16")] = "",
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
@@ -244,7 +250,7 @@ def plan_cmd(
         (fabric, nodes_per_leaf, oversubscription),
         (failures, storage_gbps, price),
         token_budget,
-        framework,
+        engine,
     )
     if spare_nodes:
         if not 0 < spare_nodes < cl.nodes:
@@ -271,7 +277,8 @@ def plan_cmd(
     )
     head = (
         f"{spec.name} ({count(spec.num_params)} params{moe}) on {cl.nodes} x {cl.name} "
-        f"({cl.world_size} {_unit(cl)}), seq {seq_len}, global batch {global_batch}, {training.precision}"
+        f"({cl.world_size} {_unit(cl)}), seq {seq_len}, global batch {global_batch}, {training.precision}, "
+        f"engine {training.engine}" + (f" ({training.tuning.profile})" if training.tuning.profile else "")
     )
     console.print(plans_table(result.plans, head, width=console.width))
     print_layouts(console, result.plans)
@@ -320,7 +327,7 @@ def compare_cmd(
     global_batch: Batch = 256,
     precision: Precision = None,
     flash: Flash = True,
-    framework: FrameworkOpt = "pytorch",
+    engine: EngineOpt = None,
     memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
     failures: Failures = None,
     storage_gbps: Storage = None,
@@ -356,7 +363,7 @@ def compare_cmd(
         (fabric, nodes_per_leaf, oversubscription),
         (failures, storage_gbps, price),
         token_budget,
-        framework,
+        engine,
     )
     candidates, best = compare_with_best(spec, training, cl, layout, memory_headroom)
     out = compare_json(candidates, best)
@@ -679,7 +686,14 @@ def report_cmd(
 @app.command("launch")
 def launch_cmd(
     plan_file: Annotated[str, typer.Argument(help="a plan JSON, or the output of `berth plan --json`")],
-    fmt: Annotated[str, typer.Option("--format", help=formats_text())] = "torchrun",
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help=f"{formats_text()} (default: the plan's engine's own; another engine's format "
+            "re-predicts the layout for that engine)",
+        ),
+    ] = None,
     pick: Annotated[int, typer.Option("--pick", help="which plan of the file (1 = first)")] = 1,
     out: Annotated[str, typer.Option("--out", help="directory for the files")] = "berth-launch",
     steps: Annotated[int, typer.Option("--steps", help="executor formats: timed steps")] = 20,
@@ -697,7 +711,11 @@ def launch_cmd(
     directory = Path(out)
     if directory.exists() and not directory.is_dir():
         raise BerthError("out", out, "exists and is not a directory; give a directory for the files")
-    plan = _load_plan(plan_file, pick)
+    from berth.planner.planning import plan_for_format
+
+    plan, fmt, note = plan_for_format(_load_plan(plan_file, pick), fmt)
+    if note:
+        console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
     files = artifacts(plan, fmt, steps=steps, warmup=warmup, image=image)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -778,10 +796,21 @@ def calibrate_cmd(
             "(compute, communication, optimizer...) as well as to step totals",
         ),
     ] = True,
+    runs: Annotated[
+        str | None,
+        typer.Option("--runs", help="measured runs of any engine, JSON lines (see README: teach berth your engine)"),
+    ] = None,
+    log: Annotated[
+        list[str] | None, typer.Option("--log", help="a torchtitan or Megatron-LM training log (with --plan)")
+    ] = None,
+    plan_file: Annotated[str | None, typer.Option("--plan", help="the plan the --log runs ran")] = None,
+    prior: Annotated[str | None, typer.Option("--prior", help="an engine profile to start the fit from")] = None,
 ) -> None:
     """Fit the cost model's named efficiency parameters to validation reports (scipy least_squares)
     and print the error on the fitted reports and on those held out, with each fitted value's
-    uncertainty; parameters the reports cannot determine keep the profile's values."""
+    uncertainty; parameters the reports cannot determine keep the profile's values. With --runs (or --log and
+    --plan): fit an engine's parameters to its measured runs, and write an engine profile that plan, compare and
+    probe take with --profile."""
     from pydantic import ValidationError
     from rich.table import Table
 
@@ -790,6 +819,9 @@ def calibrate_cmd(
     from berth.planner.specs import ValidationReport
     from berth.planner.store import read_validations
 
+    if runs or log:
+        _calibrate_runs(runs or "", log or [], plan_file, out, prior)
+        return
     if not 0.0 <= holdout < 1.0:
         raise BerthError("holdout", holdout, "must be in [0, 1)")
     _out_file(out)
@@ -866,6 +898,215 @@ def calibrate_cmd(
             json.dumps(profile_document(fit, "reports given" if reports else "results store"), indent=2)
         )
         console.print(f"calibrated profile written to {out} (use it with --profile)")
+
+
+@app.command("engines")
+def engines_cmd(as_json: Json = False) -> None:
+    """The engines berth plans for: version, memory recipe, compute stack, launch formats and what each cannot run
+    (cost_models/engines.py)."""
+    from rich.table import Table
+
+    from berth.cost_models.engines import ENGINES
+
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    name: {
+                        "title": e.title,
+                        "version": e.version,
+                        "recipe": e.recipe,
+                        "compute_stacks": list(e.compute_stacks),
+                        "launch_formats": list(e.launch_formats),
+                        "refuses": [r.name for r in e.rules],
+                        "source": e.source,
+                    }
+                    for name, e in ENGINES.items()
+                }
+            )
+        )
+        return
+    t = Table(title="engines (--engine)")
+    for col in ("engine", "version", "memory", "launch", "refuses"):
+        t.add_column(col, overflow="fold", no_wrap=col in ("engine", "refuses"))
+    for name, e in ENGINES.items():
+        t.add_row(
+            name,
+            e.version,
+            e.recipe,
+            "\n".join(e.launch_formats) or "-",
+            "\n".join(r.name.removeprefix(f"{name}_") for r in e.rules) or "-",
+        )
+    console.print(t)
+
+
+@app.command("probe")
+def probe_cmd(
+    model: Model,
+    cluster: Cluster = "dgx-h100",
+    nodes: Nodes = 1,
+    devices: Devices = None,
+    profile: Profile = None,
+    seq_len: SeqLen = 4096,
+    global_batch: Batch = 256,
+    precision: Precision = None,
+    flash: Flash = True,
+    engine: EngineOpt = None,
+    runs: Annotated[int, typer.Option("--runs", help="how many trial runs to pick (1-64)")] = 8,
+    max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
+    out: Annotated[
+        str | None, typer.Option("--out", help="write each pick's plan (and its engine's launch files) here")
+    ] = None,
+    as_json: Json = False,
+) -> None:
+    """Pick the short trial runs whose measurements pin this engine's parameters down best (a D-optimal
+    design over the fit's sensitivities, among layouts predicted to fit with 15 % memory to spare), say why
+    each was picked, and write their plans and launch files. Measure them, then `berth calibrate --runs`."""
+    from berth.planner.inputs import make_search
+    from berth.planner.probe import probe
+
+    _at_least("runs", runs, 1)
+    spec, training, cl = _inputs(
+        model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile, engine=engine
+    )
+    picks = probe(spec, training, cl, runs, search=make_search(max_micro_batch_size=max_mbs))
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "engine": training.engine,
+                    "picks": [
+                        {
+                            "layout": p.plan.layout.short(),
+                            "pins": list(p.pins),
+                            "why": p.why,
+                            "plan": p.plan.model_dump(mode="json"),
+                        }
+                        for p in picks
+                    ],
+                }
+            )
+        )
+    else:
+        for i, p in enumerate(picks, 1):
+            console.print(f"{i:2d}. {p.plan.layout.short()}", highlight=False, soft_wrap=True)
+            console.print(f"    {p.why}", highlight=False)
+    if out:
+        _write_probe_files(out, picks)
+    if not as_json:
+        console.print(
+            "measure each (step time or tokens/s, peak memory, or that it ran out of memory), write one JSON line per "
+            "run, then: berth calibrate --runs RUNS.jsonl --out ENGINE-PROFILE.json",
+            highlight=False,
+        )
+
+
+def _write_probe_files(out: str, picks: list) -> None:
+    from berth.cost_models.engines import ENGINES
+    from berth.planner.launch import artifacts
+
+    directory = Path(out)
+    if directory.exists() and not directory.is_dir():
+        raise BerthError("out", out, "exists and is not a directory")
+    try:
+        for i, p in enumerate(picks, 1):
+            sub = directory / f"probe-{i:02d}"
+            sub.mkdir(parents=True, exist_ok=True)
+            (sub / "plan.json").write_text(p.plan.model_dump_json(indent=1))
+            formats = ENGINES[p.plan.training.engine].launch_formats
+            if formats:
+                for name, text in artifacts(p.plan, formats[0]).items():
+                    (sub / name).write_text(text)
+                    if name.endswith((".sh", ".sbatch")):
+                        (sub / name).chmod(0o755)
+        template = [
+            {
+                "plan": f"probe-{i:02d}/plan.json",
+                "status": "ok",
+                "tokens_per_s": None,
+                "peak_memory_gib": None,
+                "memory_kind": "reserved",
+            }
+            for i in range(1, len(picks) + 1)
+        ]
+        (directory / "runs.jsonl").write_text("".join(json.dumps(t) + "\n" for t in template))
+        console.print(
+            f"wrote {len(picks)} plans (and their engine's launch files) under {directory}/, and "
+            f"{directory}/runs.jsonl to fill in with what each run measured (or status oom/error)"
+        )
+    except OSError as err:
+        raise BerthError("out", out, f"cannot write: {err.strerror}") from None
+
+
+def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out: str | None, prior: str | None) -> None:
+    """`berth calibrate --runs/--log`: fit an engine to measured runs (planner/engine_fit.py)."""
+    from rich.table import Table
+
+    from berth.planner.engine_fit import PARAMETERS, _value, fit_engine, read_engine_profile
+    from berth.planner.run_logs import read_log, read_runs
+
+    runs = []
+    if runs_file:
+        try:
+            runs.extend(read_runs(Path(runs_file).read_text(), runs_file, base=Path(runs_file).resolve().parent))
+        except OSError as err:
+            raise BerthError("runs", runs_file, f"cannot read: {err.strerror}") from None
+        except UnicodeDecodeError:
+            raise BerthError("runs", runs_file, "not a text file (expected JSON lines)") from None
+    if logs:
+        if plan_file is None:
+            raise BerthError("plan", None, "--log needs --plan: the plan that ran (berth plan --json output)")
+        plan = _load_plan(plan_file, 1)
+        for path in logs:
+            try:
+                runs.append(read_log(path, plan))
+            except OSError as err:
+                raise BerthError("log", path, f"cannot read: {err.strerror}") from None
+    tuning = None
+    if prior:
+        engine, tuning = read_engine_profile(json.loads(Path(prior).read_text()), "prior")
+        runs = [r if r.training.engine == engine else r for r in runs]
+    fit = fit_engine(runs, tuning)
+    cl = runs[0].cluster
+    t = Table(title=f"engine {fit.engine}: fitted on {len(runs)} runs ({fit.counts})")
+    for col in ("parameter", "prior", "fitted", "± s.e.", "95% interval / why not"):
+        t.add_column(
+            col,
+            justify="left" if col in ("parameter", "95% interval / why not") else "right",
+            no_wrap=col == "parameter",
+        )
+    for name in PARAMETERS:
+        before = _value(fit.prior, name, cl, fit.engine)
+        u = fit.uncertainty.get(name)
+        if u:
+            t.add_row(
+                name,
+                f"{before:.4g}",
+                f"{u['value']:.4g}" + (" (bound)" if u["at_bound"] else ""),
+                f"{u['standard_error']:.2g}",
+                f"{u['ci95'][0]:.3g} .. {u['ci95'][1]:.3g}",
+            )
+        else:
+            t.add_row(name, f"{before:.4g}", "not fitted", "", fit.not_fitted.get(name, ""))
+    console.print(t)
+    e = fit.errors
+    for q, label in (("step_time", "step time"), ("memory", "peak memory")):
+        key = f"{q}_median_error"
+        if key in e["fit_after"]:
+            held = (
+                f"; held out (k-fold): {e['held_out_before'][key]:.1%} -> {e['held_out_after'][key]:.1%}"
+                if key in e.get("held_out_after", {})
+                else ""
+            )
+            console.print(
+                f"{label}: median |error| on the runs {e['fit_before'][key]:.1%} -> {e['fit_after'][key]:.1%}{held}",
+                highlight=False,
+            )
+    if out:
+        _out_file(out)
+        name = Path(out).stem
+        Path(out).write_text(json.dumps(fit.document(name), indent=1) + "\n")
+        console.print(f"wrote {out}: use it with --profile {out} (berth plan, compare, probe)")
 
 
 @app.command("serve")

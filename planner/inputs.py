@@ -17,7 +17,7 @@ here only with allow_files.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,15 @@ from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.graphs import cluster_graph, to_node_link
 from berth.planner.layouts import parse_spec
 from berth.planner.models import load_model
-from berth.planner.specs import MAX_NODES, ClusterSpec, ModelSpec, SearchSpec, TrainingSpec
+from berth.planner.specs import (
+    ENGINE_ALIASES,
+    MAX_NODES,
+    ClusterSpec,
+    EngineTuning,
+    ModelSpec,
+    SearchSpec,
+    TrainingSpec,
+)
 from berth.planner.topology import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
 
 
@@ -58,8 +66,9 @@ class TrainingInput:
     global_batch_size: int
     precision: str | None = None
     flash_attention: bool = True
-    framework: str = "pytorch"
+    engine: str | None = None  # None: the profile's engine, else "executor"
     token_budget: float | None = None
+    tuning: EngineTuning | dict[str, Any] | None = None  # an engine profile's fitted parameters
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,30 @@ def resolve(
     ClusterSpec built already (the service builds a large one in a child process)."""
     seq = training.seq_len if isinstance(training.seq_len, int) and training.seq_len > 0 else None
     spec = load_model(model, allow_files=allow_files, seq_len=seq)
+    if isinstance(cluster, ClusterInput) and cluster.profile is not None and allow_files:
+        cluster, training = engine_profile_input(cluster, training)
     built = cluster if isinstance(cluster, ClusterSpec) else make_cluster_input(cluster, allow_files=allow_files)
     built = apply_operations(built, operations or OperationsInput())
     return spec, training_spec(training, built), built
+
+
+def engine_profile_input(cluster: ClusterInput, training: TrainingInput) -> tuple[ClusterInput, TrainingInput]:
+    """--profile names either a `berth profile` device profile (kept on the cluster) or an engine profile
+    (`berth calibrate --runs --out`): then the training takes its engine and fitted parameters. An engine
+    given beside it must be the profile's (the fitted parameters describe that engine only)."""
+    from berth.planner.engine_fit import is_engine_profile, read_engine_profile
+
+    path = cluster.profile
+    assert path is not None
+    if not is_engine_profile(path):
+        return cluster, training
+    engine, tuning = read_engine_profile(json.loads(Path(path).read_text()), "profile")
+    given = ENGINE_ALIASES.get(training.engine, training.engine) if training.engine else None
+    if given is not None and given != engine:
+        raise BerthError(
+            "engine", training.engine, f"the profile {path} was fitted for engine {engine}: give --engine {engine}"
+        )
+    return replace(cluster, profile=None), replace(training, engine=engine, tuning=tuning)
 
 
 def make_cluster_input(cluster: ClusterInput, *, allow_files: bool) -> ClusterSpec:
@@ -260,8 +290,9 @@ def training_spec(training: TrainingInput, cluster: ClusterSpec) -> TrainingSpec
         global_batch_size=training.global_batch_size,
         precision=training.precision or default_precision(cluster),
         flash_attention=training.flash_attention,
-        framework=training.framework,
+        engine=training.engine or "executor",
         token_budget=training.token_budget,
+        **({} if training.tuning is None else {"tuning": training.tuning}),
     )
 
 

@@ -33,6 +33,7 @@ from berth.planner.specs import (
     DEFAULT_MEMORY_HEADROOM,
     MAX_MEMORY_HEADROOM,
     ClusterSpec,
+    EngineTuning,
     Fallback,
     ModelSpec,
     Plan,
@@ -298,3 +299,40 @@ def compare_json(candidates: list[Plan], best: SearchResult | None) -> dict[str,
     if best_plan and best_plan.prediction:
         out["gap_to_best"] = [gap_to_best(p, best_plan.prediction.tokens_per_s) for p in candidates]
     return out
+
+
+def plan_for_format(plan: Plan, fmt: str | None) -> tuple[Plan, str, str | None]:
+    """(the plan to launch, the format, a note): the plan's engine's own format when `fmt` is None; a format of
+    another engine re-predicts the layout for that engine (the note says so and gives both predictions), and is
+    refused, naming both engines and the reason, when that engine cannot run the layout."""
+    from berth.cost_models.engines import ENGINES, engine_of_format
+
+    engine = ENGINES[plan.training.engine]
+    if fmt is None:
+        if not engine.launch_formats:
+            raise BerthError(
+                "format",
+                None,
+                f"engine {engine.label} has no launch files in berth; give --format (torchrun, megatron, deepspeed, "
+                "torchtitan, ...) to re-predict the plan for that format's engine",
+            )
+        return plan, engine.launch_formats[0], None
+    target = engine_of_format(fmt)
+    if target is None or target.name == engine.name:
+        return plan, fmt, None
+    training = plan.training.model_copy(update={"engine": target.name, "tuning": EngineTuning()})
+    again = predict_layouts(plan.model, training, plan.cluster, [plan.layout])[0]
+    if again.prediction is None or again.infeasible_reason:
+        raise BerthError(
+            "format",
+            fmt,
+            f"the plan was made for engine {engine.label}; format {fmt} starts {target.label}, which cannot run "
+            f"{plan.layout.short()}: {again.infeasible_reason}",
+        )
+    before, after = plan.predicted(), again.predicted()
+    note = (
+        f"the plan was made for engine {engine.name}; format {fmt} starts {target.name}: re-predicted for it, "
+        f"{after.tokens_per_s:,.0f} tokens/s and {after.peak_memory_bytes / 2**30:.1f} GiB per GPU "
+        f"(was {before.tokens_per_s:,.0f} tokens/s, {before.peak_memory_bytes / 2**30:.1f} GiB)"
+    )
+    return again, fmt, note

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from berth.cost_models import terms
 from berth.hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
@@ -18,7 +28,20 @@ from berth.planner.errors import BerthError, from_validation_error
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-Framework = Literal["pytorch", "megatron"]
+# The training engines berth plans for; each is described once, in cost_models/engines.py (what it runs,
+# its memory recipe, its compute stack, its launch format and version).
+Engine = Literal["executor", "torchtitan", "megatron", "deepspeed", "llmfoundry", "generic"]
+ENGINE_CHOICES: tuple[Engine, ...] = ("executor", "torchtitan", "megatron", "deepspeed", "llmfoundry", "generic")
+# other names a user may give: the old --framework values and the stacks built on an engine
+ENGINE_ALIASES: dict[str, Engine] = {
+    "pytorch": "executor",
+    "megatron-lm": "megatron",
+    "nemo": "megatron",
+    "megatron-bridge": "megatron",
+    "mosaicml": "llmfoundry",
+    "llm-foundry": "llmfoundry",
+}
+Framework = Engine  # the old name of the field's type
 AxisOrder = Literal["tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"]
 AxisName = Literal["tp", "cp", "dp", "pp", "ep"]  # the values of berth.planner.axes.Axis
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
@@ -302,6 +325,85 @@ class ModelSpec(Spec):
         return self.layer_params_total + self.embedding_params + head + self.final_norm_params
 
 
+class EngineTuning(Spec):
+    """What `berth calibrate --runs` learns of an engine from its measured runs: a handful of named,
+    bounded parameters on top of the engine's recipe (cost_models/engines.py). The defaults change
+    nothing. Time: cost_models/step.py; memory: cost_models/memory.py `tuned_breakdown`; bounds and
+    fitting: planner/engine_fit.py."""
+
+    profile: LabelText | None = Field(default=None, description="the name of the engine profile these came from")
+    compute_efficiency: float = Field(
+        default=1.0, gt=0, le=10, description="x the speed of every layer's compute, the head and recomputation"
+    )
+    layer_overhead_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=1.0,
+        description="host time a decoder layer's forward and backward wait for, per micro-batch, beyond the profile",
+    )
+    intra_node_bandwidth_scale: float = Field(
+        default=1.0, gt=0, le=10, description="x the achieved bandwidth of the innermost fabric level (in a node)"
+    )
+    inter_node_bandwidth_scale: float = Field(
+        default=1.0, gt=0, le=10, description="x the achieved bandwidth of every level outside a node"
+    )
+    latency_scale: float = Field(
+        default=1.0, gt=0, le=1000, description="x the latency of every collective and send (base and per hop)"
+    )
+    pipeline_microbatch_overhead_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=10.0,
+        description="fixed time per micro-batch of a pipeline stage (pp > 1): the engine's send/receive handshake",
+    )
+    overlap: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="the share of backward compute that hides data-parallel traffic (null: the cluster's)",
+    )
+    param_gather_exposed: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="the share of ZeRO-1/2's all-gather of the updated parameters that runs after the optimizer "
+        "step, exposed (0: behind the next forward, as Megatron's overlapped gather and FSDP2; 1: after the step, "
+        "as DeepSpeed ZeRO-1/2; null: the engine's, cost_models/engines.py)",
+    )
+    pipeline_latency_scale: float = Field(
+        default=1.0,
+        gt=0,
+        le=1000,
+        description="x the latency of tensor-parallel collectives when pp > 1: an engine that synchronizes host "
+        "and device at each pipeline send (metadata exchanged on the host) stops hiding their launch cost",
+    )
+    fixed_bytes: float = Field(
+        default=0.0, ge=-(2.0**40), le=2.0**40, description="bytes per GPU the engine holds beyond its recipe"
+    )
+    state_bytes_scale: float = Field(
+        default=1.0, gt=0, le=10, description="x the bytes of parameters, gradients and their buffers"
+    )
+    optimizer_bytes_scale: float = Field(default=1.0, gt=0, le=10, description="x the optimizer-state bytes")
+    activation_scale: float = Field(
+        default=1.0, gt=0, le=10, description="x the bytes of saved activations and pipeline buffers"
+    )
+    logits_scale: float = Field(
+        default=1.0, gt=0, le=10, description="x the bytes the loss holds for the logits (copies, gradients)"
+    )
+    reserve_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        le=2,
+        description="what the allocator reserves beyond the allocated peak, as a share of it (measured "
+        "max_memory_reserved over max_memory_allocated - 1)",
+    )
+
+    @property
+    def neutral(self) -> bool:
+        """True when the values change no prediction."""
+        return self.model_dump(exclude={"profile"}) == EngineTuning().model_dump(exclude={"profile"})
+
+
 class TrainingSpec(Spec):
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, description="tokens per sequence")
     global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, description="sequences per step")
@@ -329,12 +431,21 @@ class TrainingSpec(Spec):
             "attn_impl 'triton' of 2023); speeds in DeviceProfile.attention_kernel_speed"
         ),
     )
-    framework: Framework = Field(
-        default="pytorch",
+    engine: Engine = Field(
+        default="executor",
+        validation_alias=AliasChoices("engine", "framework"),
         description=(
-            "the training stack whose memory behaviour the prediction follows: 'pytorch' (DTensor tensor and "
-            "sequence parallelism, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron' (Megatron-LM)"
+            "the training engine the plan is for (cost_models/engines.py): 'executor' (berth's bundled "
+            "torch.distributed executor), 'torchtitan', 'megatron' (Megatron-LM, NeMo, Megatron-Bridge), 'deepspeed', "
+            "'llmfoundry' (MosaicML) or 'generic' (a PyTorch stack to calibrate with `berth calibrate --runs`); it "
+            "decides which layouts run, the memory recipe and the compute stack. Old name: framework ('pytorch' is "
+            "'executor')"
         ),
+    )
+    tuning: EngineTuning = Field(
+        default_factory=lambda: EngineTuning(),
+        description="the engine's fitted parameters (`berth calibrate --runs`, applied with --profile); the defaults "
+        "leave the engine's recipe as it is",
     )
     token_budget: float | None = Field(default=None, gt=0, description="tokens to train on (for the cost)")
     cross_entropy: Literal["fp32", "fused"] = Field(
@@ -359,6 +470,16 @@ class TrainingSpec(Spec):
         Pure fp32 AdamW keeps momentum and variance only (the weights are the master): K = 8.
         """
         return 8 if self.precision == "fp32" else 12
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_alias(cls, value: Any) -> Any:
+        return ENGINE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+    @property
+    def framework(self) -> Engine:
+        """The engine under its old name (read-only)."""
+        return self.engine
 
 
 class FabricLevel(Spec):

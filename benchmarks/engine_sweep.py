@@ -1,0 +1,288 @@
+"""The engine loop measured on a real sweep: probe -> measure -> calibrate -> plan, on nanotron.
+
+Data: benchmarks/data/reference/ultrascale-playbook/ (the Ultra-Scale Playbook's nanotron sweep on
+H100, the 1B and 8B models: 1,027 runs with throughput and peak reserved memory, 616 configurations
+that crashed; provenance in its README). berth has no nanotron entry: the loop starts from the
+'generic' engine, as a team with an unmodelled stack would.
+
+For each model: `berth probe` (planner/probe.py) picks K <= 12 layouts among the layouts that ran at
+one GPU count (PROBE_GPUS); their measured step time and peak memory are read from the data, as a
+team would read them from its runs; `berth calibrate --runs` (planner/engine_fit.py) fits the
+engine on them; then every other group (model x GPU count) of both models is scored, before (engine
+generic, its prior) and after:
+
+- Spearman's rho between predicted and measured tokens/s over the layouts that ran;
+- top-1 regret: 1 - measured tokens/s of berth's first choice among the layouts that ran (the fastest
+  predicted among those it predicts to fit) / the best measured; also with ZeRO-0/1 twins merged (a
+  layout run with both: the measured figures differ up to 40x from run noise, so the twin pair counts
+  once, at its better measurement, and berth's prediction of the pair is its better one);
+- top-3 hit: the best measured layout is among berth's three first choices;
+- median and worst |throughput error|, the median signed memory error against reserved memory;
+- runs that ran predicted not to fit, crashed configurations predicted to fit (an upper bound on
+  misses: the data does not tell a crash from an out-of-memory), layouts that ran refused as invalid.
+
+The records go through the same JSON-lines reader as a user's runs (planner/run_logs.py). Cluster:
+the `aws-p5` preset (8 x H100 SXM per node, EFA; the sweep ran on Hugging Face's H100 cluster, whose
+network the source does not state: the fit's inter-node bandwidth scale absorbs the difference).
+
+    python -m benchmarks.engine_sweep            # prints, writes benchmarks/results/engine_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import spearmanr
+
+from berth.planner.engine_fit import MeasuredRun, fit_engine, predict_runs
+from berth.planner.probe import probe
+from berth.planner.run_logs import read_runs
+from berth.planner.specs import EngineTuning
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data" / "reference" / "ultrascale-playbook"
+OUT = HERE / "results" / "engine_sweep.json"
+PRESET = "aws-p5"
+PROBE_GPUS = 64
+PROBES = 12
+SEQ = 4096
+
+
+def model_record(row: dict) -> dict:
+    """The run's model as a spec object: its shape, and the variant the FLOP accounting resolves (kv heads,
+    tied embeddings; the README's `derived` fields; unresolved rows take the first matching variant)."""
+    d = row["derived"]
+    match = (d.get("variant_matches") or [{}])[0]
+    kv = d.get("num_kv_heads") or match.get("kv_heads") or row["num_attention_heads"]
+    tied = d.get("tied_embeddings")
+    tied = match.get("tied_embeddings", False) if tied is None else tied
+    return {
+        "name": f"nanotron-{row['model_name'].split()[1]}",
+        "num_layers": row["num_layers"],
+        "hidden_size": row["hidden_size"],
+        "num_attention_heads": row["num_attention_heads"],
+        "num_kv_heads": kv,
+        "ffn_hidden_size": row["ffn_hidden_size"],
+        "vocab_size": row["vocab_size"],
+        "mlp": "swiglu",
+        "norm": "rmsnorm",
+        "tied_embeddings": bool(tied),
+    }
+
+
+def layout_text(tp: int, pp: int, dp: int, mbs: int, ga: int, zero: int) -> str:
+    # nanotron's REDUCE_SCATTER tensor-parallel mode is sequence parallelism; 1F1B with pp > 1
+    text = f"tp={tp},pp={pp},dp={dp},mbs={mbs},nmb={ga},zero={zero}"
+    return text + (",sp=1" if tp > 1 else "")
+
+
+def records() -> tuple[list[dict], list[dict]]:
+    """(runs that ran, crashed configurations) as JSON-lines records; rows whose printed batch disagrees
+    with their layout are left out (README: 'completeness: inconsistent')."""
+    ran, crashed = [], []
+    shapes = {}
+    for row in json.loads((DATA / "runs.json").read_text()):
+        size = row["model_name"].split()[1]
+        shapes.setdefault(size, row)
+        if row["completeness"] != "full":
+            continue
+        precise = (row.get("extra_metrics") or {}).get("precise_from_space_commit_708b73a") or {}
+        ran.append(
+            {
+                "id": row["id"],
+                "size": size,
+                "model": model_record(row),
+                "cluster": {"preset": PRESET, "nodes": row["num_gpus"] // 8},
+                "seq_len": SEQ,
+                "global_batch": row["global_batch_size"],
+                "layout": layout_text(
+                    row["tp"], row["pp"], row["dp"], row["micro_batch_size"], row["grad_accum_steps"], row["zero_stage"]
+                ),
+                "engine": "generic",
+                "status": "ok",
+                "tokens_per_s_per_gpu": precise.get("tok_s_gpu", row["tokens_per_sec_per_gpu"]),
+                "peak_memory_gib": precise.get("mem_reserved_GiB", row["memory_per_gpu_gib"]),
+                "memory_kind": "reserved",
+                "_key": (size, row["tp"], row["pp"], row["dp"], row["micro_batch_size"], row["grad_accum_steps"]),
+            }
+        )
+    for row in json.loads((DATA / "crashed.json").read_text())["runs"]:
+        shape = shapes[row["model"]]
+        crashed.append(
+            {
+                "id": row["id"],
+                "size": row["model"],
+                "model": model_record(shape) | {"tied_embeddings": False},
+                "cluster": {"preset": PRESET, "nodes": row["nodes"]},
+                "seq_len": SEQ,
+                "global_batch": row["gbs"],
+                "layout": layout_text(row["tp"], row["pp"], row["dp"], row["mbs"], row["grad_accum"], row["zero"]),
+                "engine": "generic",
+                "status": "oom",
+            }
+        )
+    return ran, crashed
+
+
+def as_runs(recs: list[dict]) -> list[MeasuredRun]:
+    text = "\n".join(json.dumps({k: v for k, v in r.items() if not k.startswith("_") and k != "size"}) for r in recs)
+    return read_runs(text, "ultrascale-playbook")
+
+
+def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning) -> dict:
+    """The scores of one group (one model on one GPU count) under `tuning`."""
+    t, m, cap = predict_runs(runs, tuning)
+    tok = np.array([r["tokens_per_s_per_gpu"] for r in recs])
+    mem = np.array([r["peak_memory_gib"] for r in recs]) * 2**30
+    g = runs[0].cluster.world_size
+    pred = runs[0].training.global_batch_size * SEQ / (t * g)  # tokens/s per GPU (0 where refused)
+    refused = ~np.isfinite(t)
+    fits = np.isfinite(m) & (m <= cap)
+    pred = np.where(refused, 0.0, pred)
+    ok = ~refused
+    rho = float(spearmanr(pred[ok], tok[ok]).statistic) if ok.sum() >= 3 else float("nan")
+    best = tok.max()
+    rank = np.where(fits & ok, pred, -1.0)
+    first = int(np.argmax(rank))
+    top3 = np.argsort(-rank)[:3]
+    # ZeRO-0/1 twins merged: one entry per layout without its ZeRO stage
+    twins: dict[tuple, list[int]] = defaultdict(list)
+    for i, r in enumerate(recs):
+        twins[r["_key"]].append(i)
+    merged_meas = {k: tok[v].max() for k, v in twins.items()}
+    merged_pred = {k: rank[v].max() for k, v in twins.items()}
+    pick = max(merged_pred, key=lambda k: merged_pred[k])
+    err = np.abs(pred[ok] / tok[ok] - 1.0)
+    return {
+        "gpus": g,
+        "runs": len(recs),
+        "rho": rho,
+        "regret": float(1.0 - tok[first] / best),
+        "regret_twins_merged": float(1.0 - merged_meas[pick] / max(merged_meas.values())),
+        "top3_hit": bool(int(np.argmax(tok)) in set(top3.tolist())),
+        "median_error": float(np.median(err)) if err.size else float("nan"),
+        "worst_error": float(np.max(err)) if err.size else float("nan"),
+        "memory_error_median": float(np.median(m[ok] / mem[ok] - 1.0)) if ok.any() else float("nan"),
+        "memory_abs_error_median": float(np.median(np.abs(m[ok] / mem[ok] - 1.0))) if ok.any() else float("nan"),
+        "ran_predicted_not_to_fit": int(np.sum(ok & ~fits)),
+        "refused": int(refused.sum()),
+    }
+
+
+def crashed_predicted_to_fit(runs: list[MeasuredRun], tuning: EngineTuning) -> int:
+    if not runs:
+        return 0
+    _, m, cap = predict_runs(runs, tuning)
+    return int(np.sum(np.isfinite(m) & (m <= cap)))
+
+
+def summary(groups: list[dict]) -> dict:
+    def med(key: str) -> float:
+        return float(np.nanmedian([g[key] for g in groups]))
+
+    return {
+        "groups": len(groups),
+        "rho_median": med("rho"),
+        "rho_min": float(np.nanmin([g["rho"] for g in groups])),
+        "regret_median": med("regret"),
+        "regret_worst": float(max(g["regret"] for g in groups)),
+        "regret_twins_merged_median": med("regret_twins_merged"),
+        "regret_twins_merged_worst": float(max(g["regret_twins_merged"] for g in groups)),
+        "top3_hits": int(sum(g["top3_hit"] for g in groups)),
+        "throughput_error_median": med("median_error"),
+        "memory_error_median": med("memory_error_median"),
+        "memory_abs_error_median": med("memory_abs_error_median"),
+        "ran_predicted_not_to_fit": int(sum(g["ran_predicted_not_to_fit"] for g in groups)),
+        "refused": int(sum(g["refused"] for g in groups)),
+        "crashed_predicted_to_fit": int(sum(g["crashed_predicted_to_fit"] for g in groups)),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--probe-gpus", type=int, default=PROBE_GPUS)
+    ap.add_argument("--probes", type=int, default=PROBES)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    ran, crashed = records()
+    by_group: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for r in ran:
+        by_group[(r["size"], r["cluster"]["nodes"] * 8)].append(r)
+    runs = {k: as_runs(v) for k, v in sorted(by_group.items())}
+    crashed_runs: dict[tuple[str, int], list[MeasuredRun]] = defaultdict(list)
+    for r in crashed:
+        crashed_runs[(r["size"], r["cluster"]["nodes"] * 8)].extend(as_runs([r]))
+    prior = EngineTuning()
+    result: dict = {"probe_gpus": args.probe_gpus, "probes": args.probes, "preset": PRESET, "models": {}}
+    for size in sorted({k[0] for k in runs}):
+        key = (size, args.probe_gpus)
+        pool = runs[key]
+        first = pool[0]
+        picks = probe(first.model, first.training, first.cluster, args.probes, layouts=[r.layout for r in pool])
+        chosen = []
+        for p in picks:
+            i = next(i for i, r in enumerate(pool) if r.layout == p.plan.layout)
+            chosen.append(pool[i])
+        fit = fit_engine(chosen, prior)
+        scored: dict[str, list[dict]] = {"before": [], "after": []}
+        for gk, recs in sorted(by_group.items()):
+            if gk == key:
+                continue
+            for label, tuning in (("before", prior), ("after", fit.tuning)):
+                s = group_scores(recs, runs[gk], tuning)
+                s["model"] = gk[0]
+                s["crashed_predicted_to_fit"] = crashed_predicted_to_fit(crashed_runs.get(gk, []), tuning)
+                scored[label].append(s)
+        result["models"][size] = {
+            "probes": [{"layout": p.plan.layout.short(), "why": p.why} for p in picks],
+            "fit": fit.document(f"nanotron-{size}")["tuning"],
+            "fitted": fit.fitted,
+            "not_fitted": fit.not_fitted,
+            "fit_errors": fit.errors,
+            "before": summary(scored["before"])
+            | {"crashed_predicted_to_fit": sum(g["crashed_predicted_to_fit"] for g in scored["before"])},
+            "after": summary(scored["after"])
+            | {"crashed_predicted_to_fit": sum(g["crashed_predicted_to_fit"] for g in scored["after"])},
+            "groups_after": scored["after"],
+        }
+    result["seconds"] = round(time.time() - t0, 1)
+    print_result(result)
+    if not args.no_write:
+        OUT.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    return result
+
+
+def print_result(result: dict) -> None:
+    for size, r in result["models"].items():
+        print(f"\nprobes: {size} model on {result['probe_gpus']} GPUs ({len(r['probes'])} runs); fitted {r['fitted']}")
+        for p in r["probes"]:
+            print(f"  {p['layout']}: {p['why']}")
+        print(f"  scored on the other {r['after']['groups']} groups of both models:")
+        keys = [
+            ("rho_median", "median rho"),
+            ("regret_median", "median top-1 regret"),
+            ("regret_worst", "worst top-1 regret"),
+            ("regret_twins_merged_median", "median regret, twins merged"),
+            ("regret_twins_merged_worst", "worst regret, twins merged"),
+            ("top3_hits", "top-3 hits"),
+            ("throughput_error_median", "median |throughput error|"),
+            ("memory_abs_error_median", "median |memory error|"),
+            ("ran_predicted_not_to_fit", "ran, predicted not to fit"),
+            ("crashed_predicted_to_fit", "crashed, predicted to fit"),
+            ("refused", "ran, refused as invalid"),
+        ]
+        print(f"  {'':32s} {'before':>9s} {'after':>9s}")
+        for k, label in keys:
+            b, a = r["before"][k], r["after"][k]
+            print(f"  {label:32s} {b:9.3f} {a:9.3f}" if isinstance(b, float) else f"  {label:32s} {b:9d} {a:9d}")
+    print(f"\n{result['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""The engine table: each training engine berth plans for, described once.
+
+An engine decides three things a layout's prediction depends on, and the files that start it:
+
+- what it can run: its rules (ENGINE_RULES), vectorized predicates over Candidates evaluated with
+  the layout rules of cost_models/validity.py (the search keeps only what the engine runs, a fixed
+  layout it cannot run is refused naming the engine, and `berth launch` refuses with the same text);
+- its memory recipe (`recipe`, read by cost_models/memory.py): "pytorch" (fp32 parameters under
+  autocast, or FSDP2 bf16 mixed precision where the layout shards; DTensor sequence parallelism
+  keeps the gathered inputs; torch.distributed.pipelining receive buffers) or "megatron" (16-bit
+  parameters, a persistent fp32 gradient buffer, fp32 main parameters and Adam state sharded by the
+  distributed optimizer; sequence parallelism keeps the inputs sharded);
+- its compute stack (`compute_stacks`): the DeviceProfile.frameworks entry, fitted to measured
+  layers, that prices the non-GEMM work of a layer (the first one the device has);
+- its launch formats (`launch_formats`: planner/launch.py writes them) and the version all of this was read from.
+
+What no table can know (this team's kernels, its network's achieved bandwidth, its allocator) an
+engine learns from measured runs: `berth calibrate --runs` fits EngineTuning (planner/engine_fit.py).
+The 'generic' engine is the starting point for a stack berth has no entry for: the textbook
+mixed-precision recipe (Rajbhandari et al. 2020, Sec. 3.1: 16-bit weights, fp32 master weights and
+Adam states, ZeRO sharding), eager PyTorch kernels, and every layout berth can model allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from berth.cost_models.candidates import (
+    RECOMPUTE_SELECTIVE,
+    SCHEDULE_1F1B,
+    SCHEDULE_GPIPE,
+    SCHEDULE_INTERLEAVED,
+    Candidates,
+)
+from berth.planner import stages
+from berth.planner.specs import AXIS_ORDER_CHOICES, ENGINE_CHOICES, Engine, Layout, ModelSpec, TrainingSpec
+
+RECIPE_PYTORCH = "pytorch"
+RECIPE_MEGATRON = "megatron"
+
+
+@dataclass(frozen=True)
+class EngineRule:
+    """One thing an engine cannot run: a vectorized predicate (True where a candidate breaks it) and
+    the reason in one layout's numbers."""
+
+    name: str
+    reads: tuple[str, ...]  # the layout fields it reads (a refusal blames these)
+    broken: Callable[[Candidates, ModelSpec, TrainingSpec], np.ndarray]
+    detail: Callable[[Layout, ModelSpec, TrainingSpec], str]
+    text: str  # the rule in general (the search's rejection counts, a plan's infeasible_reason)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: Engine
+    title: str
+    version: str  # the version whose code this entry was read from, and that launch files target
+    recipe: str  # RECIPE_PYTORCH or RECIPE_MEGATRON (cost_models/memory.py)
+    compute_stacks: tuple[str, ...]  # DeviceProfile.frameworks entries, the first the device has wins
+    launch_formats: tuple[str, ...]  # planner/launch.py formats that start it, the default first (none: no files)
+    rules: tuple[EngineRule, ...]
+    source: str  # where the rules and recipe were read
+    # the share of ZeRO-1/2's parameter all-gather left exposed after the optimizer step (0: behind the next
+    # forward; EngineTuning.param_gather_exposed overrides it)
+    param_gather_exposed: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.version})"
+
+
+def _n(c: Candidates) -> np.ndarray:
+    return np.zeros(len(c.tp), dtype=bool)
+
+
+def _order(*names: str) -> list[int]:
+    return [AXIS_ORDER_CHOICES.index(n) for n in names]
+
+
+TEXTS = {
+    "too_few_microbatches": "torch.distributed.pipelining's 1F1B schedules need num_microbatches >= pp",
+    "microbatches_not_multiple_of_pp": "interleaved_1f1b needs num_microbatches divisible by pp",
+    "megatron_no_gpipe": "Megatron-LM runs 1F1B or interleaved 1F1B, no GPipe",
+    "megatron_axis_order": "Megatron-LM orders axes tp-dp-pp or tp-pp-dp",
+    "megatron_fsdp_partial_shard": "Megatron FSDP (ZeRO-2/3) shards over all of dp",
+    "megatron_moe_needs_sp": "Megatron-LM needs sequence parallelism for mixture of experts with tp",
+    "torchtitan_model": "torchtitan's Llama 3 builder: SwiGLU, RMSNorm, untied output, no dropout, no experts",
+    "torchtitan_zero1": "torchtitan's FSDP2 has no ZeRO-1 (use 2 or 3)",
+    "torchtitan_axis_order": "torchtitan's mesh is pp, dp, tp (tp-dp-pp)",
+    "torchtitan_precision": "torchtitan trains in bf16 or fp32 with fused attention",
+    "deepspeed_cp": "DeepSpeed has no ring-attention context parallelism",
+    "deepspeed_moe": "berth's DeepSpeed config builds no experts",
+    "deepspeed_uneven_stages": "DeepSpeed's PipelineModule takes no per-stage layer counts (even stages only)",
+    "deepspeed_sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism",
+    "deepspeed_schedule": "DeepSpeed's pipeline engine runs 1F1B only",
+    "deepspeed_selective_recompute": "DeepSpeed checkpoints whole layers (no selective recompute)",
+    "deepspeed_axis_order": "DeepSpeed's topology is pipe-data-model (tp-dp-pp)",
+    "deepspeed_pipeline_zero": "DeepSpeed's pipeline engine refuses ZeRO-2/3",
+    "deepspeed_pipeline_tp": "DeepSpeed's pipeline with tp needs a Megatron-style mpu",
+    "deepspeed_partial_shard": "DeepSpeed 0.19 shards over all dp ranks (shard = dp)",
+}
+
+
+def _rule(name: str, reads: tuple[str, ...], broken, detail) -> EngineRule:
+    return EngineRule(name, reads, broken, detail, TEXTS[name])
+
+
+# torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B refuse fewer micro-batches than
+# stages (torch/distributed/pipelining/schedules.py, _PipelineSchedule._validate: "n_microbatches must be
+# >= pp"); Megatron-LM, DeepSpeed and nanotron run them (their warm-up is min(pp - rank - 1, m) micro-batches).
+TORCH_PIPELINE_MICROBATCHES = _rule(
+    "too_few_microbatches",
+    ("num_microbatches", "pp", "schedule"),
+    lambda c, m, t: (c.schedule != SCHEDULE_GPIPE) & (c.pp > 1) & (c.num_microbatches < c.pp),
+    lambda x, m, t: (
+        f"torch.distributed.pipelining's 1F1B schedules need num_microbatches >= pp; {x.num_microbatches} < {x.pp}"
+    ),
+)
+# Megatron-LM's interleaved schedule (megatron/core/pipeline_parallel/schedules.py,
+# forward_backward_pipelining_with_interleaving) and torch's interleaved schedule take micro-batches in
+# groups of pp
+INTERLEAVED_GROUPS = _rule(
+    "microbatches_not_multiple_of_pp",
+    ("num_microbatches", "pp", "schedule"),
+    lambda c, m, t: (c.schedule == SCHEDULE_INTERLEAVED) & (c.num_microbatches % c.pp != 0),
+    lambda x, m, t: f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}",
+)
+
+MEGATRON_RULES = (
+    INTERLEAVED_GROUPS,
+    _rule(
+        "megatron_no_gpipe",
+        ("schedule", "pp"),
+        lambda c, m, t: (c.schedule == SCHEDULE_GPIPE) & (c.pp > 1),
+        lambda x, m, t: "schedule gpipe: Megatron runs 1F1B or interleaved 1F1B",
+    ),
+    _rule(
+        "megatron_axis_order",
+        ("axis_order",),
+        lambda c, m, t: ~np.isin(c.axis_order, _order("tp-dp-pp", "tp-pp-dp")),
+        lambda x, m, t: f"axis_order {x.axis_order}: Megatron orders tp-dp-pp or (--use-tp-pp-dp-mapping) tp-pp-dp",
+    ),
+    _rule(
+        "megatron_fsdp_partial_shard",
+        ("zero_stage", "shard", "dp"),
+        lambda c, m, t: (c.zero_stage >= 2) & (c.shard < c.dp),
+        lambda x, m, t: (
+            f"zero_stage {x.zero_stage} with shard {x.shard} < dp {x.dp}: Megatron FSDP's hybrid mode "
+            "shards over its own outer data-parallel groups, which berth does not map (use shard = dp)"
+        ),
+    ),
+    _rule(
+        "megatron_moe_needs_sp",
+        ("tp", "sequence_parallel"),
+        lambda c, m, t: np.full(len(c.tp), m.is_moe) & (c.tp > 1) & (c.sequence_parallel == 0),
+        lambda x, m, t: (
+            f"tp {x.tp} with mixture of experts: Megatron needs sequence parallelism with tp "
+            "(megatron/training/arguments.py validate_args)"
+        ),
+    ),
+)
+
+TORCHTITAN_RULES = (
+    TORCH_PIPELINE_MICROBATCHES,
+    INTERLEAVED_GROUPS,
+    _rule(
+        "torchtitan_model",
+        ("tp",),
+        lambda c, m, t: np.full(
+            len(c.tp), m.is_moe or m.mlp != "swiglu" or m.norm != "rmsnorm" or m.tied_embeddings or m.dropout
+        ),
+        lambda x, m, t: (
+            f"model {m.name} ({m.mlp}, {m.norm}, tied {m.tied_embeddings}, experts {m.num_experts}): "
+            "berth writes torchtitan's Llama 3 builder, SwiGLU with RMSNorm, an untied output and no experts"
+        ),
+    ),
+    _rule(
+        "torchtitan_zero1",
+        ("zero_stage",),
+        lambda c, m, t: c.zero_stage == 1,
+        lambda x, m, t: "zero_stage 1: FSDP2 shards gradients with the optimizer state (use 2)",
+    ),
+    _rule(
+        "torchtitan_axis_order",
+        ("axis_order",),
+        lambda c, m, t: ~np.isin(c.axis_order, _order("tp-dp-pp")),
+        lambda x, m, t: f"axis_order {x.axis_order}: torchtitan's mesh is pp, dp, tp (tp-dp-pp)",
+    ),
+    _rule(
+        "torchtitan_precision",
+        ("tp",),
+        lambda c, m, t: np.full(len(c.tp), t.precision == "fp16" or not t.flash_attention),
+        lambda x, m, t: (
+            f"precision {t.precision}, flash_attention {t.flash_attention}: torchtitan trains in "
+            "bfloat16 or float32 with fused attention only"
+        ),
+    ),
+)
+
+
+def _uneven(c: Candidates, m: ModelSpec) -> np.ndarray:
+    first, middle, last, _ = stages.stage_split(m.num_layers, c.pp, c.virtual_stages)
+    return (c.pp > 1) & ((np.asarray(first) != np.asarray(middle)) | (np.asarray(last) != np.asarray(middle)))
+
+
+DEEPSPEED_RULES = (
+    _rule(
+        "deepspeed_cp",
+        ("cp",),
+        lambda c, m, t: c.cp > 1,
+        lambda x, m, t: f"cp {x.cp}: DeepSpeed has no ring-attention context parallelism (Ulysses splits heads)",
+    ),
+    _rule(
+        "deepspeed_moe",
+        ("ep",),
+        lambda c, m, t: np.full(len(c.tp), m.is_moe),
+        lambda x, m, t: (
+            f"mixture of experts ({m.num_experts} experts): DeepSpeed's experts are "
+            "deepspeed.moe.layer.MoE modules in the model code, which berth's config does not build"
+        ),
+    ),
+    _rule(
+        "deepspeed_uneven_stages",
+        ("pp",),
+        lambda c, m, t: _uneven(c, m),
+        lambda x, m, t: (
+            f"uneven pipeline stages ({m.num_layers} layers on pp {x.pp}): DeepSpeed's PipelineModule "
+            "takes no per-stage layer counts"
+        ),
+    ),
+    _rule(
+        "deepspeed_sequence_parallel",
+        ("sequence_parallel",),
+        lambda c, m, t: c.sequence_parallel > 0,
+        lambda x, m, t: "sequence_parallel: DeepSpeed has no Megatron-style sequence parallelism",
+    ),
+    _rule(
+        "deepspeed_schedule",
+        ("schedule", "pp"),
+        lambda c, m, t: (c.pp > 1) & (c.schedule != SCHEDULE_1F1B),
+        lambda x, m, t: f"schedule {x.schedule}: DeepSpeed's pipeline engine runs 1F1B only",
+    ),
+    _rule(
+        "deepspeed_selective_recompute",
+        ("recompute",),
+        lambda c, m, t: c.recompute == RECOMPUTE_SELECTIVE,
+        lambda x, m, t: "recompute selective: DeepSpeed checkpoints whole layers",
+    ),
+    _rule(
+        "deepspeed_axis_order",
+        ("axis_order",),
+        lambda c, m, t: ~np.isin(c.axis_order, _order("tp-dp-pp")),
+        lambda x, m, t: f"axis_order {x.axis_order}: DeepSpeed's topology is pipe-data-model (tp-dp-pp)",
+    ),
+    _rule(
+        "deepspeed_pipeline_zero",
+        ("pp", "zero_stage"),
+        lambda c, m, t: (c.pp > 1) & (c.zero_stage >= 2),
+        lambda x, m, t: (
+            f"zero_stage {x.zero_stage} with pp > 1: DeepSpeed's pipeline engine asserts ZeRO-2 and "
+            "ZeRO-3 are incompatible with pipeline parallelism"
+        ),
+    ),
+    _rule(
+        "deepspeed_pipeline_tp",
+        ("pp", "tp"),
+        lambda c, m, t: (c.pp > 1) & (c.tp > 1),
+        lambda x, m, t: "tp > 1 with pp > 1: DeepSpeed's 3D parallelism needs a Megatron-style mpu",
+    ),
+    _rule(
+        "deepspeed_partial_shard",
+        ("shard", "dp", "zero_stage"),
+        lambda c, m, t: (c.zero_stage > 0) & (c.shard < c.dp),
+        lambda x, m, t: f"shard {x.shard} < dp {x.dp}: DeepSpeed 0.19 shards over all dp ranks (MiCS removed)",
+    ),
+)
+
+ENGINES: dict[str, EngineInfo] = {
+    e.name: e
+    for e in (
+        EngineInfo(
+            "executor",
+            "berth's bundled torch.distributed executor",
+            "berth executor (torch 2.13)",
+            RECIPE_PYTORCH,
+            ("pytorch",),
+            ("torchrun", "slurm", "kubernetes"),
+            (TORCH_PIPELINE_MICROBATCHES, INTERLEAVED_GROUPS),
+            "executor/ (its own rules: cost_models/validity.py, applies=EXECUTOR)",
+        ),
+        EngineInfo(
+            "torchtitan",
+            "torchtitan",
+            "torchtitan 0.3.0",
+            RECIPE_PYTORCH,
+            ("torchtitan", "pytorch"),
+            ("torchtitan",),
+            TORCHTITAN_RULES,
+            "torchtitan 0.3.0: torchtitan/distributed/parallel_dims.py, torchtitan/models/llama3/infra/parallelize.py",
+        ),
+        EngineInfo(
+            "megatron",
+            "Megatron-LM (NeMo, Megatron-Bridge)",
+            "Megatron-LM main @ d98e8a6 (megatron-core 0.20.0)",
+            RECIPE_MEGATRON,
+            ("megatron", "pytorch"),
+            ("megatron",),
+            MEGATRON_RULES,
+            "Megatron-LM: megatron/training/arguments.py validate_args, megatron/core/pipeline_parallel/schedules.py, "
+            "docs/source/api-guide/dist_optimizer.md",
+        ),
+        EngineInfo(
+            "deepspeed",
+            "DeepSpeed",
+            "DeepSpeed 0.19.8",
+            RECIPE_MEGATRON,
+            ("torchtitan", "pytorch"),
+            ("deepspeed",),
+            DEEPSPEED_RULES,
+            "DeepSpeed 0.19.8: deepspeed/runtime/pipe/engine.py, deepspeed/runtime/bf16_optimizer.py "
+            "(16-bit weights, fp32 gradient accumulation, fp32 master and Adam state over dp); "
+            "deepspeed/runtime/zero/stage_1_and_2.py step(): the updated partitions are all-gathered after the step",
+            param_gather_exposed=1.0,
+        ),
+        EngineInfo(
+            "llmfoundry",
+            "MosaicML llm-foundry (Composer, FSDP)",
+            "llm-foundry 0.x (2023-24 benchmark tables)",
+            RECIPE_PYTORCH,
+            ("llmfoundry", "pytorch"),
+            (),
+            (),
+            "mosaicml/llm-foundry scripts/train/benchmarking (FSDP FULL_SHARD, fused cross-entropy, triton attention)",
+        ),
+        EngineInfo(
+            "generic",
+            "a PyTorch stack to calibrate (textbook mixed precision)",
+            "generic (no version: calibrate it with berth calibrate --runs)",
+            RECIPE_MEGATRON,
+            ("torchtitan", "pytorch"),
+            (),
+            (INTERLEAVED_GROUPS,),
+            "Rajbhandari et al. 2020 (ZeRO), Sec. 3.1 and 5 (the updated partitions all-gathered after the step); "
+            "Narayanan et al. 2021 (1F1B with any micro-batch count)",
+            param_gather_exposed=1.0,
+        ),
+    )
+}
+assert tuple(ENGINES) == ENGINE_CHOICES
+ENGINE_RULE_NAMES: tuple[str, ...] = tuple(
+    dict.fromkeys(r.name for e in ENGINES.values() for r in e.rules)  # every rule once, in table order
+)
+
+
+def engine_of(training: TrainingSpec) -> EngineInfo:
+    return ENGINES[training.engine]
+
+
+def engine_of_format(fmt: str) -> EngineInfo | None:
+    """The engine a launch format starts (None: no engine's)."""
+    return next((e for e in ENGINES.values() if fmt in e.launch_formats), None)
+
+
+def param_gather_exposed(training: TrainingSpec) -> float:
+    """The share of ZeRO-1/2's parameter all-gather that runs exposed after the step: the fitted value, else
+    the engine's."""
+    fitted = training.tuning.param_gather_exposed
+    return engine_of(training).param_gather_exposed if fitted is None else fitted
+
+
+RULE_BY_NAME: dict[str, EngineRule] = {r.name: r for e in ENGINES.values() for r in e.rules}
+
+
+def rule_broken(
+    name: str, c: Candidates, model: ModelSpec, training: TrainingSpec, engine: str | None = None
+) -> np.ndarray:
+    """Where the candidates break the engine rule `name` (all False when the engine, the training's by
+    default, has no such rule)."""
+    e = ENGINES[engine or training.engine]
+    if not any(r.name == name for r in e.rules):
+        return _n(c)
+    return np.asarray(RULE_BY_NAME[name].broken(c, model, training), dtype=bool) & np.ones(len(c.tp), dtype=bool)
+
+
+def engine_refusal(layout: Layout, model: ModelSpec, training: TrainingSpec) -> str | None:
+    """Why the training's engine cannot run this layout (the first of its rules that fails), or None."""
+    c = Candidates.from_layouts([layout])
+    e = engine_of(training)
+    for rule in e.rules:
+        if bool(np.asarray(rule.broken(c, model, training))[0]):
+            return f"engine {e.label}: {rule.detail(layout, model, training)}"
+    return None

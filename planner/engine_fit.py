@@ -1,0 +1,493 @@
+"""Learn an engine from its measured runs: EngineTuning fitted to runs of any engine.
+
+A run is what a team measured with its own engine: the model, the cluster, the sequence length and
+global batch, the layout, whether it ran ("ok"), ran out of memory ("oom") or failed otherwise
+("error"), and what it measured (step time or tokens/s, peak memory, reserved or allocated). Runs
+come as JSON lines (`read_runs`; `berth calibrate --runs FILE`), from torchtitan's or Megatron-LM's
+own training logs (planner/run_logs.py), or from berth's executor reports.
+
+The fit (`fit_engine`) moves a handful of named, bounded parameters (PARAMETERS, EngineTuning in
+planner/specs.py) on top of the engine's recipe (cost_models/engines.py):
+
+    time:   compute_efficiency, layer_overhead_s, intra_node_bandwidth_scale,
+            inter_node_bandwidth_scale, latency_scale, pipeline_microbatch_overhead_s, overlap
+    memory: fixed_bytes, state_bytes_scale, optimizer_bytes_scale, activation_scale,
+            reserve_fraction
+
+Residuals: log(predicted / measured) of each run's step time and peak memory; a run that ran out of
+memory is a one-sided constraint (its prediction must not fit: log(capacity / predicted) while it
+does); a run that ran without a memory figure is the other side (log(predicted / capacity) while it
+does not fit); a weak prior (PRIOR_WEIGHT) holds what the runs say nothing about at the engine's
+values. `scipy.optimize.least_squares` with the parameters' bounds minimizes them.
+
+Only what the runs determine is fitted: a parameter whose Jacobian column is (nearly) zero or a
+combination of those already kept (IDENTIFIABLE_TOLERANCE), or for which its quantity has no spare
+run (RUNS_PER_PARAMETER), stays at its prior value, and the answer says why. Each fitted value gets
+its standard error (s^2 (J^T J)^-1 at the solution), and the fit is scored on runs it did not see
+(k-fold, `held_out`). A fit that determines nothing, or does not move, is refused (BerthError):
+the caller keeps the prior and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import ValidationError
+from scipy.optimize import least_squares
+
+from berth.cost_models.engines import ENGINES
+from berth.cost_models.memory import allocator_capacity_bytes
+from berth.planner.errors import BerthError, from_validation_error
+from berth.planner.specs import ClusterSpec, EngineTuning, Layout, ModelSpec, Plan, TrainingSpec
+
+ENGINE_PROFILE_FORMAT = "berth-engine-profile/1"
+GIB = 2.0**30
+Status = Literal["ok", "oom", "error"]
+
+
+@dataclass(frozen=True)
+class Parameter:
+    lo: float
+    hi: float
+    kind: str  # "log": fitted as log(value); "lin": as value / unit
+    unit: float
+    quantity: str  # "time" or "memory"
+    needs: str  # the runs that determine it
+
+
+PARAMETERS: dict[str, Parameter] = {
+    "compute_efficiency": Parameter(0.2, 1.25, "log", 1.0, "time", "runs with a step time"),
+    "layer_overhead_s": Parameter(0.0, 0.05, "lin", 1e-3, "time", "runs at two or more micro-batch sizes"),
+    "intra_node_bandwidth_scale": Parameter(0.02, 5.0, "log", 1.0, "time", "runs with tp or dp inside a node"),
+    "inter_node_bandwidth_scale": Parameter(0.005, 5.0, "log", 1.0, "time", "runs with a group across nodes"),
+    "latency_scale": Parameter(0.1, 1000.0, "log", 1.0, "time", "runs with many small collectives (tp, small mbs)"),
+    "pipeline_microbatch_overhead_s": Parameter(0.0, 2.0, "lin", 1e-2, "time", "runs with pp > 1"),
+    "overlap": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with dp > 1 whose gradient traffic is not hidden"),
+    "param_gather_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
+    "pipeline_latency_scale": Parameter(1.0, 1000.0, "log", 1.0, "time", "runs with tp > 1 and pp > 1"),
+    "fixed_bytes": Parameter(-8 * GIB, 32 * GIB, "lin", GIB, "memory", "runs with a measured peak memory"),
+    "state_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs whose parameter share differs"),
+    "optimizer_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs with and without ZeRO sharding"),
+    "activation_scale": Parameter(0.2, 5.0, "log", 1.0, "memory", "runs at two or more micro-batch sizes"),
+    "logits_scale": Parameter(0.2, 5.0, "log", 1.0, "memory", "runs whose last stage holds the logits"),
+    "reserve_fraction": Parameter(0.0, 1.0, "lin", 1.0, "memory", "runs with reserved and allocated peaks"),
+}
+TIME_PARAMETERS = tuple(n for n, p in PARAMETERS.items() if p.quantity == "time")
+MEMORY_PARAMETERS = tuple(n for n, p in PARAMETERS.items() if p.quantity == "memory")
+IDENTIFIABLE_TOLERANCE = 0.05  # a column < 5 % independent of the kept ones would have a 20x standard error
+RUNS_PER_PARAMETER = 2  # parameters of a quantity <= its runs / 2: a spare run for each
+PRIOR_WEIGHT = 0.05  # the prior's pull, per fitted coordinate (log: a factor e costs as much as a 5 % miss)
+MISS = 3.0  # the residual of a run whose layout the model refuses now (log: a 20x miss)
+MOVED = 1e-3  # a fit whose fitted coordinates all moved less than this did not move
+MAX_EVALUATIONS = 80
+FOLDS = 4
+INTERIOR = 0.01  # a start at least 1 % of its range inside a bound
+# robust loss: a run missed by more than LOSS_SCALE (log) weighs ever less (a noisy run, a pathology no parameter
+# describes), so the fit follows the bulk of the runs, not its worst outliers
+LOSS, LOSS_SCALE = "soft_l1", 0.2
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One measured run of an engine (planned specs plus what was measured)."""
+
+    id: str
+    model: ModelSpec
+    training: TrainingSpec
+    cluster: ClusterSpec
+    layout: Layout
+    status: Status = "ok"
+    step_time_s: float | None = None
+    peak_memory_bytes: float | None = None
+    memory_kind: Literal["reserved", "allocated"] = "reserved"
+
+    @property
+    def group(self) -> str:
+        t = self.training.model_copy(update={"tuning": EngineTuning()})
+        return self.model.model_dump_json() + t.model_dump_json() + self.cluster.model_dump_json()
+
+
+# ---- the parameters' coordinates ------------------------------------------------------------------
+
+
+def _value(tuning: EngineTuning, name: str, cluster: ClusterSpec | None = None, engine: str = "generic") -> float:
+    v = getattr(tuning, name)
+    if v is None and name == "overlap":  # the cluster's
+        return cluster.comm_overlap_efficiency if cluster is not None else 0.7
+    if v is None:  # the engine's (cost_models/engines.py)
+        return float(getattr(ENGINES[engine], name))
+    return float(v)
+
+
+def encode(name: str, value: float) -> float:
+    p = PARAMETERS[name]
+    value = min(max(value, p.lo), p.hi)
+    return math.log(value) if p.kind == "log" else value / p.unit
+
+
+def decode(name: str, x: float) -> float:
+    p = PARAMETERS[name]
+    return float(math.exp(x)) if p.kind == "log" else float(x * p.unit)
+
+
+def bounds(names: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
+    lo, hi = [], []
+    for n in names:
+        p = PARAMETERS[n]
+        lo.append(encode(n, p.lo) if p.kind == "lin" else math.log(p.lo))
+        hi.append(encode(n, p.hi) if p.kind == "lin" else math.log(p.hi))
+    return np.array(lo), np.array(hi)
+
+
+def with_values(tuning: EngineTuning, values: dict[str, float]) -> EngineTuning:
+    return tuning.model_copy(update=values)
+
+
+# ---- predicting runs ------------------------------------------------------------------------------
+
+
+def predict_runs(runs: list[MeasuredRun], tuning: EngineTuning) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step time, peak memory, allocator capacity) of each run under `tuning`: one vectorized call per
+    model, training and cluster; a layout the model refuses now gets inf."""
+    from berth.planner.search import predict_layouts  # the planner sits above this module's specs
+
+    times, mems, caps = (np.full(len(runs), np.inf) for _ in range(3))
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(runs):
+        groups.setdefault(r.group, []).append(i)
+    for idx in groups.values():
+        first = runs[idx[0]]
+        training = first.training.model_copy(update={"tuning": tuning})
+        plans = predict_layouts(first.model, training, first.cluster, [runs[i].layout for i in idx])
+        cap = allocator_capacity_bytes(first.cluster.device, first.cluster.world_size)
+        for i, p in zip(idx, plans, strict=True):
+            caps[i] = float(cap)
+            if p.prediction is not None:
+                times[i], mems[i] = p.prediction.step_time_s, p.prediction.peak_memory_bytes
+    return times, mems, caps
+
+
+def _allocated(mem: np.ndarray, tuning: EngineTuning) -> np.ndarray:
+    """The allocated peak within a predicted reserved one (the reserve is reserve_fraction x the rest)."""
+    return mem / (1.0 + tuning.reserve_fraction)
+
+
+@dataclass
+class Data:
+    """The runs as arrays, for the residuals."""
+
+    runs: list[MeasuredRun]
+    time: np.ndarray  # measured step time (nan: none)
+    mem: np.ndarray  # measured peak memory (nan: none)
+    allocated: np.ndarray  # the memory figure is allocated, not reserved
+    ok: np.ndarray
+    oom: np.ndarray
+
+    @classmethod
+    def of(cls, runs: list[MeasuredRun]) -> Data:
+        return cls(
+            runs,
+            np.array([r.step_time_s if r.status == "ok" and r.step_time_s else np.nan for r in runs], dtype=float),
+            np.array(
+                [r.peak_memory_bytes if r.status == "ok" and r.peak_memory_bytes else np.nan for r in runs],
+                dtype=float,
+            ),
+            np.array([r.memory_kind == "allocated" for r in runs]),
+            np.array([r.status == "ok" for r in runs]),
+            np.array([r.status == "oom" for r in runs]),
+        )
+
+    def residuals(self, tuning: EngineTuning) -> np.ndarray:
+        t, m, cap = predict_runs(self.runs, tuning)
+        has_t, has_m = np.isfinite(self.time), np.isfinite(self.mem)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rt = np.where(np.isfinite(t[has_t]), np.log(t[has_t] / self.time[has_t]), MISS)
+            pm = np.where(self.allocated, _allocated(m, tuning), m)
+            rm = np.where(np.isfinite(pm[has_m]), np.log(pm[has_m] / self.mem[has_m]), MISS)
+            # one-sided: an out-of-memory run must not fit; a run that ran (no memory figure) must fit
+            r_oom = np.maximum(np.log(cap[self.oom] / np.where(np.isfinite(m[self.oom]), m[self.oom], 1e30)), 0.0)
+            free = self.ok & ~has_m
+            r_fit = np.maximum(np.log(np.where(np.isfinite(m[free]), m[free], 1e30) / cap[free]), 0.0)
+        return np.concatenate([rt, rm, r_oom, r_fit])
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "time": int(np.isfinite(self.time).sum()),
+            "memory": int(np.isfinite(self.mem).sum()),
+            "oom": int(self.oom.sum()),
+        }
+
+
+def errors(runs: list[MeasuredRun], tuning: EngineTuning) -> dict[str, float]:
+    """Median and worst |relative error| of step time and peak memory over the runs that measured them,
+    with how many ran and were predicted not to fit, and how many ran out of memory but were predicted to fit."""
+    if not runs:
+        return {}
+    d = Data.of(runs)
+    t, m, cap = predict_runs(runs, tuning)
+    out: dict[str, float] = {"runs": float(len(runs))}
+    has_t, has_m = np.isfinite(d.time), np.isfinite(d.mem)
+    if has_t.any():
+        e = np.abs(t[has_t] / d.time[has_t] - 1.0)
+        out.update(step_time_median_error=float(np.median(e)), step_time_max_error=float(np.max(e)))
+    if has_m.any():
+        pm = np.where(d.allocated, _allocated(m, tuning), m)
+        e = np.abs(pm[has_m] / d.mem[has_m] - 1.0)
+        out.update(memory_median_error=float(np.median(e)), memory_max_error=float(np.max(e)))
+    out["ran_predicted_not_to_fit"] = float(np.sum(d.ok & ~(m <= cap)))
+    out["oom_predicted_to_fit"] = float(np.sum(d.oom & (m <= cap)))
+    return out
+
+
+# ---- the fit --------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineFit:
+    engine: str
+    prior: EngineTuning
+    tuning: EngineTuning
+    fitted: list[str]
+    not_fitted: dict[str, str]
+    uncertainty: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[str, dict[str, float]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    run_ids: list[str] = field(default_factory=list)
+
+    def document(self, name: str) -> dict[str, Any]:
+        """The engine profile `berth plan/compare --profile` and the API's training.tuning take."""
+        return {
+            "format": ENGINE_PROFILE_FORMAT,
+            "engine": self.engine,
+            "tuning": self.tuning.model_copy(update={"profile": name}).model_dump(mode="json"),
+            "fit": {
+                "fitted": self.fitted,
+                "not_fitted": self.not_fitted,
+                "uncertainty": self.uncertainty,
+                "errors": self.errors,
+                "runs": self.counts,
+                "run_ids": self.run_ids,
+                "prior": self.prior.model_dump(mode="json"),
+            },
+        }
+
+
+def _jacobian(fun: Callable[[np.ndarray], np.ndarray], x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    r0 = fun(x)
+    jac = np.zeros((r0.size, x.size))
+    for j in range(x.size):
+        h = 1e-3 * max(1.0, abs(x[j]))
+        if x[j] + h > hi[j]:
+            h = -h
+        xj = x.copy()
+        xj[j] += h
+        jac[:, j] = (fun(xj) - r0) / h
+    return jac
+
+
+def identifiable(
+    jacobian: np.ndarray, names: tuple[str, ...], counts: dict[str, int]
+) -> tuple[list[str], dict[str, str]]:
+    """(the parameters the runs determine, {parameter: why not} for the others), in PARAMETERS order."""
+    keep: list[int] = []
+    why: dict[str, str] = {}
+    norms = np.linalg.norm(jacobian, axis=0)
+    budget = {q: max(counts[q] // RUNS_PER_PARAMETER, 1 if counts[q] >= 2 else 0) for q in ("time", "memory")}
+    budget["memory"] += 1 if counts["oom"] >= 2 and counts["memory"] else 0
+    for j, name in enumerate(names):
+        p = PARAMETERS[name]
+        if not norms[j] > 1e-9:
+            why[name] = f"the runs do not depend on it: needs {p.needs}"
+            continue
+        if budget[p.quantity] < 1:
+            why[name] = f"needs {RUNS_PER_PARAMETER} more runs with a measured {p.quantity}"
+            continue
+        cols = jacobian[:, keep + [j]] / norms[keep + [j]]
+        if np.linalg.svd(cols, compute_uv=False)[-1] < IDENTIFIABLE_TOLERANCE:
+            why[name] = f"not separable from {', '.join(names[k] for k in keep)} with these runs: needs {p.needs}"
+            continue
+        budget[p.quantity] -= 1
+        keep.append(j)
+    return [names[j] for j in keep], why
+
+
+def start(prior: EngineTuning, names: Iterable[str], cluster: ClusterSpec, engine: str) -> np.ndarray:
+    """The prior in the fit's coordinates, moved INTERIOR of the way inside its bounds (a start on a bound,
+    e.g. an overhead of 0, stalls the trust-region solver's bound scaling at its first step)."""
+    names = list(names)
+    lo, hi = bounds(names)
+    x = np.array([encode(n, _value(prior, n, cluster, engine)) for n in names])
+    pad = INTERIOR * (hi - lo)
+    return np.clip(x, lo + pad, hi - pad)
+
+
+def _solve(
+    data: Data, prior: EngineTuning, names: list[str], cluster: ClusterSpec
+) -> tuple[EngineTuning, Any, np.ndarray]:
+    lo, hi = bounds(names)
+    x0 = start(prior, names, cluster, data.runs[0].training.engine)
+
+    def tuning_of(x: np.ndarray) -> EngineTuning:
+        return with_values(prior, {n: decode(n, xi) for n, xi in zip(names, x, strict=True)})
+
+    def fun(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([data.residuals(tuning_of(x)), PRIOR_WEIGHT * (x - x0)])
+
+    result = least_squares(
+        fun, x0, bounds=(lo, hi), diff_step=1e-3, x_scale="jac", max_nfev=MAX_EVALUATIONS, loss=LOSS, f_scale=LOSS_SCALE
+    )
+    return tuning_of(result.x), result, x0
+
+
+def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds: int = FOLDS) -> EngineFit:
+    """Fit the engine's parameters the runs determine (see the module docstring)."""
+    if not runs:
+        raise BerthError("runs", 0, "no runs to fit")
+    engines = sorted({r.training.engine for r in runs})
+    if len(engines) > 1:
+        raise BerthError("runs", engines, "runs of several engines: calibrate one engine at a time")
+    devices = sorted({r.cluster.device.name for r in runs})
+    if len(devices) > 1:
+        raise BerthError("runs", devices, "runs on several device kinds: calibrate one device at a time")
+    prior = prior or runs[0].training.tuning
+    cluster = runs[0].cluster
+    data = Data.of(runs)
+    counts = data.counts()
+    if counts["time"] + counts["memory"] + counts["oom"] < 2:
+        raise BerthError(
+            "runs", len(runs), "fewer than two measured values (step time, peak memory, oom): nothing to fit"
+        )
+    names = tuple(PARAMETERS)
+    lo, hi = bounds(names)
+    x0 = start(prior, names, cluster, engines[0])
+
+    def fun_all(x: np.ndarray) -> np.ndarray:
+        return data.residuals(with_values(prior, {n: decode(n, xi) for n, xi in zip(names, x, strict=True)}))
+
+    chosen, not_fitted = identifiable(_jacobian(fun_all, x0, lo, hi), names, counts)
+    if not chosen:
+        raise BerthError(
+            "runs",
+            len(runs),
+            "these runs determine none of the engine's parameters (the prior is kept): "
+            + "; ".join(f"{n}: {w}" for n, w in not_fitted.items()),
+        )
+    tuning, result, x_start = _solve(data, prior, chosen, cluster)
+    if np.max(np.abs(result.x - x_start)) < MOVED:
+        raise BerthError(
+            "runs",
+            len(runs),
+            f"the fit of {', '.join(chosen)} did not move from the prior: these runs agree with it (the prior is kept)",
+        )
+    fit = EngineFit(
+        engine=engines[0],
+        prior=prior,
+        tuning=tuning,
+        fitted=chosen,
+        not_fitted=not_fitted,
+        uncertainty=uncertainty(chosen, result),
+        counts=counts,
+        run_ids=[r.id for r in runs],
+    )
+    fit.errors = {"fit_before": errors(runs, prior), "fit_after": errors(runs, tuning)}
+    held = held_out(runs, prior, chosen, cluster, folds)
+    if held:
+        fit.errors.update(held)
+    return fit
+
+
+def uncertainty(names: list[str], result: Any) -> dict[str, dict[str, Any]]:
+    """Standard error and 95 % interval of each fitted value: cov = s^2 (J^T J)^-1 at the solution, in the
+    fitted coordinates (log: a multiplicative interval), mapped back to values."""
+    n = len(names)
+    jac, res = result.jac[:-n], result.fun[:-n]  # the runs' rows, not the prior's
+    dof = max(res.size - n, 1)
+    cov = float(res @ res) / dof * np.linalg.pinv(jac.T @ jac)
+    lo, hi = bounds(names)
+    out: dict[str, dict[str, Any]] = {}
+    for j, name in enumerate(names):
+        se = float(np.sqrt(max(cov[j, j], 0.0)))
+        x = result.x[j]
+        value = decode(name, x)
+        p = PARAMETERS[name]
+        value_se = abs(value) * se if p.kind == "log" else se * p.unit
+        out[name] = {
+            "value": value,
+            "standard_error": value_se,
+            "ci95": [decode(name, max(x - 1.96 * se, lo[j])), decode(name, min(x + 1.96 * se, hi[j]))],
+            "at_bound": bool(np.isclose(x, lo[j]) or np.isclose(x, hi[j])),
+        }
+    return out
+
+
+def held_out(
+    runs: list[MeasuredRun], prior: EngineTuning, names: list[str], cluster: ClusterSpec, folds: int
+) -> dict[str, dict[str, float]]:
+    """k-fold: fit on the rest, score each fold's runs; the errors of all folds pooled (before: the prior)."""
+    k = min(folds, len(runs))
+    if k < 2:
+        return {}
+    order = np.argsort([hash(r.id) % 9973 for r in runs], kind="stable")
+    preds_t, preds_m = np.full(len(runs), np.nan), np.full(len(runs), np.nan)
+    for f in range(k):
+        test = set(order[f::k].tolist())
+        train = [r for i, r in enumerate(runs) if i not in test]
+        if not train:
+            continue
+        tuning, _, _ = _solve(Data.of(train), prior, names, cluster)
+        idx = sorted(test)
+        t, m, _ = predict_runs([runs[i] for i in idx], tuning)
+        d = Data.of([runs[i] for i in idx])
+        preds_t[idx] = t / d.time
+        preds_m[idx] = np.where(d.allocated, _allocated(m, tuning), m) / d.mem
+    out: dict[str, float] = {}
+    for key, ratio in (("step_time", preds_t), ("memory", preds_m)):
+        ok = np.isfinite(ratio)
+        if ok.any():
+            e = np.abs(ratio[ok] - 1.0)
+            out[f"{key}_median_error"] = float(np.median(e))
+            out[f"{key}_max_error"] = float(np.max(e))
+    return {"held_out_before": errors(runs, prior), "held_out_after": out} if out else {}
+
+
+# ---- engine profiles ------------------------------------------------------------------------------
+
+
+def read_engine_profile(data: Any, field: str = "profile") -> tuple[str, EngineTuning]:
+    """(engine, tuning) of an engine profile document (`berth calibrate --runs --out`)."""
+    if not isinstance(data, dict) or data.get("format") != ENGINE_PROFILE_FORMAT:
+        raise BerthError(field, str(data)[:80], f"not an engine profile (format {ENGINE_PROFILE_FORMAT})")
+    try:
+        tuning = EngineTuning.model_validate(data.get("tuning", {}))
+    except ValidationError as err:
+        raise from_validation_error(err, f"{field}.tuning") from None
+    engine = data.get("engine")
+    if not isinstance(engine, str):
+        raise BerthError(f"{field}.engine", engine, "an engine name")
+    return engine, tuning
+
+
+def is_engine_profile(path: str) -> bool:
+    """True when the file at `path` is an engine profile (not a `berth profile` device profile)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == ENGINE_PROFILE_FORMAT
+
+
+def plans_of(runs: list[MeasuredRun], tuning: EngineTuning) -> list[Plan]:
+    """The runs' layouts as plans under `tuning` (what a user would compare)."""
+    from berth.planner.search import predict_layouts
+
+    out: list[Plan] = []
+    for r in runs:
+        training = r.training.model_copy(update={"tuning": tuning})
+        out.extend(predict_layouts(r.model, training, r.cluster, [r.layout]))
+    return out

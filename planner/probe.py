@@ -1,0 +1,128 @@
+"""Trial runs that pin an engine's parameters down: an experimental design over the fit's sensitivities.
+
+`berth probe` answers "which K short runs should we measure so that `berth calibrate --runs` learns
+this engine?". For every candidate layout that is predicted to fit with a margin (MARGIN of the
+allocator's capacity left), the sensitivities of its log step time and log peak memory to each
+fitted parameter (planner/engine_fit.py PARAMETERS, in the fit's coordinates) are its rows of the
+fit's Jacobian. The picks greedily maximize the determinant of the information matrix
+lambda I + sum J_i^T J_i (D-optimal design, Atkinson & Donev 1992; lambda is the fit's prior
+weight squared), i.e. each next run is the one that shrinks the joint uncertainty of the
+parameters most given the runs already picked. Each pick says which parameters it pins most
+(the largest relative gains of the information matrix's diagonal) and what dominates its step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from berth.cost_models.candidates import Candidates
+from berth.cost_models.memory import allocator_capacity_bytes
+from berth.cost_models.step import evaluate
+from berth.planner.engine_fit import PARAMETERS, PRIOR_WEIGHT, _value, decode, encode, with_values
+from berth.planner.errors import BerthError
+from berth.planner.search import enumerate_candidates, make_plan
+from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, SearchSpec, TrainingSpec
+
+MARGIN = 0.15  # a probe must fit with 15 % of the capacity to spare: it is measured, not risked
+MAX_CANDIDATES = 20_000  # candidates scored for the design (an even sample of the feasible ones beyond)
+STEP = 0.05  # the finite-difference step in the fit's coordinates
+
+
+@dataclass(frozen=True)
+class Pick:
+    plan: Plan
+    pins: tuple[str, ...]  # the parameters this run informs most
+    why: str
+
+
+def sensitivities(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(J: candidates x 2 x parameters, d log step time and d log peak memory per fitted coordinate;
+    predicted step time; predicted peak) at the training's tuning."""
+    names = list(PARAMETERS)
+    base = evaluate(model, training, cluster, c)
+    t0, m0 = np.log(base.step_time_s), np.log(base.peak_memory_bytes)
+    jac = np.zeros((len(c), 2, len(names)))
+    for j, n in enumerate(names):
+        x = encode(n, _value(training.tuning, n, cluster, training.engine))
+        lo, hi = PARAMETERS[n].lo, PARAMETERS[n].hi
+        h = STEP if decode(n, x + STEP) <= hi else -STEP
+        if decode(n, x + h) < lo:
+            continue
+        moved = training.model_copy(update={"tuning": with_values(training.tuning, {n: decode(n, x + h)})})
+        ev = evaluate(model, moved, cluster, c)
+        jac[:, 0, j] = (np.log(ev.step_time_s) - t0) / h
+        jac[:, 1, j] = (np.log(ev.peak_memory_bytes) - m0) / h
+    return np.nan_to_num(jac), base.step_time_s, base.peak_memory_bytes
+
+
+def design(jac: np.ndarray, k: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy D-optimal picks (indices into jac's rows) and each pick's relative diagonal gains."""
+    p = jac.shape[2]
+    info = PRIOR_WEIGHT**2 * np.eye(p)
+    picks: list[int] = []
+    gains: list[np.ndarray] = []
+    for _ in range(min(k, len(jac))):
+        inv = np.linalg.inv(info)
+        # det(info + J_i^T J_i) / det(info) = det(I_2 + J_i inv J_i^T) (matrix determinant lemma)
+        m = np.einsum("nap,pq,nbq->nab", jac, inv, jac)
+        score = (1 + m[:, 0, 0]) * (1 + m[:, 1, 1]) - m[:, 0, 1] * m[:, 1, 0]
+        score[picks] = -np.inf
+        i = int(np.argmax(score))
+        new = info + jac[i].T @ jac[i]
+        gains.append(np.diag(new) / np.diag(info) - 1.0)
+        info = new
+        picks.append(i)
+    return picks, gains
+
+
+def probe(
+    model: ModelSpec,
+    training: TrainingSpec,
+    cluster: ClusterSpec,
+    k: int,
+    layouts: list[Layout] | None = None,
+    search: SearchSpec | None = None,
+) -> list[Pick]:
+    """K layouts to measure (among `layouts`, or every layout the search enumerates) that fit with MARGIN
+    to spare, chosen to pin the engine's parameters down (see the module docstring)."""
+    if not 1 <= k <= 64:
+        raise BerthError("runs", k, "probe 1 to 64 runs")
+    c = (
+        Candidates.from_layouts(layouts)
+        if layouts is not None
+        else enumerate_candidates(model, training, cluster, search or SearchSpec())
+    )
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ev = evaluate(model, training, cluster, c)
+        capacity = allocator_capacity_bytes(cluster.device, cluster.world_size)
+        ok = ev.feasible & (ev.peak_memory_bytes <= (1.0 - MARGIN) * capacity) & np.isfinite(ev.step_time_s)
+    idx = np.flatnonzero(ok)
+    if idx.size == 0:
+        raise BerthError("probe", len(c), f"no layout fits with {MARGIN:.0%} of the memory to spare")
+    if idx.size > MAX_CANDIDATES:
+        idx = idx[np.linspace(0, idx.size - 1, MAX_CANDIDATES).astype(int)]
+    sub = c.take(idx)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        jac, _, _ = sensitivities(model, training, cluster, sub)
+    chosen, gains = design(jac, k)
+    names = list(PARAMETERS)
+    out: list[Pick] = []
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ev_sub = evaluate(model, training, cluster, sub)
+    for i, gain in zip(chosen, gains, strict=True):
+        plan = make_plan(model, training, cluster, sub, ev_sub, i)
+        order = np.argsort(-gain)
+        pins = tuple(names[j] for j in order[:3] if gain[j] > 0.05)
+        pred = plan.predicted()
+        terms = sorted(pred.time_breakdown_s.items(), key=lambda kv: -kv[1])
+        share = ", ".join(f"{t} {v / pred.step_time_s:.0%}" for t, v in terms[:2] if v > 0)
+        why = (
+            f"pins {', '.join(pins) if pins else 'nothing new (the design ran out of information)'}; "
+            f"its step is {share}; {pred.peak_memory_bytes / 2**30:.1f} GiB"
+        )
+        out.append(Pick(plan, pins, why))
+    return out

@@ -1,0 +1,234 @@
+"""Measured runs of any engine as MeasuredRun records (planner/engine_fit.py).
+
+Three sources:
+
+- JSON lines (`read_runs`), one run each, the format `berth calibrate --runs FILE` reads:
+
+      {"model": <preset | HF config object | model spec object>,
+       "cluster": {"preset": "dgx-h100", "nodes": 2} or {"graph": <node-link graph>},
+       "seq_len": 4096, "global_batch": 256, "layout": "tp=2,pp=2,dp=4,mbs=1,nmb=64,zero=1",
+       "engine": "generic", "status": "ok" | "oom" | "error",
+       "tokens_per_s": 123456.0 (the job's) or "tokens_per_s_per_gpu" or "step_time_s",
+       "peak_memory_gib": 61.2, "memory_kind": "reserved" | "allocated", "id": "optional name"}
+
+  Measurements may be missing; other fields are ignored.
+- torchtitan's training log (`torchtitan_log`): the metrics line torchtitan's MetricsProcessor.log
+  prints each logged step (torchtitan 0.3.0 torchtitan/components/metrics.py: "step: N  loss: ...
+  grad_norm: ...  memory: X.XXGiB(P%)  tps: N  tflops: ...  mfu: ...%"); `tps` is tokens per second per
+  GPU and `memory` the peak reserved memory (device_memory_monitor: max_reserved). The first logged step
+  (warm-up, compilation) is skipped.
+- Megatron-LM's training log (`megatron_log`): "elapsed time per iteration (ms): X" of each
+  iteration line (megatron/training/training.py training_log) and the memory report after the first
+  iterations ("memory (MB) | allocated: ... | max allocated: ... | reserved: ... | max reserved: ...",
+  megatron/training/utils.py report_memory). The first iteration is skipped.
+
+A log comes with the plan that ran (`berth plan --json` / `berth compare --json` output, or a plan
+file): the plan gives model, cluster, training, engine and layout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from berth.planner.engine_fit import MeasuredRun
+from berth.planner.errors import BerthError, from_validation_error
+from berth.planner.inputs import ClusterInput, TrainingInput, resolve
+from berth.planner.layouts import complete_layout, parse_spec
+from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
+
+GIB = 2.0**30
+MIB = 2.0**20
+MAX_RUNS = 100_000  # lines of a runs file
+STATUSES = ("ok", "oom", "error")
+
+
+def _number(rec: dict[str, Any], key: str, where: str) -> float | None:
+    value = rec.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or value != value:
+        raise BerthError(f"{where}.{key}", value, "a positive number")
+    return float(value)
+
+
+def _plan_of(value: Any, where: str, base: Path | None) -> Plan:
+    """A record's "plan": an inline plan object, or (from a file) a plan file's path relative to it."""
+    if isinstance(value, str) and base is not None:
+        path = (base / value).resolve()
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise BerthError(f"{where}.plan", str(path), f"cannot read a plan: {err}") from None
+    try:
+        return Plan.model_validate(value)
+    except ValidationError as err:
+        raise from_validation_error(err, f"{where}.plan") from None
+
+
+def run_from_record(
+    rec: Any, where: str, allow_files: bool = True, cache: dict | None = None, base: Path | None = None
+) -> MeasuredRun:
+    """One JSON-lines record as a MeasuredRun; a bad field is refused naming `where.<field>`. The run is given
+    by "model", "cluster", "seq_len", "global_batch", "layout" and "engine", or by the "plan" that ran (an inline
+    plan, or a plan file next to the runs file: what `berth probe --out` writes)."""
+    if not isinstance(rec, dict):
+        raise BerthError(where, str(rec)[:60], "a JSON object per line")
+    cache = {} if cache is None else cache
+    if "plan" in rec:
+        plan = _plan_of(rec["plan"], where, base if allow_files else None)
+        rec = {k: v for k, v in rec.items() if k != "plan"}
+        return _measured(rec, where, plan.model, plan.training, plan.cluster, plan.layout)
+    for key in ("model", "cluster", "seq_len", "global_batch", "layout"):
+        if key not in rec:
+            raise BerthError(f"{where}.{key}", None, "required")
+    cl = rec["cluster"]
+    if not isinstance(cl, dict):
+        raise BerthError(f"{where}.cluster", cl, 'an object: {"preset": NAME, "nodes": N} or {"graph": {...}}')
+    for key in ("seq_len", "global_batch"):
+        if isinstance(rec[key], bool) or not isinstance(rec[key], int) or not 0 < rec[key] < 2**31:
+            raise BerthError(f"{where}.{key}", rec[key], "a positive integer")
+    nodes = cl.get("nodes", 1)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 0 < nodes < 2**31:
+        raise BerthError(f"{where}.cluster.nodes", nodes, "a positive integer")
+    key = json.dumps([rec["model"], cl, rec["seq_len"], rec["global_batch"], rec.get("engine")], sort_keys=True)
+    if key not in cache:
+        cluster = (
+            ClusterInput(graph=cl["graph"])
+            if "graph" in cl
+            else ClusterInput(preset=str(cl.get("preset", "dgx-h100")), nodes=nodes)
+        )
+        training = TrainingInput(rec["seq_len"], rec["global_batch"], engine=str(rec.get("engine", "generic")))
+        try:
+            cache[key] = resolve(rec["model"], cluster, training, allow_files=allow_files)
+        except BerthError as err:  # name the line: "runs line 3: training.engine"
+            raise BerthError(f"{where}: {err.field}", err.value, err.problem) from None
+    model, training, cluster = cache[key]
+    if not isinstance(rec["layout"], str):
+        raise BerthError(f"{where}.layout", rec["layout"], 'a layout string, "tp=2,pp=2,dp=4,mbs=1,nmb=64,zero=1"')
+    layout = complete_layout(parse_spec(rec["layout"], f"{where}.layout"), training, cluster.world_size, where)
+    return _measured(rec, where, model, training, cluster, layout)
+
+
+def _measured(
+    rec: dict[str, Any], where: str, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, layout: Layout
+) -> MeasuredRun:
+    status = rec.get("status", "ok")
+    if status not in STATUSES:
+        raise BerthError(f"{where}.status", status, f"one of {', '.join(STATUSES)}")
+    kind = rec.get("memory_kind", "reserved")
+    if kind not in ("reserved", "allocated"):
+        raise BerthError(f"{where}.memory_kind", kind, "reserved or allocated")
+    tokens = _number(rec, "tokens_per_s", where)
+    per_gpu = _number(rec, "tokens_per_s_per_gpu", where)
+    step = _number(rec, "step_time_s", where)
+    batch_tokens = training.global_batch_size * training.seq_len
+    if step is None and tokens is not None:
+        step = batch_tokens / tokens
+    if step is None and per_gpu is not None:
+        step = batch_tokens / (per_gpu * cluster.world_size)
+    mem = _number(rec, "peak_memory_gib", where)
+    return MeasuredRun(
+        id=str(rec.get("id", where))[:200],
+        model=model,
+        training=training,
+        cluster=cluster,
+        layout=layout,
+        status=status,
+        step_time_s=step if status == "ok" else None,
+        peak_memory_bytes=mem * GIB if mem is not None and status == "ok" else None,
+        memory_kind=kind,
+    )
+
+
+def read_runs(text: str, source: str = "runs", allow_files: bool = True, base: Path | None = None) -> list[MeasuredRun]:
+    """Every run of a JSON-lines text (blank lines and lines starting with # skipped); `base`: the folder plan
+    paths are relative to."""
+    runs: list[MeasuredRun] = []
+    cache: dict = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if len(runs) >= MAX_RUNS:
+            raise BerthError(source, f"line {n}", f"more than {MAX_RUNS} runs")
+        try:
+            rec = json.loads(line)
+        except ValueError as err:
+            raise BerthError(f"{source} line {n}", line[:60], f"not JSON: {err}") from None
+        runs.append(run_from_record(rec, f"{source} line {n}", allow_files, cache, base))
+    if not runs:
+        raise BerthError(source, 0, "no runs in the file")
+    return runs
+
+
+# ---- engines' own logs ----------------------------------------------------------------------------
+
+# torchtitan 0.3.0 torchtitan/components/metrics.py MetricsProcessor.log (colour codes stripped first)
+_TT_LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Megatron-LM megatron/training/training.py training_log and megatron/training/utils.py report_memory
+_MG_ITER = re.compile(r"iteration\s+(\d+)\s*/\s*\d+.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
+_MG_MEM = re.compile(r"max allocated:\s*([\d.]+).*?max reserved:\s*([\d.]+)")
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
+
+
+def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> MeasuredRun:
+    """A torchtitan training log and the plan that ran, as one measured run (median over logged steps)."""
+    rows = [_TT_LINE.search(_ANSI.sub("", line)) for line in text.splitlines()]
+    found = [(int(m[1]), float(m[2]), float(m[3].replace(",", ""))) for m in rows if m]
+    steps = found[1:] or found
+    if not steps:
+        raise BerthError("log", run_id, "no torchtitan metrics line ('step: N ... memory: X GiB ... tps: N')")
+    tps = _median([s[2] for s in steps])
+    mem = max(s[1] for s in steps)
+    batch_tokens = plan.training.global_batch_size * plan.training.seq_len
+    return MeasuredRun(
+        run_id,
+        plan.model,
+        plan.training.model_copy(update={"engine": "torchtitan"}),
+        plan.cluster,
+        plan.layout,
+        "ok",
+        batch_tokens / (tps * plan.cluster.world_size),
+        mem * GIB,
+        "reserved",
+    )
+
+
+def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> MeasuredRun:
+    """A Megatron-LM training log and the plan that ran, as one measured run (median iteration time after
+    the first, the largest max-reserved figure reported)."""
+    iters = [(int(m[1]), float(m[2])) for m in (_MG_ITER.search(line) for line in text.splitlines()) if m]
+    times = [ms for it, ms in iters if it > 1] or [ms for _, ms in iters]
+    if not times:
+        raise BerthError("log", run_id, "no Megatron iteration line ('elapsed time per iteration (ms): X')")
+    mems = [float(m[2]) for m in (_MG_MEM.search(line) for line in text.splitlines()) if m]
+    return MeasuredRun(
+        run_id,
+        plan.model,
+        plan.training.model_copy(update={"engine": "megatron"}),
+        plan.cluster,
+        plan.layout,
+        "ok",
+        _median(times) / 1e3,
+        max(mems) * MIB if mems else None,
+        "reserved",
+    )
+
+
+def read_log(path: str, plan: Plan) -> MeasuredRun:
+    """A torchtitan or Megatron-LM log file (told apart by their lines) as a measured run."""
+    text = Path(path).read_text(errors="replace")[: 64 * 2**20]
+    if _MG_ITER.search(text):
+        return megatron_log(text, plan, Path(path).name)
+    return torchtitan_log(text, plan, Path(path).name)

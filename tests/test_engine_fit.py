@@ -1,0 +1,364 @@
+"""The engine as an input (cost_models/engines.py), runs of any engine (planner/run_logs.py), the fit that
+learns an engine (planner/engine_fit.py) and the trial runs that feed it (planner/probe.py).
+
+The fit is checked against runs whose truth is known: runs made by the cost model itself under a known
+EngineTuning (synthetic timings, the only place the truth is exact); the real check of the loop on a
+measured sweep is benchmarks/engine_sweep.py (its figures in benchmarks/results/engine_sweep.json, scored
+by tests/test_engine_sweep.py)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from berth.cost_models.engines import ENGINES, engine_refusal
+from berth.planner.engine_fit import PARAMETERS, MeasuredRun, fit_engine, predict_runs
+from berth.planner.errors import BerthError
+from berth.planner.inputs import make_search
+from berth.planner.planning import plan, plan_for_format
+from berth.planner.probe import MARGIN, probe
+from berth.planner.run_logs import megatron_log, read_runs, torchtitan_log
+from berth.planner.search import predict_layouts
+from berth.planner.specs import EngineTuning, Layout, ModelSpec, TrainingSpec
+from berth.planner.topology import cluster_from_preset
+
+BERTH = [sys.executable, "-m", "berth.planner.cli"]
+SMALL = ModelSpec(
+    name="small",
+    num_layers=8,
+    hidden_size=2048,
+    num_attention_heads=16,
+    ffn_hidden_size=8192,
+    vocab_size=32000,
+    mlp="swiglu",
+    norm="rmsnorm",
+)
+
+
+def training(engine="generic", **kw):
+    return TrainingSpec(seq_len=2048, global_batch_size=64, engine=engine, **kw)
+
+
+def test_engine_names_and_the_old_framework_alias():
+    assert TrainingSpec(seq_len=8, global_batch_size=1, framework="pytorch").engine == "executor"
+    assert TrainingSpec(seq_len=8, global_batch_size=1, framework="megatron").engine == "megatron"
+    assert TrainingSpec(seq_len=8, global_batch_size=1, engine="nemo").engine == "megatron"
+    t = TrainingSpec(seq_len=8, global_batch_size=1, engine="torchtitan")
+    assert t.framework == "torchtitan" and json.loads(t.model_dump_json())["engine"] == "torchtitan"
+    with pytest.raises(ValueError, match="engine"):
+        TrainingSpec(seq_len=8, global_batch_size=1, engine="nanotorch")
+
+
+def test_each_engine_runs_what_its_code_runs():
+    few = Layout(
+        pp=4, dp=2, micro_batch_size=16, num_microbatches=2, schedule="1f1b"
+    )  # fewer micro-batches than stages
+    cl = cluster_from_preset("dgx-h100", 1)
+    by = {e: predict_layouts(SMALL, training(e), cl, [few])[0] for e in ENGINES}
+    # torch.distributed.pipelining refuses it; Megatron, DeepSpeed and a generic stack run it
+    assert by["executor"].infeasible_reason.startswith("too_few_microbatches")
+    assert "torch.distributed.pipelining" in by["torchtitan"].infeasible_reason
+    for e in ("megatron", "deepspeed", "generic"):
+        assert by[e].prediction is not None and by[e].infeasible_reason is None, (e, by[e].infeasible_reason)
+    gpipe = Layout(pp=2, dp=4, micro_batch_size=1, num_microbatches=16, schedule="gpipe")
+    refusal = engine_refusal(gpipe, SMALL, training("megatron"))
+    assert refusal.startswith("engine megatron (Megatron-LM") and "gpipe" in refusal
+    assert engine_refusal(gpipe, SMALL, training("generic")) is None
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "torchtitan", "megatron"])
+def test_the_search_returns_only_what_the_engine_runs(engine):
+    cl = cluster_from_preset("dgx-h100", 2)
+    result = plan(SMALL, training(engine), cl, make_search(top=10))
+    assert result.plans
+    for p in result.plans:
+        assert p.training.engine == engine
+        assert engine_refusal(p.layout, SMALL, p.training) is None
+
+
+def test_the_engine_moves_memory_through_its_recipe():
+    cl = cluster_from_preset("dgx-h100", 1)
+    x = Layout(tp=2, dp=4, micro_batch_size=1, num_microbatches=16, zero_stage=1, shard=4, sequence_parallel=True)
+    mem = {
+        e: predict_layouts(SMALL, training(e), cl, [x])[0].predicted().peak_memory_bytes
+        for e in ("executor", "megatron", "generic")
+    }
+    # Megatron's recipe (16-bit weights, fp32 grad buffer, sharded fp32 master) differs from the executor's
+    assert mem["megatron"] != mem["executor"]
+    assert mem["generic"] == mem["megatron"]  # the same textbook recipe
+
+
+def test_launch_writes_the_engines_own_files_or_repredicts_saying_so():
+    cl = cluster_from_preset("dgx-h100", 1)
+    x = Layout(tp=2, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True)
+    p = predict_layouts(SMALL, training("megatron"), cl, [x])[0]
+    same, fmt, note = plan_for_format(p, None)
+    assert fmt == "megatron" and note is None and same is p
+    again, fmt, note = plan_for_format(p, "torchrun")
+    assert again.training.engine == "executor" and "re-predicted" in note and "megatron" in note
+    g = predict_layouts(SMALL, training("generic"), cl, [x])[0]
+    with pytest.raises(BerthError, match="no launch files"):
+        plan_for_format(g, None)
+    ds = predict_layouts(SMALL, training("megatron"), cl, [x.model_copy(update={"sequence_parallel": True})])[0]
+    with pytest.raises(BerthError, match="deepspeed.*cannot run"):
+        plan_for_format(ds, "deepspeed")  # sequence parallelism: DeepSpeed has none
+
+
+TRUTH = EngineTuning(
+    compute_efficiency=0.8,
+    inter_node_bandwidth_scale=0.4,
+    layer_overhead_s=0.002,
+    state_bytes_scale=1.25,
+    activation_scale=1.15,
+    fixed_bytes=3 * 2**30,
+)
+
+
+def synthetic_runs(layouts, cl, truth=TRUTH, train=None):
+    """The layouts run by an engine whose truth is `truth`: the cost model's own prediction under it."""
+    runs = [MeasuredRun(f"r{i}", SMALL, train or training(), cl, x) for i, x in enumerate(layouts)]
+    t, m, _ = predict_runs(runs, truth)
+    return [
+        MeasuredRun(r.id, r.model, r.training, r.cluster, r.layout, "ok", float(ti), float(mi))
+        for r, ti, mi in zip(runs, t, m, strict=True)
+    ]
+
+
+def test_probe_picks_distinct_layouts_that_fit_with_margin_and_says_why():
+    cl = cluster_from_preset("dgx-h100", 2)
+    picks = probe(SMALL, training(), cl, 8)
+    assert len({p.plan.layout for p in picks}) == 8
+    for p in picks:
+        pred = p.plan.predicted()
+        assert pred.peak_memory_bytes <= (1 - MARGIN) * pred.memory_capacity_bytes
+        assert p.why.startswith("pins ") and set(p.pins) <= set(PARAMETERS)
+    # the design spreads over the parameters: together the picks inform the time and the memory ones
+    pinned = {n for p in picks for n in p.pins}
+    assert {"compute_efficiency", "inter_node_bandwidth_scale"} & pinned
+    assert {"state_bytes_scale", "activation_scale", "fixed_bytes"} & pinned
+
+
+def test_the_fit_recovers_a_known_engine_and_predicts_runs_it_did_not_see():
+    cl = cluster_from_preset("dgx-h100", 2)
+    picks = probe(SMALL, training(), cl, 12)
+    fit = fit_engine(synthetic_runs([p.plan.layout for p in picks], cl))
+    assert "compute_efficiency" in fit.fitted and fit.uncertainty["compute_efficiency"]["standard_error"] > 0
+    # scored on layouts the fit never saw, on a cluster 4x larger
+    big = cluster_from_preset("dgx-h100", 8)
+    others = [p.layout for p in plan(SMALL, training(), big, make_search(top=20)).plans]
+    unseen = synthetic_runs(others, big)
+    t0, m0, _ = predict_runs(unseen, EngineTuning())
+    t1, m1, _ = predict_runs(unseen, fit.tuning)
+    truth_t = np.array([r.step_time_s for r in unseen])
+    truth_m = np.array([r.peak_memory_bytes for r in unseen])
+    before, after = np.median(np.abs(t0 / truth_t - 1)), np.median(np.abs(t1 / truth_t - 1))
+    assert before > 0.15 and after < 0.03, (before, after)
+    assert np.median(np.abs(m1 / truth_m - 1)) < 0.03 < np.median(np.abs(m0 / truth_m - 1))
+    assert (
+        fit.errors["held_out_after"]["step_time_median_error"] < fit.errors["held_out_before"]["step_time_median_error"]
+    )
+
+
+def test_out_of_memory_runs_push_the_memory_up():
+    cl = cluster_from_preset("dgx-h100", 1)
+    x = Layout(dp=8, micro_batch_size=4, num_microbatches=2)
+    base = predict_layouts(SMALL, training(), cl, [x])[0].predicted()
+    assert base.fits  # berth thinks it fits; the engine ran out of memory twice and ran a smaller one
+    small = Layout(dp=8, micro_batch_size=1, num_microbatches=8)
+    runs = [
+        MeasuredRun("a", SMALL, training(), cl, x, "oom"),
+        MeasuredRun(
+            "b", SMALL, training(), cl, x.model_copy(update={"micro_batch_size": 8, "num_microbatches": 1}), "oom"
+        ),
+        MeasuredRun("c", SMALL, training(), cl, small, "ok", None, 0.5 * base.memory_capacity_bytes),
+        MeasuredRun(
+            "d",
+            SMALL,
+            training(),
+            cl,
+            x.model_copy(update={"micro_batch_size": 2, "num_microbatches": 4}),
+            "ok",
+            None,
+            0.8 * base.memory_capacity_bytes,
+        ),
+    ]
+    fit = fit_engine(runs)
+    after = predict_layouts(SMALL, training().model_copy(update={"tuning": fit.tuning}), cl, [x])[0].predicted()
+    assert after.peak_memory_bytes > base.peak_memory_bytes
+
+
+def test_three_runs_move_the_fit_or_are_refused_never_a_silent_no_op(tmp_path):
+    cl = cluster_from_preset("dgx-h100", 2)
+    picks = probe(SMALL, training(), cl, 3)
+    fit = fit_engine(synthetic_runs([p.plan.layout for p in picks], cl))
+    assert fit.fitted and fit.tuning != EngineTuning()
+    # runs that agree with the prior exactly: refused, the prior kept, and the CLI exits non-zero
+    agree = synthetic_runs([p.plan.layout for p in picks], cl, truth=EngineTuning())
+    with pytest.raises(BerthError, match="did not move"):
+        fit_engine(agree)
+    lines = [
+        {
+            "plan": p.plan.model_dump(mode="json"),
+            "step_time_s": r.step_time_s,
+            "peak_memory_gib": r.peak_memory_bytes / 2**30,
+        }
+        for p, r in zip(picks, agree, strict=True)
+    ]
+    f = tmp_path / "runs.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = subprocess.run([*BERTH, "calibrate", "--runs", str(f)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "did not move" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_cli_loop_probe_calibrate_plan(tmp_path):
+    out = tmp_path / "probes"
+    common = ["--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "2048", "--global-batch", "64"]
+    model = tmp_path / "small.json"
+    model.write_text(SMALL.model_dump_json())
+    r = subprocess.run(
+        [*BERTH, "probe", str(model), *common, "--engine", "megatron", "--runs", "6", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert (out / "probe-01" / "megatron-launch.sh").exists() and (out / "probe-01" / "plan.json").exists()
+    # the team runs them: here the cost model under TRUTH stands in for the engine
+    from berth.planner.specs import Plan
+
+    template = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    plans = [Plan.model_validate_json((out / t["plan"]).read_text()) for t in template]
+    measured = synthetic_runs([p.layout for p in plans], plans[0].cluster, train=plans[0].training)
+    for t, m in zip(template, measured, strict=True):
+        t["step_time_s"], t["peak_memory_gib"] = m.step_time_s, m.peak_memory_bytes / 2**30
+    (out / "runs.jsonl").write_text("".join(json.dumps(t) + "\n" for t in template))
+    prof = tmp_path / "megatron-profile.json"
+    r = subprocess.run(
+        [*BERTH, "calibrate", "--runs", str(out / "runs.jsonl"), "--out", str(prof)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(prof.read_text())
+    assert doc["engine"] == "megatron" and doc["fit"]["fitted"]
+    r = subprocess.run(
+        [*BERTH, "plan", str(model), *common, "--profile", str(prof), "--json", "--top", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    top = json.loads(r.stdout)["plans"][0]
+    assert top["training"]["engine"] == "megatron" and top["training"]["tuning"]["profile"] == "megatron-profile"
+    r = subprocess.run(
+        [*BERTH, "plan", str(model), *common, "--profile", str(prof), "--engine", "deepspeed"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and "engine" in r.stderr and "megatron" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('{"model": "llama3-8b", "cluster": {"preset": "dgx-h100"}, "seq_len": 8, "global_batch": 8}', "layout"),
+        (
+            '{"model": "llama3-8b", "cluster": {"preset": "dgx-h100"}, "seq_len": 8, "global_batch": 8, '
+            '"layout": "tp=8", "status": "crashed"}',
+            "status",
+        ),
+        (
+            '{"model": "llama3-8b", "cluster": {"preset": "dgx-h100"}, "seq_len": 8, "global_batch": 8, '
+            '"layout": "tp=8", "tokens_per_s": -3}',
+            "tokens_per_s",
+        ),
+        (
+            '{"model": "llama3-8b", "cluster": {"preset": "dgx-h100"}, "seq_len": 8, "global_batch": 8, '
+            '"layout": "tp=8", "engine": "nanotorch"}',
+            "engine",
+        ),
+        ('{"model": "llama3-8b", "cluster": "dgx-h100", "seq_len": 8, "global_batch": 8, "layout": "tp=8"}', "cluster"),
+        ("not json", "line 1"),
+    ],
+)
+def test_bad_runs_are_refused_naming_the_line_and_field(line, field):
+    with pytest.raises(BerthError) as err:
+        read_runs(line, "runs.jsonl")
+    assert "line 1" in str(err.value) and field in str(err.value)
+
+
+def test_runs_as_a_user_writes_them():
+    text = "\n".join(
+        [
+            "# two runs of Llama 3 8B on one DGX H100",
+            json.dumps(
+                {
+                    "model": "llama3-8b",
+                    "cluster": {"preset": "dgx-h100", "nodes": 1},
+                    "seq_len": 4096,
+                    "global_batch": 64,
+                    "layout": "tp=2,dp=4,mbs=1,zero=1,sp=1",
+                    "engine": "torchtitan",
+                    "tokens_per_s": 48000,
+                    "peak_memory_gib": 61.5,
+                    "gpu_hours_wasted": 3,
+                }
+            ),
+            json.dumps(
+                {
+                    "model": "llama3-8b",
+                    "cluster": {"preset": "dgx-h100", "nodes": 1},
+                    "seq_len": 4096,
+                    "global_batch": 64,
+                    "layout": "tp=1,dp=8,mbs=4,zero=3",
+                    "engine": "torchtitan",
+                    "status": "oom",
+                }
+            ),
+        ]
+    )
+    a, b = read_runs(text)
+    assert a.training.engine == "torchtitan" and a.layout.num_microbatches == 16 and a.layout.shard == 4
+    assert a.step_time_s == pytest.approx(64 * 4096 / 48000) and a.peak_memory_bytes == 61.5 * 2**30
+    assert b.status == "oom" and b.step_time_s is None
+
+
+def _plan():
+    cl = cluster_from_preset("dgx-h100", 1)
+    x = Layout(tp=2, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True)
+    return predict_layouts(SMALL, training("torchtitan"), cl, [x])[0]
+
+
+def test_torchtitan_and_megatron_logs_become_runs():
+    p = _plan()
+    # torchtitan 0.3.0 torchtitan/components/metrics.py MetricsProcessor.log, with its colour codes
+    tt = "\n".join(
+        f"[rank0]:[titan] 2026-01-01 00:00:0{i} - root - INFO - \x1b[31mstep: {i}  \x1b[32mloss:  7.1234  "
+        f"\x1b[38;2;180;60;0mgrad_norm:  1.2000  \x1b[38;2;54;234;195mmemory: {30 + i}.50GiB({40 + i}.00%)  "
+        f"\x1b[34mtps: {w:,}  \x1b[36mtflops: 300.00  \x1b[35mmfu: 30.33%\x1b[39m"
+        for i, w in ((1, 900), (2, 10_000), (3, 10_400), (4, 10_200))
+    )
+    run = torchtitan_log(tt, p)
+    assert run.step_time_s == pytest.approx(64 * 2048 / (10_200 * 8))  # median of the steps after the first
+    assert run.peak_memory_bytes == pytest.approx(34.5 * 2**30) and run.training.engine == "torchtitan"
+    # Megatron-LM megatron/training/training.py training_log and utils.py report_memory
+    mg = "\n".join(
+        [
+            " [2026-01-01 00:00:01] iteration        1/     100 | consumed samples:           64 | elapsed time "
+            "per iteration (ms): 9000.0 | learning rate: 1.0E-05 |",
+            "[Rank 0] (after 1 iterations) memory (MB) | allocated: 20000.0 | max allocated: 30000.0 | "
+            "reserved: 32000.0 | max reserved: 32500.0",
+            " [2026-01-01 00:00:02] iteration        2/     100 | consumed samples:          128 | elapsed time "
+            "per iteration (ms): 1500.0 | learning rate: 1.0E-05 |",
+            " [2026-01-01 00:00:03] iteration        3/     100 | consumed samples:          192 | elapsed time "
+            "per iteration (ms): 1520.0 | learning rate: 1.0E-05 |",
+        ]
+    )
+    run = megatron_log(mg, p)
+    assert run.step_time_s == pytest.approx(1.51) and run.peak_memory_bytes == 32500 * 2**20
+    with pytest.raises(BerthError, match="no torchtitan metrics"):
+        torchtitan_log("nothing here", p)
