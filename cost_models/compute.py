@@ -281,16 +281,16 @@ def lm_head_compute_s(model: ModelSpec, training: TrainingSpec, device: DevicePr
     gradient accumulation (weight_bytes_bwd again), and head_dispatch_s. Without it: the legacy
     3x GEMM + 16 bytes per logit."""
     s, h = training.seq_len, model.hidden_size
-    v_tp = memory.vocab_rows(model, tp)  # the padded vocabulary's rows on one tp rank
+    v = memory.padded_vocab(model, tp)  # the vocabulary padded to a multiple of tp (vocab_size where tp divides it)
     rows = b * s
     fw = _framework(device, training)
     if fw is None:
-        gemm = gemm_time_s(device, training, rows, v_tp, h)
-        loss_bytes = 4.0 * 4 * rows * v_tp  # fp32 logits: upcast, softmax, grad write and read
+        gemm = gemm_time_s(device, training, rows, v / tp, h)
+        loss_bytes = 4.0 * 4 * rows * v / tp  # fp32 logits: upcast, softmax, grad write and read
         return (1.0 + BACKWARD_TO_FORWARD) * gemm + _stream_s(device, loss_bytes)
-    fwd, bwd = _projection_s(device, training, rows, v_tp, h)
-    weights = v_tp * h
-    nbytes = fw.loss_bytes_per_logit * rows * v_tp + (fw.weight_bytes_fwd + 2 * fw.weight_bytes_bwd) * weights
+    fwd, bwd = _projection_s(device, training, rows, v / tp, h)
+    weights = v * h / tp
+    nbytes = fw.loss_bytes_per_logit * rows * v / tp + (fw.weight_bytes_fwd + 2 * fw.weight_bytes_bwd) * weights
     return fwd + bwd + fw.head_dispatch_s + _stream_s(device, nbytes)
 
 

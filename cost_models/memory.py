@@ -164,6 +164,12 @@ def vocab_rows(model: ModelSpec, tp) -> ArrayOrFloat:
     return np.ceil(model.vocab_size / tp)
 
 
+def padded_vocab(model: ModelSpec, tp) -> ArrayOrFloat:
+    """The vocabulary padded to a multiple of tp (`vocab_rows` x tp): vocab_size itself where tp divides it,
+    so the expressions below that take it / tp give the unpadded figures to the last bit there."""
+    return vocab_rows(model, tp) * np.asarray(tp, dtype=float)
+
+
 def stage_params(
     model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False, ep=1, part: str = "all", etp=None
 ) -> ArrayOrFloat:
@@ -188,7 +194,7 @@ def stage_params(
         return np.asarray(middle_layers, dtype=float) * local
     pp = np.asarray(pp, dtype=float)
     layers = np.asarray(first_layers if first else last_layers, dtype=float) * local
-    emb = edge * vocab_rows(model, tp) * model.hidden_size
+    emb = edge * (padded_vocab(model, tp) * model.hidden_size) / tp
     head = np.where((pp == 1) & model.tied_embeddings, 0.0, emb) + edge * model.final_norm_params
     if first:
         return layers + emb + np.where(pp == 1, head, 0.0)
@@ -520,7 +526,7 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
         per_logit = LOGITS_SAVED_BYTES * in_flight + e * (in_flight - 1.0) + LOGITS_BACKWARD_BYTES + parallel_loss
     else:
         per_logit = (e + LOGITS_SAVED_BYTES) * in_flight + LOGITS_BACKWARD_BYTES + parallel_loss
-    return per_logit * b * training.seq_len * vocab_rows(model, tp)
+    return per_logit * b * training.seq_len * padded_vocab(model, tp) / tp
 
 
 def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_head) -> ArrayOrFloat:
@@ -530,7 +536,7 @@ def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_h
     next peak allocates (`allocator_transient_blocks` in the device profile)."""
     tokens = np.asarray(c.micro_batch_size, dtype=float) * training.seq_len
     logit_bytes = training.bytes_per_element if training.cross_entropy == "fused" else FP32_BYTES
-    logits = np.where(holds_head, logit_bytes * tokens * vocab_rows(model, c.tp), 0.0)
+    logits = np.where(holds_head, logit_bytes * tokens * padded_vocab(model, c.tp) / c.tp, 0.0)
     mlp = training.bytes_per_element * tokens * model.ffn_hidden_size / c.tp
     return np.maximum(logits, mlp)
 
