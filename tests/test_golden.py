@@ -1,4 +1,4 @@
-"""Golden cases: published runs in ../shared/reference/published_runs_a100.json and
+"""Golden cases: published runs in benchmarks/data/reference/published_runs_a100.json and
 published_runs_more.json, each predicted with the layout and engine its source used
 (`benchmarks/published.py`: `case_for` builds the model, training, cluster and layout, and turns
 each source's figure into a measured step time).
@@ -26,8 +26,9 @@ include work the model leaves out (data loading, loss scaling, logging), the pub
 are rounded (~0.5%), and the H100 rows ran on a 96 GB, 500 W part predicted from the 80 GB,
 700 W profile with a stated clock derate (benchmarks/published.py: H100_96GB_*).
 
-The reference data are required: CI has ../shared beside the checkout, and a missing file is a
-failure that says where the data were looked for, never a skip.
+The reference data are required: they are part of the repository (benchmarks/data/reference,
+PROVENANCE.md there), and a missing file is a failure that says where the data were looked for,
+never a skip.
 """
 
 import statistics
@@ -193,14 +194,14 @@ def test_selective_recompute_beats_full_as_published(published_runs):
 
 
 def test_missing_reference_data_is_a_clear_error(tmp_path):
-    """Without ../shared/reference the loader names the path it looked in (the fixture turns
+    """Without the reference data the loader names the path it looked in (the fixture turns
     this into a failure, not a skip)."""
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         load_runs(tmp_path)
 
 
 def test_missing_reference_files_fail_the_tests_that_read_them(tmp_path):
-    """Every test reading ../shared/reference goes through tests/conftest.py require_reference: a
+    """Every test reading benchmarks/data/reference goes through tests/conftest.py require_reference: a
     missing file fails the test naming the path, never skips it."""
     from tests.conftest import require_reference
 
