@@ -15,7 +15,7 @@ each source's figure into a measured step time).
   published_runs_moe_cp.json): Mixtral 8x7B on 64 GPUs (TP 1, EP 8, PP 4, VP 8; Megatron-LM's MoE
   README, MCore v0.8 and v0.9) and Mixtral 8x22B on 128 GPUs (TP 2, EP 8, PP 8, VP 7; the Megatron
   MoE team's ModelZoo scripts of 2025-12 and 2026-03). No bf16 context-parallel or uneven-stage run
-  beyond Llama 3 405B's (the last two tests) was found that berth can express (README, "Against real
+  beyond Llama 3 405B's (the last two tests) was found that berth can express (docs/accuracy.md, "Against real
   GPUs", says where it was looked for).
 
 Tolerances (step time, predicted / measured - 1; NO_REGRESSION says why each family's bound is
@@ -91,7 +91,7 @@ def test_megatron_runs(results):
     assert mean <= MEGATRON_MEAN, mean
 
 
-# Families that do not meet issue 12's targets yet, and why (README, "Against real GPUs"). Strict:
+# Families that do not meet issue 12's targets yet, and why (docs/accuracy.md, "Against real GPUs"). Strict:
 # the mark must go when the family meets the target.
 NOT_YET = {
     "torchtitan_bench_202412": "eager Llama 3.1 8B at 36% MFU on 500 W HBM2e H100s, predicted 13-14% fast after the "
