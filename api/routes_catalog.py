@@ -1,4 +1,4 @@
-"""The catalog: preset models, cluster presets and device profiles (read from the package's data,
+"""The catalog: preset models, engines, cluster presets and device profiles (read from the package's data,
 never from a path a request names)."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException
 
 from berth.api.common import ERROR, StrictRoute
-from berth.api.schemas import ClusterInfo, ModelInfo, ProfileInfo
+from berth.api.schemas import ClusterInfo, EngineDoc, ModelInfo, ProfileInfo
+from berth.cost_models.engines import engine_table
 from berth.hardware_profiles import (
     DeviceProfile,
     UnknownProfileError,
@@ -38,6 +39,12 @@ def models() -> list[ModelInfo]:
         )
         for m in presets().values()
     ]
+
+
+@router.get("/v1/engines", response_model=list[EngineDoc], tags=["catalog"])
+def engines() -> list[EngineDoc]:
+    """The engines training.engine takes: what each runs, its memory recipe and its launch formats."""
+    return [EngineDoc.model_validate(e) for e in engine_table()]
 
 
 @router.get("/v1/clusters", response_model=list[ClusterInfo], tags=["catalog"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from berth.hardware_profiles import server_names
 from berth.hardware_profiles.schema import LinkProfile, Precision
@@ -13,12 +13,14 @@ from berth.planner.inputs import ClusterInput, OperationsInput, TrainingInput
 from berth.planner.launch import FORMATS
 from berth.planner.specs import (
     DEFAULT_MEMORY_HEADROOM,
+    ENGINE_ALIASES,
+    ENGINE_CHOICES,
     MAX_GLOBAL_BATCH,
     MAX_GPUS_PER_NODE,
     MAX_MEMORY_HEADROOM,
     MAX_NODES,
     MAX_SEQ_LEN,
-    Framework,
+    EngineTuning,
     ImageName,
     Plan,
     SearchSpec,
@@ -37,6 +39,7 @@ class Body(BaseModel):
 # service starts (an enum in the OpenAPI schema). A request never names a file on the server.
 PRESETS: tuple[str, ...] = (*server_names(), LOCAL)
 PresetName = Literal[PRESETS]  # type: ignore[valid-type]
+EngineName = Literal[(*ENGINE_CHOICES, *ENGINE_ALIASES)]  # type: ignore[valid-type]
 PlanId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 SpecText = Annotated[str, Field(min_length=1, max_length=512)]  # "tp=8,pp=2": a layout in the CLI's syntax
 
@@ -48,16 +51,40 @@ class TrainingRequest(Body):
     flash_attention: bool = Field(
         default=True, description="attention runs as a fused kernel that never stores the seq_len x seq_len scores"
     )
-    framework: Framework = Field(
-        default="pytorch",
-        description="whose memory behaviour to predict: 'pytorch' "
-        "(DTensor, FSDP2, DDP: the bundled executor, torchtitan) or 'megatron'",
+    engine: EngineName = Field(
+        default="executor",
+        validation_alias=AliasChoices("engine", "framework"),
+        description="the training engine (GET /v1/engines lists them): executor (berth's), torchtitan, megatron "
+        "(NeMo, Megatron-Bridge), deepspeed, llmfoundry or generic; the old field name framework and its value "
+        "pytorch (= executor) are accepted",
     )
     token_budget: float | None = Field(default=None, gt=0, le=1e16, description="tokens to train on, for the cost")
+    tuning: EngineTuning | None = Field(
+        default=None,
+        description="an engine profile's fitted parameters: the `tuning` object of the file `berth calibrate --runs "
+        "--out` writes (its `profile` names it in the plans)",
+    )
 
     def to_input(self) -> TrainingInput:
         """The values berth.planner.inputs turns into a TrainingSpec (the CLI's options become the same)."""
-        return TrainingInput(**self.model_dump())
+        return TrainingInput(**{**self.model_dump(exclude={"tuning"}), "tuning": self.tuning})
+
+
+class EngineRefusal(BaseModel):
+    rule: str = Field(description="the rule's name (a plan's infeasible_reason starts with it)")
+    text: str = Field(description="what the engine cannot run")
+
+
+class EngineDoc(BaseModel):
+    name: str = Field(description="the value of training.engine")
+    title: str
+    version: str = Field(description="the version whose code the entry was read from, and launch files target")
+    memory_recipe: str = Field(description="pytorch (autocast / FSDP2) or megatron (16-bit weights, fp32 master)")
+    compute_stacks: list[str] = Field(description="the device profile's compute-stack entries, first present wins")
+    launch_formats: list[str] = Field(description="POST /v1/launch formats that start it, the default first")
+    refuses: list[EngineRefusal]
+    param_gather_exposed: float = Field(description="share of ZeRO-1/2's parameter gather exposed after the step")
+    source: str = Field(description="where the entry was read")
 
 
 class PresetCluster(Body):

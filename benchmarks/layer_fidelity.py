@@ -1,6 +1,6 @@
 """Layer fidelity: the cost model's own compute terms against one H100's measurements.
 
-Data: ../shared/reference/h100-microbench (README there; one H100 80GB HBM3, torch 2.11):
+Data: benchmarks/data/reference/h100-microbench (README and PROVENANCE there; one H100 80GB HBM3, torch 2.11):
 gemm.json (bf16 GEMMs by shape and pass), attention.json (flash SDPA forward/backward),
 layer.json (one decoder layer of the bundled executor, `executor/model.py: Block(spec, tp)`, fp32
 parameters under bf16 autocast: forward and forward+backward seconds), head.json (LM head + fp32
@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
+import benchmarks
 from berth.cost_models import compute
 from berth.hardware_profiles import load_device
 from berth.hardware_profiles.schema import (
@@ -49,7 +50,7 @@ from berth.hardware_profiles.schema import (
 from berth.planner.models import presets
 from berth.planner.specs import ModelSpec, TrainingSpec
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "h100-microbench"
+REFERENCE = benchmarks.REFERENCE / "h100-microbench"
 OUT = Path(__file__).parent / "results" / "layer_fidelity.json"
 DEVICE = "h100-sxm"
 FRAMEWORK = "pytorch"  # the bundled executor (eager PyTorch, fp32 parameters under bf16 autocast)

@@ -2,13 +2,13 @@
 
     python -m benchmarks.memory_fidelity [--reference DIR] [--out FILE]
 
-1. Single-H100 full training steps of the bundled executor (shared/reference/h100-microbench/
+1. Single-H100 full training steps of the bundled executor (benchmarks/data/reference/h100-microbench/
    full-step-runs.json: `berth validate --cluster local`, measured `torch.cuda.max_memory_reserved`)
    and the allocator detail of the same kind of steps (mem_detail.json: peak reserved and peak
    allocated, for more models): the prediction (`peak_memory_bytes`, the allocator's reserved
    peak) against the measured reserved peak, and whether the layout is predicted to fit. The
    runs that ran out of memory must be predicted not to fit.
-2. Published runs (shared/reference/published_runs_a100.json, published_runs_more.json: Megatron-LM,
+2. Published runs (benchmarks/data/reference/published_runs_a100.json, published_runs_more.json: Megatron-LM,
    torchtitan, MosaicML llm-foundry): each really ran, so none may be predicted not to fit.
 
 Prints a table and saves benchmarks/results/memory_fidelity.json (fractions, not percents).
@@ -24,13 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
+import benchmarks
 from berth.hardware_profiles import load_device, load_server
 from berth.planner.models import model_from_dict
 from berth.planner.search import predict_layouts
 from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
 from berth.planner.topology import cluster_from_preset
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+REFERENCE = benchmarks.REFERENCE
 RESULTS = Path(__file__).parent / "results"
 GIB = 2**30
 # mem_detail.json names model files of the benchmark folder; these are the bundled presets' shapes

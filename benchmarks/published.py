@@ -1,4 +1,4 @@
-"""Published runs: predict every usable run in ../shared/reference/published_runs_a100.json and
+"""Published runs: predict every usable run in benchmarks/data/reference/published_runs_a100.json and
 published_runs_more.json with the layout and engine its source used, and score the step time.
 
 Sources and how each one's figure becomes a measured step time (the records' `tflops_accounting`
@@ -13,8 +13,8 @@ and `derived` notes):
   3 attn_flops_per_seq) x seq/s / GPUs with flops_per_seq = 2 n_params s and attn_flops_per_seq =
   2 x 2 n_layers d s^2, is converted back to tokens/s as a cross-check (`accounting_check`).
 - mosaicml_llmfoundry_h100: the same README's H100 80GB BF16 tables (benchmarks/data/mosaicml_h100_bf16.json,
-  70 runs of 8-512 GPUs, FULL_SHARD and SHARD_GRAD_OP), read the same way on `h100-sxm`; not part of
-  ../shared/reference, added as a check beside it (nothing was tuned to them).
+  70 runs of 8-512 GPUs, FULL_SHARD and SHARD_GRAD_OP), read the same way on `h100-sxm`; kept beside
+  benchmarks/data/reference/ (not one of its files), added as a check beside them (nothing was tuned to them).
 - torchtitan_bench_202412 (FSDP2/DTensor, Llama 3.1): tokens/s per GPU as printed; same step time.
 - megatron_core_moe_readme_2024 and megatron_moe_modelzoo_2025 (Megatron-Core, Mixtral 8x7B and 8x22B
   with expert parallelism on H100; benchmarks/data/published_runs_moe_cp.json, each number quoted with
@@ -62,13 +62,14 @@ from pathlib import Path
 
 import numpy as np
 
+import benchmarks
 from berth.cost_models.candidates import Candidates
 from berth.cost_models.step import evaluate
 from berth.hardware_profiles import load_device
 from berth.planner.specs import ClusterSpec, Layout, ModelSpec, TrainingSpec
 from berth.planner.topology import cluster_from_preset
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+REFERENCE = benchmarks.REFERENCE
 FILES = ("published_runs_a100.json", "published_runs_more.json")
 # Records gathered for issue 17 (mixture of experts with expert parallelism; context parallelism and uneven
 # stages where a bf16 run was found), kept in the repository beside this module.
@@ -137,14 +138,14 @@ def model_name(row: dict) -> str:
 
 
 def load_runs(reference: Path = REFERENCE) -> list[dict]:
-    """Every record of both files; a clear error when the data are missing (CI has ../shared)."""
+    """Every record of both files; a clear error when the data are missing (they are part of the repository)."""
     rows = []
     for name in FILES:
         path = reference / name
         if not path.is_file():
             raise FileNotFoundError(
                 f"published runs not found at {path}: the benchmark and tests/test_golden.py "
-                f"need ../shared/reference beside the checkout"
+                f"read them from benchmarks/data/reference (part of the repository)"
             )
         rows += json.loads(path.read_text())
     for path in LOCAL_FILES:

@@ -1,6 +1,6 @@
 """Single-GPU step times: berth's prediction against whole training steps measured on one H100.
 
-Data: ../shared/reference/h100-microbench/full-step-runs.json: `berth validate --cluster local` on
+Data: benchmarks/data/reference/h100-microbench/full-step-runs.json: `berth validate --cluster local` on
 one H100 80GB HBM3 (the bundled executor: eager PyTorch, fp32 parameters under bf16 autocast,
 AdamW foreach=False) for single-GPU plans of llama-3.2-1b and -3b, seq 4096, global batch 16;
 median step time after warm-up. Runs with status "oom" have no time and are skipped (listed).
@@ -20,12 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+import benchmarks
 from berth.hardware_profiles import load_device, load_server, server_names
 from berth.planner.layouts import complete_layout, parse_spec
 from berth.planner.search import predict_layouts
 from berth.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "h100-microbench"
+REFERENCE = benchmarks.REFERENCE / "h100-microbench"
 OUT = Path(__file__).parent / "results" / "single_gpu.json"
 DEVICE = "h100-sxm"
 GPU_MEMORY_MIB = 81559  # the run's nvidia-smi total (full-step-runs.json "device")

@@ -1,7 +1,7 @@
 """Time of the compute each rank performs for one layer and one micro-batch.
 
 Three kinds of work, each timed from measurements of the device (hardware_profiles/devices/*.json,
-sources there; the H100 fits come from ../shared/reference/h100-microbench via
+sources there; the H100 fits come from benchmarks/data/reference/h100-microbench via
 `python -m benchmarks.layer_fidelity --fit`):
 
 - GEMMs: a roofline (Williams et al. 2009), time = max(FLOPs / (peak x eff), bytes / achieved

@@ -394,3 +394,21 @@ def engine_refusal(layout: Layout, model: ModelSpec, training: TrainingSpec) -> 
         if bool(np.asarray(rule.broken(c, model, training))[0]):
             return f"engine {e.label}: {rule.detail(layout, model, training)}"
     return None
+
+
+def engine_table() -> list[dict[str, object]]:
+    """The engine table as data (`berth engines --json`, GET /v1/engines)."""
+    return [
+        {
+            "name": e.name,
+            "title": e.title,
+            "version": e.version,
+            "memory_recipe": e.recipe,
+            "compute_stacks": list(e.compute_stacks),
+            "launch_formats": list(e.launch_formats),
+            "refuses": [{"rule": r.name, "text": r.text} for r in e.rules],
+            "param_gather_exposed": e.param_gather_exposed,
+            "source": e.source,
+        }
+        for e in ENGINES.values()
+    ]

@@ -20,7 +20,7 @@ product) b x s x ffn tensors; dropout masks exist only when the model uses dropo
 FlashAttention replaces the score terms by its fp32 log-sum-exp (Dao 2022).
 
 What is alive at the peak is taken phase by phase, as the bundled executor's profiles show
-(CPU profiler, peak op of each layout; shared/reference/torch-distributed-cpu.md): the sum of every
+(CPU profiler, peak op of each layout; benchmarks/data/reference/torch-distributed-cpu.md): the sum of every
 term at once over-counted layouts without gradient accumulation by up to 20% and under-counted
 accumulation by up to 30%. The peak is the largest of
 - the start of the loss backward (peak op: log-softmax backward) of the micro-batch with the most

@@ -5,7 +5,7 @@ then the data-parallel axis (replicate x shard, shard inner), then pp outermost:
 rank = ((pp_rank * dp) + dp_rank) * tp + tp_rank. The device mesh ("pp", "replicate", "shard",
 "tp") is built from each rank's coordinates, so any order gives the same groups as the plan's.
 
-Build order (shared/reference/torch-distributed-cpu.md, "Build order that works"): an identical
+Build order (benchmarks/data/reference/torch-distributed-cpu.md, "Build order that works"): an identical
 seeded model on every rank -> pipeline split -> TP/SP on the tp mesh axis -> activation
 checkpointing per block -> FSDP2 on the data-parallel axis -> PipelineStage and schedule.
 

@@ -62,7 +62,7 @@ class PeakMemory:
     tracker started. CPU: torch.profiler with profile_memory=True, started before the model is
     built; the peak of its allocation and free events replayed by address (`peak_allocated`:
     unlike the profiler's own "Total Allocated", it releases blocks freed unseen on gloo worker
-    threads; shared/reference/torch-distributed-cpu.md, "Measuring memory on CPU"; process RSS
+    threads; benchmarks/data/reference/torch-distributed-cpu.md, "Measuring memory on CPU"; process RSS
     is useless). The profiler is stopped after the first MEMORY_STEPS steps so that
     it does not slow the timed steps.
 

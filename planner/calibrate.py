@@ -130,6 +130,12 @@ def _bounds(names) -> tuple[np.ndarray, np.ndarray]:
     return np.array(lo), np.array(hi)
 
 
+def _start(initial: dict[str, float], names: tuple[str, ...], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The initial values in the fit's coordinates, INTERIOR of each range inside its bounds."""
+    pad = INTERIOR * (hi - lo)
+    return np.clip(np.array([_encode(n, initial[n]) for n in names]), lo + pad, hi - pad)
+
+
 def usable(reports: list[ValidationReport]) -> list[ValidationReport]:
     """Successful full runs, and rank-slice proxies that say which stage and how many layers they ran."""
 
@@ -237,6 +243,7 @@ MIN_REPORTS_PER_KIND = 2  # a parameter needs two reports of its kind: one repor
 REPORTS_PER_PARAMETER = 2  # fitted parameters of a quantity (time, memory) <= its reports / 2: a spare for each
 MEMORY_PARAMETERS = ("framework_overhead_bytes", "allocator_fragmentation_fraction")
 MAX_EVALUATIONS = 60  # Jacobian evaluations of the fit: a well-posed fit converges in 5-20
+INTERIOR = 0.01  # the fit starts at least 1 % of each parameter's range inside its bounds
 MOVED = 1e-3  # a fit whose fitted coordinates all moved less than this did not move
 FIT_TOLERANCE = 1e-6  # relative change of cost or step at which the fit stops: far below report noise (~1 %)
 
@@ -439,7 +446,9 @@ def calibrate(
 
     residuals, _ = make_residuals(candidates)
     lo, hi = _bounds(candidates)
-    x0 = np.clip(np.array([_encode(n, initial[n]) for n in candidates]), lo + 1e-9, hi - 1e-9)
+    x0 = np.clip(
+        np.array([_encode(n, initial[n]) for n in candidates]), lo + INTERIOR * (hi - lo), hi - INTERIOR * (hi - lo)
+    )
     jac0 = _jacobian(residuals, x0, lo, hi)
     chosen, not_fitted = identifiable(fit_set, jac0, candidates, jac0.shape[0])
     kinds = report_kinds(fit_set)
@@ -459,7 +468,11 @@ def calibrate(
         )
     residuals, values_of = make_residuals(tuple(chosen))
     lo, hi = _bounds(chosen)
-    x0 = np.clip(np.array([_encode(n, initial[n]) for n in chosen]), lo + 1e-9, hi - 1e-9)
+    # a start on a bound (an overhead of 0 bytes) stalls the trust-region solver's bound scaling at its first step:
+    # the fit then "converges" where it began
+    x0 = np.clip(
+        np.array([_encode(n, initial[n]) for n in chosen]), lo + INTERIOR * (hi - lo), hi - INTERIOR * (hi - lo)
+    )
     result = least_squares(
         residuals,
         x0,

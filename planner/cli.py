@@ -906,25 +906,10 @@ def engines_cmd(as_json: Json = False) -> None:
     (cost_models/engines.py)."""
     from rich.table import Table
 
-    from berth.cost_models.engines import ENGINES
+    from berth.cost_models.engines import ENGINES, engine_table
 
     if as_json:
-        print(
-            json.dumps(
-                {
-                    name: {
-                        "title": e.title,
-                        "version": e.version,
-                        "recipe": e.recipe,
-                        "compute_stacks": list(e.compute_stacks),
-                        "launch_formats": list(e.launch_formats),
-                        "refuses": [r.name for r in e.rules],
-                        "source": e.source,
-                    }
-                    for name, e in ENGINES.items()
-                }
-            )
-        )
+        print(json.dumps(engine_table()))
         return
     t = Table(title="engines (--engine)")
     for col in ("engine", "version", "memory", "launch", "refuses"):

@@ -412,7 +412,7 @@ class _Run:
             "metadata": {"name": f"{name}-report"},
             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "16Mi"}}},
         }
-        # a pod that mounts the claim after the job, to copy the report out: see the README (Launch a plan)
+        # a pod that mounts the claim after the job, to copy the report out: see docs/guide.md (Launch a plan)
         reader = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -935,7 +935,7 @@ class LaunchFormat:
     name: str
     build: Callable[[Plan, LaunchOptions], dict[str, str]]
     runs_executor: bool  # runs berth's bundled executor: takes steps, warmup and (kubernetes) the image
-    # engine formats: the engine version targeted (stated in every artifact and the README; FIELD_SOURCES were
+    # engine formats: the engine version targeted (stated in every artifact and docs/guide.md; FIELD_SOURCES were
     # read at that version) and the check that refuses a layout the engine cannot express (None: it can)
     engine_version: str | None = None
     refusal: Callable[[Plan], str | None] | None = None

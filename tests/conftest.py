@@ -3,18 +3,21 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import REFERENCE  # benchmarks/data/reference: the reference data, part of the repository
 from berth.planner.specs import ModelSpec, TrainingSpec
 from berth.planner.topology import cluster_from_preset
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
-
 
 def require_reference(path: Path) -> Path:
-    """`path` (reference data under ../shared/reference) when it exists; missing, a failure naming
-    where it was looked for, never a skip: CI has ../shared beside the checkout, and a check that
-    silently stops running is worse than one that fails."""
+    """`path` (reference data under benchmarks/data/reference) when it exists; missing, a failure
+    naming where it was looked for, never a skip: the data are part of the repository
+    (benchmarks/data/reference/PROVENANCE.md), and a check that silently stops running is worse
+    than one that fails."""
     if not path.exists():
-        pytest.fail(f"reference data missing: {path} (../shared/reference beside the checkout)", pytrace=False)
+        pytest.fail(
+            f"reference data missing: {path} (part of the repository: benchmarks/data/reference/PROVENANCE.md)",
+            pytrace=False,
+        )
     return path
 
 

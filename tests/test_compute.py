@@ -1,4 +1,4 @@
-"""The compute model against one H100's measurements (../shared/reference/h100-microbench), and
+"""The compute model against one H100's measurements (benchmarks/data/reference/h100-microbench), and
 its structure: backward from its own GEMM shapes, per-framework layer work, legacy profiles.
 
 Stated tolerances (what the measured model reaches, with margin; the issue's targets where met):

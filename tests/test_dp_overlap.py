@@ -33,7 +33,7 @@ FAT_TREE = dict(fabric="fat-tree", nodes_per_leaf=4)
 
 
 def _fsdp_case(oversubscription=4.0, nodes=16):
-    """The README's fat-tree example with the layout the old overlap model ranked first."""
+    """The fat-tree example of docs/guide.md with the layout the old overlap model ranked first."""
     model = load_model("llama3-70b")
     training = TrainingSpec(seq_len=4096, global_batch_size=64)
     cluster = cluster_from_preset("dgx-h100", nodes, oversubscription=oversubscription, **FAT_TREE)

@@ -362,3 +362,33 @@ def test_torchtitan_and_megatron_logs_become_runs():
     assert run.step_time_s == pytest.approx(1.51) and run.peak_memory_bytes == 32500 * 2**20
     with pytest.raises(BerthError, match="no torchtitan metrics"):
         torchtitan_log("nothing here", p)
+
+
+def test_the_api_takes_the_engine_and_an_engine_profile(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from berth.api.app import create_app
+    from berth.api.settings import Settings
+
+    with TestClient(create_app(Settings(store_path=str(tmp_path / "s.sqlite")))) as client:
+        engines = client.get("/v1/engines").json()
+        assert [e["name"] for e in engines] == list(ENGINES)
+        assert any(r["rule"] == "too_few_microbatches" for r in engines[0]["refuses"])
+        body = {
+            "model": SMALL.model_dump(mode="json"),
+            "training": {"seq_len": 2048, "global_batch_size": 64, "engine": "generic"},
+            "cluster": {"preset": "dgx-h100", "nodes": 2},
+            "search": {"top": 1},
+        }
+        plain = client.post("/v1/plans", json=body)
+        assert plain.status_code == 200, plain.text
+        body["training"]["tuning"] = TRUTH.model_copy(update={"profile": "ours"}).model_dump(mode="json")
+        tuned = client.post("/v1/plans", json=body)
+        assert tuned.status_code == 200, tuned.text
+        a, b = plain.json()["plans"][0], tuned.json()["plans"][0]
+        assert a["training"]["engine"] == b["training"]["engine"] == "generic"
+        assert b["training"]["tuning"]["profile"] == "ours"
+        assert b["prediction"]["step_time_s"] != a["prediction"]["step_time_s"]
+        body["training"]["tuning"] = {"compute_efficiency": 0}
+        bad = client.post("/v1/plans", json=body)
+        assert bad.status_code == 422 and "compute_efficiency" in bad.text

@@ -1,4 +1,4 @@
-"""Golden cases: published runs in ../shared/reference/published_runs_a100.json and
+"""Golden cases: published runs in benchmarks/data/reference/published_runs_a100.json and
 published_runs_more.json, each predicted with the layout and engine its source used
 (`benchmarks/published.py`: `case_for` builds the model, training, cluster and layout, and turns
 each source's figure into a measured step time).
@@ -15,7 +15,7 @@ each source's figure into a measured step time).
   published_runs_moe_cp.json): Mixtral 8x7B on 64 GPUs (TP 1, EP 8, PP 4, VP 8; Megatron-LM's MoE
   README, MCore v0.8 and v0.9) and Mixtral 8x22B on 128 GPUs (TP 2, EP 8, PP 8, VP 7; the Megatron
   MoE team's ModelZoo scripts of 2025-12 and 2026-03). No bf16 context-parallel or uneven-stage run
-  beyond Llama 3 405B's (the last two tests) was found that berth can express (README, "Against real
+  beyond Llama 3 405B's (the last two tests) was found that berth can express (docs/accuracy.md, "Against real
   GPUs", says where it was looked for).
 
 Tolerances (step time, predicted / measured - 1; NO_REGRESSION says why each family's bound is
@@ -26,8 +26,9 @@ include work the model leaves out (data loading, loss scaling, logging), the pub
 are rounded (~0.5%), and the H100 rows ran on a 96 GB, 500 W part predicted from the 80 GB,
 700 W profile with a stated clock derate (benchmarks/published.py: H100_96GB_*).
 
-The reference data are required: CI has ../shared beside the checkout, and a missing file is a
-failure that says where the data were looked for, never a skip.
+The reference data are required: they are part of the repository (benchmarks/data/reference,
+PROVENANCE.md there), and a missing file is a failure that says where the data were looked for,
+never a skip.
 """
 
 import statistics
@@ -90,7 +91,7 @@ def test_megatron_runs(results):
     assert mean <= MEGATRON_MEAN, mean
 
 
-# Families that do not meet issue 12's targets yet, and why (README, "Against real GPUs"). Strict:
+# Families that do not meet issue 12's targets yet, and why (docs/accuracy.md, "Against real GPUs"). Strict:
 # the mark must go when the family meets the target.
 NOT_YET = {
     "torchtitan_bench_202412": "eager Llama 3.1 8B at 36% MFU on 500 W HBM2e H100s, predicted 13-14% fast after the "
@@ -193,14 +194,14 @@ def test_selective_recompute_beats_full_as_published(published_runs):
 
 
 def test_missing_reference_data_is_a_clear_error(tmp_path):
-    """Without ../shared/reference the loader names the path it looked in (the fixture turns
+    """Without the reference data the loader names the path it looked in (the fixture turns
     this into a failure, not a skip)."""
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         load_runs(tmp_path)
 
 
 def test_missing_reference_files_fail_the_tests_that_read_them(tmp_path):
-    """Every test reading ../shared/reference goes through tests/conftest.py require_reference: a
+    """Every test reading benchmarks/data/reference goes through tests/conftest.py require_reference: a
     missing file fails the test naming the path, never skips it."""
     from tests.conftest import require_reference
 

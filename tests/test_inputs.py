@@ -157,7 +157,7 @@ BAD = [
     (["--seq-len", "0"], {"training": {"seq_len": 0, "global_batch_size": 8}}, "training.seq_len"),
     (["--global-batch", "-8"], {"training": {"seq_len": 256, "global_batch_size": -8}}, "training.global_batch_size"),
     (["--precision", "fp7"], {"training": {**BODY["training"], "precision": "fp7"}}, "training.precision"),
-    (["--framework", "jax"], {"training": {**BODY["training"], "framework": "jax"}}, "training.framework"),
+    (["--engine", "jax"], {"training": {**BODY["training"], "engine": "jax"}}, "training.engine"),
     (["--token-budget", "-5"], {"training": {**BODY["training"], "token_budget": -5.0}}, "training.token_budget"),
     (["--nodes", "0"], {"cluster": {"preset": "dgx-h100", "nodes": 0}}, "cluster.nodes"),
     (["--fabric", "torus"], {"cluster": {"preset": "dgx-h100", "fabric": "torus"}}, "cluster.fabric"),

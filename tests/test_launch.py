@@ -380,7 +380,7 @@ def test_framework_megatron_search_rejects_exactly_what_the_megatron_launch_refu
     for framework in ("megatron", "pytorch"):
         training = TrainingSpec(seq_len=4096, global_batch_size=64, framework=framework)
         for p in predict_layouts(model, training, cluster, layouts):
-            searched_out = (p.infeasible_reason or "").startswith("megatron_cannot_express")
+            searched_out = (p.infeasible_reason or "").startswith("megatron_")
             refused = ENGINE_REFUSALS["megatron"](p) is not None
             assert searched_out == (refused and framework == "megatron"), (framework, p.layout.short())
     # Megatron's validate_args: mixture of experts with tp needs sequence parallelism
@@ -391,7 +391,7 @@ def test_framework_megatron_search_rejects_exactly_what_the_megatron_launch_refu
     training = TrainingSpec(seq_len=4096, global_batch_size=64, framework="megatron")
     moe = predict_layouts(load_model("mixtral-8x7b"), training, cluster, moe_layouts)
     assert [ENGINE_REFUSALS["megatron"](p) is not None for p in moe] == [True, False]
-    assert [(p.infeasible_reason or "").startswith("megatron_cannot_express") for p in moe] == [True, False]
+    assert [(p.infeasible_reason or "").startswith("megatron_") for p in moe] == [True, False]
 
 
 def test_kubernetes_report_lands_on_a_volume_that_outlives_the_pod():

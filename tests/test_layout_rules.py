@@ -82,6 +82,8 @@ TRAININGS = [
     TrainingSpec(seq_len=96, global_batch_size=12, flash_attention=False),
     TrainingSpec(seq_len=2048, global_batch_size=8, framework="megatron"),
     TrainingSpec(seq_len=8192, global_batch_size=16),
+    TrainingSpec(seq_len=128, global_batch_size=16, engine="deepspeed"),
+    TrainingSpec(seq_len=128, global_batch_size=16, precision="fp16", engine="torchtitan"),
 ]
 
 
@@ -129,7 +131,7 @@ def cases(seed: int = 0, per_case: int = 200):
 
 
 def test_vectorized_and_per_layout_evaluation_agree():
-    """3,200 layouts: the rule matrix of all of a case's layouts at once equals each layout's own
+    """4,800 layouts: the rule matrix of all of a case's layouts at once equals each layout's own
     evaluation, the search's reason code is the first broken PLAN rule, every broken rule explains
     itself in the layout's numbers, and the search's pruning keeps every layout no PLAN rule refuses."""
     seen: set[str] = set()

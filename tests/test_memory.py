@@ -218,7 +218,7 @@ def test_fsdp2_zero2_in_fp32_holds_a_sharded_copy_beside_the_gathered_parameters
     assert params("bf16", "pytorch") == pytest.approx(full * (2 + 4 / 4) / 4, rel=1e-6)
 
 
-# ---- measured on one H100 (shared/reference/h100-microbench) ------------------------------------
+# ---- measured on one H100 (benchmarks/data/reference/h100-microbench) ----------------------------
 
 
 def _bench(name):

@@ -60,8 +60,8 @@ CASES = [
     pytest.param("llama3-8b", "dgx-h100", 1, 8192, 16, {}, H100_8B, marks=OPEN_8B),  # torchtitan Table 1
     pytest.param("llama3-8b", "dgx-h100", 16, 8192, 256, {}, H100_8B, marks=OPEN_8B),  # torchtitan Table 3
     ("llama3-70b", "dgx-h100", 8, 8192, 256, {}, H100_70B),  # README, first example
-    ("llama3-70b", "dgx-h100", 16, 4096, 64, FAT_TREE, H100_70B),  # README, fat tree
-    ("gpt3-175b", "dgx-a100-80g", 128, 2048, 1536, {}, A100_175B),  # README, search_speed
+    ("llama3-70b", "dgx-h100", 16, 4096, 64, FAT_TREE, H100_70B),  # docs/guide.md, fat tree
+    ("gpt3-175b", "dgx-a100-80g", 128, 2048, 1536, {}, A100_175B),  # docs/design.md, search speed
     ("gpt-1t", "dgx-a100-80g", 384, 2048, 3072, {}, A100_1T),  # search_speed
     ("llama3.1-405b", "dgx-h100", 2048, 8192, 2048, {}, H100_405B),  # search_speed
 ]
@@ -77,7 +77,7 @@ IDS = [
 TOP = 3  # the plans a user sees first
 # Published layouts: predicted tokens/s per GPU at most OPTIMISTIC_TOKENS x the published figure
 # (the model's dangerous direction; 1.5 = the step 33% too fast) and at least PESSIMISTIC_TOKENS x
-# it (0.75 = the step 33% too slow). Every usable run, the gap the README names (test_golden.NOT_YET)
+# it (0.75 = the step 33% too slow). Every usable run, the gap docs/accuracy.md names (test_golden.NOT_YET)
 # included: today the worst is MPT-70B on 64 A100 40GB at 1.34.
 OPTIMISTIC_TOKENS = 1.5
 PESSIMISTIC_TOKENS = 0.75

@@ -1,5 +1,7 @@
-"""Every command the README shows, run as written (in order, in one scratch directory, as a user
-pasting them would), so the README cannot drift from what berth does.
+"""Every command the README and the user documents show (docs/guide.md, docs/accuracy.md), run as
+written (in order, in one scratch directory, as a user pasting them would), so the documents cannot
+drift from what berth does; and the README's promises: its length, the set-up commands CI runs, every
+REST endpoint, every column and term of the plan and compare tables defined, every link resolving.
 
 A few commands are skipped, each with its reason (SKIP); a few are shrunk where the README's
 size would make CI slow, keeping the command itself (REWRITES): validations run 1 step, and the
@@ -25,6 +27,8 @@ from berth.hardware_profiles import PROFILE_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = [README, ROOT / "docs" / "guide.md", ROOT / "docs" / "accuracy.md"]  # the documents whose commands run
+README_MAX_LINES = 250  # issue 29: a README a user reads in ten minutes
 MEASUREMENTS = ROOT / "benchmarks" / "results" / "accuracy-vm-measurements.json"
 
 SKIP = {  # a command's first words -> why the test does not run it
@@ -62,11 +66,11 @@ def _closed(text: str) -> bool:
     return True
 
 
-def _readme_commands() -> list[tuple[int, str]]:
-    """(line number, command) of every command in the README's ```bash blocks: continuation lines
+def _readme_commands(doc: Path = README) -> list[tuple[int, str]]:
+    """(line number, command) of every command in a document's ```bash blocks: continuation lines
     joined, `a && b` split, comments dropped."""
     out, block, start, gpu_block = [], None, 0, False
-    lines = README.read_text().splitlines()
+    lines = doc.read_text().splitlines()
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -89,7 +93,7 @@ def _readme_commands() -> list[tuple[int, str]]:
     return out
 
 
-COMMANDS = _readme_commands()
+COMMANDS = [(doc.relative_to(ROOT).as_posix(), n, cmd) for doc in DOCS for n, cmd in _readme_commands(doc)]
 
 
 def _skip_reason(cmd: str) -> str | None:
@@ -190,12 +194,14 @@ def _check_output(cmd: str, out: str, work: Path) -> None:
 
 
 def test_readme_has_commands():
-    kinds = {c.split()[1] for _, c in COMMANDS if c.startswith("berth ")}
-    assert {"plan", "compare", "launch", "validate", "topology", "calibrate"} <= kinds
+    tour = {c.split()[1] for _, c in _readme_commands() if c.startswith("berth ")}
+    assert {"plan", "compare", "launch", "serve", "validate", "report"} <= tour
+    kinds = {c.split()[1] for _, _, c in COMMANDS if c.startswith("berth ")}
+    assert {"plan", "compare", "launch", "validate", "topology", "calibrate", "profile", "report"} <= kinds
 
 
-@pytest.mark.parametrize("line,cmd", COMMANDS, ids=[f"L{n}:{c[:50]}" for n, c in COMMANDS])
-def test_readme_command(work, line, cmd):
+@pytest.mark.parametrize("doc,line,cmd", COMMANDS, ids=[f"{d}:L{n}:{c[:50]}" for d, n, c in COMMANDS])
+def test_readme_command(work, doc, line, cmd):
     why = _skip_reason(cmd)
     if why:
         pytest.skip(why)
@@ -208,7 +214,125 @@ def test_readme_command(work, line, cmd):
         "BERTH_STORE_PATH": str(work / "default-store.sqlite"),
     }
     r = subprocess.run(["bash", "-c", run], cwd=work, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, f"README line {line}: {cmd}\n{r.stderr[-2000:]}"
+    assert r.returncode == 0, f"{doc} line {line}: {cmd}\n{r.stderr[-2000:]}"
     assert "Traceback" not in r.stderr
     _check_output(run, r.stdout, work)
     assert (ROOT / "benchmarks" / "results").is_dir()
+
+
+# ---- what the README promises -----------------------------------------------------------------
+
+
+def _blocks(doc: Path) -> list[str]:
+    """The ```bash blocks of a document, in order, as written."""
+    return re.findall(r"^```bash\n(.*?)^```", doc.read_text(), flags=re.M | re.S)
+
+
+def _section(doc: Path, title: str) -> str:
+    text = doc.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def test_readme_reads_in_ten_minutes():
+    n = len(README.read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines; the rest belongs in docs/"
+
+
+def test_readme_set_up_commands_are_the_ones_ci_runs():
+    """The README's first two commands: install and plan; install and run what .ci/run runs."""
+    install, tests = (b.strip() for b in _blocks(README)[:2])
+    assert install.startswith("python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/berth plan ")
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.startswith(("#", "set ", "cd "))
+    ]
+    assert tests.split(" && ") == [part for line in ci for part in line.split(" && ")], (tests, ci)
+
+
+def _routes() -> list[str]:
+    """ "METHOD /path" of every route the service's routers declare."""
+    found = []
+    for path in sorted((ROOT / "api").glob("routes_*.py")):
+        found += [
+            f"{m.upper()} {p}"
+            for m, p in re.findall(r'@router\.(get|post|put|patch|delete)\(\s*"([^"]+)"', path.read_text())
+        ]
+    return found
+
+
+def test_readme_lists_every_rest_endpoint():
+    routes = _routes()
+    assert "POST /v1/launch" in routes and "GET /healthz" in routes and len(routes) >= 10, routes
+    table = _section(README, "A five-minute tour")
+    missing = [r for r in routes if f"`{r}`" not in table]
+    assert not missing, f"endpoints the README's table does not list: {missing}"
+
+
+def _table_headers(out: str) -> set[str]:
+    """Column names of the plan/compare tables in berth's output: the wide table's header row (cells
+    between ┃) and the narrow one's (cells apart by 2+ spaces, the line after the title that starts
+    with #)."""
+    names: set[str] = set()
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        if "┃ # ┃" in line:
+            names |= {c.strip() for c in line.split("┃") if c.strip()}
+        elif line.strip().startswith("#   ") and i + 1 < len(lines) and set(lines[i + 1].strip()) <= {"─"}:
+            names |= set(re.split(r"\s{2,}", line.strip()))
+    return names
+
+
+def test_readme_defines_every_column_and_term():
+    """Every column the plan and compare tables show (wide and narrow), every time and memory term of
+    the breakdown, and every bottleneck name appears, in backticks, in "Reading the output"."""
+    from berth.cost_models import terms
+    from berth.cost_models.step import BOTTLENECK_NAMES
+
+    model = ["llama3-70b", "--cluster", "dgx-h100", "--seq-len", "8192"]
+    runs = [
+        ["plan", *model, "--nodes", "8", "--global-batch", "256"],
+        ["compare", *model, "--nodes", "2", "--global-batch", "64", "--layout", "tp=8,pp=2", "--layout", "tp=4,cp=2"],
+    ]
+    columns: set[str] = set()
+    for args in runs:
+        for width in ("250", "80"):
+            env = {**os.environ, "COLUMNS": width}
+            r = subprocess.run(
+                [sys.executable, "-m", "berth.planner.cli", *args], capture_output=True, text=True, timeout=120, env=env
+            )
+            assert r.returncode == 0, r.stderr[-2000:]
+            columns |= _table_headers(r.stdout)
+    assert {"#", "tp", "cp", "pp", "layout", "tokens/s", "bottleneck", "vs best"} <= columns, columns
+    words = columns | {t.name for t in terms.TIME} | {t.name for t in terms.MEMORY} | set(BOTTLENECK_NAMES)
+    words |= {"usable", "layers per stage"}  # the breakdown's last memory row and its pipeline row
+    section = _section(README, "Reading the output")
+    missing = sorted(w for w in words if f"`{w}`" not in section)
+    assert not missing, f"README's 'Reading the output' does not define: {missing}"
+
+
+def _slug(title: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[^\w\- ]", "", title.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_links_in_the_documents_resolve():
+    """Every relative link of the README and docs/*.md names a file of the repository and, with
+    #anchor, a heading of that file."""
+    broken = []
+    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.name}: {target}")
+            elif anchor and file.suffix == ".md":
+                heads = {_slug(h) for h in re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)}
+                if anchor not in heads:
+                    broken.append(f"{doc.name}: {target} (no such heading)")
+    assert not broken, broken
