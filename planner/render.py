@@ -280,7 +280,10 @@ def breakdown_table(plans: list[Plan], title: str) -> Table:
         if any(_hidden_s(p, term.name) > 0.0 for p in plans):
             t.add_row(
                 f"  {term.label} traffic, hidden or not",
-                *[_seconds(p.prediction.comm_total_s[term.name]) if _hidden_s(p, term.name) else "-" for p in plans],
+                *[
+                    _seconds(p.prediction.comm_total_s[term.name]) if p.prediction and _hidden_s(p, term.name) else "-"
+                    for p in plans
+                ],
             )
     for mem in terms.MEMORY:
         t.add_row(
