@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +43,7 @@ from scipy.optimize import least_squares
 
 from berth.cost_models.engines import ENGINES
 from berth.cost_models.memory import allocator_capacity_bytes
+from berth.planner.calibrate import jacobian
 from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.specs import ClusterSpec, EngineTuning, Layout, ModelSpec, Plan, TrainingSpec
 
@@ -280,19 +281,6 @@ class EngineFit:
         }
 
 
-def _jacobian(fun: Callable[[np.ndarray], np.ndarray], x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    r0 = fun(x)
-    jac = np.zeros((r0.size, x.size))
-    for j in range(x.size):
-        h = 1e-3 * max(1.0, abs(x[j]))
-        if x[j] + h > hi[j]:
-            h = -h
-        xj = x.copy()
-        xj[j] += h
-        jac[:, j] = (fun(xj) - r0) / h
-    return jac
-
-
 def identifiable(
     jacobian: np.ndarray, names: tuple[str, ...], counts: dict[str, int]
 ) -> tuple[list[str], dict[str, str]]:
@@ -372,7 +360,7 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
     def fun_all(x: np.ndarray) -> np.ndarray:
         return data.residuals(with_values(prior, {n: decode(n, xi) for n, xi in zip(names, x, strict=True)}))
 
-    chosen, not_fitted = identifiable(_jacobian(fun_all, x0, lo, hi), names, counts)
+    chosen, not_fitted = identifiable(jacobian(fun_all, x0, lo, hi), names, counts)
     if not chosen:
         raise BerthError(
             "runs",
