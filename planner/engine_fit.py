@@ -30,6 +30,7 @@ the caller keeps the prior and exits non-zero.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterable
@@ -45,7 +46,7 @@ from berth.cost_models.engines import ENGINES
 from berth.cost_models.memory import allocator_capacity_bytes
 from berth.planner.calibrate import jacobian
 from berth.planner.errors import BerthError, from_validation_error
-from berth.planner.specs import ClusterSpec, EngineTuning, Layout, ModelSpec, Plan, TrainingSpec
+from berth.planner.specs import ClusterSpec, EngineTuning, Layout, ModelSpec, TrainingSpec
 
 ENGINE_PROFILE_FORMAT = "berth-engine-profile/1"
 GIB = 2.0**30
@@ -423,7 +424,8 @@ def held_out(
     k = min(folds, len(runs))
     if k < 2:
         return {}
-    order = np.argsort([hash(r.id) % 9973 for r in runs], kind="stable")
+    # a stable shuffle (str hashes change between processes): the folds, and so the figures, are reproducible
+    order = np.argsort([hashlib.sha256(r.id.encode()).hexdigest() for r in runs], kind="stable")
     preds_t, preds_m = np.full(len(runs), np.nan), np.full(len(runs), np.nan)
     for f in range(k):
         test = set(order[f::k].tolist())
@@ -470,14 +472,3 @@ def is_engine_profile(path: str) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and data.get("format") == ENGINE_PROFILE_FORMAT
-
-
-def plans_of(runs: list[MeasuredRun], tuning: EngineTuning) -> list[Plan]:
-    """The runs' layouts as plans under `tuning` (what a user would compare)."""
-    from berth.planner.search import predict_layouts
-
-    out: list[Plan] = []
-    for r in runs:
-        training = r.training.model_copy(update={"tuning": tuning})
-        out.extend(predict_layouts(r.model, training, r.cluster, [r.layout]))
-    return out
