@@ -281,6 +281,13 @@ def print_result(result: dict) -> None:
         for k, label in keys:
             b, a = r["before"][k], r["after"][k]
             print(f"  {label:32s} {b:9.3f} {a:9.3f}" if isinstance(b, float) else f"  {label:32s} {b:9d} {a:9d}")
+        print(f"  {'group':12s} {'rho':>6s} {'regret':>7s} {'twins':>6s} {'top3':>5s} {'|err|':>6s} {'mem':>6s}")
+        for g in r["groups_after"]:
+            print(
+                f"  {g['model']:>3s} {g['gpus']:4d} GPUs {g['rho']:6.2f} {g['regret']:7.3f} "
+                f"{g['regret_twins_merged']:6.3f} {'yes' if g['top3_hit'] else 'no':>5s} {g['median_error']:6.2f} "
+                f"{g['memory_error_median']:+6.2f}"
+            )
     print(f"\n{result['seconds']} s")
 
 

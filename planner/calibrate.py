@@ -288,7 +288,7 @@ def identifiable(
     return [names[j] for j in keep], why
 
 
-def _jacobian(residuals, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, step: float = 1e-3) -> np.ndarray:
+def jacobian(residuals, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, step: float = 1e-3) -> np.ndarray:
     """Forward differences of the residuals at x (steps turned inward at a bound)."""
     r0 = residuals(x)
     jac = np.zeros((r0.size, x.size))
@@ -449,7 +449,7 @@ def calibrate(
     x0 = np.clip(
         np.array([_encode(n, initial[n]) for n in candidates]), lo + INTERIOR * (hi - lo), hi - INTERIOR * (hi - lo)
     )
-    jac0 = _jacobian(residuals, x0, lo, hi)
+    jac0 = jacobian(residuals, x0, lo, hi)
     chosen, not_fitted = identifiable(fit_set, jac0, candidates, jac0.shape[0])
     kinds = report_kinds(fit_set)
     if explicit and not_fitted:

@@ -1087,6 +1087,13 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
                 f"{label}: median |error| on the runs {e['fit_before'][key]:.1%} -> {e['fit_after'][key]:.1%}{held}",
                 highlight=False,
             )
+            worse = e.get("held_out_after", {}).get(key, 0.0) > e.get("held_out_before", {}).get(key, float("inf"))
+            if worse:
+                console.print(
+                    f"[yellow]warning[/yellow]: on runs it did not see, the fit predicts {label} worse than the "
+                    "prior: these runs do not pin its parameters down (measure more, or more varied, runs)",
+                    highlight=False,
+                )
     if out:
         _out_file(out)
         name = Path(out).stem

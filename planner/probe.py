@@ -26,6 +26,9 @@ from berth.planner.search import enumerate_candidates, make_plan
 from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, SearchSpec, TrainingSpec
 
 MARGIN = 0.15  # a probe must fit with 15 % of the capacity to spare: it is measured, not risked
+# a probe is a layout a team might use: among the fitting layouts, those predicted at least this share of the best
+# predicted throughput (calibrating where the choice is made, not on layouts nobody would run)
+RELEVANT = 0.5
 MAX_CANDIDATES = 20_000  # candidates scored for the design (an even sample of the feasible ones beyond)
 STEP = 0.05  # the finite-difference step in the fit's coordinates
 
@@ -88,7 +91,8 @@ def probe(
     search: SearchSpec | None = None,
 ) -> list[Pick]:
     """K layouts to measure (among `layouts`, or every layout the search enumerates) that fit with MARGIN
-    to spare, chosen to pin the engine's parameters down (see the module docstring)."""
+    to spare and are predicted at RELEVANT of the best throughput or more, chosen to pin the engine's parameters
+    down (see the module docstring)."""
     if not 1 <= k <= 64:
         raise BerthError("runs", k, "probe 1 to 64 runs")
     c = (
@@ -100,6 +104,8 @@ def probe(
         ev = evaluate(model, training, cluster, c)
         capacity = allocator_capacity_bytes(cluster.device, cluster.world_size)
         ok = ev.feasible & (ev.peak_memory_bytes <= (1.0 - MARGIN) * capacity) & np.isfinite(ev.step_time_s)
+        if ok.any():
+            ok &= ev.tokens_per_s >= RELEVANT * ev.tokens_per_s[ok].max()
     idx = np.flatnonzero(ok)
     if idx.size == 0:
         raise BerthError("probe", len(c), f"no layout fits with {MARGIN:.0%} of the memory to spare")
