@@ -77,12 +77,12 @@ class EngineRefusal(BaseModel):
 
 class EngineDoc(BaseModel):
     name: str = Field(description="the value of training.engine")
-    title: str
+    title: str = Field(description="what the engine is")
     version: str = Field(description="the version whose code the entry was read from, and launch files target")
     memory_recipe: str = Field(description="pytorch (autocast / FSDP2) or megatron (16-bit weights, fp32 master)")
     compute_stacks: list[str] = Field(description="the device profile's compute-stack entries, first present wins")
     launch_formats: list[str] = Field(description="POST /v1/launch formats that start it, the default first")
-    refuses: list[EngineRefusal]
+    refuses: list[EngineRefusal] = Field(description="what the engine cannot run: its rules, as the planner applies them")
     param_gather_exposed: float = Field(description="share of ZeRO-1/2's parameter gather exposed after the step")
     source: str = Field(description="where the entry was read")
 

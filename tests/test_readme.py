@@ -187,6 +187,8 @@ def _check_output(cmd: str, out: str, work: Path) -> None:
         assert "step terms, rank" in out and "largest error:" in out and "trace.json" in out
         if "--png" in words:
             assert len(list((work / words[words.index("--png") + 1]).glob("*.png"))) == 2
+    elif words[:2] == ["berth", "calibrate"] and "--runs" in words:
+        assert "fitted on" in out and "held out" in out and (work / words[words.index("--out") + 1]).is_file()
     elif words[:2] == ["berth", "calibrate"]:
         assert "calibration on" in out and (work / words[words.index("--out") + 1]).is_file()
     elif "--rescore" in words:
@@ -195,7 +197,7 @@ def _check_output(cmd: str, out: str, work: Path) -> None:
 
 def test_readme_has_commands():
     tour = {c.split()[1] for _, c in _readme_commands() if c.startswith("berth ")}
-    assert {"plan", "compare", "launch", "serve", "validate", "report"} <= tour
+    assert {"plan", "compare", "launch", "serve", "validate", "report", "probe", "calibrate"} <= tour
     kinds = {c.split()[1] for _, _, c in COMMANDS if c.startswith("berth ")}
     assert {"plan", "compare", "launch", "validate", "topology", "calibrate", "profile", "report"} <= kinds
 
