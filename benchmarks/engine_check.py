@@ -389,6 +389,113 @@ def load_torchtitan(plan: Plan, files: dict[str, str], workdir: Path) -> dict[st
     }
 
 
+# torchtitan's trainer built in its own dry-run mode (--comm.mode fake_backend: a fake process group of the plan's
+# world size, this process rank 0), in a subprocess per batch of plans. Stand-ins, each for a GPU-only piece: the
+# device type answered "cpu" (torchtitan falls back to "cuda" when no accelerator is found, and torch.cuda.set_device
+# fails without CUDA) and the GPU memory monitor (torch.cpu has no memory statistics).
+_TORCHTITAN_TRAINER_RUNNER = r"""
+import json, os, sys
+import torch, torch._utils
+torch._utils._get_available_device_type = lambda: "cpu"
+from benchmarks import engine_check as ec
+ec._torchtitan_importable()
+import torchtitan.components.metrics as M
+class Monitor:
+    device_name = "cpu (stand-in for the GPU)"
+    device_capacity = 80 << 30
+    def __init__(self, *a): pass
+    def reset_peak_stats(self): pass
+    def get_peak_stats(self): return M.DeviceMemStats(0, 0, 0, 0, 0, 0)
+M.build_device_memory_monitor = lambda: Monitor()
+from torchtitan.config import ConfigManager
+from torchtitan.models.common.rope import RoPE
+from tokenizers import Tokenizer, models, pre_tokenizers
+jobs = json.loads(sys.stdin.read())
+out = []
+for job in jobs:
+    workdir = job["workdir"]
+    with open(os.path.join(workdir, "berth_torchtitan.py"), "w") as f:
+        f.write(job["module"])
+    # what the user supplies, made small here: a word-level tokenizer and a one-file text dataset (torchtitan's
+    # c4_test entry reads tests/assets/c4_test under the working directory)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(workdir, "tokenizer.json"))
+    os.makedirs(os.path.join(workdir, "tests/assets/c4_test"), exist_ok=True)
+    with open(os.path.join(workdir, "tests/assets/c4_test/data.json"), "w") as f:
+        f.writelines(json.dumps({"text": " ".join(words[3:])}) + "\n" for _ in range(8))
+    os.chdir(workdir)
+    os.environ.update(NGPU=str(job["world"]), RANK="0", LOCAL_RANK="0", BERTH_HF_ASSETS=workdir,
+                      BERTH_DATASET="c4_test")
+    sys.path.insert(0, workdir)
+    sys.modules.pop("berth_torchtitan", None)
+    try:
+        c = ConfigManager().parse_args(["--module", "berth_torchtitan", "--config", "berth_plan",
+                                        "--comm.mode", "fake_backend", "--dump_folder", workdir + "/out"])
+        trainer = c.build()
+        d = trainer.parallel_dims
+        opt_params = sum(len(g["params"]) for o in trainer.optimizers.optimizers for g in o.param_groups)
+        model_params = sum(1 for m in trainer.model_parts for p in m.parameters() if p.requires_grad)
+        lrs = trainer.lr_schedulers.schedulers[0]
+        rope = next(r for r in next(iter(trainer.model_config.traverse(RoPE.Config))) if isinstance(r, RoPE.Config))
+        norm = trainer.model_config.layers[0].attention_norm
+        out.append({
+            "world": d.world_size, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "cp": d.cp,
+            "pp": d.pp, "model_parts": len(trainer.model_parts), "optimizer_params": opt_params,
+            "model_params": model_params, "lr": trainer.optimizers.optimizers[0].param_groups[0]["initial_lr"],
+            "steps": c.training.steps, "warmup": c.lr_scheduler.warmup_steps, "decay": c.lr_scheduler.decay_type,
+            "checkpoint": c.checkpoint.enable, "checkpoint_interval": c.checkpoint.interval,
+            "rope_theta": rope.theta, "rope_scaling": rope.scaling, "norm_eps": norm.eps,
+            "tied": trainer.model_config.enable_weight_tying,
+            "accumulation": trainer.gradient_accumulation_steps, "lr_scheduler": type(lrs).__name__,
+        })
+        trainer.close()
+    except BaseException as e:
+        out.append({"error": f"{type(e).__name__}: {e}"})
+    finally:
+        sys.path.remove(workdir)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+print("BERTH_RESULT " + json.dumps(out))
+"""
+
+
+def small_model_plan(plan: Plan) -> Plan:
+    """The plan with its model made small (head dimension 4, ffn 64, vocabulary 64 per tp rank) and every count
+    the layout depends on kept: layers, heads, kv heads, world size, layout. The trainer then allocates rank 0's
+    shard on CPU in seconds."""
+    m = plan.model
+    small = m.model_copy(
+        update={"hidden_size": m.num_attention_heads * 4, "ffn_hidden_size": 64, "vocab_size": 64 * plan.layout.tp}
+    )
+    return plan.model_copy(update={"model": small})
+
+
+def build_torchtitan_trainers(plans: list[tuple[Plan, dict[str, str]]], workdir: Path) -> list[dict[str, Any]]:
+    """torchtitan's Trainer built from each plan's berth_torchtitan.py in its dry-run mode at the plan's world
+    size (one subprocess for all); each result is what the built trainer holds, or {"error": ...}."""
+    jobs = []
+    for i, (plan, files) in enumerate(plans):
+        d = workdir / f"tt{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        jobs.append({"workdir": str(d), "module": files["berth_torchtitan.py"], "world": plan.cluster.world_size})
+    root = str(Path(__file__).resolve().parent.parent)
+    r = subprocess.run(
+        [sys.executable, "-c", _TORCHTITAN_TRAINER_RUNNER],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
+    lines = [line for line in r.stdout.splitlines() if line.startswith("BERTH_RESULT ")]
+    if not lines:
+        raise RuntimeError(f"the torchtitan trainer runner failed (rc {r.returncode}): {r.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("BERTH_RESULT "))
+
+
 # --- Megatron-LM --------------------------------------------------------------------------------------------
 
 _MEGATRON_RUNNER = r"""

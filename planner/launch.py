@@ -1029,6 +1029,9 @@ def torchtitan_config(plan: Plan, run: EngineTraining | None = None) -> dict[str
         "enable_sequence_parallel": x.sequence_parallel,
         "pipeline_parallel_degree": x.pp,
     }
+    # DTensor on the model-parallel axes and FSDP2 over dp: the path torchtitan's dry run builds on CPU (its
+    # default "spmd_types" backend stops in fully_shard there: parameters not DTensors on the full mesh)
+    parallelism["spmd_backend"] = "partial_dtensor"
     if x.cp > 1:
         parallelism["context_parallel_degree"] = x.cp  # its "headtail" load balancer: berth's 2 cp chunk split
     if x.zero_stage >= 2:
