@@ -95,7 +95,11 @@ def _check_training(t: EngineTraining) -> EngineTraining:
         ("betas", t.betas, len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas)),
         ("adam_eps", t.adam_eps, 0 < t.adam_eps < 1),
         ("grad_clip", t.grad_clip, t.grad_clip >= 0),
-        ("checkpoint_interval", t.checkpoint_interval, isinstance(t.checkpoint_interval, int) and t.checkpoint_interval > 0),
+        (
+            "checkpoint_interval",
+            t.checkpoint_interval,
+            isinstance(t.checkpoint_interval, int) and t.checkpoint_interval > 0,
+        ),
         ("checkpoint_dir", t.checkpoint_dir, bool(_SAFE_PATH.match(t.checkpoint_dir)) and ".." not in t.checkpoint_dir),
         ("data_split", t.data_split, bool(re.fullmatch(r"\d{1,6},\d{1,6},\d{1,6}", t.data_split))),
     ]
@@ -726,7 +730,8 @@ def megatron_args(plan: Plan, run: EngineTraining | None = None) -> dict[str, st
     notes = [
         *_header("megatron", plan),
         f"# whole model (vocabulary {m.vocab_size}: the tokenizer's must match; rotary base {_number(m.rope_theta)}), "
-        f"{run.train_steps} steps of AdamW, checkpoints every {run.checkpoint_interval} steps in {_comment(run.checkpoint_dir)}",
+        f"{run.train_steps} steps of AdamW, checkpoints every {run.checkpoint_interval} steps in "
+        f"{_comment(run.checkpoint_dir)}",
         "# still to supply: " + "; ".join(f"${{{k}}}: {v}" for k, v in MEGATRON_INPUTS.items() if k != "MEGATRON_LM"),
     ]
     env = _megatron_env(x)
@@ -866,7 +871,15 @@ def deepspeed_config(plan: Plan, run: EngineTraining | None = None) -> dict[str,
         "zero_optimization": {"stage": x.zero_stage},
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": run.lr, "betas": [b1, b2], "eps": run.adam_eps, "weight_decay": run.weight_decay},
+            # torch_adam: torch.optim.AdamW (engine.py get_optimizer_configuration), not FusedAdam, which DeepSpeed
+            # compiles (JIT) on first use
+            "params": {
+                "lr": run.lr,
+                "betas": [b1, b2],
+                "eps": run.adam_eps,
+                "weight_decay": run.weight_decay,
+                "torch_adam": True,
+            },
         },
         "scheduler": _deepspeed_schedule(run),
         "gradient_clipping": run.grad_clip,
@@ -894,8 +907,12 @@ def deepspeed_config(plan: Plan, run: EngineTraining | None = None) -> dict[str,
         placeholder = len(c.hosts) < nodes
         files["hostfile"] = "\n".join(
             [
-                f"# berth: the {nodes} nodes, {per_node} GPU slots each (DeepSpeed's hostfile: one 'host slots=N' a line)"
-                + ("; node0.. are placeholders: write your hosts' names (reachable by ssh without a password)" if placeholder else ""),
+                f"# berth: the {nodes} nodes, {per_node} GPU slots each (DeepSpeed's hostfile: 'host slots=N' a line)"
+                + (
+                    "; node0.. are placeholders: write your hosts' names (reachable by ssh without a password)"
+                    if placeholder
+                    else ""
+                ),
                 *(f"{_host(h)} slots={per_node}" for h in hosts),
                 "",
             ]
@@ -917,7 +934,13 @@ def deepspeed_config(plan: Plan, run: EngineTraining | None = None) -> dict[str,
         notes.append(
             f"# - pp {x.pp}: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={x.pp}, "
             "partition_method='uniform') and train with engine.train_batch() (the config's pipeline section sets "
-            "no stages" + ("; its activation_checkpoint_interval 1 recomputes every layer" if x.recompute == "full" else "")
+            "no stages"
+            + (
+                "; its activation_checkpoint_interval 1 recomputes every layer: pass "
+                "checkpointable_layers=[your decoder layer's class name] so the embedding is not recomputed"
+                if x.recompute == "full"
+                else ""
+            )
             + ")"
         )
     if x.recompute == "full" and x.pp == 1:
@@ -974,9 +997,7 @@ def _torchtitan_reason(x, model, training) -> str | None:
             "parallelism.expert_parallel_degree are not mapped"
         )
     if model.mlp != "swiglu" or model.norm != "rmsnorm":
-        return (
-            f"model {model.name} ({model.mlp}, {model.norm}): torchtitan's Llama 3 builder is SwiGLU with RMSNorm"
-        )
+        return f"model {model.name} ({model.mlp}, {model.norm}): torchtitan's Llama 3 builder is SwiGLU with RMSNorm"
     if model.qkv_bias:
         return f"model {model.name} has qkv biases: torchtitan's Llama 3 attention (make_gqa_config) has none"
     if model.tied_embeddings and x.pp > 1:

@@ -2,9 +2,9 @@
 
 import ast
 import json
-import shlex
 import math
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -37,10 +37,16 @@ BERTH = [sys.executable, "-m", "berth.planner.cli"]
 # tests/test_engines.py loads the artifacts with the engines' parsers themselves.
 MEGATRON_ARGS = {
     # the model's details and the training run (megatron/training/arguments.py)
-    *"--rotary-base --norm-epsilon --make-vocab-size-divisible-by --use-rope-scaling --rope-scaling-factor".split(),
-    *"--add-qkv-bias --attention-dropout --hidden-dropout --train-iters --optimizer --lr --min-lr".split(),
-    *"--lr-decay-style --lr-warmup-iters --lr-decay-iters --weight-decay --adam-beta1 --adam-beta2".split(),
-    *"--adam-eps --clip-grad --save --load --save-interval --split".split(),
+    *[
+        "--rotary-base",
+        "--norm-epsilon",
+        "--make-vocab-size-divisible-by",
+        "--use-rope-scaling",
+        "--rope-scaling-factor",
+    ],
+    *["--add-qkv-bias", "--attention-dropout", "--hidden-dropout", "--train-iters", "--optimizer", "--lr", "--min-lr"],
+    *["--lr-decay-style", "--lr-warmup-iters", "--lr-decay-iters", "--weight-decay", "--adam-beta1", "--adam-beta2"],
+    *["--adam-eps", "--clip-grad", "--save", "--load", "--save-interval", "--split"],
     "--tensor-model-parallel-size",
     "--pipeline-model-parallel-size",
     "--num-layers-per-virtual-pipeline-stage",
@@ -95,10 +101,17 @@ DEEPSPEED_KEYS = {
     "activation_checkpointing",
     "activation_checkpointing.partition_activations",
     # the training run and the pipeline's recompute (deepspeed/runtime/config.py, lr_schedules.py)
-    *"optimizer optimizer.type optimizer.params optimizer.params.lr optimizer.params.betas".split(),
-    *"optimizer.params.eps optimizer.params.weight_decay scheduler scheduler.type scheduler.params".split(),
-    *"scheduler.params.total_num_steps scheduler.params.warmup_num_steps scheduler.params.warmup_min_ratio".split(),
-    *"scheduler.params.cos_min_ratio gradient_clipping pipeline pipeline.activation_checkpoint_interval".split(),
+    *["optimizer", "optimizer.type", "optimizer.params", "optimizer.params.lr", "optimizer.params.betas"],
+    *[
+        "optimizer.params.eps",
+        "optimizer.params.weight_decay",
+        "optimizer.params.torch_adam",
+        "scheduler",
+        "scheduler.type",
+        "scheduler.params",
+    ],
+    *["scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps", "scheduler.params.warmup_min_ratio"],
+    *["scheduler.params.cos_min_ratio", "gradient_clipping", "pipeline", "pipeline.activation_checkpoint_interval"],
 }
 
 
@@ -660,7 +673,9 @@ def test_mixture_of_experts_launch_megatron_and_refusals():
     )
     assert ds.prediction is not None and ds.layout.ep == 8
     text = artifacts(ds, "megatron")["megatron-args.txt"]
-    assert "--moe-layer-freq '([0]*3+[1]*58)'" in text  # shell-quoted: the parentheses and "--moe-shared-expert-intermediate-size 2048" in text
+    assert (
+        "--moe-layer-freq '([0]*3+[1]*58)'" in text
+    )  # shell-quoted: the parentheses and "--moe-shared-expert-intermediate-size 2048" in text
 
 
 def test_every_registered_format_is_offered_by_the_cli_and_the_api_and_builds():
