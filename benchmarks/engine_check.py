@@ -23,6 +23,13 @@ accelerator JIT-compiles (minutes) on every process-group set-up; Megatron's `ge
 (a torch.cuda query), answered 9 (Hopper, where tp > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1), and its
 `torch.cuda.get_device_capability` check for --moe-grouped-gemm, answered (9, 0).
 
+Beyond the parsers, the engines' own start-up (tests/test_engine_start.py calls these runners, each in a subprocess):
+`build_torchtitan_trainers` builds torchtitan's Trainer in its dry-run mode (--comm.mode fake_backend) at the plan's
+world size; `check_megatron_core` puts the launch's recorded argv through megatron-core's config classes, process
+groups, microbatch calculator, LR scheduler and rotary embedding (CI has no Megatron-LM checkout; megatron-core's
+wheel has no argument parser); `initialise_deepspeed` runs deepspeed.initialize from ds_config.json on CPU processes
+over gloo and takes one optimizer step. Their stand-ins are named where each runner is defined.
+
 Nothing is fetched: the engines are the installed packages and the checkout given. Each loader returns the
 parsed values in one vocabulary (tp, pp, vpp, dp, shard, zero, micro/global batch, accumulation, recompute,
 sp, precision, seq_len; Megatron's experts, top-k, expert ffn, shared-expert ffn, MoE layer pattern, ep, etp and

@@ -282,3 +282,63 @@ def test_megatron_values_reaching_the_shell_are_quoted():
     words = ec.megatron_job(plan, files)["argv"]
     layout = words[words.index("--pipeline-model-parallel-layout") + 1]
     assert "|" in layout and shlex.quote(layout) in files["megatron-launch.sh"], name
+
+
+@pytest.mark.skipif(ec.available("deepspeed") is not None, reason=str(ec.available("deepspeed")))
+def test_deepspeed_experts_refused_exactly_where_autoep_refuses():
+    """Mixtral layouts: what berth writes passes DeepSpeed's own AutoEP validation (expert_parallel section), and a
+    layout berth refuses (expert_tp 2) is one DeepSpeed's validator rejects too."""
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config, validate_autoep_config
+    from deepspeed.runtime.config import get_expert_parallel_config
+
+    cluster = cluster_from_preset("dgx-h100", 2)
+    training = TrainingSpec(seq_len=4096, global_batch_size=64)
+    layouts = [
+        Layout(dp=16, ep=4, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=4, recompute="full"),
+        Layout(dp=16, ep=8, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=4, recompute="full"),
+        Layout(tp=2, dp=8, ep=4, expert_tp=2, zero_stage=3, shard=8, micro_batch_size=1, num_microbatches=8),
+    ]
+    for plan in predict_layouts(load_model("mixtral-8x7b"), training, cluster, layouts):
+        x = plan.layout
+        section = {"enabled": True, "autoep_size": x.ep, "expert_tensor_parallel_size": x.etp}
+        try:
+            config = json.loads(artifacts(plan, "deepspeed")["ds_config.json"])
+        except LaunchRefused as e:
+            assert "DeepSpeed 0.19.8 cannot run it: expert_tp" in str(e)
+            with pytest.raises(ValueError, match="expert_tensor_parallel_size"):
+                validate_autoep_config(
+                    parse_autoep_config(section), x.world_size, x.pp, x.tp, 1, zero_stage=x.zero_stage
+                )
+            continue
+        assert config["expert_parallel"] == section
+        parsed = get_expert_parallel_config(config)  # DeepSpeedConfig's reader of the section
+        validate_autoep_config(parsed, x.world_size, x.pp, x.tp, 1, zero_stage=x.zero_stage)
+        assert (parsed.enabled, parsed.autoep_size) == (True, x.ep)
+
+
+def test_training_run_options_reach_every_engine_and_bad_values_name_the_field():
+    from berth.planner.errors import BerthError
+    from berth.planner.launch import EngineTraining
+
+    run = EngineTraining(train_steps=2000, lr=1e-4, min_lr=1e-5, warmup_steps=100, checkpoint_interval=250)
+    plan = next(p for _, p in PLANS if _files(p, "torchtitan") and _files(p, "deepspeed") and _files(p, "megatron"))
+    words = ec.megatron_job(plan, artifacts(plan, "megatron", training=run))["argv"]
+    args = dict(zip(words, words[1:], strict=False))
+    assert (args["--train-iters"], args["--lr"], args["--lr-warmup-iters"], args["--save-interval"]) == (
+        "2000",
+        "0.0001",
+        "100",
+        "250",
+    )
+    ds = json.loads(artifacts(plan, "deepspeed", training=run)["ds_config.json"])
+    assert ds["scheduler"]["params"]["total_num_steps"] == 2000 and ds["optimizer"]["params"]["lr"] == 1e-4
+    module = artifacts(plan, "torchtitan", training=run)["berth_torchtitan.py"]
+    assert "steps=2000" in module and "interval=250" in module and "'lr': 0.0001" in module
+    for bad, field in (
+        (dict(warmup_steps=20_000), "training.warmup_steps"),
+        (dict(checkpoint_dir="../x; rm -rf /"), "training.checkpoint_dir"),
+        (dict(decay="step"), "training.decay"),
+        (dict(min_lr=1.0), "training.min_lr"),
+    ):
+        with pytest.raises(BerthError, match=field):
+            EngineTraining(**bad)
