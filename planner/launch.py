@@ -832,6 +832,7 @@ def _deepspeed_reason(x, num_layers: int | None, model) -> str | None:
 def _deepspeed_schedule(run: EngineTraining) -> dict[str, Any]:
     """The LR schedule as a DeepSpeed scheduler (deepspeed/runtime/lr_schedules.py): cosine is WarmupCosineLR
     (warmup from 0, cosine to min_lr / lr); linear is WarmupDecayLR, which decays to 0."""
+    params: dict[str, Any]
     if run.decay == "cosine":
         params = {
             "total_num_steps": run.train_steps,
