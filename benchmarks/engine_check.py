@@ -915,6 +915,9 @@ def main(argv: list[str] | None = None) -> int:
     plans = plan_set()
     rows: list[dict[str, Any]] = []
     skipped = {e: available(e) for e in ENGINES}
+    core = skipped["megatron"] is not None and available("megatron-core") is None  # no checkout: megatron-core
+    if core:
+        skipped["megatron"] = None
     jobs, job_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, plan) in enumerate(plans):
@@ -940,7 +943,14 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # the engine rejected the artifact: that is the finding
                     row.update(status="rejected", detail=f"{type(e).__name__}: {e}")
     release()
-    if jobs:
+    if jobs and core:
+        checked = check_megatron_core([{"argv": j["argv"], "world": j["world"]} for j in jobs])
+        for row, r in zip(job_rows, checked["results"], strict=True):
+            row["version"] += f" (checked with megatron-core {checked['version']}'s classes)"
+            row.update(status="rejected", detail=r["error"]) if "error" in r else row.update(
+                status="accepted", parsed=r
+            )
+    elif jobs:
         result = run_megatron(jobs, os.environ["BERTH_MEGATRON_DIR"])
         for row, r in zip(job_rows, result if isinstance(result, list) else [None] * len(jobs), strict=True):
             if r is None:

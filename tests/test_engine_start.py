@@ -246,6 +246,24 @@ def test_torchtitan_trainer_builds_at_the_plans_world_size(tmp_path):
     picked = _launched([(n, ec.small_model_plan(p)) for n, p in PLANS], "torchtitan")
     # a spread (one subprocess): FSDP, tp + pp interleaved, tp + cp, uneven stages, recompute
     chosen = picked[:: max(1, len(picked) // 6)][:6]
+    # and Llama 3.1 405B at 2,048 ranks: 126 layers in 16 uneven chunks, its rope scaling, tp 8 x pp 8 x FSDP 32
+    big = Layout(
+        tp=8,
+        pp=8,
+        dp=32,
+        zero_stage=3,
+        shard=32,
+        micro_batch_size=1,
+        num_microbatches=16,
+        schedule="interleaved_1f1b",
+        virtual_stages=2,
+        sequence_parallel=True,
+        recompute="full",
+    )
+    training = TrainingSpec(seq_len=8192, global_batch_size=512)
+    (plan,) = predict_layouts(load_model("llama3.1-405b"), training, cluster_from_preset("dgx-h100", 256), [big])
+    plan = ec.small_model_plan(plan)
+    chosen.append(("llama3.1-405b-256n", plan, artifacts(plan, "torchtitan")))
     results = ec.build_torchtitan_trainers([(p, f) for _, p, f in chosen], tmp_path)
     for (name, plan, _), got in zip(chosen, results, strict=True):
         assert "error" not in got, (name, got)
@@ -264,6 +282,7 @@ def test_torchtitan_trainer_builds_at_the_plans_world_size(tmp_path):
         assert (got["lr"], got["steps"], got["warmup"], got["decay"]) == (3e-4, 10_000, 500, "cosine"), name
         assert got["checkpoint"] and got["checkpoint_interval"] == 1000, name
         assert (got["rope_theta"], got["norm_eps"], got["tied"]) == (m.rope_theta, m.norm_eps, m.tied_embeddings)
+        assert got["rope_scaling"] == ("llama" if m.rope_scaling else "none"), name
 
 
 def test_every_refusal_names_the_engine_its_version_and_the_reason():
