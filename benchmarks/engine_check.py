@@ -947,9 +947,10 @@ def main(argv: list[str] | None = None) -> int:
         checked = check_megatron_core([{"argv": j["argv"], "world": j["world"]} for j in jobs])
         for row, r in zip(job_rows, checked["results"], strict=True):
             row["version"] += f" (checked with megatron-core {checked['version']}'s classes)"
-            row.update(status="rejected", detail=r["error"]) if "error" in r else row.update(
-                status="accepted", parsed=r
-            )
+            if "error" in r:
+                row.update(status="rejected", detail=r["error"])
+            else:
+                row.update(status="accepted", parsed=r)
     elif jobs:
         result = run_megatron(jobs, os.environ["BERTH_MEGATRON_DIR"])
         for row, r in zip(job_rows, result if isinstance(result, list) else [None] * len(jobs), strict=True):
