@@ -8,8 +8,10 @@
   training operator sets); the Master writes report.json onto a PersistentVolumeClaim (report-pvc.yaml),
   read back through report-reader.yaml;
 - megatron: Megatron-LM pretrain_gpt.py arguments and a torchrun launch; deepspeed: a DeepSpeed config
-  JSON and the launch notes; torchtitan: a torchtitan 0.3 configuration module (--module/--config) and
-  its launch.
+  JSON, the launch notes and (more than one node) a hostfile; torchtitan: a torchtitan 0.3 configuration module
+  (--module/--config) and its launch. Each starts training as written: the model's own details (rope base and
+  scaling, norm epsilon, biases, tied embeddings, vocabulary padding, dropout), and the training run of
+  EngineTraining (AdamW, steps, LR schedule, checkpointing; its defaults are in docs/engines.md).
 
 Every format is one entry of LAUNCH_FORMATS (at the end of this module), which `artifacts`, the CLI's
 --format and the API's `format` read. Each engine format targets one engine version (ENGINE_VERSIONS,
@@ -17,7 +19,9 @@ stated in every artifact), carries the whole model shape, and names what a user 
 (tokenizer, data) as placeholders that stop the launch with their description when unset. Every layout
 field maps to exactly one key of a format (FIELD_SOURCES: the key and the engine file and line it was
 read from). A layout a format cannot express is refused with the reason (LaunchRefused), never
-approximated. tests/test_engines.py loads the artifacts with the engines' own parsers.
+approximated; every refusal is worded by _refuse (the engine, its version, the reason). Every value that reaches a
+shell goes through shlex.quote. tests/test_engines.py loads the artifacts with the engines' own parsers and
+tests/test_engine_start.py starts them with the engines' own code.
 """
 
 from __future__ import annotations
@@ -169,18 +173,20 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
             "deepspeed/runtime/config.py:458-463",
         ),
         "ep": (
-            "(none: mixture of experts refused; DeepSpeed's ep_size belongs to deepspeed.moe.layer.MoE in the "
-            "model code, not the config)",
-            "deepspeed/moe/layer.py",
+            "expert_parallel.autoep_size (AutoEP replaces the MoE layers of a Hugging Face model of its presets)",
+            "deepspeed/module_inject/auto_ep_config.py parse_autoep_config; deepspeed/runtime/config.py:171",
         ),
-        "expert_tp": ("(none: mixture of experts refused)", "deepspeed/moe/layer.py"),
+        "expert_tp": (
+            "expert_parallel.expert_tensor_parallel_size (1 only: DeepSpeed 0.19.8 reserves other values)",
+            "deepspeed/module_inject/auto_ep_folding.py validate_folding_global",
+        ),
         "shard": ("(none: refused below dp; MiCS was removed)", "deepspeed/runtime/config.py:119"),
         "zero_stage": ("zero_optimization.stage", "deepspeed/runtime/zero/config.py:95"),
         "recompute": (
-            "(deepspeed.checkpointing.checkpoint in the model, or PipelineModule("
-            "activation_checkpoint_interval=1); the config's activation_checkpointing section only tunes "
-            "it)",
-            "deepspeed/runtime/pipe/module.py:134",
+            "pipeline.activation_checkpoint_interval (pp > 1: the pipeline engine sets the PipelineModule's); "
+            "deepspeed.checkpointing.checkpoint in the model (pp 1: the activation_checkpointing section only "
+            "tunes it)",
+            "deepspeed/runtime/pipe/engine.py:217; deepspeed/runtime/config.py:278",
         ),
         "micro_batch_size": ("train_micro_batch_size_per_gpu", "deepspeed/runtime/constants.py:59"),
         "num_microbatches": ("gradient_accumulation_steps", "deepspeed/runtime/constants.py:71"),
