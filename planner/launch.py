@@ -1007,6 +1007,8 @@ def _torchtitan_reason(x, model, training) -> str | None:
         return f"model {model.name} ({model.mlp}, {model.norm}): torchtitan's Llama 3 builder is SwiGLU with RMSNorm"
     if model.qkv_bias:
         return f"model {model.name} has qkv biases: torchtitan's Llama 3 attention (make_gqa_config) has none"
+    if model.dropout:
+        return f"model {model.name} has dropout: torchtitan's Llama 3 builder has none"
     if model.tied_embeddings and x.pp > 1:
         return "tied embeddings with pp > 1: torchtitan raises 'Weight tying is not supported with Pipeline Parallel'"
     if x.zero_stage == 1:
