@@ -394,17 +394,13 @@ def initialise_deepspeed(world: int, jobs: list[dict[str, Any]], workdir: Path) 
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "jobs.json").write_text(json.dumps(jobs))
     (workdir / "runner.py").write_text(_DEEPSPEED_RUNNER)
-    with __import__("socket").socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     r = subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
             f"--nproc-per-node={world}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
+            "--standalone",  # its own free port on 127.0.0.1 (no port picked here and raced for)
             str(workdir / "runner.py"),
             str(workdir / "jobs.json"),
         ],
