@@ -23,6 +23,13 @@ accelerator JIT-compiles (minutes) on every process-group set-up; Megatron's `ge
 (a torch.cuda query), answered 9 (Hopper, where tp > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1), and its
 `torch.cuda.get_device_capability` check for --moe-grouped-gemm, answered (9, 0).
 
+Beyond the parsers, the engines' own start-up (tests/test_engine_start.py calls these runners, each in a subprocess):
+`build_torchtitan_trainers` builds torchtitan's Trainer in its dry-run mode (--comm.mode fake_backend) at the plan's
+world size; `check_megatron_core` puts the launch's recorded argv through megatron-core's config classes, process
+groups, microbatch calculator, LR scheduler and rotary embedding (CI has no Megatron-LM checkout; megatron-core's
+wheel has no argument parser); `initialise_deepspeed` runs deepspeed.initialize from ds_config.json on CPU processes
+over gloo and takes one optimizer step. Their stand-ins are named where each runner is defined.
+
 Nothing is fetched: the engines are the installed packages and the checkout given. Each loader returns the
 parsed values in one vocabulary (tp, pp, vpp, dp, shard, zero, micro/global batch, accumulation, recompute,
 sp, precision, seq_len; Megatron's experts, top-k, expert ffn, shared-expert ffn, MoE layer pattern, ep, etp and
@@ -222,6 +229,12 @@ def available(engine: str) -> str | None:
         if not (Path(d) / "megatron" / "training" / "arguments.py").is_file():
             return f"BERTH_MEGATRON_DIR={d} has no megatron/training/arguments.py"
         return None
+    if engine == "megatron-core":
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            return (
+                f"megatron-core is not installed (pip install -e '.[engines]': megatron-core=={MEGATRON_CORE_VERSION})"
+            )
+        return None
     if importlib.util.find_spec(engine) is None:
         return f"{engine} is not installed (pip install -e '.[engines]')"
     return None
@@ -298,6 +311,109 @@ def load_deepspeed(plan: Plan, files: dict[str, str]) -> dict[str, Any]:
         "precision": precision,
         "world": topo.world_size(),
     }
+
+
+# DeepSpeed's engine initialised from ds_config.json as written, on CPU processes over gloo (python -m
+# torch.distributed.run, one process per rank of the plan), with a small model of the plan's shape (its layers,
+# hidden size, vocabulary; a PipelineModule of pp stages when pp > 1), trained for one optimizer step. Stand-in: the
+# shared-memory allreduce op DeepSpeed's CPU accelerator JIT-compiles at process-group set-up (the engine falls back
+# to torch.distributed's when it is absent).
+_DEEPSPEED_RUNNER = r"""
+import json, os, sys
+import torch
+import deepspeed
+import deepspeed.comm.torch
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+from deepspeed.pipe import LayerSpec, PipelineModule
+
+class Block(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(h), torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+class Embed(torch.nn.Embedding):
+    pass
+
+class Head(torch.nn.Linear):
+    pass
+
+def loss_fn(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+class Model(torch.nn.Sequential):
+    def forward(self, x, y):
+        return loss_fn(super().forward(x), y)
+
+rank = int(os.environ["RANK"])
+out = []
+for job in json.load(open(sys.argv[1])):
+    m, config = job["model"], job["config"]
+    torch.manual_seed(0)
+    h, v, s = m["hidden"], m["vocab"], job["seq_len"]
+    layers = [LayerSpec(Embed, v, h)] + [LayerSpec(Block, h) for _ in range(m["layers"])] + [LayerSpec(Head, h, v)]
+    mb = config["train_micro_batch_size_per_gpu"]
+    batch = lambda: (torch.randint(0, v, (mb, s)), torch.randint(0, v, (mb, s)))
+    if job["pp"] > 1:
+        # only the decoder layers are recomputed (the embedding's integer input carries no gradient)
+        model = PipelineModule(layers=layers, num_stages=job["pp"], partition_method="uniform", loss_fn=loss_fn,
+                               checkpointable_layers=["Block"])
+        params = [p for p in model.parameters()]
+        engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        loss = engine.train_batch(data_iter=iter([batch() for _ in range(engine.gradient_accumulation_steps())]))
+        checkpoint_interval = engine.module.activation_checkpoint_interval
+    else:
+        model = Model(*(spec.build() for spec in layers))
+        params = list(model.parameters())
+        engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        for _ in range(engine.gradient_accumulation_steps()):
+            loss = engine(*batch())
+            engine.backward(loss)
+            engine.step()
+        checkpoint_interval = None
+    out.append({
+        "world": engine.world_size, "dp": engine.dp_world_size, "zero": engine.zero_optimization_stage(),
+        "accumulation": engine.gradient_accumulation_steps(), "micro_batch": engine.train_micro_batch_size_per_gpu(),
+        "global_batch": engine.train_batch_size(), "steps": engine.global_steps, "loss": float(loss),
+        "optimizer": type(engine.basic_optimizer if hasattr(engine, "basic_optimizer") else optimizer).__name__,
+        "scheduler": type(scheduler).__name__, "lr": scheduler.get_last_lr()[0] if scheduler else None,
+        "bf16": engine.bfloat16_enabled(), "activation_checkpoint_interval": checkpoint_interval,
+    })
+    engine.destroy() if hasattr(engine, "destroy") else None
+if rank == 0:
+    print("BERTH_RESULT " + json.dumps(out))
+"""
+
+
+def initialise_deepspeed(world: int, jobs: list[dict[str, Any]], workdir: Path) -> list[dict[str, Any]]:
+    """DeepSpeed's engine initialised on `world` CPU processes over gloo for each job ({"config": ds_config,
+    "pp": stages, "model": {"layers", "hidden", "vocab"}, "seq_len"}), one optimizer step each; what rank 0's
+    engine holds."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "jobs.json").write_text(json.dumps(jobs))
+    (workdir / "runner.py").write_text(_DEEPSPEED_RUNNER)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={world}",
+            "--standalone",  # its own free port on 127.0.0.1 (no port picked here and raced for)
+            str(workdir / "runner.py"),
+            str(workdir / "jobs.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=workdir,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
+    )
+    lines = [line for line in r.stdout.splitlines() if line.startswith("BERTH_RESULT ")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"the DeepSpeed runner failed (rc {r.returncode}): {r.stdout[-1500:]} {r.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("BERTH_RESULT "))
 
 
 # --- torchtitan ---------------------------------------------------------------------------------------------
@@ -387,6 +503,277 @@ def load_torchtitan(plan: Plan, files: dict[str, str], workdir: Path) -> dict[st
         "hidden": model.dim,
         "vocab": model.vocab_size,
     }
+
+
+# torchtitan's trainer built in its own dry-run mode (--comm.mode fake_backend: a fake process group of the plan's
+# world size, this process rank 0), in a subprocess per batch of plans. Stand-ins, each for a GPU-only piece: the
+# device type answered "cpu" (torchtitan falls back to "cuda" when no accelerator is found, and torch.cuda.set_device
+# fails without CUDA) and the GPU memory monitor (torch.cpu has no memory statistics).
+_TORCHTITAN_TRAINER_RUNNER = r"""
+import json, os, sys
+import torch, torch._utils
+torch._utils._get_available_device_type = lambda: "cpu"
+from benchmarks import engine_check as ec
+ec._torchtitan_importable()
+import torchtitan.components.metrics as M
+class Monitor:
+    device_name = "cpu (stand-in for the GPU)"
+    device_capacity = 80 << 30
+    def __init__(self, *a): pass
+    def reset_peak_stats(self): pass
+    def get_peak_stats(self): return M.DeviceMemStats(0, 0, 0, 0, 0, 0)
+M.build_device_memory_monitor = lambda: Monitor()
+from torchtitan.config import ConfigManager
+from torchtitan.models.common.rope import RoPE
+from tokenizers import Tokenizer, models, pre_tokenizers
+jobs = json.loads(sys.stdin.read())
+out = []
+for job in jobs:
+    workdir = job["workdir"]
+    with open(os.path.join(workdir, "berth_torchtitan.py"), "w") as f:
+        f.write(job["module"])
+    # what the user supplies, made small here: a word-level tokenizer and a one-file text dataset (torchtitan's
+    # c4_test entry reads tests/assets/c4_test under the working directory)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(workdir, "tokenizer.json"))
+    os.makedirs(os.path.join(workdir, "tests/assets/c4_test"), exist_ok=True)
+    with open(os.path.join(workdir, "tests/assets/c4_test/data.json"), "w") as f:
+        f.writelines(json.dumps({"text": " ".join(words[3:])}) + "\n" for _ in range(8))
+    os.chdir(workdir)
+    os.environ.update(NGPU=str(job["world"]), RANK="0", LOCAL_RANK="0", BERTH_HF_ASSETS=workdir,
+                      BERTH_DATASET="c4_test")
+    sys.path.insert(0, workdir)
+    sys.modules.pop("berth_torchtitan", None)
+    try:
+        c = ConfigManager().parse_args(["--module", "berth_torchtitan", "--config", "berth_plan",
+                                        "--comm.mode", "fake_backend", "--dump_folder", workdir + "/out"])
+        trainer = c.build()
+        d = trainer.parallel_dims
+        opt_params = sum(len(g["params"]) for o in trainer.optimizers.optimizers for g in o.param_groups)
+        model_params = sum(1 for m in trainer.model_parts for p in m.parameters() if p.requires_grad)
+        lrs = trainer.lr_schedulers.schedulers[0]
+        rope = next(r for r in next(iter(trainer.model_config.traverse(RoPE.Config))) if isinstance(r, RoPE.Config))
+        norm = trainer.model_config.layers[0].attention_norm
+        out.append({
+            "world": d.world_size, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "cp": d.cp,
+            "pp": d.pp, "model_parts": len(trainer.model_parts), "optimizer_params": opt_params,
+            "model_params": model_params, "lr": trainer.optimizers.optimizers[0].param_groups[0]["initial_lr"],
+            "steps": c.training.steps, "warmup": c.lr_scheduler.warmup_steps, "decay": c.lr_scheduler.decay_type,
+            "checkpoint": c.checkpoint.enable, "checkpoint_interval": c.checkpoint.interval,
+            "rope_theta": rope.theta, "rope_scaling": rope.scaling, "norm_eps": norm.eps,
+            "tied": trainer.model_config.enable_weight_tying,
+            "accumulation": trainer.gradient_accumulation_steps, "lr_scheduler": type(lrs).__name__,
+        })
+        trainer.close()
+    except BaseException as e:
+        out.append({"error": f"{type(e).__name__}: {e}"})
+    finally:
+        sys.path.remove(workdir)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+print("BERTH_RESULT " + json.dumps(out))
+"""
+
+
+def small_model_plan(plan: Plan) -> Plan:
+    """The plan with its model made small (head dimension 4, ffn 64, vocabulary 64 per tp rank) and every count
+    the layout depends on kept: layers, heads, kv heads, world size, layout. The trainer then allocates rank 0's
+    shard on CPU in seconds."""
+    m = plan.model
+    small = m.model_copy(
+        update={"hidden_size": m.num_attention_heads * 4, "ffn_hidden_size": 64, "vocab_size": 64 * plan.layout.tp}
+    )
+    return plan.model_copy(update={"model": small})
+
+
+def build_torchtitan_trainers(plans: list[tuple[Plan, dict[str, str]]], workdir: Path) -> list[dict[str, Any]]:
+    """torchtitan's Trainer built from each plan's berth_torchtitan.py in its dry-run mode at the plan's world
+    size (one subprocess for all); each result is what the built trainer holds, or {"error": ...}."""
+    jobs = []
+    for i, (plan, files) in enumerate(plans):
+        d = workdir / f"tt{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        jobs.append({"workdir": str(d), "module": files["berth_torchtitan.py"], "world": plan.cluster.world_size})
+    root = str(Path(__file__).resolve().parent.parent)
+    r = subprocess.run(
+        [sys.executable, "-c", _TORCHTITAN_TRAINER_RUNNER],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
+    lines = [line for line in r.stdout.splitlines() if line.startswith("BERTH_RESULT ")]
+    if not lines:
+        raise RuntimeError(f"the torchtitan trainer runner failed (rc {r.returncode}): {r.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("BERTH_RESULT "))
+
+
+# --- megatron-core (PyPI) -----------------------------------------------------------------------------------
+# CI has no Megatron-LM checkout, and megatron-core's wheel ships megatron/core only (no megatron/training, so no
+# parse_args / validate_args). What it does ship checks the recorded argv of megatron-launch.sh: the arguments are
+# read into megatron-core's own config classes as Megatron-LM's core_transformer_config_from_args does (every
+# argument named like a TransformerConfig field is passed as it is; the renames below are that function's), and
+# their __post_init__ checks run (TransformerConfig, ModelParallelConfig, DistributedDataParallelConfig,
+# OptimizerConfig); the process groups are initialised by parallel_state.initialize_model_parallel on a fake process
+# group of the plan's world size; the microbatch calculator, the LR schedule (OptimizerParamScheduler) and the rotary
+# embedding (RotaryEmbedding: base and Llama 3 scaling) are built. Stand-in: torch.cuda.get_device_capability
+# answered (9, 0) for --moe-grouped-gemm's check.
+MEGATRON_CORE_VERSION = "0.16.1"  # the newest megatron-core for Python 3.11 (0.17+ need Python 3.12)
+_MEGATRON_CORE_RUNNER = r"""
+import dataclasses, json, re, sys
+import torch, torch.nn.functional as F
+torch.cuda.get_device_capability = lambda *a: (9, 0)
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import megatron.core
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator, get_num_microbatches,
+                                                       init_num_microbatches_calculator)
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+RENAMES = {"norm_epsilon": "layernorm_epsilon", "num_experts": "num_moe_experts",
+           "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
+           "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage"}
+
+
+def value(text):
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def parse(argv):
+    out, i = {}, 0
+    while i < len(argv):
+        assert argv[i].startswith("--"), argv[i]
+        key = argv[i][2:].replace("-", "_")
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[key], i = value(argv[i + 1]), i + 2
+        else:
+            out[key], i = True, i + 1
+    return out
+
+
+def check(job):
+    a = parse(job["argv"])
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kw = {RENAMES.get(k, k): v for k, v in a.items() if RENAMES.get(k, k) in fields}
+    kw.pop("attention_backend", None)
+    if a.get("attention_backend"):
+        kw["attention_backend"] = AttnBackend[a["attention_backend"]]
+    if a.get("swiglu"):
+        kw.update(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    if a.get("disable_bias_linear"):
+        kw["add_bias_linear"] = False
+    if not a.get("group_query_attention"):
+        kw.pop("num_query_groups", None)
+    kw["params_dtype"] = torch.bfloat16 if a.get("bf16") else torch.float16 if a.get("fp16") else torch.float32
+    kw["pipeline_dtype"] = kw["params_dtype"]  # core_transformer_config_from_args: pipeline_dtype = params_dtype
+    if isinstance(kw.get("moe_layer_freq"), str):  # Megatron-LM evaluates the pattern (arguments.py moe_freq_type)
+        kw["moe_layer_freq"] = eval(kw["moe_layer_freq"], {"__builtins__": {}})
+    pp = a["pipeline_model_parallel_size"]
+    vpp = None
+    if a.get("num_layers_per_virtual_pipeline_stage"):
+        vpp = a["num_layers"] // pp // a["num_layers_per_virtual_pipeline_stage"]
+    if a.get("pipeline_model_parallel_layout"):
+        vpp = PipelineParallelLayerLayout.get_num_stages_from_str(a["pipeline_model_parallel_layout"]) // pp
+        vpp = vpp if vpp > 1 else None
+    kw["virtual_pipeline_model_parallel_size"] = vpp
+    config = TransformerConfig(**kw)
+    world, tp, cp = job["world"], a["tensor_model_parallel_size"], a.get("context_parallel_size", 1)
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+            context_parallel_size=cp, expert_model_parallel_size=a.get("expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=a.get("expert_tensor_parallel_size"),
+            num_distributed_optimizer_instances=a.get("num_distributed_optimizer_instances", 1),
+            order="tp-cp-ep-pp-dp" if a.get("use_tp_pp_dp_mapping") else "tp-cp-ep-dp-pp",
+            create_gloo_process_groups=False)
+        dp = ps.get_data_parallel_world_size()
+        ps.destroy_model_parallel()
+    finally:
+        torch.distributed.destroy_process_group()
+    ddp = DistributedDataParallelConfig(
+        use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
+        num_distributed_optimizer_instances=a.get("num_distributed_optimizer_instances", 1),
+        data_parallel_sharding_strategy=a.get("data_parallel_sharding_strategy", "no_shard"),
+        use_megatron_fsdp=bool(a.get("use_megatron_fsdp")))
+    opt = OptimizerConfig(optimizer=a["optimizer"], lr=a["lr"], min_lr=a["min_lr"], weight_decay=a["weight_decay"],
+                          adam_beta1=a["adam_beta1"], adam_beta2=a["adam_beta2"], adam_eps=a["adam_eps"],
+                          clip_grad=a["clip_grad"], bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")),
+                          params_dtype=kw.get("params_dtype", torch.float32),
+                          use_distributed_optimizer=ddp.use_distributed_optimizer)
+    init_num_microbatches_calculator(0, None, a["global_batch_size"], a["micro_batch_size"], dp)
+    microbatches = get_num_microbatches()
+    destroy_num_microbatches_calculator()
+    # Megatron-LM counts the schedule in samples (training.py get_optimizer_param_scheduler: iterations x global batch)
+    gbs = a["global_batch_size"]
+    torch_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=opt.lr)
+    sched = OptimizerParamScheduler(torch_opt, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr,
+                                    lr_warmup_steps=a["lr_warmup_iters"] * gbs,
+                                    lr_decay_steps=a["lr_decay_iters"] * gbs, lr_decay_style=a["lr_decay_style"],
+                                    start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=1,
+                                    wd_incr_style="constant")
+    sched.num_steps = a["lr_warmup_iters"] * gbs
+    lr_after_warmup = sched.get_lr(torch_opt.param_groups[0])
+    sched.num_steps = a["train_iters"] * gbs
+    lr_at_end = sched.get_lr(torch_opt.param_groups[0])
+    rope = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=a["rotary_base"],
+                           rope_scaling=bool(a.get("use_rope_scaling")),
+                           rope_scaling_factor=a.get("rope_scaling_factor", 8.0), use_cpu_initialization=True)
+    return {
+        "tp": config.tensor_model_parallel_size, "pp": config.pipeline_model_parallel_size,
+        "vpp": config.virtual_pipeline_model_parallel_size or 1, "cp": config.context_parallel_size,
+        "dp": dp, "ep": config.expert_model_parallel_size, "etp": config.expert_tensor_parallel_size,
+        "sp": config.sequence_parallel, "microbatches": microbatches, "num_layers": config.num_layers,
+        "hidden": config.hidden_size, "heads": config.num_attention_heads, "kv_heads": config.num_query_groups,
+        "ffn": config.ffn_hidden_size, "norm_eps": config.layernorm_epsilon, "swiglu": config.gated_linear_unit,
+        "bias": config.add_bias_linear, "qkv_bias": config.add_qkv_bias, "dropout": [config.attention_dropout,
+        config.hidden_dropout], "recompute": config.recompute_granularity or "none",
+        "distributed_optimizer": ddp.use_distributed_optimizer, "lr": opt.lr,
+        "lr_after_warmup": lr_after_warmup, "lr_at_end": lr_at_end,
+        "inv_freq": [float(rope.inv_freq[1]), float(rope.inv_freq[-1])],
+        "experts": config.num_moe_experts or 0,
+    }
+
+
+out = []
+for job in json.loads(sys.stdin.read()):
+    try:
+        out.append(check(job))
+    except BaseException as e:
+        out.append({"error": f"{type(e).__name__}: {e}"})
+print("BERTH_RESULT " + json.dumps({"version": megatron.core.__version__, "results": out}))
+"""
+
+
+def check_megatron_core(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each job ({"argv": pretrain_gpt.py's arguments, "world": ranks}) through megatron-core's own classes (one
+    subprocess); {"version": megatron-core's, "results": [values or {"error": ...}]}."""
+    r = subprocess.run(
+        [sys.executable, "-c", _MEGATRON_CORE_RUNNER],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in r.stdout.splitlines() if line.startswith("BERTH_RESULT ")]
+    if not lines:
+        raise RuntimeError(f"the megatron-core runner failed (rc {r.returncode}): {r.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("BERTH_RESULT "))
 
 
 # --- Megatron-LM --------------------------------------------------------------------------------------------
@@ -524,6 +911,9 @@ def main(argv: list[str] | None = None) -> int:
     plans = plan_set()
     rows: list[dict[str, Any]] = []
     skipped = {e: available(e) for e in ENGINES}
+    core = skipped["megatron"] is not None and available("megatron-core") is None  # no checkout: megatron-core
+    if core:
+        skipped["megatron"] = None
     jobs, job_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, plan) in enumerate(plans):
@@ -549,7 +939,15 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # the engine rejected the artifact: that is the finding
                     row.update(status="rejected", detail=f"{type(e).__name__}: {e}")
     release()
-    if jobs:
+    if jobs and core:
+        checked = check_megatron_core([{"argv": j["argv"], "world": j["world"]} for j in jobs])
+        for row, r in zip(job_rows, checked["results"], strict=True):
+            row["version"] += f" (checked with megatron-core {checked['version']}'s classes)"
+            if "error" in r:
+                row.update(status="rejected", detail=r["error"])
+            else:
+                row.update(status="accepted", parsed=r)
+    elif jobs:
         result = run_megatron(jobs, os.environ["BERTH_MEGATRON_DIR"])
         for row, r in zip(job_rows, result if isinstance(result, list) else [None] * len(jobs), strict=True):
             if r is None:

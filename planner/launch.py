@@ -8,8 +8,10 @@
   training operator sets); the Master writes report.json onto a PersistentVolumeClaim (report-pvc.yaml),
   read back through report-reader.yaml;
 - megatron: Megatron-LM pretrain_gpt.py arguments and a torchrun launch; deepspeed: a DeepSpeed config
-  JSON and the launch notes; torchtitan: a torchtitan 0.3 configuration module (--module/--config) and
-  its launch.
+  JSON, the launch notes and (more than one node) a hostfile; torchtitan: a torchtitan 0.3 configuration module
+  (--module/--config) and its launch. Each starts training as written: the model's own details (rope base and
+  scaling, norm epsilon, biases, tied embeddings, vocabulary padding, dropout), and the training run of
+  EngineTraining (AdamW, steps, LR schedule, checkpointing; its defaults are in docs/engines.md).
 
 Every format is one entry of LAUNCH_FORMATS (at the end of this module), which `artifacts`, the CLI's
 --format and the API's `format` read. Each engine format targets one engine version (ENGINE_VERSIONS,
@@ -17,12 +19,15 @@ stated in every artifact), carries the whole model shape, and names what a user 
 (tokenizer, data) as placeholders that stop the launch with their description when unset. Every layout
 field maps to exactly one key of a format (FIELD_SOURCES: the key and the engine file and line it was
 read from). A layout a format cannot express is refused with the reason (LaunchRefused), never
-approximated. tests/test_engines.py loads the artifacts with the engines' own parsers.
+approximated; every refusal is worded by _refuse (the engine, its version, the reason). Every value that reaches a
+shell goes through shlex.quote. tests/test_engines.py loads the artifacts with the engines' own parsers and
+tests/test_engine_start.py starts them with the engines' own code.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 from collections.abc import Callable
@@ -49,6 +54,63 @@ class LaunchRefused(BerthError):
 
     def __init__(self, fmt: str, reason: str):
         super().__init__("format", fmt, f"cannot express this layout: {reason}")
+
+
+def _refuse(engine: str, reason: str) -> str:
+    """The one place a refusal is worded: the engine, its version and the reason (every engine's refusal
+    function returns this; LaunchRefused carries it)."""
+    return f"{ENGINE_VERSIONS[engine]} cannot run it: {reason}"
+
+
+@dataclass(frozen=True)
+class EngineTraining:
+    """The training run an engine artifact starts, beyond the plan: optimizer, length, LR schedule and
+    checkpointing. Each default is the value written when the caller gives none (docs/engines.md lists them);
+    the plan's batch, precision and layout come from the plan."""
+
+    train_steps: int = 10_000  # optimizer steps (Megatron --train-iters, torchtitan training.steps)
+    lr: float = 3e-4  # peak learning rate (AdamW)
+    min_lr: float = 3e-5  # the LR at the end of the decay
+    warmup_steps: int = 500  # linear warmup from 0 to lr
+    decay: str = "cosine"  # decay from lr to min_lr over the steps after warmup: cosine or linear
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient-norm clipping
+    checkpoint_interval: int = 1000  # steps between checkpoints
+    checkpoint_dir: str = "checkpoints"  # where checkpoints are written (and resumed from)
+    data_split: str = "969,30,1"  # Megatron --split: train, validation, test weights
+
+    def __post_init__(self):
+        _check_training(self)
+
+
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9_./-]{1,255}$")
+
+
+def _check_training(t: EngineTraining) -> EngineTraining:
+    checks = [
+        ("train_steps", t.train_steps, isinstance(t.train_steps, int) and 0 < t.train_steps <= 1 << 31),
+        ("lr", t.lr, 0 < t.lr < 1),
+        ("min_lr", t.min_lr, 0 <= t.min_lr <= t.lr),
+        ("warmup_steps", t.warmup_steps, isinstance(t.warmup_steps, int) and 0 <= t.warmup_steps < t.train_steps),
+        ("decay", t.decay, t.decay in ("cosine", "linear")),
+        ("weight_decay", t.weight_decay, 0 <= t.weight_decay < 1),
+        ("betas", t.betas, len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas)),
+        ("adam_eps", t.adam_eps, 0 < t.adam_eps < 1),
+        ("grad_clip", t.grad_clip, t.grad_clip >= 0),
+        (
+            "checkpoint_interval",
+            t.checkpoint_interval,
+            isinstance(t.checkpoint_interval, int) and t.checkpoint_interval > 0,
+        ),
+        ("checkpoint_dir", t.checkpoint_dir, bool(_SAFE_PATH.match(t.checkpoint_dir)) and ".." not in t.checkpoint_dir),
+        ("data_split", t.data_split, bool(re.fullmatch(r"\d{1,6},\d{1,6},\d{1,6}", t.data_split))),
+    ]
+    for name, value, ok in checks:
+        if not ok:
+            raise BerthError(f"training.{name}", value, "out of range (docs/engines.md gives each option's range)")
+    return t
 
 
 # layout field -> (the one key it becomes, where the engine defines that key), per engine format. A key in
@@ -111,18 +173,20 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
             "deepspeed/runtime/config.py:458-463",
         ),
         "ep": (
-            "(none: mixture of experts refused; DeepSpeed's ep_size belongs to deepspeed.moe.layer.MoE in the "
-            "model code, not the config)",
-            "deepspeed/moe/layer.py",
+            "expert_parallel.autoep_size (AutoEP replaces the MoE layers of a Hugging Face model of its presets)",
+            "deepspeed/module_inject/auto_ep_config.py parse_autoep_config; deepspeed/runtime/config.py:171",
         ),
-        "expert_tp": ("(none: mixture of experts refused)", "deepspeed/moe/layer.py"),
+        "expert_tp": (
+            "expert_parallel.expert_tensor_parallel_size (1 only: DeepSpeed 0.19.8 reserves other values)",
+            "deepspeed/module_inject/auto_ep_folding.py validate_folding_global",
+        ),
         "shard": ("(none: refused below dp; MiCS was removed)", "deepspeed/runtime/config.py:119"),
         "zero_stage": ("zero_optimization.stage", "deepspeed/runtime/zero/config.py:95"),
         "recompute": (
-            "(deepspeed.checkpointing.checkpoint in the model, or PipelineModule("
-            "activation_checkpoint_interval=1); the config's activation_checkpointing section only tunes "
-            "it)",
-            "deepspeed/runtime/pipe/module.py:134",
+            "pipeline.activation_checkpoint_interval (pp > 1: the pipeline engine sets the PipelineModule's); "
+            "deepspeed.checkpointing.checkpoint in the model (pp 1: the activation_checkpointing section only "
+            "tunes it)",
+            "deepspeed/runtime/pipe/engine.py:217; deepspeed/runtime/config.py:278",
         ),
         "micro_batch_size": ("train_micro_batch_size_per_gpu", "deepspeed/runtime/constants.py:59"),
         "num_microbatches": ("gradient_accumulation_steps", "deepspeed/runtime/constants.py:71"),
@@ -228,8 +292,10 @@ def artifacts(
     warmup: int = 3,
     image: str = DEFAULT_IMAGE,
     port: int = DEFAULT_PORT,
+    training: EngineTraining | None = None,
 ) -> dict[str, str]:
-    """File name -> content of the launch artifacts of `plan` in `fmt` (one of LAUNCH_FORMATS)."""
+    """File name -> content of the launch artifacts of `plan` in `fmt` (one of LAUNCH_FORMATS); `training`: the
+    engine formats' optimizer, length, schedule and checkpointing (EngineTraining's defaults when None)."""
     spec = LAUNCH_FORMATS.get(fmt) if isinstance(fmt, str) else None
     if spec is None:
         raise BerthError("format", fmt, f"use one of {', '.join(FORMATS)}")
@@ -240,7 +306,7 @@ def artifacts(
             _IMAGE.validate_python(image)
         except ValidationError as err:
             raise BerthError("image", image, err.errors()[0]["msg"]) from None
-    return spec.build(plan, LaunchOptions(plan_file, steps, warmup, image, port))
+    return spec.build(plan, LaunchOptions(plan_file, steps, warmup, image, port, training or EngineTraining()))
 
 
 _IMAGE = TypeAdapter(ImageName)
@@ -452,24 +518,35 @@ MEGATRON_INPUTS = {
     "TOKENIZER_MODEL": "the tokenizer (a Hugging Face name or directory) whose vocabulary the plan assumes",
     "DATA_PATH": "the Megatron indexed dataset prefix (tools/preprocess_data.py output, without .bin/.idx)",
 }
+# Megatron's Llama 3.x rope scaling takes only the factor (--rope-scaling-factor): the other three numbers are
+# fixed (megatron/core/models/common/embeddings/rotary_pos_embedding.py RotaryEmbedding._apply_scaling)
+MEGATRON_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _megatron_refusal(x, model=None) -> str | None:
-    """Why Megatron cannot express the layout (of `model`, where the rule needs it), or None."""
+    """Why Megatron cannot run the layout (of `model`, where the rule needs it), or None."""
+    reason = None
     if x.pp > 1 and x.schedule == "gpipe":
-        return "schedule gpipe: Megatron runs 1F1B or interleaved 1F1B"
-    if x.axis_order not in ("tp-dp-pp", "tp-pp-dp"):
-        return f"axis_order {x.axis_order}: Megatron orders tp-dp-pp or (--use-tp-pp-dp-mapping) tp-pp-dp"
-    if x.zero_stage >= 2 and x.shard < x.dp:
-        return (
+        reason = "schedule gpipe: Megatron runs 1F1B or interleaved 1F1B"
+    elif x.axis_order not in ("tp-dp-pp", "tp-pp-dp"):
+        reason = f"axis_order {x.axis_order}: Megatron orders tp-dp-pp or (--use-tp-pp-dp-mapping) tp-pp-dp"
+    elif x.zero_stage >= 2 and x.shard < x.dp:
+        reason = (
             f"zero_stage {x.zero_stage} with shard {x.shard} < dp {x.dp}: Megatron FSDP's hybrid mode shards "
             "over its own outer data-parallel groups, which berth does not map (use shard = dp)"
         )
-    if model is not None and model.is_moe and x.tp > 1 and not x.sequence_parallel:
+    elif model is not None and model.is_moe and x.tp > 1 and not x.sequence_parallel:
         # megatron/training/arguments.py validate_args: "When using MoE and tensor parallelism,
         # sequence parallelism must be used."
-        return f"tp {x.tp} with mixture of experts: Megatron needs sequence parallelism with tp (sp on)"
-    return None
+        reason = f"tp {x.tp} with mixture of experts: Megatron needs sequence parallelism with tp (sp on)"
+    elif model is not None and model.rope_scaling is not None:
+        fixed = {k: getattr(model.rope_scaling, k) for k in MEGATRON_ROPE_SCALING}
+        if fixed != MEGATRON_ROPE_SCALING:
+            reason = (
+                f"rope scaling {fixed}: Megatron's Llama 3 scaling fixes {MEGATRON_ROPE_SCALING} and takes only "
+                "the factor (--rope-scaling-factor)"
+            )
+    return _refuse("megatron", reason) if reason else None
 
 
 def _megatron_stage_args(num_layers: int, pp: int, vpp: int) -> list[tuple[str, object]]:
@@ -516,16 +593,57 @@ def _megatron_moe_args(m, x) -> list[tuple[str, object]]:
     if m.num_shared_experts:
         args.append(("--moe-shared-expert-intermediate-size", m.num_shared_experts * m.shared_ffn))
     if m.first_k_dense:
-        args.append(("--moe-layer-freq", f"'([0]*{m.first_k_dense}+[1]*{m.num_moe_layers})'"))
+        args.append(("--moe-layer-freq", f"([0]*{m.first_k_dense}+[1]*{m.num_moe_layers})"))
     return args
 
 
-def megatron_args(plan: Plan) -> dict[str, str]:
-    """Megatron-LM pretrain_gpt.py arguments for the layout and the whole model shape, and a torchrun launch.
+def _vocab_divisor(vocab: int, tp: int) -> int:
+    """--make-vocab-size-divisible-by so that Megatron's padded vocabulary (a multiple of this x tp,
+    megatron/training/tokenizer: _vocab_size_with_padding) is the model's own, as the plan counts it; where tp does
+    not divide the vocabulary no value can (Megatron pads to the next multiple of tp)."""
+    return math.gcd(vocab // tp, 128) if vocab % tp == 0 else 1
+
+
+@dataclass(frozen=True)
+class _Env:
+    """A placeholder the user supplies: written as "${NAME}" in a script (expanded there), never quoted away."""
+
+    name: str
+
+
+def _shell_args(args: list[tuple[str, object]]) -> list[str]:
+    """Command-line arguments as shell words, one per line: every value through shlex.quote (the one place
+    Megatron's values reach a shell), a placeholder as a double-quoted expansion."""
+    out = []
+    for flag, value in args:
+        if value is None:
+            out.append(flag)
+        elif isinstance(value, _Env):
+            out.append(f'{flag} "${{{value.name}}}"')
+        else:
+            out.append(f"{flag} {shlex.quote(str(value))}")
+    return out
+
+
+def _megatron_env(x) -> list[str]:
+    """The launch's environment lines. validate_args (megatron/training/arguments.py): with tp > 1 or cp > 1 on a
+    GPU before Blackwell, CUDA_DEVICE_MAX_CONNECTIONS must be 1 (communication kernels queued in order so they
+    overlap), except under Megatron FSDP, which asserts it is not 1."""
+    if x.tp == 1 and x.cp == 1:
+        return []
+    if x.zero_stage >= 2:
+        return ["unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron FSDP: validate_args wants it other than 1"]
+    return ["export CUDA_DEVICE_MAX_CONNECTIONS=1  # tp or cp > 1: validate_args requires it (before Blackwell)"]
+
+
+def megatron_args(plan: Plan, run: EngineTraining | None = None) -> dict[str, str]:
+    """Megatron-LM pretrain_gpt.py arguments for the layout, the whole model and the training run, and a torchrun
+    launch.
 
     ZeRO-1 is the distributed optimizer; ZeRO-2/3 are Megatron FSDP with sharding strategy optim_grads /
     optim_grads_params (validate_args makes the distributed optimizer and needs --ckpt-format fsdp_dtensor).
     """
+    run = run or EngineTraining()
     x, m, t = plan.layout, plan.model, plan.training
     reason = _megatron_refusal(x, m)
     if reason:
@@ -559,8 +677,8 @@ def megatron_args(plan: Plan) -> dict[str, str]:
         ]
     if x.axis_order == "tp-pp-dp":
         args.append(("--use-tp-pp-dp-mapping", None))
-    # the whole model shape: berth's models are decoder-only with rotary positions and no linear biases
-    # (the parameter count planner/specs.py uses); the rotary base is the model's, not the plan's
+    # the whole model: berth's models are decoder-only with rotary positions and no linear biases but the qkv
+    # ones a model names (the parameter count planner/specs.py uses)
     args += [
         ("--num-layers", m.num_layers),
         ("--hidden-size", m.hidden_size),
@@ -569,8 +687,18 @@ def megatron_args(plan: Plan) -> dict[str, str]:
         ("--seq-length", t.seq_len),
         ("--max-position-embeddings", t.seq_len),
         ("--position-embedding-type", "rope"),
+        ("--rotary-base", _number(m.rope_theta)),
         ("--disable-bias-linear", None),
+        ("--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"),
+        ("--norm-epsilon", _number(m.norm_eps)),
+        ("--make-vocab-size-divisible-by", _vocab_divisor(m.vocab_size, x.tp)),
     ]
+    if m.rope_scaling is not None:
+        args += [("--use-rope-scaling", None), ("--rope-scaling-factor", _number(m.rope_scaling.factor))]
+    if m.qkv_bias:
+        args.append(("--add-qkv-bias", None))
+    if not m.dropout:  # pre-training without dropout (Megatron's default is 0.1)
+        args += [("--attention-dropout", 0), ("--hidden-dropout", 0)]
     if t.precision != "fp32":
         args.append((f"--{t.precision}", None))
     if m.kv_heads != m.num_attention_heads:
@@ -578,31 +706,41 @@ def megatron_args(plan: Plan) -> dict[str, str]:
     if m.mlp == "swiglu":
         args.append(("--swiglu", None))
     args += _megatron_moe_args(m, x)
-    args.append(("--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"))
     if not m.tied_embeddings:
         args.append(("--untie-embeddings-and-output-weights", None))
     if t.flash_attention:
         args.append(("--attention-backend", "flash"))
-    args += [
+    b1, b2 = run.betas
+    args += [  # the training run (EngineTraining)
+        ("--train-iters", run.train_steps),
+        ("--optimizer", "adam"),  # Megatron's adam is AdamW (decoupled weight decay)
+        ("--lr", _number(run.lr)),
+        ("--min-lr", _number(run.min_lr)),
+        ("--lr-decay-style", run.decay),
+        ("--lr-warmup-iters", run.warmup_steps),
+        ("--lr-decay-iters", run.train_steps),
+        ("--weight-decay", _number(run.weight_decay)),
+        ("--adam-beta1", _number(b1)),
+        ("--adam-beta2", _number(b2)),
+        ("--adam-eps", _number(run.adam_eps)),
+        ("--clip-grad", _number(run.grad_clip)),
+        ("--save", run.checkpoint_dir),
+        ("--load", run.checkpoint_dir),
+        ("--save-interval", run.checkpoint_interval),
+        ("--split", run.data_split),
         ("--tokenizer-type", "HuggingFaceTokenizer"),
-        ("--tokenizer-model", "${TOKENIZER_MODEL}"),
-        ("--data-path", "${DATA_PATH}"),
+        ("--tokenizer-model", _Env("TOKENIZER_MODEL")),
+        ("--data-path", _Env("DATA_PATH")),
     ]
-    lines = [f"{flag} {value}" if value is not None else flag for flag, value in args]
+    lines = _shell_args(args)
     notes = [
         *_header("megatron", plan),
-        f"# whole model shape included (vocabulary {m.vocab_size}: the tokenizer's must match); the rotary base is "
-        "Megatron's default 10000: add --rotary-base for your model (Llama 3: 500000)",
+        f"# whole model (vocabulary {m.vocab_size}: the tokenizer's must match; rotary base {_number(m.rope_theta)}), "
+        f"{run.train_steps} steps of AdamW, checkpoints every {run.checkpoint_interval} steps in "
+        f"{_comment(run.checkpoint_dir)}",
         "# still to supply: " + "; ".join(f"${{{k}}}: {v}" for k, v in MEGATRON_INPUTS.items() if k != "MEGATRON_LM"),
     ]
-    env = []  # the launch script's environment; megatron-args.txt states it in a comment
-    if x.tp > 1 and not fsdp:
-        env.append(
-            "export CUDA_DEVICE_MAX_CONNECTIONS=1  # tp > 1: Megatron's validate_args requires it "
-            "(before Blackwell) so tensor-parallel communication overlaps in order"
-        )
-    elif x.tp > 1:
-        env.append("unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron FSDP asserts it is not 1 (validate_args)")
+    env = _megatron_env(x)
     c = plan.cluster
     nodes = max(1, x.world_size // c.gpus_per_node)
     per_node = min(x.world_size, c.gpus_per_node)
@@ -618,7 +756,7 @@ def megatron_args(plan: Plan) -> dict[str, str]:
             f'torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank="${{NODE_RANK:-0}}" '
             f'--master-addr="${{MASTER_ADDR:-127.0.0.1}}" --master-port="${{MASTER_PORT:-{DEFAULT_PORT}}}" \\',
             '    "$MEGATRON_LM/pretrain_gpt.py" \\',
-            " \\\n".join("    " + line.replace("${", '"${').replace("}", '}"') for line in lines),
+            " \\\n".join("    " + line for line in lines),
             "",
         ]
     )
@@ -628,19 +766,38 @@ def megatron_args(plan: Plan) -> dict[str, str]:
     }
 
 
+def _number(value: float) -> str:
+    """A number as an engine reads it back exactly: integers without a fraction, the rest in repr form."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else repr(float(value))
+
+
+# DeepSpeed's AutoEP (deepspeed/module_inject/auto_ep_presets/registry.py): the Hugging Face MoE families whose
+# expert layers it finds and replaces; the training script's model must be one of them
+DEEPSPEED_AUTOEP_PRESETS = ("mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3", "minimax_m3")
+
+
 def _deepspeed_refusal(x, num_layers: int | None = None, model=None) -> str | None:
-    """Why DeepSpeed 0.19 cannot express the layout (of a model `num_layers` deep), or None."""
+    """Why DeepSpeed 0.19.8 cannot run the layout (of a model `num_layers` deep), or None."""
+    reason = _deepspeed_reason(x, num_layers, model)
+    return _refuse("deepspeed", reason) if reason else None
+
+
+def _deepspeed_reason(x, num_layers: int | None, model) -> str | None:
     if x.cp > 1:
         return (
             f"cp {x.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses sequence parallelism "
             "all-to-alls attention heads, a different scheme berth does not plan); use Megatron or torchtitan"
         )
     if model is not None and model.is_moe:
-        return (
-            f"mixture of experts ({model.num_experts} experts, ep {x.ep}): DeepSpeed's experts are "
-            "deepspeed.moe.layer.MoE modules with their own ep_size in the model code; the config cannot "
-            "express them"
-        )
+        # AutoEP (the config's expert_parallel section; deepspeed/module_inject/auto_ep_folding.py
+        # validate_folding_global) runs experts with ep over the stage, no expert tensor parallelism
+        if x.etp != 1:
+            return (
+                f"expert_tp {x.etp}: AutoEP (expert_parallel) reserves expert_tensor_parallel_size and accepts only 1 "
+                "(auto_ep_folding.validate_folding_global); use expert_tp 1"
+            )
+        if x.tp > 1 and x.ep == 1:
+            return "tp > 1 with ep 1: AutoEP's tensor-parallel folding requires autoep_size > 1"
     if num_layers is not None and x.pp > 1 and not _stages().is_even(num_layers, x.pp):
         return (
             f"uneven pipeline stages ({num_layers} layers on pp {x.pp}: "
@@ -678,17 +835,61 @@ def _deepspeed_refusal(x, num_layers: int | None = None, model=None) -> str | No
     return None
 
 
-def deepspeed_config(plan: Plan) -> dict[str, str]:
-    """A DeepSpeed config JSON for the layout, and the launch notes (what the training script must do)."""
+def _deepspeed_schedule(run: EngineTraining) -> dict[str, Any]:
+    """The LR schedule as a DeepSpeed scheduler (deepspeed/runtime/lr_schedules.py): cosine is WarmupCosineLR
+    (warmup from 0, cosine to min_lr / lr); linear is WarmupDecayLR, which decays to 0."""
+    params: dict[str, Any]
+    if run.decay == "cosine":
+        params = {
+            "total_num_steps": run.train_steps,
+            "warmup_num_steps": run.warmup_steps,
+            "warmup_min_ratio": 0.0,
+            "cos_min_ratio": run.min_lr / run.lr,
+        }
+        return {"type": "WarmupCosineLR", "params": params}
+    if run.min_lr:
+        raise LaunchRefused(
+            "deepspeed",
+            _refuse("deepspeed", f"decay linear with min_lr {run.min_lr}: WarmupDecayLR decays to 0 (use min_lr 0)"),
+        )
+    params = {
+        "total_num_steps": run.train_steps,
+        "warmup_num_steps": run.warmup_steps,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": run.lr,
+        "warmup_type": "linear",
+    }
+    return {"type": "WarmupDecayLR", "params": params}
+
+
+def deepspeed_config(plan: Plan, run: EngineTraining | None = None) -> dict[str, str]:
+    """A DeepSpeed config JSON for the layout and the training run, a hostfile for more than one node, and the
+    launch (with the notes on what the training script must do)."""
+    run = run or EngineTraining()
     x, t, m = plan.layout, plan.training, plan.model
     reason = _deepspeed_refusal(x, m.num_layers, m)
     if reason:
         raise LaunchRefused("deepspeed", reason)
+    b1, b2 = run.betas
     config: dict[str, Any] = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": x.micro_batch_size,
         "gradient_accumulation_steps": x.num_microbatches,
         "zero_optimization": {"stage": x.zero_stage},
+        "optimizer": {
+            "type": "AdamW",
+            # torch_adam: torch.optim.AdamW (engine.py get_optimizer_configuration), not FusedAdam, which DeepSpeed
+            # compiles (JIT) on first use
+            "params": {
+                "lr": run.lr,
+                "betas": [b1, b2],
+                "eps": run.adam_eps,
+                "weight_decay": run.weight_decay,
+                "torch_adam": True,
+            },
+        },
+        "scheduler": _deepspeed_schedule(run),
+        "gradient_clipping": run.grad_clip,
     }
     if t.precision == "bf16":
         config["bf16"] = {"enabled": True}
@@ -696,26 +897,58 @@ def deepspeed_config(plan: Plan) -> dict[str, str]:
         config["fp16"] = {"enabled": True}
     if x.tp > 1:
         config["tensor_parallel"] = {"autotp_size": x.tp}
+    if m.is_moe:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": x.ep, "expert_tensor_parallel_size": 1}
     if x.recompute == "full":
-        config["activation_checkpointing"] = {"partition_activations": False}
+        if x.pp > 1:  # the pipeline engine sets PipelineModule.activation_checkpoint_interval from it (pipe/engine.py)
+            config["pipeline"] = {"activation_checkpoint_interval": 1}
+        else:
+            config["activation_checkpointing"] = {"partition_activations": False}
     c = plan.cluster
     nodes = max(1, x.world_size // c.gpus_per_node)
     per_node = min(x.world_size, c.gpus_per_node)
+    files: dict[str, str] = {}
+    hostfile = ""
+    if nodes > 1:
+        hosts = list(c.hosts)[:nodes] if len(c.hosts) >= nodes else [f"node{n}" for n in range(nodes)]
+        placeholder = len(c.hosts) < nodes
+        files["hostfile"] = "\n".join(
+            [
+                f"# berth: the {nodes} nodes, {per_node} GPU slots each (DeepSpeed's hostfile: 'host slots=N' a line)"
+                + (
+                    "; node0.. are placeholders: write your hosts' names (reachable by ssh without a password)"
+                    if placeholder
+                    else ""
+                ),
+                *(f"{_host(h)} slots={per_node}" for h in hosts),
+                "",
+            ]
+        )
+        hostfile = "--hostfile hostfile "
     notes = [
         "#!/bin/bash",
         *_header("deepspeed", plan),
         f"# ds_config.json holds the batch ({t.global_batch_size} = micro {x.micro_batch_size} x accumulation "
-        f"{x.num_microbatches} x dp {x.dp}), ZeRO stage {x.zero_stage} and precision {t.precision}; the rest of "
-        "the plan is in the training script:",
+        f"{x.num_microbatches} x dp {x.dp}), ZeRO stage {x.zero_stage}, precision {t.precision}, AdamW (lr {run.lr}) "
+        f"and its {run.decay} schedule over {run.train_steps} steps; the rest of the plan is in the training script:",
         f"# - the model: {m.num_layers} layers, hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, "
-        f"{m.num_attention_heads} heads ({m.kv_heads} kv), vocabulary {m.vocab_size}, sequence {t.seq_len}",
+        f"{m.num_attention_heads} heads ({m.kv_heads} kv), vocabulary {m.vocab_size}, sequence {t.seq_len}, rotary "
+        f"base {_number(m.rope_theta)}, norm epsilon {m.norm_eps}",
+        f"# - train {run.train_steps} steps (the scheduler's total_num_steps); every {run.checkpoint_interval} steps "
+        f"engine.save_checkpoint({run.checkpoint_dir!r}); resume with engine.load_checkpoint({run.checkpoint_dir!r})",
     ]
     if x.pp > 1:
         notes.append(
             f"# - pp {x.pp}: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={x.pp}, "
-            "partition_method='uniform'"
-            + (", activation_checkpoint_interval=1)" if x.recompute == "full" else ")")
-            + " and train with engine.train_batch() (the config's pipeline section sets no stages)"
+            "partition_method='uniform') and train with engine.train_batch() (the config's pipeline section sets "
+            "no stages"
+            + (
+                "; its activation_checkpoint_interval 1 recomputes every layer: pass "
+                "checkpointable_layers=[your decoder layer's class name] so the embedding is not recomputed"
+                if x.recompute == "full"
+                else ""
+            )
+            + ")"
         )
     if x.recompute == "full" and x.pp == 1:
         notes.append(
@@ -729,15 +962,25 @@ def deepspeed_config(plan: Plan) -> dict[str, str]:
             f"get_data_parallel_world_size() is {x.dp}: without one DeepSpeedConfig counts all "
             f"{x.world_size} ranks as data parallel and its batch check fails (runtime/config.py:458-471)"
         )
+    if m.is_moe:
+        notes.append(
+            f"# - experts: AutoEP (expert_parallel, ep {x.ep}) replaces the MoE layers of a Hugging Face model of "
+            f"one of its presets ({', '.join(DEEPSPEED_AUTOEP_PRESETS)})"
+        )
     notes += [
         "set -euo pipefail",
         ': "${TRAIN_SCRIPT:?set TRAIN_SCRIPT to your DeepSpeed training script '
         '(it must call deepspeed.initialize with config=ds_config.json)}"',
-        f'deepspeed --num_nodes {nodes} --num_gpus {per_node} "$TRAIN_SCRIPT" --deepspeed '
+        f'deepspeed {hostfile}--num_nodes {nodes} --num_gpus {per_node} "$TRAIN_SCRIPT" --deepspeed '
         "--deepspeed_config ds_config.json",
         "",
     ]
-    return {"ds_config.json": json.dumps(config, indent=2) + "\n", "deepspeed-launch.sh": "\n".join(notes)}
+    return {"ds_config.json": json.dumps(config, indent=2) + "\n", "deepspeed-launch.sh": "\n".join(notes), **files}
+
+
+def _host(name: str) -> str:
+    """A host name in DeepSpeed's hostfile (split on spaces by its parser): safe characters only."""
+    return re.sub(r"[^A-Za-z0-9_.:-]", "-", name)[:253] or "node"
 
 
 TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
@@ -748,18 +991,26 @@ TORCHTITAN_INPUTS = {
 
 
 def _torchtitan_refusal(x, model, training) -> str | None:
-    """Why torchtitan 0.3 cannot express the layout (or the model), or None."""
+    """Why torchtitan 0.3.0 cannot run the layout (or the model), or None."""
+    reason = _torchtitan_reason(x, model, training)
+    return _refuse("torchtitan", reason) if reason else None
+
+
+def _torchtitan_reason(x, model, training) -> str | None:
     if model.is_moe:
         return (
             f"mixture of experts ({model.num_experts} experts, ep {x.ep}): berth writes torchtitan's Llama 3 "
             "builder, which has no experts; torchtitan's MoE models (deepseek_v3 with MLA, qwen3) and their "
             "parallelism.expert_parallel_degree are not mapped"
         )
-    if model.mlp != "swiglu" or model.norm != "rmsnorm" or model.tied_embeddings:
-        return (
-            f"model {model.name} ({model.mlp}, {model.norm}, tied {model.tied_embeddings}): torchtitan's "
-            "Llama 3 builder is SwiGLU with RMSNorm and an untied output"
-        )
+    if model.mlp != "swiglu" or model.norm != "rmsnorm":
+        return f"model {model.name} ({model.mlp}, {model.norm}): torchtitan's Llama 3 builder is SwiGLU with RMSNorm"
+    if model.qkv_bias:
+        return f"model {model.name} has qkv biases: torchtitan's Llama 3 attention (make_gqa_config) has none"
+    if model.dropout:
+        return f"model {model.name} has dropout: torchtitan's Llama 3 builder has none"
+    if model.tied_embeddings and x.pp > 1:
+        return "tied embeddings with pp > 1: torchtitan raises 'Weight tying is not supported with Pipeline Parallel'"
     if x.zero_stage == 1:
         return "zero_stage 1: FSDP2 shards gradients with optimizer state (use 2)"
     if x.axis_order != "tp-dp-pp":
@@ -791,9 +1042,10 @@ def _torchtitan_split_note(num_layers: int, pp: int, vpp: int) -> str:
     )
 
 
-def torchtitan_config(plan: Plan) -> dict[str, str]:
+def torchtitan_config(plan: Plan, run: EngineTraining | None = None) -> dict[str, str]:
     """A torchtitan 0.3 configuration: a Python module whose function returns the Trainer.Config (torchtitan 0.3
     selects a job with --module/--config; TOML job files are gone), and the torchrun launch."""
+    run = run or EngineTraining()
     x, t, m = plan.layout, plan.training, plan.model
     reason = _torchtitan_refusal(x, m, t)
     if reason:
@@ -807,6 +1059,9 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
         "enable_sequence_parallel": x.sequence_parallel,
         "pipeline_parallel_degree": x.pp,
     }
+    # DTensor on the model-parallel axes and FSDP2 over dp: the path torchtitan's dry run builds on CPU (its
+    # default "spmd_types" backend stops in fully_shard there: parameters not DTensors on the full mesh)
+    parallelism["spmd_backend"] = "partial_dtensor"
     if x.cp > 1:
         parallelism["context_parallel_degree"] = x.cp  # its "headtail" load balancer: berth's 2 cp chunk split
     if x.zero_stage >= 2:
@@ -823,6 +1078,19 @@ def torchtitan_config(plan: Plan) -> dict[str, str]:
         )
     ac = {"none": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[x.recompute]
     param = "bfloat16" if t.precision == "bf16" else "float32"
+    rope: dict[str, Any] = {"theta": m.rope_theta}
+    if m.rope_scaling is not None:  # torchtitan's "llama" scaling (torchtitan/models/common/rope.py)
+        sc = m.rope_scaling
+        rope.update(
+            scaling="llama",
+            scaling_factor=sc.factor,
+            low_freq_factor=sc.low_freq_factor,
+            high_freq_factor=sc.high_freq_factor,
+            original_max_position_embeddings=sc.original_max_position_embeddings,
+        )
+    b1, b2 = run.betas
+    optimizer = dict(lr=run.lr, betas=(b1, b2), eps=run.adam_eps, weight_decay=run.weight_decay)
+    schedule = dict(warmup_steps=run.warmup_steps, decay_type=run.decay, min_lr_factor=run.min_lr / run.lr)
     py = f'''{_header("torchtitan", plan)[0]}
 """torchtitan 0.3 job configuration. Run:
 
@@ -836,15 +1104,17 @@ Pipeline split (berth's rule, planner/stages.py): {_torchtitan_split_note(m.num_
 
 import os
 
+from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.config_utils import decoder_vocab_size
-from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init,
-                                      parallelize_llama)
+from torchtitan.models.llama3 import (_EMBEDDING_INIT, _EMBEDDING_SKIP_INIT, _NORM_INIT, _build_llama3_layers,
+                                      _output_linear_init, parallelize_llama)
 from torchtitan.models.llama3.model import Llama3Model
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
@@ -853,6 +1123,11 @@ from torchtitan.trainer import Trainer
 SHAPE = dict(n_layers={m.num_layers}, dim={m.hidden_size}, n_heads={m.num_attention_heads}, \
 n_kv_heads={m.kv_heads}, hidden_dim={m.ffn_hidden_size}, vocab_size={m.vocab_size})
 SEQ_LEN = {t.seq_len}
+ROPE = {rope!r}  # the model's rotary base (and scaling)
+NORM_EPS = {m.norm_eps!r}
+TIED = {m.tied_embeddings!r}  # the output shares the input embedding
+OPTIMIZER = {optimizer!r}  # AdamW
+LR_SCHEDULE = {schedule!r}
 INPUTS = {TORCHTITAN_INPUTS!r}
 
 
@@ -865,18 +1140,20 @@ def _required(name):
 
 def model_spec():
     s = SHAPE
-    # rotary base: the model's (Llama 3: 500000); the plan does not depend on it
-    rope = ComplexRoPE.Config(dim=s["dim"] // s["n_heads"], max_seq_len=SEQ_LEN, theta=500000)
+    rope = ComplexRoPE.Config(dim=s["dim"] // s["n_heads"], max_seq_len=SEQ_LEN, **ROPE)
+    layers = _build_llama3_layers(n_layers=s["n_layers"], dim=s["dim"], n_heads=s["n_heads"],
+                                  n_kv_heads=s["n_kv_heads"], hidden_dim=s["hidden_dim"], rope=rope,
+                                  attn_backend="flex")
+    for layer in layers:  # the builder leaves RMSNorm's default epsilon
+        layer.attention_norm.eps = layer.ffn_norm.eps = NORM_EPS
     model = Llama3Model.Config(
-        dim=s["dim"], vocab_size=s["vocab_size"],
+        dim=s["dim"], vocab_size=s["vocab_size"], enable_weight_tying=TIED,
         tok_embeddings=Embedding.Config(num_embeddings=s["vocab_size"], embedding_dim=s["dim"],
-                                        param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=s["dim"], param_init=_NORM_INIT),
+                                        param_init=_EMBEDDING_SKIP_INIT if TIED else _EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=s["dim"], eps=NORM_EPS, param_init=_NORM_INIT),
         lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab_size"],
                               param_init=_output_linear_init(s["dim"])),
-        layers=_build_llama3_layers(n_layers=s["n_layers"], dim=s["dim"], n_heads=s["n_heads"],
-                                    n_kv_heads=s["n_kv_heads"], hidden_dim=s["hidden_dim"], rope=rope,
-                                    attn_backend="flex"))
+        layers=layers)
     return ModelSpec(name="llama3", flavor="berth", model=model, parallelize_fn=parallelize_llama,
                      pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
                      state_dict_adapter=Llama3StateDictAdapter)
@@ -889,8 +1166,12 @@ def berth_plan() -> Trainer.Config:
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
         hf_assets_path=_required("BERTH_HF_ASSETS"),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=_required("BERTH_DATASET")),
+        optimizer=default_adamw(**OPTIMIZER),
+        lr_scheduler=LRSchedulersContainer.Config(**LR_SCHEDULE),
+        checkpoint=CheckpointManager.Config(enable=True, folder={run.checkpoint_dir!r}, \
+interval={run.checkpoint_interval}),
         training=TrainingConfig(local_batch_size={local}, global_batch_size={t.global_batch_size}, \
-seq_len=SEQ_LEN, mixed_precision_param="{param}",
+seq_len=SEQ_LEN, mixed_precision_param="{param}", steps={run.train_steps}, max_norm={run.grad_clip!r},
                                 # torchtitan 0.3 captures CUDA graphs unless told not to; they refuse pp > 1
                                 disable_cuda_graphs={x.pp > 1}),
         parallelism=ParallelismConfig({", ".join(f"{k}={v!r}" for k, v in parallelism.items())}),
@@ -926,6 +1207,7 @@ class LaunchOptions:
     warmup: int = 3
     image: str = DEFAULT_IMAGE
     port: int = DEFAULT_PORT
+    engine: EngineTraining = EngineTraining()  # the engine formats' training run
 
 
 @dataclass(frozen=True)
@@ -953,21 +1235,21 @@ LAUNCH_FORMATS: dict[str, LaunchFormat] = {
         LaunchFormat("kubernetes", lambda p, o: _run(p, o).pytorchjob(o.image), runs_executor=True),
         LaunchFormat(
             "megatron",
-            lambda p, _: megatron_args(p),
+            lambda p, o: megatron_args(p, o.engine),
             runs_executor=False,
             engine_version="Megatron-LM main @ d98e8a6 (2026-08-22, megatron-core 0.20.0)",
             refusal=lambda p: _megatron_refusal(p.layout, p.model),
         ),
         LaunchFormat(
             "deepspeed",
-            lambda p, _: deepspeed_config(p),
+            lambda p, o: deepspeed_config(p, o.engine),
             runs_executor=False,
             engine_version="DeepSpeed 0.19.8",
             refusal=lambda p: _deepspeed_refusal(p.layout, p.model.num_layers, p.model),
         ),
         LaunchFormat(
             "torchtitan",
-            lambda p, _: torchtitan_config(p),
+            lambda p, o: torchtitan_config(p, o.engine),
             runs_executor=False,
             engine_version="torchtitan 0.3.0",
             refusal=lambda p: _torchtitan_refusal(p.layout, p.model, p.training),

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from berth.planner.errors import BerthError, from_validation_error
-from berth.planner.specs import MAX_NAME_LEN, ModelSpec
+from berth.planner.specs import MAX_NAME_LEN, ModelSpec, RopeScaling
 
 PRESETS_FILE = Path(__file__).parent / "model_presets.json"
 
@@ -303,6 +303,36 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, 
     return out
 
 
+def _launch_details(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The model details launch files carry (rope base and scaling, norm epsilon, qkv bias) from a config:
+    rope_theta (GPT-NeoX: rotary_emb_base), rms_norm_eps / layer_norm_eps / layer_norm_epsilon, rope_scaling
+    of rope_type 'llama3' (other kinds are not carried: null), attention_bias (Qwen2 always has qkv biases)."""
+    out: dict[str, Any] = {}
+    for name, keys in (
+        ("rope_theta", ("rope_theta", "rotary_emb_base")),
+        ("norm_eps", ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")),
+    ):
+        key = next((k for k in keys if cfg.get(k) is not None), None)
+        if key is None:
+            continue
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise BerthError(f"{source}.{key}", value, "must be a positive number")
+        out[name] = float(value)
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict) and (scaling.get("rope_type") or scaling.get("type")) == "llama3":
+        fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        try:
+            out["rope_scaling"] = RopeScaling.model_validate({k: scaling[k] for k in fields if k in scaling})
+        except ValidationError as err:
+            raise from_validation_error(err, f"{source}.rope_scaling") from None
+    bias = cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))
+    if not isinstance(bias, bool):
+        raise BerthError(f"{source}.attention_bias", bias, "must be true or false")
+    out["qkv_bias"] = bias
+    return out
+
+
 def from_hf_config(cfg: dict[str, Any], source: str = "model", seq_len: int | None = None) -> ModelSpec:
     """Map a Hugging Face config.json of a decoder-only model to a ModelSpec: dense families and the
     mixture-of-experts ones of _MOE_FIELDS (Mixtral, Qwen2-MoE, DeepSeek-V2/V3 without MLA). Other
@@ -343,6 +373,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "model", seq_len: int | No
         raise BerthError(f"{source}.tie_word_embeddings", tied, "must be true or false")
     name_key = next((k for k in ("_name_or_path", "name") if cfg.get(k)), None)
     moe = _moe_fields(cfg, model_type, source)
+    details = _launch_details(cfg, model_type, source)
     fields = {
         **moe,
         "name": cfg[name_key] if name_key else (model_type if isinstance(model_type, str) else "hf-model"),
@@ -356,6 +387,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "model", seq_len: int | No
         "norm": family["norm"],
         "tied_embeddings": tied,
         "dropout": dropout > 0.0,
+        **details,
     }
     try:
         return ModelSpec.model_validate(fields, strict=True)

@@ -96,6 +96,20 @@ class Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class RopeScaling(Spec):
+    """Llama 3.1's rotary frequency scaling (Hugging Face rope_scaling with rope_type 'llama3'): frequencies
+    with wavelengths beyond original_max_position_embeddings / low_freq_factor are divided by factor, those
+    below original / high_freq_factor kept, the band between interpolated. Launch files only (no cost term)."""
+
+    rope_type: Literal["llama3"] = Field(default="llama3", description="the scaling kind (only 'llama3')")
+    factor: float = Field(default=8.0, gt=0, le=1e6, description="the divisor of the low frequencies")
+    low_freq_factor: float = Field(default=1.0, gt=0, le=1e6, description="the low-frequency band's edge")
+    high_freq_factor: float = Field(default=4.0, gt=0, le=1e6, description="the high-frequency band's edge")
+    original_max_position_embeddings: int = Field(
+        default=8192, gt=0, le=MAX_SEQ_LEN, description="the context length the model was pre-trained at"
+    )
+
+
 class ModelSpec(Spec):
     """A decoder-only transformer's shape (Megatron/Llama family)."""
 
@@ -134,6 +148,25 @@ class ModelSpec(Spec):
     )
     dropout: bool = Field(
         default=False, description="dropout is applied (adds elementwise passes and mask memory to the cost model)"
+    )
+    # The model's own details that launch files carry (planner/launch.py) and the cost model does not read.
+    rope_theta: float = Field(
+        default=10000.0,
+        gt=0,
+        le=1e12,
+        description="rotary position embedding base (Llama 2: 10000, Llama 3: 500000, Qwen2.5: 1000000); "
+        "launch files only",
+    )
+    rope_scaling: RopeScaling | None = Field(
+        default=None, description="rotary frequency scaling (Llama 3.1: 'llama3'); null: none. Launch files only"
+    )
+    norm_eps: float = Field(
+        default=1e-5, gt=0, lt=1, description="the normalization layers' epsilon (Qwen2.5: 1e-6); launch files only"
+    )
+    qkv_bias: bool = Field(
+        default=False,
+        description="the query/key/value projections have biases (Qwen2.5); launch files only (the cost "
+        "model leaves biases out)",
     )
     # Mixture of experts (Shazeer et al. 2017; Fedus et al. 2022; Mixtral, DeepSeek-V3): each MoE
     # layer replaces its MLP by `num_experts` routed experts of `moe_ffn_hidden_size` (same mlp kind),

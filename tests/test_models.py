@@ -201,6 +201,8 @@ def test_hf_mixtral_config_plans_as_the_preset():
         "max_position_embeddings": 32768,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
+        "rope_theta": 1e6,
+        "rms_norm_eps": 1e-05,
         "_name_or_path": "mixtral-8x7b",
     }
     m = load_model(cfg)

@@ -1,0 +1,363 @@
+"""The engine artifacts started by the engines themselves, not string-matched (benchmarks/engine_check.py has the
+runners and names each stand-in for a GPU-only piece):
+
+- torchtitan 0.3.0: the Trainer built from berth_torchtitan.py in torchtitan's own dry-run mode (--comm.mode
+  fake_backend) at the plan's world size (8 to 32 ranks), the model made small (layers, heads and layout kept):
+  mesh, model, pipeline split, FSDP, AdamW over every trainable parameter, LR schedule, checkpointing, rope, norm;
+- Megatron-LM: megatron-launch.sh checked by `bash -n` (always) and shellcheck (where installed), executed by bash
+  with a stand-in torchrun on PATH that records argv and environment; the recorded argv then goes through
+  megatron-core's own config classes, process groups (fake backend, the plan's world size), microbatch calculator,
+  LR scheduler and rotary embedding (CI has no Megatron-LM checkout; tests/test_engines.py runs Megatron-LM's
+  parse_args / validate_args where BERTH_MEGATRON_DIR names one);
+- DeepSpeed 0.19.8: deepspeed-launch.sh executed with a stand-in deepspeed launcher, its argv and hostfile read by
+  DeepSpeed's own launcher (runner.parse_args, fetch_hostfile, the node and GPU filters); and the engine initialised
+  from ds_config.json on 2 CPU processes over gloo (ZeRO-1, ZeRO-3, a 2-stage pipeline with recompute), one step each.
+"""
+
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from benchmarks import engine_check as ec
+from berth.planner.launch import ENGINE_VERSIONS, LaunchRefused, artifacts
+from berth.planner.models import load_model
+from berth.planner.search import predict_layouts
+from berth.planner.specs import Layout, TrainingSpec
+from berth.planner.topology import cluster_from_preset
+
+PLANS = ec.plan_set()
+SCRIPTS = {"megatron": "megatron-launch.sh", "deepspeed": "deepspeed-launch.sh", "torchtitan": "torchtitan-launch.sh"}
+USER_INPUTS = {
+    "MEGATRON_LM": "/opt/Megatron-LM",
+    "TOKENIZER_MODEL": "meta-llama/Llama-3.1-8B",
+    "DATA_PATH": "/data/tokens_text_document",
+    "TRAIN_SCRIPT": "train.py",
+    "BERTH_HF_ASSETS": "/assets",
+    "BERTH_DATASET": "c4",
+}
+STAND_IN = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["BERTH_RECORD"], "w") as f:
+    json.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, f)
+"""
+
+
+def _files(plan, engine):
+    try:
+        return artifacts(plan, engine)
+    except LaunchRefused:
+        return None
+
+
+def _launched(plans, engine):
+    return [(n, p, f) for n, p in plans if (f := _files(p, engine))]
+
+
+def _run_script(files, engine, launcher, tmp_path, env=None):
+    """The engine's launch script written beside its files and run by bash, `launcher` a stand-in on PATH that
+    records its argv and environment; what it recorded."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / launcher).write_text(STAND_IN)
+    (bindir / launcher).chmod(0o755)
+    record = tmp_path / "record.json"
+    full = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "BERTH_RECORD": str(record), **USER_INPUTS}
+    subprocess.run(["bash", SCRIPTS[engine]], check=True, env={**full, **(env or {})}, cwd=tmp_path, timeout=60)
+    return json.loads(record.read_text())
+
+
+@pytest.mark.parametrize("engine", SCRIPTS)
+def test_every_launch_script_passes_bash_n_and_shellcheck(engine, tmp_path):
+    scripts = [f[SCRIPTS[engine]] for _, _, f in _launched(PLANS, engine)]
+    assert scripts
+    for i, text in enumerate(scripts):
+        (tmp_path / f"{i}.sh").write_text(text)
+        subprocess.run(["bash", "-n", str(tmp_path / f"{i}.sh")], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck); bash -n passed")
+    subprocess.run(["shellcheck", "-S", "style", *(str(tmp_path / f"{i}.sh") for i in range(len(scripts)))], check=True)
+
+
+MEGATRON = _launched(PLANS, "megatron")
+
+
+@pytest.mark.parametrize("name, plan, files", MEGATRON, ids=[n for n, _, _ in MEGATRON])
+def test_megatron_launch_script_runs_as_written(name, plan, files, tmp_path):
+    got = _run_script(files, "megatron", "torchrun", tmp_path, env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    argv = got["argv"]
+    i = argv.index("/opt/Megatron-LM/pretrain_gpt.py")
+    assert argv[i + 1 :] == ec.megatron_job(plan, files)["argv"], name  # the argument file is what runs
+    x = plan.layout
+    # validate_args: tp or cp > 1 needs 1 (Megatron FSDP: anything but 1, so unset); otherwise the caller's is kept
+    want = ("1" if x.zero_stage < 2 else None) if x.tp > 1 or x.cp > 1 else "8"
+    assert got["env"].get("CUDA_DEVICE_MAX_CONNECTIONS") == want, name
+
+
+@pytest.mark.skipif(ec.available("megatron-core") is not None, reason=str(ec.available("megatron-core")))
+def test_megatron_arguments_pass_megatron_cores_own_checks(tmp_path):
+    jobs = []
+    for k, (_, plan, files) in enumerate(MEGATRON):
+        (tmp_path / str(k)).mkdir()
+        argv = _run_script(files, "megatron", "torchrun", tmp_path / str(k))["argv"]
+        jobs.append(
+            {"argv": argv[argv.index("/opt/Megatron-LM/pretrain_gpt.py") + 1 :], "world": plan.cluster.world_size}
+        )
+    got = ec.check_megatron_core(jobs)
+    assert got["version"] == ec.MEGATRON_CORE_VERSION
+    for (name, plan, _), r in zip(MEGATRON, got["results"], strict=True):
+        assert "error" not in r, (name, r)
+        x, m, t = plan.layout, plan.model, plan.training
+        assert (r["tp"], r["pp"], r["vpp"], r["cp"], r["dp"], r["sp"]) == (
+            x.tp,
+            x.pp,
+            x.virtual_stages,
+            x.cp,
+            x.dp,
+            x.sequence_parallel and x.tp > 1,
+        ), name
+        assert r["microbatches"] == x.num_microbatches and r["distributed_optimizer"] == (x.zero_stage > 0), name
+        assert (r["num_layers"], r["hidden"], r["heads"], r["kv_heads"], r["ffn"]) == (
+            m.num_layers,
+            m.hidden_size,
+            m.num_attention_heads,
+            m.kv_heads,
+            m.ffn_hidden_size,
+        ), name
+        assert (r["norm_eps"], r["swiglu"], r["bias"], r["qkv_bias"]) == (
+            m.norm_eps,
+            m.mlp == "swiglu",
+            False,
+            m.qkv_bias,
+        )
+        assert r["dropout"] == [0.0, 0.0] and r["recompute"] == x.recompute, name
+        if m.is_moe:
+            assert (r["experts"], r["ep"], r["etp"]) == (m.num_experts, x.ep, x.etp), name
+        # the LR schedule as Megatron's scheduler runs it: the peak after warmup, min_lr at the end
+        assert math.isclose(r["lr_after_warmup"], 3e-4) and math.isclose(r["lr_at_end"], 3e-5), name
+        # the rotary frequencies Megatron builds: base theta, head dimension d -> inv_freq[1] = theta^(-2/d)
+        d = m.hidden_size // m.num_attention_heads
+        assert math.isclose(r["inv_freq"][0], m.rope_theta ** (-2 / d), rel_tol=1e-5), name
+        assert t.seq_len > 0
+
+
+def test_megatron_rope_scaling_and_qkv_bias_reach_megatron_core(tmp_path):
+    """Llama 3.1's rope scaling and Qwen2.5's base, epsilon and qkv biases, through megatron-core."""
+    if ec.available("megatron-core"):
+        pytest.skip(ec.available("megatron-core"))
+    # Llama 3.1's rope (its head dimension 128 kept, the model made small) and Qwen2.5 7B, on one node
+    llama = load_model("llama3.1-405b").model_copy(
+        update={
+            "num_layers": 4,
+            "hidden_size": 1024,
+            "num_attention_heads": 8,
+            "num_kv_heads": 8,
+            "ffn_hidden_size": 2048,
+        }
+    )
+    cases = [
+        (llama, Layout(tp=8, micro_batch_size=1, num_microbatches=8, sequence_parallel=True)),
+        (load_model("qwen2.5-7b"), Layout(tp=4, dp=2, micro_batch_size=1, num_microbatches=4, sequence_parallel=True)),
+    ]
+    jobs = []
+    for k, (model, layout) in enumerate(cases):
+        training = TrainingSpec(seq_len=4096, global_batch_size=8, framework="megatron")
+        (plan,) = predict_layouts(model, training, cluster_from_preset("dgx-h100", 1), [layout])
+        (tmp_path / str(k)).mkdir()
+        argv = _run_script(artifacts(plan, "megatron"), "megatron", "torchrun", tmp_path / str(k))["argv"]
+        jobs.append({"argv": argv[argv.index("/opt/Megatron-LM/pretrain_gpt.py") + 1 :], "world": 8})
+    (llama, qwen) = ec.check_megatron_core(jobs)["results"]
+    assert "error" not in llama and "error" not in qwen, (llama, qwen)
+    d = 16384 // 128
+    plain = 500000.0 ** (-2 * (d // 2 - 1) / d)  # the lowest frequency, scaled down by the factor 8 in Llama 3.1
+    assert math.isclose(llama["inv_freq"][1], plain / 8, rel_tol=1e-5)
+    assert (qwen["norm_eps"], qwen["qkv_bias"]) == (1e-6, True)
+    assert math.isclose(qwen["inv_freq"][0], 1e6 ** (-2 / (3584 // 28)), rel_tol=1e-5)
+
+
+DEEPSPEED = _launched(PLANS, "deepspeed")
+
+
+@pytest.mark.skipif(ec.available("deepspeed") is not None, reason=str(ec.available("deepspeed")))
+@pytest.mark.parametrize("name, plan, files", DEEPSPEED, ids=[n for n, _, _ in DEEPSPEED])
+def test_deepspeed_launch_and_hostfile_read_by_deepspeeds_launcher(name, plan, files, tmp_path):
+    from deepspeed.launcher import runner
+
+    got = _run_script(files, "deepspeed", "deepspeed", tmp_path)
+    args = runner.parse_args(got["argv"])
+    c, x = plan.cluster, plan.layout
+    nodes, per_node = max(1, x.world_size // c.gpus_per_node), min(x.world_size, c.gpus_per_node)
+    assert (args.num_nodes, args.num_gpus, args.user_script) == (nodes, per_node, "train.py")
+    assert args.user_args[-2:] == ["--deepspeed_config", "ds_config.json"]
+    if nodes == 1:
+        assert "hostfile" not in files
+        return
+    pool = runner.fetch_hostfile(str(tmp_path / args.hostfile))
+    active = runner.apply_num_nodes_and_gpus(
+        runner.parse_inclusion_exclusion(pool, args.include, args.exclude), args.num_nodes, args.num_gpus
+    )
+    assert len(active) == nodes and all(len(slots) == per_node for slots in active.values()), active
+
+
+def _small_plans():
+    cluster = cluster_from_preset("local-cpu", 1)
+    layouts = [
+        Layout(dp=2, zero_stage=1, shard=2, micro_batch_size=1, num_microbatches=2),
+        Layout(dp=2, zero_stage=3, shard=2, micro_batch_size=2),
+        Layout(pp=2, micro_batch_size=1, num_microbatches=4, recompute="full"),  # last: it sets DeepSpeed's mpu
+    ]
+    return predict_layouts(load_model("tiny-gpt"), TrainingSpec(seq_len=64, global_batch_size=4), cluster, layouts)
+
+
+@pytest.mark.skipif(ec.available("deepspeed") is not None, reason=str(ec.available("deepspeed")))
+def test_deepspeed_engine_initialises_and_steps_from_the_config_as_written(tmp_path):
+    plans = _small_plans()
+    jobs = []
+    for p in plans:
+        m = p.model
+        config = json.loads(artifacts(p, "deepspeed")["ds_config.json"])
+        model = {"layers": m.num_layers, "hidden": m.hidden_size, "vocab": m.vocab_size}
+        jobs.append({"config": config, "pp": p.layout.pp, "model": model, "seq_len": p.training.seq_len})
+    results = ec.initialise_deepspeed(2, jobs, tmp_path)
+    for p, r in zip(plans, results, strict=True):
+        x = p.layout
+        assert (r["world"], r["dp"], r["zero"], r["accumulation"], r["micro_batch"], r["global_batch"]) == (
+            2,
+            x.dp,
+            x.zero_stage,
+            x.num_microbatches,
+            x.micro_batch_size,
+            p.training.global_batch_size,
+        ), x.short()
+        assert r["steps"] == 1 and math.isfinite(r["loss"]) and r["bf16"] == (p.training.precision == "bf16")
+        assert (r["optimizer"], r["scheduler"]) == ("AdamW", "WarmupCosineLR")
+        # recompute switched on by the config's pipeline section (PipelineModule built without it)
+        assert r["activation_checkpoint_interval"] == (1 if x.pp > 1 and x.recompute == "full" else None)
+
+
+@pytest.mark.skipif(ec.available("torchtitan") is not None, reason=str(ec.available("torchtitan")))
+def test_torchtitan_trainer_builds_at_the_plans_world_size(tmp_path):
+    picked = _launched([(n, ec.small_model_plan(p)) for n, p in PLANS], "torchtitan")
+    # a spread (one subprocess): FSDP, tp + pp interleaved, tp + cp, uneven stages, recompute
+    chosen = picked[:: max(1, len(picked) // 6)][:6]
+    # and Llama 3.1 405B at 2,048 ranks: 126 layers in 16 uneven chunks, its rope scaling, tp 8 x pp 8 x FSDP 32
+    big = Layout(
+        tp=8,
+        pp=8,
+        dp=32,
+        zero_stage=3,
+        shard=32,
+        micro_batch_size=1,
+        num_microbatches=16,
+        schedule="interleaved_1f1b",
+        virtual_stages=2,
+        sequence_parallel=True,
+        recompute="full",
+    )
+    training = TrainingSpec(seq_len=8192, global_batch_size=512)
+    (plan,) = predict_layouts(load_model("llama3.1-405b"), training, cluster_from_preset("dgx-h100", 256), [big])
+    plan = ec.small_model_plan(plan)
+    chosen.append(("llama3.1-405b-256n", plan, artifacts(plan, "torchtitan")))
+    results = ec.build_torchtitan_trainers([(p, f) for _, p, f in chosen], tmp_path)
+    for (name, plan, _), got in zip(chosen, results, strict=True):
+        assert "error" not in got, (name, got)
+        x, m = plan.layout, plan.model
+        shard = x.shard if x.zero_stage else 1
+        assert (got["world"], got["tp"], got["pp"], got["cp"], got["dp_shard"], got["dp_replicate"]) == (
+            plan.cluster.world_size,
+            x.tp,
+            x.pp,
+            x.cp,
+            shard,
+            x.dp // shard,
+        ), name
+        assert got["model_parts"] == (x.virtual_stages if x.pp > 1 else 1), name
+        assert got["optimizer_params"] == got["model_params"] > 0, name  # AdamW holds every trainable parameter
+        assert (got["lr"], got["steps"], got["warmup"], got["decay"]) == (3e-4, 10_000, 500, "cosine"), name
+        assert got["checkpoint"] and got["checkpoint_interval"] == 1000, name
+        assert (got["rope_theta"], got["norm_eps"], got["tied"]) == (m.rope_theta, m.norm_eps, m.tied_embeddings)
+        assert got["rope_scaling"] == ("llama" if m.rope_scaling else "none"), name
+
+
+def test_every_refusal_names_the_engine_its_version_and_the_reason():
+    for name, plan in PLANS:
+        for engine in SCRIPTS:
+            try:
+                artifacts(plan, engine)
+            except LaunchRefused as e:
+                assert f"{ENGINE_VERSIONS[engine]} cannot run it: " in str(e) and len(str(e)) > 80, (name, str(e))
+
+
+def test_megatron_values_reaching_the_shell_are_quoted():
+    """An uneven interleaved split writes --pipeline-model-parallel-layout, whose | and parentheses bash would
+    read as a pipe and a subshell unquoted (the script was a syntax error)."""
+    (name, plan, files) = next(t for t in MEGATRON if "--pipeline-model-parallel-layout" in t[2]["megatron-args.txt"])
+    words = ec.megatron_job(plan, files)["argv"]
+    layout = words[words.index("--pipeline-model-parallel-layout") + 1]
+    assert "|" in layout and shlex.quote(layout) in files["megatron-launch.sh"], name
+
+
+@pytest.mark.skipif(ec.available("deepspeed") is not None, reason=str(ec.available("deepspeed")))
+def test_deepspeed_experts_refused_exactly_where_autoep_refuses():
+    """Mixtral layouts: what berth writes passes DeepSpeed's own AutoEP validation (expert_parallel section), and a
+    layout berth refuses (expert_tp 2) is one DeepSpeed's validator rejects too."""
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config, validate_autoep_config
+    from deepspeed.runtime.config import get_expert_parallel_config
+
+    cluster = cluster_from_preset("dgx-h100", 2)
+    training = TrainingSpec(seq_len=4096, global_batch_size=64)
+    layouts = [
+        Layout(dp=16, ep=4, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=4, recompute="full"),
+        Layout(dp=16, ep=8, zero_stage=3, shard=16, micro_batch_size=1, num_microbatches=4, recompute="full"),
+        Layout(tp=2, dp=8, ep=4, expert_tp=2, zero_stage=3, shard=8, micro_batch_size=1, num_microbatches=8),
+    ]
+    for plan in predict_layouts(load_model("mixtral-8x7b"), training, cluster, layouts):
+        x = plan.layout
+        section = {"enabled": True, "autoep_size": x.ep, "expert_tensor_parallel_size": x.etp}
+        try:
+            config = json.loads(artifacts(plan, "deepspeed")["ds_config.json"])
+        except LaunchRefused as e:
+            assert "DeepSpeed 0.19.8 cannot run it: expert_tp" in str(e)
+            with pytest.raises(ValueError, match="expert_tensor_parallel_size"):
+                validate_autoep_config(
+                    parse_autoep_config(section), x.world_size, x.pp, x.tp, 1, zero_stage=x.zero_stage
+                )
+            continue
+        assert config["expert_parallel"] == section
+        parsed = get_expert_parallel_config(config)  # DeepSpeedConfig's reader of the section
+        validate_autoep_config(parsed, x.world_size, x.pp, x.tp, 1, zero_stage=x.zero_stage)
+        assert (parsed.enabled, parsed.autoep_size) == (True, x.ep)
+
+
+def test_training_run_options_reach_every_engine_and_bad_values_name_the_field():
+    from berth.planner.errors import BerthError
+    from berth.planner.launch import EngineTraining
+
+    run = EngineTraining(train_steps=2000, lr=1e-4, min_lr=1e-5, warmup_steps=100, checkpoint_interval=250)
+    plan = next(p for _, p in PLANS if _files(p, "torchtitan") and _files(p, "deepspeed") and _files(p, "megatron"))
+    words = ec.megatron_job(plan, artifacts(plan, "megatron", training=run))["argv"]
+    args = dict(zip(words, words[1:], strict=False))
+    assert (args["--train-iters"], args["--lr"], args["--lr-warmup-iters"], args["--save-interval"]) == (
+        "2000",
+        "0.0001",
+        "100",
+        "250",
+    )
+    ds = json.loads(artifacts(plan, "deepspeed", training=run)["ds_config.json"])
+    assert ds["scheduler"]["params"]["total_num_steps"] == 2000 and ds["optimizer"]["params"]["lr"] == 1e-4
+    module = artifacts(plan, "torchtitan", training=run)["berth_torchtitan.py"]
+    assert "steps=2000" in module and "interval=250" in module and "'lr': 0.0001" in module
+    for bad, field in (
+        (dict(warmup_steps=20_000), "training.warmup_steps"),
+        (dict(checkpoint_dir="../x; rm -rf /"), "training.checkpoint_dir"),
+        (dict(decay="step"), "training.decay"),
+        (dict(min_lr=1.0), "training.min_lr"),
+    ):
+        with pytest.raises(BerthError, match=field):
+            EngineTraining(**bad)
