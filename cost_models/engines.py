@@ -88,12 +88,15 @@ TEXTS = {
     "megatron_axis_order": "Megatron-LM orders axes tp-dp-pp or tp-pp-dp",
     "megatron_fsdp_partial_shard": "Megatron FSDP (ZeRO-2/3) shards over all of dp",
     "megatron_moe_needs_sp": "Megatron-LM needs sequence parallelism for mixture of experts with tp",
-    "torchtitan_model": "torchtitan's Llama 3 builder: SwiGLU, RMSNorm, untied output, no dropout, no experts",
+    "torchtitan_model": "torchtitan's Llama 3 builder: SwiGLU, RMSNorm, no qkv bias, no dropout, no experts",
     "torchtitan_zero1": "torchtitan's FSDP2 has no ZeRO-1 (use 2 or 3)",
     "torchtitan_axis_order": "torchtitan's mesh is pp, dp, tp (tp-dp-pp)",
     "torchtitan_precision": "torchtitan trains in bf16 or fp32 with fused attention",
     "deepspeed_cp": "DeepSpeed has no ring-attention context parallelism",
-    "deepspeed_moe": "berth's DeepSpeed config builds no experts",
+    "deepspeed_moe_expert_tp": "DeepSpeed's AutoEP runs whole experts per rank: expert_tp 1 only",
+    "deepspeed_moe_tp_without_ep": "DeepSpeed's AutoEP folds tensor parallelism into ep: tp > 1 needs ep > 1",
+    "megatron_rope_scaling": "Megatron-LM's Llama 3 rope scaling fixes all but the factor",
+    "torchtitan_tied_pipeline": "torchtitan does not tie embeddings with pp > 1",
     "deepspeed_uneven_stages": "DeepSpeed's PipelineModule takes no per-stage layer counts (even stages only)",
     "deepspeed_sequence_parallel": "DeepSpeed has no Megatron-style sequence parallelism",
     "deepspeed_schedule": "DeepSpeed's pipeline engine runs 1F1B only",
@@ -129,6 +132,16 @@ INTERLEAVED_GROUPS = _rule(
     lambda c, m, t: (c.schedule == SCHEDULE_INTERLEAVED) & (c.num_microbatches % c.pp != 0),
     lambda x, m, t: f"interleaved_1f1b needs num_microbatches divisible by pp; {x.num_microbatches} by {x.pp}",
 )
+
+# Megatron-LM's Llama 3 rope scaling (megatron/core/models/common/embeddings/rope_utils.py apply_rope_scaling)
+# takes only the factor (--rope-scaling-factor); the rest is fixed
+MEGATRON_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _megatron_rope(m: ModelSpec) -> bool:
+    sc = m.rope_scaling
+    return sc is not None and {k: getattr(sc, k) for k in MEGATRON_ROPE_SCALING} != MEGATRON_ROPE_SCALING
+
 
 MEGATRON_RULES = (
     INTERLEAVED_GROUPS,
@@ -171,18 +184,30 @@ TORCHTITAN_RULES = (
         "torchtitan_model",
         ("tp",),
         lambda c, m, t: np.full(
-            len(c.tp), m.is_moe or m.mlp != "swiglu" or m.norm != "rmsnorm" or m.tied_embeddings or m.dropout
+            len(c.tp), m.is_moe or m.mlp != "swiglu" or m.norm != "rmsnorm" or m.qkv_bias or m.dropout
         ),
         lambda x, m, t: (
-            f"model {m.name} ({m.mlp}, {m.norm}, tied {m.tied_embeddings}, experts {m.num_experts}): "
-            "berth writes torchtitan's Llama 3 builder, SwiGLU with RMSNorm, an untied output and no experts"
+            f"mixture of experts ({m.num_experts} experts, ep {x.ep}): berth writes torchtitan's Llama 3 builder, "
+            "which has no experts; torchtitan's MoE models (deepseek_v3 with MLA, qwen3) and their "
+            "parallelism.expert_parallel_degree are not mapped"
+            if m.is_moe
+            else f"model {m.name} ({m.mlp}, {m.norm}, qkv bias {m.qkv_bias}, dropout {m.dropout}): torchtitan's "
+            "Llama 3 builder is SwiGLU with RMSNorm, no qkv biases (make_gqa_config), no dropout"
+        ),
+    ),
+    _rule(
+        "torchtitan_tied_pipeline",
+        ("pp",),
+        lambda c, m, t: np.full(len(c.tp), m.tied_embeddings) & (c.pp > 1),
+        lambda x, m, t: (
+            "tied embeddings with pp > 1: torchtitan raises 'Weight tying is not supported with Pipeline Parallel'"
         ),
     ),
     _rule(
         "torchtitan_zero1",
         ("zero_stage",),
         lambda c, m, t: c.zero_stage == 1,
-        lambda x, m, t: "zero_stage 1: FSDP2 shards gradients with the optimizer state (use 2)",
+        lambda x, m, t: "zero_stage 1: FSDP2 shards gradients with optimizer state (use 2)",
     ),
     _rule(
         "torchtitan_axis_order",
@@ -195,8 +220,10 @@ TORCHTITAN_RULES = (
         ("tp",),
         lambda c, m, t: np.full(len(c.tp), t.precision == "fp16" or not t.flash_attention),
         lambda x, m, t: (
-            f"precision {t.precision}, flash_attention {t.flash_attention}: torchtitan trains in "
-            "bfloat16 or float32 with fused attention only"
+            "precision fp16: torchtitan trains in bfloat16 or float32"
+            if t.precision == "fp16"
+            else "flash_attention false: torchtitan 0.3 language models attend with FlexAttention or varlen only "
+            "(sdpa removed: torchtitan/models/common/config_utils.py:97)"
         ),
     ),
 )
@@ -214,22 +241,32 @@ DEEPSPEED_RULES = (
         lambda c, m, t: c.cp > 1,
         lambda x, m, t: f"cp {x.cp}: DeepSpeed has no ring-attention context parallelism (Ulysses splits heads)",
     ),
+    # AutoEP (the config's expert_parallel section; deepspeed/module_inject/auto_ep_folding.py
+    # validate_folding_global) runs experts with ep over the stage, no expert tensor parallelism
     _rule(
-        "deepspeed_moe",
-        ("ep",),
-        lambda c, m, t: np.full(len(c.tp), m.is_moe),
+        "deepspeed_moe_expert_tp",
+        ("expert_tp",),
+        lambda c, m, t: np.full(len(c.tp), m.is_moe) & (c.expert_tp != 1),
         lambda x, m, t: (
-            f"mixture of experts ({m.num_experts} experts): DeepSpeed's experts are "
-            "deepspeed.moe.layer.MoE modules in the model code, which berth's config does not build"
+            f"expert_tp {x.etp}: AutoEP (expert_parallel) reserves expert_tensor_parallel_size and "
+            "accepts only 1 (auto_ep_folding.validate_folding_global); use expert_tp 1"
         ),
+    ),
+    _rule(
+        "deepspeed_moe_tp_without_ep",
+        ("tp", "ep"),
+        lambda c, m, t: np.full(len(c.tp), m.is_moe) & (c.tp > 1) & (c.ep == 1),
+        lambda x, m, t: "tp > 1 with ep 1: AutoEP's tensor-parallel folding requires autoep_size > 1",
     ),
     _rule(
         "deepspeed_uneven_stages",
         ("pp",),
         lambda c, m, t: _uneven(c, m),
         lambda x, m, t: (
-            f"uneven pipeline stages ({m.num_layers} layers on pp {x.pp}): DeepSpeed's PipelineModule "
-            "takes no per-stage layer counts"
+            f"uneven pipeline stages ({m.num_layers} layers on pp {x.pp}: "
+            f"{', '.join(map(str, stages.stage_layers(m.num_layers, x.pp)))}): DeepSpeed's PipelineModule takes no "
+            "per-stage layer counts (partition_method 'uniform' puts the remainder on the first stages, "
+            "'parameters' and 'type:' balance weights), so it would not build the planned stages"
         ),
     ),
     _rule(
@@ -275,7 +312,11 @@ DEEPSPEED_RULES = (
         "deepspeed_partial_shard",
         ("shard", "dp", "zero_stage"),
         lambda c, m, t: (c.zero_stage > 0) & (c.shard < c.dp),
-        lambda x, m, t: f"shard {x.shard} < dp {x.dp}: DeepSpeed 0.19 shards over all dp ranks (MiCS removed)",
+        lambda x, m, t: (
+            f"shard {x.shard} < dp {x.dp}: DeepSpeed 0.19 removed MiCS (zero_optimization.mics_shard_size), "
+            "its sharding over sub-groups; hpZ (zero_hpz_partition_size) only adds a secondary weight copy and still "
+            "shards gradients and optimizer state over all dp ranks"
+        ),
     ),
 )
 
@@ -305,7 +346,7 @@ ENGINES: dict[str, EngineInfo] = {
         EngineInfo(
             "megatron",
             "Megatron-LM (NeMo, Megatron-Bridge)",
-            "Megatron-LM main @ d98e8a6 (megatron-core 0.20.0)",
+            "Megatron-LM main @ d98e8a6 (2026-08-22, megatron-core 0.20.0)",
             RECIPE_MEGATRON,
             ("megatron", "pytorch"),
             ("megatron",),
@@ -386,13 +427,19 @@ def rule_broken(
     return np.asarray(RULE_BY_NAME[name].broken(c, model, training), dtype=bool) & np.ones(len(c.tp), dtype=bool)
 
 
-def engine_refusal(layout: Layout, model: ModelSpec, training: TrainingSpec) -> str | None:
-    """Why the training's engine cannot run this layout (the first of its rules that fails), or None."""
+def refusal_text(engine: str, reason: str) -> str:
+    """The one wording of an engine's refusal: its version and the reason (the planner's and the launch files')."""
+    return f"{ENGINES[engine].version} cannot run it: {reason}"
+
+
+def engine_refusal(layout: Layout, model: ModelSpec, training: TrainingSpec, engine: str | None = None) -> str | None:
+    """Why the engine (the training's by default) cannot run this layout (the first of its rules that fails),
+    or None: the search's mask, `berth launch` and the API's launch all read this one table."""
     c = Candidates.from_layouts([layout])
-    e = engine_of(training)
+    e = ENGINES[engine or training.engine]
     for rule in e.rules:
         if bool(np.asarray(rule.broken(c, model, training))[0]):
-            return f"engine {e.label}: {rule.detail(layout, model, training)}"
+            return refusal_text(e.name, rule.detail(layout, model, training))
     return None
 
 

@@ -28,7 +28,7 @@ from math import gcd
 import numpy as np
 
 from berth.cost_models.candidates import SCHEDULE_INTERLEAVED, Candidates
-from berth.cost_models.engines import ENGINE_RULE_NAMES, ENGINES, RULE_BY_NAME, rule_broken
+from berth.cost_models.engines import ENGINE_RULE_NAMES, ENGINES, RULE_BY_NAME, refusal_text, rule_broken
 from berth.planner import stages
 from berth.planner.specs import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, ClusterSpec, Layout, ModelSpec, TrainingSpec
 
@@ -333,8 +333,7 @@ def _engine_rule(name: str, engine: str | None = None) -> Rule:
     r = RULE_BY_NAME[name]
 
     def detail(x: Layout, f: Facts) -> str:
-        e = ENGINES[engine or f.training.engine]
-        return f"engine {e.label}: {r.detail(x, f.model, f.training)}"
+        return refusal_text(engine or f.training.engine, r.detail(x, f.model, f.training))
 
     return Rule(
         name if engine is None else f"{engine}_{name}",

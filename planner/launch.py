@@ -37,6 +37,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from berth.cost_models.engines import ENGINES, engine_refusal, refusal_text
 from berth.planner.errors import BerthError
 from berth.planner.specs import ImageName, Plan
 
@@ -57,9 +58,15 @@ class LaunchRefused(BerthError):
 
 
 def _refuse(engine: str, reason: str) -> str:
-    """The one place a refusal is worded: the engine, its version and the reason (every engine's refusal
-    function returns this; LaunchRefused carries it)."""
-    return f"{ENGINE_VERSIONS[engine]} cannot run it: {reason}"
+    """A refusal of the engine's training options, worded as the engine table words a layout's
+    (cost_models/engines.py refusal_text: the engine, its version and the reason)."""
+    return refusal_text(engine, reason)
+
+
+def _engine_refusal(engine: str, plan: Plan) -> str | None:
+    """Why `engine` cannot run the plan's layout: the engine table's rules (cost_models/engines.py), the ones the
+    search applies, so a plan offered for an engine is one its launch files accept."""
+    return engine_refusal(plan.layout, plan.model, plan.training, engine)
 
 
 @dataclass(frozen=True)
@@ -520,33 +527,6 @@ MEGATRON_INPUTS = {
 }
 # Megatron's Llama 3.x rope scaling takes only the factor (--rope-scaling-factor): the other three numbers are
 # fixed (megatron/core/models/common/embeddings/rotary_pos_embedding.py RotaryEmbedding._apply_scaling)
-MEGATRON_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def _megatron_refusal(x, model=None) -> str | None:
-    """Why Megatron cannot run the layout (of `model`, where the rule needs it), or None."""
-    reason = None
-    if x.pp > 1 and x.schedule == "gpipe":
-        reason = "schedule gpipe: Megatron runs 1F1B or interleaved 1F1B"
-    elif x.axis_order not in ("tp-dp-pp", "tp-pp-dp"):
-        reason = f"axis_order {x.axis_order}: Megatron orders tp-dp-pp or (--use-tp-pp-dp-mapping) tp-pp-dp"
-    elif x.zero_stage >= 2 and x.shard < x.dp:
-        reason = (
-            f"zero_stage {x.zero_stage} with shard {x.shard} < dp {x.dp}: Megatron FSDP's hybrid mode shards "
-            "over its own outer data-parallel groups, which berth does not map (use shard = dp)"
-        )
-    elif model is not None and model.is_moe and x.tp > 1 and not x.sequence_parallel:
-        # megatron/training/arguments.py validate_args: "When using MoE and tensor parallelism,
-        # sequence parallelism must be used."
-        reason = f"tp {x.tp} with mixture of experts: Megatron needs sequence parallelism with tp (sp on)"
-    elif model is not None and model.rope_scaling is not None:
-        fixed = {k: getattr(model.rope_scaling, k) for k in MEGATRON_ROPE_SCALING}
-        if fixed != MEGATRON_ROPE_SCALING:
-            reason = (
-                f"rope scaling {fixed}: Megatron's Llama 3 scaling fixes {MEGATRON_ROPE_SCALING} and takes only "
-                "the factor (--rope-scaling-factor)"
-            )
-    return _refuse("megatron", reason) if reason else None
 
 
 def _megatron_stage_args(num_layers: int, pp: int, vpp: int) -> list[tuple[str, object]]:
@@ -645,7 +625,7 @@ def megatron_args(plan: Plan, run: EngineTraining | None = None) -> dict[str, st
     """
     run = run or EngineTraining()
     x, m, t = plan.layout, plan.model, plan.training
-    reason = _megatron_refusal(x, m)
+    reason = _engine_refusal("megatron", plan)
     if reason:
         raise LaunchRefused("megatron", reason)
     fsdp = x.zero_stage >= 2
@@ -776,65 +756,6 @@ def _number(value: float) -> str:
 DEEPSPEED_AUTOEP_PRESETS = ("mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3", "minimax_m3")
 
 
-def _deepspeed_refusal(x, num_layers: int | None = None, model=None) -> str | None:
-    """Why DeepSpeed 0.19.8 cannot run the layout (of a model `num_layers` deep), or None."""
-    reason = _deepspeed_reason(x, num_layers, model)
-    return _refuse("deepspeed", reason) if reason else None
-
-
-def _deepspeed_reason(x, num_layers: int | None, model) -> str | None:
-    if x.cp > 1:
-        return (
-            f"cp {x.cp}: DeepSpeed has no ring-attention context parallelism (its Ulysses sequence parallelism "
-            "all-to-alls attention heads, a different scheme berth does not plan); use Megatron or torchtitan"
-        )
-    if model is not None and model.is_moe:
-        # AutoEP (the config's expert_parallel section; deepspeed/module_inject/auto_ep_folding.py
-        # validate_folding_global) runs experts with ep over the stage, no expert tensor parallelism
-        if x.etp != 1:
-            return (
-                f"expert_tp {x.etp}: AutoEP (expert_parallel) reserves expert_tensor_parallel_size and accepts only 1 "
-                "(auto_ep_folding.validate_folding_global); use expert_tp 1"
-            )
-        if x.tp > 1 and x.ep == 1:
-            return "tp > 1 with ep 1: AutoEP's tensor-parallel folding requires autoep_size > 1"
-    if num_layers is not None and x.pp > 1 and not _stages().is_even(num_layers, x.pp):
-        return (
-            f"uneven pipeline stages ({num_layers} layers on pp {x.pp}: "
-            f"{', '.join(map(str, _stages().stage_layers(num_layers, x.pp)))}): DeepSpeed's PipelineModule "
-            "takes no per-stage layer counts (partition_method 'uniform' puts the remainder on the first stages, "
-            "'parameters' and 'type:' balance weights), so it would not build the planned stages"
-        )
-    if x.sequence_parallel:
-        return (
-            "sequence_parallel: DeepSpeed has no Megatron-style sequence parallelism (Ulysses splits "
-            "attention heads, a different scheme)"
-        )
-    if x.pp > 1 and x.schedule != "1f1b":
-        return f"schedule {x.schedule}: DeepSpeed's pipeline engine runs 1F1B only"
-    if x.recompute == "selective":
-        return "recompute selective: DeepSpeed checkpoints whole layers"
-    if x.axis_order != "tp-dp-pp":
-        return f"axis_order {x.axis_order}: DeepSpeed's topology is pipe-data-model (tp-dp-pp)"
-    if x.pp > 1 and x.zero_stage >= 2:
-        return (
-            f"zero_stage {x.zero_stage} with pp > 1: DeepSpeed's pipeline engine asserts ZeRO-2 and ZeRO-3 "
-            "are incompatible with pipeline parallelism"
-        )
-    if x.pp > 1 and x.tp > 1:
-        return (
-            "tp > 1 with pp > 1: AutoTP (tensor_parallel.autotp_size) shards Hugging Face-style models, not "
-            "a PipelineModule; DeepSpeed's 3D parallelism needs a Megatron-style mpu"
-        )
-    if x.zero_stage > 0 and x.shard < x.dp:
-        return (
-            f"shard {x.shard} < dp {x.dp}: DeepSpeed 0.19 removed MiCS (zero_optimization.mics_shard_size), "
-            "its sharding over sub-groups; hpZ (zero_hpz_partition_size) only adds a secondary weight copy "
-            "and still shards gradients and optimizer state over all dp ranks"
-        )
-    return None
-
-
 def _deepspeed_schedule(run: EngineTraining) -> dict[str, Any]:
     """The LR schedule as a DeepSpeed scheduler (deepspeed/runtime/lr_schedules.py): cosine is WarmupCosineLR
     (warmup from 0, cosine to min_lr / lr); linear is WarmupDecayLR, which decays to 0."""
@@ -867,7 +788,7 @@ def deepspeed_config(plan: Plan, run: EngineTraining | None = None) -> dict[str,
     launch (with the notes on what the training script must do)."""
     run = run or EngineTraining()
     x, t, m = plan.layout, plan.training, plan.model
-    reason = _deepspeed_refusal(x, m.num_layers, m)
+    reason = _engine_refusal("deepspeed", plan)
     if reason:
         raise LaunchRefused("deepspeed", reason)
     b1, b2 = run.betas
@@ -990,41 +911,6 @@ TORCHTITAN_INPUTS = {
 }
 
 
-def _torchtitan_refusal(x, model, training) -> str | None:
-    """Why torchtitan 0.3.0 cannot run the layout (or the model), or None."""
-    reason = _torchtitan_reason(x, model, training)
-    return _refuse("torchtitan", reason) if reason else None
-
-
-def _torchtitan_reason(x, model, training) -> str | None:
-    if model.is_moe:
-        return (
-            f"mixture of experts ({model.num_experts} experts, ep {x.ep}): berth writes torchtitan's Llama 3 "
-            "builder, which has no experts; torchtitan's MoE models (deepseek_v3 with MLA, qwen3) and their "
-            "parallelism.expert_parallel_degree are not mapped"
-        )
-    if model.mlp != "swiglu" or model.norm != "rmsnorm":
-        return f"model {model.name} ({model.mlp}, {model.norm}): torchtitan's Llama 3 builder is SwiGLU with RMSNorm"
-    if model.qkv_bias:
-        return f"model {model.name} has qkv biases: torchtitan's Llama 3 attention (make_gqa_config) has none"
-    if model.dropout:
-        return f"model {model.name} has dropout: torchtitan's Llama 3 builder has none"
-    if model.tied_embeddings and x.pp > 1:
-        return "tied embeddings with pp > 1: torchtitan raises 'Weight tying is not supported with Pipeline Parallel'"
-    if x.zero_stage == 1:
-        return "zero_stage 1: FSDP2 shards gradients with optimizer state (use 2)"
-    if x.axis_order != "tp-dp-pp":
-        return f"axis_order {x.axis_order}: torchtitan's mesh is pp, dp, tp (tp-dp-pp)"
-    if training.precision == "fp16":
-        return "precision fp16: torchtitan trains in bfloat16 or float32"
-    if not training.flash_attention:
-        return (
-            "flash_attention false: torchtitan 0.3 language models attend with FlexAttention or varlen only "
-            "(sdpa removed: torchtitan/models/common/config_utils.py:97)"
-        )
-    return None
-
-
 def _torchtitan_split_note(num_layers: int, pp: int, vpp: int) -> str:
     chunks = _stages().chunk_layers(num_layers, pp, vpp)
     if len(set(chunks)) == 1:
@@ -1047,7 +933,7 @@ def torchtitan_config(plan: Plan, run: EngineTraining | None = None) -> dict[str
     selects a job with --module/--config; TOML job files are gone), and the torchrun launch."""
     run = run or EngineTraining()
     x, t, m = plan.layout, plan.training, plan.model
-    reason = _torchtitan_refusal(x, m, t)
+    reason = _engine_refusal("torchtitan", plan)
     if reason:
         raise LaunchRefused("torchtitan", reason)
     shard = x.shard if x.zero_stage else 1
@@ -1237,22 +1123,22 @@ LAUNCH_FORMATS: dict[str, LaunchFormat] = {
             "megatron",
             lambda p, o: megatron_args(p, o.engine),
             runs_executor=False,
-            engine_version="Megatron-LM main @ d98e8a6 (2026-08-22, megatron-core 0.20.0)",
-            refusal=lambda p: _megatron_refusal(p.layout, p.model),
+            engine_version=ENGINES["megatron"].version,
+            refusal=lambda p: _engine_refusal("megatron", p),
         ),
         LaunchFormat(
             "deepspeed",
             lambda p, o: deepspeed_config(p, o.engine),
             runs_executor=False,
-            engine_version="DeepSpeed 0.19.8",
-            refusal=lambda p: _deepspeed_refusal(p.layout, p.model.num_layers, p.model),
+            engine_version=ENGINES["deepspeed"].version,
+            refusal=lambda p: _engine_refusal("deepspeed", p),
         ),
         LaunchFormat(
             "torchtitan",
             lambda p, o: torchtitan_config(p, o.engine),
             runs_executor=False,
-            engine_version="torchtitan 0.3.0",
-            refusal=lambda p: _torchtitan_refusal(p.layout, p.model, p.training),
+            engine_version=ENGINES["torchtitan"].version,
+            refusal=lambda p: _engine_refusal("torchtitan", p),
         ),
     )
 }

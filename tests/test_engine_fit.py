@@ -64,7 +64,7 @@ def test_each_engine_runs_what_its_code_runs():
         assert by[e].prediction is not None and by[e].infeasible_reason is None, (e, by[e].infeasible_reason)
     gpipe = Layout(pp=2, dp=4, micro_batch_size=1, num_microbatches=16, schedule="gpipe")
     refusal = engine_refusal(gpipe, SMALL, training("megatron"))
-    assert refusal.startswith("engine megatron (Megatron-LM") and "gpipe" in refusal
+    assert refusal.startswith("Megatron-LM main @ d98e8a6") and "cannot run it" in refusal and "gpipe" in refusal
     assert engine_refusal(gpipe, SMALL, training("generic")) is None
 
 
