@@ -1,15 +1,30 @@
 """`berth serve`: uvicorn with every connection bounded (settings in api/settings.py).
 
-- timeout_keep_alive: an idle keep-alive connection is closed after BERTH_TIMEOUT_KEEP_ALIVE_S;
+Connections (BoundedProtocol, one place for each rule):
+- at most BERTH_LIMIT_CONCURRENCY connections in all and BERTH_MAX_CONNECTIONS_PER_CLIENT from one
+  address. A connection that would go over either limit takes the slot of the connection that has
+  been *reading* longest (idle keep-alive, a request head or body still arriving) from the same
+  address, or, for the total, from anyone; only when every connection is busy answering is the new
+  one refused (503, `Connection: close`). Sockets that send half a request therefore cannot shut
+  anyone out: the next real request takes one of their slots.
 - a request's head must arrive within BERTH_HEADER_TIMEOUT_S of the connection opening (or of the
-  previous response): slow-header connections are closed (uvicorn has no such timeout itself);
-- limit_concurrency: beyond BERTH_LIMIT_CONCURRENCY connections and tasks uvicorn answers 503;
-- h11_max_incomplete_event_size: a request head over BERTH_MAX_HEADER_BYTES is refused.
+  previous response), else the connection is closed (uvicorn has no such timeout itself); the body
+  has the same deadline (api/common.py BodyLimit);
+- an answer the client does not read within BERTH_WRITE_TIMEOUT_S (the socket's send buffer stays
+  full) is dropped with its connection: an unread answer pins no memory;
+- idle keep-alive connections are closed after BERTH_TIMEOUT_KEEP_ALIVE_S;
+- a request head over BERTH_MAX_HEADER_BYTES is refused: h11 refuses an incomplete one,
+  api/common.py HeadLimit a complete one (431).
+
+Several worker processes (`--workers N`) serve one SQLite store: the protocol class is importable
+(each worker process loads it), and each worker reads the same BERTH_* settings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from typing import Any
 
 import h11
 from pydantic import ValidationError
@@ -18,38 +33,106 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from berth.api.settings import Settings
 from berth.planner.errors import BerthError
 
+REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    b"connection: close\r\ncontent-length: 59\r\n\r\n"
+    b'{"detail":"every connection of this server is busy; retry"}'
+)
 
-def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose request head is not complete within
-    `timeout_s`."""
 
-    class HeaderTimeoutProtocol(H11Protocol):
-        _head_timer: asyncio.TimerHandle | None = None
+@functools.cache
+def limits() -> Settings:
+    """The settings of this process (each uvicorn worker reads the same environment)."""
+    return settings_or_error()
 
-        def _arm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-            self._head_timer = self.loop.call_later(timeout_s, self._head_late)
 
-        def _head_late(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()  # no complete request head in time
+class BoundedProtocol(H11Protocol):
+    """uvicorn's h11 protocol with the connection limits of this module's docstring."""
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
+    _head_timer: asyncio.TimerHandle | None = None
+    _write_timer: asyncio.TimerHandle | None = None
+    _since = 0.0  # when this connection started waiting for (or reading) its current request
+    _evicted = False
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings = limits()
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-            super().connection_lost(exc)
+    # -- reading: the head deadline and the connection slots --------------------------------
 
-    return HeaderTimeoutProtocol
+    def _arm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._since = self.loop.time()
+        self._head_timer = self.loop.call_later(self.settings.header_timeout_s, self._head_late)
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()  # no complete request head in time
+
+    def reading(self) -> bool:
+        """Waiting for a request or still receiving one, not answering: its slot may be taken."""
+        return (
+            not self._evicted
+            and self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+            and self.conn.our_state is not h11.SEND_BODY
+        )
+
+    def _make_room(self) -> bool:
+        """Keep the connection limits with this connection counted: close the longest-reading
+        connection of the same client over the per-client limit, of anyone over the total.
+        False when there is nothing to close (every other connection is answering)."""
+        live = [c for c in self.connections if not getattr(c, "_evicted", False)]
+        host = self.client[0] if self.client else None
+        mine = [c for c in live if (c.client[0] if c.client else None) == host]
+        for pool, limit in ((mine, self.settings.max_connections_per_client), (live, self.settings.limit_concurrency)):
+            if len(pool) <= limit:
+                continue
+            victims = [c for c in pool if c is not self and isinstance(c, BoundedProtocol) and c.reading()]
+            if not victims:
+                return False
+            victim = min(victims, key=lambda c: c._since)
+            victim._evicted = True
+            victim.transport.close()
+            live.remove(victim)
+        return True
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+        if not self._make_room():
+            self._evicted = True
+            transport.write(REFUSED)
+            transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    # -- writing: an answer the client does not read is dropped ------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.settings.write_timeout_s, self._write_late)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_late(self) -> None:
+        self._write_timer = None
+        self.transport.abort()  # the unread answer's buffer is freed with the connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._head_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._write_timer = None
+        super().connection_lost(exc)
 
 
 def settings_or_error() -> Settings:
@@ -77,8 +160,10 @@ def serve(host: str, port: int, workers: int) -> None:
         port=port,
         workers=workers,
         log_level="info",
-        http=header_timeout_protocol(settings.header_timeout_s),
+        http=BoundedProtocol,
         timeout_keep_alive=max(1, round(settings.timeout_keep_alive_s)),
-        limit_concurrency=settings.limit_concurrency,
+        # BoundedProtocol keeps the connections within limit_concurrency; uvicorn's own check (503 once
+        # that many connections exist, idle ones included) only backs it up
+        limit_concurrency=2 * settings.limit_concurrency,
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )

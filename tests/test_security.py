@@ -584,9 +584,9 @@ def test_validation_without_a_key_refuses_to_start(tmp_path):
 
 
 def test_non_ascii_key_is_401_not_500(tmp_path):
-    s = Server(tmp_path / "s.sqlite", validation_enabled=1, api_key="sekret")
+    s = Server(tmp_path / "s.sqlite", validation_enabled=1, api_key="sekret-sekret-sekret")
     try:
-        for key in ("ключ".encode(), "é".encode("latin-1"), b"sekret\xff"):
+        for key in ("ключ".encode(), "é".encode("latin-1"), b"sekret-sekret-sekret\xff"):
             r = httpx.post(s.url + "/v1/validations", json={"plan_id": "abc"}, headers={"X-API-Key": key})
             assert r.status_code == 401, (key, r.status_code, r.text)
             r = httpx.get(s.url + "/v1/validations/abc", headers={"X-API-Key": key})
@@ -613,12 +613,12 @@ def test_validation_queue_bounded_and_jobs_end_with_the_server(tmp_path):
     s = Server(
         tmp_path / "s.sqlite",
         validation_enabled=1,
-        api_key="k",
+        api_key="k" * 16,
         max_queued_validations=1,
         extra_env={"TMPDIR": str(tmp)},
     )
     try:
-        c = httpx.Client(base_url=s.url, timeout=60, headers={"X-API-Key": "k"})
+        c = httpx.Client(base_url=s.url, timeout=60, headers={"X-API-Key": "k" * 16})
         body = {
             "model": "tiny-gpt",
             "training": {"seq_len": 128, "global_batch_size": 8},
