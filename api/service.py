@@ -96,8 +96,9 @@ class Workers:
         def done(_: Any) -> None:
             with self._lock:
                 self.pending -= 1
-                if started:
-                    self.mean_s += 0.2 * (time.monotonic() - started[0] - self.mean_s)
+                if started:  # the first job sets the mean, later ones move it
+                    took = time.monotonic() - started[0]
+                    self.mean_s = took if self.mean_s == 0 else self.mean_s + 0.2 * (took - self.mean_s)
 
         return done
 
