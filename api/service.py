@@ -59,6 +59,7 @@ SWITCH_INTERVAL_S = 0.001
 MAX_PENDING_WRITES = 2000  # answers waiting for the store at once
 MAX_PENDING_WRITE_BYTES = 64 << 20  # and their text, in bytes: beyond either, 503 at once
 WRITE_BATCH = 256  # rows per transaction
+QUEUE_CHECK_S = 0.1  # how often a queued job looks again whether it can still end within its budget
 WRITER_BUSY_S = 0.1  # the writer's wait for a lock held elsewhere, between looks at its requests' deadlines
 # The deadline of the request being served (set by Service.within_budget): a pool refuses at once
 # a job that could not start and finish within it, and the writer drops a row whose request gave up.
@@ -83,13 +84,15 @@ class Workers:
     request is refused at once (429). A slot is freed when its thread returns, not when the
     request gives up, so abandoned work still counts against the bound. A job that would not
     start and finish before its request's deadline (the jobs ahead of it, at the pool's recent
-    mean time per job) is refused at once too, not after waiting out the budget."""
+    mean time per job) is refused (429) as soon as that is known: when it arrives, or while it
+    waits in the queue (the first jobs teach the pool its mean), not after waiting out the budget."""
 
     def __init__(self, name: str, threads: int, queue: int):
         self.name, self.threads, self.limit = name, threads, threads + queue
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"berth-{name}")
         self.pending = 0
         self.mean_s = 0.0  # moving mean of a job's time in a thread
+        self.submitted = self.left = 0  # jobs handed to the queue, jobs that left it (started or cancelled)
         self._lock = threading.Lock()
 
     def _done(self, started: list[float]) -> Callable[[Any], None]:
@@ -102,6 +105,14 @@ class Workers:
 
         return done
 
+    def _late(self, ahead: int, deadline: float | None) -> bool:
+        """Whether a job behind `ahead` others would end past `deadline` at the pool's mean."""
+        waves = ahead // self.threads + 1  # it ends with the waves of jobs ahead of it
+        return deadline is not None and time.monotonic() + waves * self.mean_s > deadline
+
+    def _late_refusal(self, ahead: int) -> HTTPException:
+        return self._refuse(f"{ahead} jobs ahead at {self.mean_s:.2f} s each: this one would end past its budget")
+
     def _refuse(self, why: str) -> HTTPException:
         return busy(429, f"the server is busy ({self.name}: {why}); retry after {RETRY_AFTER_S} s")
 
@@ -110,22 +121,32 @@ class Workers:
         with self._lock:
             if self.pending >= self.limit:
                 raise self._refuse(f"{self.limit} requests running or queued")
-            waves = self.pending // self.threads + 1  # this job ends with the waves of jobs ahead of it
-            if deadline is not None and time.monotonic() + waves * self.mean_s > deadline:
-                raise self._refuse(
-                    f"{self.pending} jobs ahead at {self.mean_s:.2f} s each: this one would end past its budget"
-                )
+            if self._late(self.pending, deadline):
+                raise self._late_refusal(self.pending)
             self.pending += 1
+            self.submitted += 1
+            ticket = self.submitted
         started: list[float] = []
 
         def timed() -> Any:
+            with self._lock:
+                self.left += 1
             started.append(time.monotonic())
             return fn()
 
         future = self.pool.submit(timed)
         future.add_done_callback(self._done(started))
+        wrapped = asyncio.wrap_future(future)
         try:
-            return await asyncio.wrap_future(future)
+            while deadline is not None and not started and not wrapped.done():
+                await asyncio.wait({wrapped}, timeout=QUEUE_CHECK_S)
+                with self._lock:
+                    ahead = max(0, ticket - 1 - self.left)
+                if not started and self._late(ahead, deadline) and future.cancel():
+                    with self._lock:
+                        self.left += 1
+                    raise self._late_refusal(ahead)
+            return await wrapped
         except asyncio.CancelledError:
             if cancel is not None:
                 cancel.set()  # a search stops at its next chunk

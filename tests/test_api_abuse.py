@@ -407,3 +407,34 @@ def test_torchrun_group_dies_when_its_launcher_is_killed(tmp_path):
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
     assert _gone(group, 15), "the launched group outlived kill -9 of its launcher"
+
+
+def test_queued_jobs_are_refused_once_the_pool_knows_they_cannot_finish():
+    """No mean known yet: every job is queued; once the first one teaches the pool a job takes
+    ~0.5 s, those that could not end within their deadline leave the queue with a 429 at once
+    instead of waiting for a 503 at the end of the budget."""
+    import asyncio
+
+    from fastapi import HTTPException
+
+    from berth.api.service import DEADLINE, Workers
+
+    pool = Workers("search", 1, 64)
+
+    async def one() -> tuple[int, float]:
+        t0 = time.monotonic()
+        DEADLINE.set(t0 + 2.0)
+        try:
+            await pool.run(lambda: time.sleep(0.5))
+        except HTTPException as err:
+            return err.status_code, time.monotonic() - t0
+        return 200, time.monotonic() - t0
+
+    async def main() -> list[tuple[int, float]]:
+        return await asyncio.gather(*(one() for _ in range(8)))
+
+    ended = asyncio.run(main())
+    pool.shutdown()
+    refused = [t for status, t in ended if status == 429]
+    assert sum(status == 200 for status, _ in ended) >= 3, ended
+    assert refused and max(refused) < 1.0, ended  # refused right after the first job ended, not at 2 s
