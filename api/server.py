@@ -83,13 +83,13 @@ class BoundedProtocol(H11Protocol):
         """Keep the connection limits with this connection counted: close the longest-reading
         connection of the same client over the per-client limit, of anyone over the total.
         False when there is nothing to close (every other connection is answering)."""
-        live = [c for c in self.connections if not getattr(c, "_evicted", False)]
+        live = [c for c in self.connections if isinstance(c, BoundedProtocol) and not c._evicted]
         host = self.client[0] if self.client else None
         mine = [c for c in live if (c.client[0] if c.client else None) == host]
         for pool, limit in ((mine, self.settings.max_connections_per_client), (live, self.settings.limit_concurrency)):
             if len(pool) <= limit:
                 continue
-            victims = [c for c in pool if c is not self and isinstance(c, BoundedProtocol) and c.reading()]
+            victims = [c for c in pool if c is not self and c.reading()]
             if not victims:
                 return False
             victim = min(victims, key=lambda c: c._since)
