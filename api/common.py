@@ -28,6 +28,7 @@ COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
     503: {"description": "over the time budget; retry later", **ERROR},
 }
 RETRY_AFTER_S = 1
+OVER_LIMIT = "berth_over_limit"  # in a connection's ASGI state: it came over a connection limit (api/server.py)
 
 
 def json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -140,8 +141,9 @@ class BodyLimit:
 
 
 class HeadLimit:
-    """Pure ASGI middleware, outermost: a request head (request line and headers) over `max_bytes`
-    gets 431 and a Host outside `hosts` (when given) 400, both ending the connection. h11 refuses an
+    """Pure ASGI middleware, outermost: a request on a connection that came over a connection
+    limit (api/server.py) gets 503, a request head (request line and headers) over `max_bytes` 431
+    and a Host outside `hosts` (when given) 400, all ending the connection. h11 refuses an
     incomplete head over the limit; a complete one that arrived in one read is counted here."""
 
     def __init__(self, app, max_bytes: int, hosts: frozenset[str] | None = None):
@@ -150,6 +152,9 @@ class HeadLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if (scope.get("state") or {}).get(OVER_LIMIT):
+            refusal = closing(503, "every connection of this server is busy; retry", retry=True)
+            return await refusal(scope, receive, send)
         headers = scope.get("headers") or []
         size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 16
         size += sum(len(k) + len(v) + 4 for k, v in headers)
@@ -167,9 +172,10 @@ class HeadLimit:
         return await self.app(scope, receive, send)
 
 
-def closing(status: int, detail: str) -> Response:
+def closing(status: int, detail: str, retry: bool = False) -> Response:
     """An error answer after which the server closes the connection: it says so."""
-    return json_response({"detail": detail}, status, {"Connection": "close"})
+    headers = {"Connection": "close", **({"Retry-After": str(RETRY_AFTER_S)} if retry else {})}
+    return json_response({"detail": detail}, status, headers)
 
 
 async def internal_error(_: Request, err: Exception) -> Response:

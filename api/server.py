@@ -4,8 +4,9 @@ Connections (BoundedProtocol, one place for each rule):
 - at most BERTH_LIMIT_CONCURRENCY connections in all and BERTH_MAX_CONNECTIONS_PER_CLIENT from one
   address. A connection that would go over either limit takes the slot of the connection that has
   been *reading* longest (idle keep-alive, a request head or body still arriving) from the same
-  address, or, for the total, from anyone; only when every connection is busy answering is the new
-  one refused (503, `Connection: close`). Sockets that send half a request therefore cannot shut
+  address, or, for the total, from anyone (a connection is never closed in its first
+  EVICTABLE_AFTER_S). When there is none, the new connection's request is answered 503 with
+  `Connection: close` and `Retry-After`. Sockets that send half a request therefore cannot shut
   anyone out: the next real request takes one of their slots.
 - a request's head must arrive within BERTH_HEADER_TIMEOUT_S of the connection opening (or of the
   previous response), else the connection is closed (uvicorn has no such timeout itself); the body
@@ -30,14 +31,13 @@ import h11
 from pydantic import ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from berth.api.common import OVER_LIMIT
 from berth.api.settings import Settings
 from berth.planner.errors import BerthError
 
-REFUSED = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-    b"connection: close\r\ncontent-length: 59\r\n\r\n"
-    b'{"detail":"every connection of this server is busy; retry"}'
-)
+# A connection younger than this is never closed to make room (a client's head is on its way); one
+# over a limit with no room to make is answered 503 with `Connection: close` once its head arrives.
+EVICTABLE_AFTER_S = 0.5
 
 
 @functools.cache
@@ -71,10 +71,12 @@ class BoundedProtocol(H11Protocol):
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()  # no complete request head in time
 
-    def reading(self) -> bool:
-        """Waiting for a request or still receiving one, not answering: its slot may be taken."""
+    def reading(self, now: float) -> bool:
+        """Waiting for a request or still receiving one for EVICTABLE_AFTER_S or more, not
+        answering: its slot may be taken."""
         return (
             not self._evicted
+            and now - self._since >= EVICTABLE_AFTER_S
             and self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
             and self.conn.our_state is not h11.SEND_BODY
         )
@@ -82,14 +84,16 @@ class BoundedProtocol(H11Protocol):
     def _make_room(self) -> bool:
         """Keep the connection limits with this connection counted: close the longest-reading
         connection of the same client over the per-client limit, of anyone over the total.
-        False when there is nothing to close (every other connection is answering)."""
+        False when there is nothing to close (every other connection is answering or has only
+        just opened)."""
+        now = self.loop.time()
         live = [c for c in self.connections if isinstance(c, BoundedProtocol) and not c._evicted]
         host = self.client[0] if self.client else None
         mine = [c for c in live if (c.client[0] if c.client else None) == host]
         for pool, limit in ((mine, self.settings.max_connections_per_client), (live, self.settings.limit_concurrency)):
             if len(pool) <= limit:
                 continue
-            victims = [c for c in pool if c is not self and c.reading()]
+            victims = [c for c in pool if c is not self and c.reading(now)]
             if not victims:
                 return False
             victim = min(victims, key=lambda c: c._since)
@@ -101,10 +105,8 @@ class BoundedProtocol(H11Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm()
-        if not self._make_room():
-            self._evicted = True
-            transport.write(REFUSED)
-            transport.close()
+        if not self._make_room():  # its request is answered 503 (api/common.py HeadLimit), then it closes
+            self.app_state = {**self.app_state, OVER_LIMIT: True}
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

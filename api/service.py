@@ -73,6 +73,9 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     Run in the child (a pool's initializer, a Popen preexec_fn); a no-op elsewhere than Linux."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl: nobody will signal
+        os.kill(os.getpid(), sig)
 
 
 def utc_now() -> str:

@@ -4,6 +4,7 @@ count and time and targets loopback only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -87,6 +88,39 @@ def test_half_sent_requests_cannot_shut_anyone_out(tmp_path):
         assert max(times) < 1.0, times
     finally:
         for c in socks:
+            c.close()
+        s.stop()
+
+
+def _get_raw(port: int, path: str = "/healthz") -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        c.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        return c.recv(65536).split(b"\r\n\r\n")[0].lower()
+
+
+def test_over_the_per_client_cap_a_new_connection_gets_a_clean_503_or_an_old_slot(tmp_path):
+    """Connections that have only just opened are not closed to make room: the newcomer gets 503
+    with Connection: close and Retry-After. Once they have idled past EVICTABLE_AFTER_S, the
+    newcomer takes the oldest one's slot and is answered."""
+    from berth.api.server import EVICTABLE_AFTER_S
+
+    s = Server(tmp_path / "s.sqlite", max_connections_per_client=4, header_timeout_s=30)
+    idle = []
+    try:
+        idle = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(4)]
+        head = _get_raw(s.port)
+        assert head.startswith(b"http/1.1 503") and b"connection: close" in head and b"retry-after" in head, head
+        time.sleep(EVICTABLE_AFTER_S + 0.3)
+        head = _get_raw(s.port)
+        assert head.startswith(b"http/1.1 200"), head
+        closed = 0
+        for c in idle:  # one of the idle connections gave its slot
+            c.settimeout(0.5)
+            with contextlib.suppress(TimeoutError):
+                closed += c.recv(10) == b""
+        assert closed == 1, closed
+    finally:
+        for c in idle:
             c.close()
         s.stop()
 
