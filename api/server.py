@@ -4,9 +4,9 @@ Connections (BoundedProtocol, one place for each rule):
 - at most BERTH_LIMIT_CONCURRENCY connections in all and BERTH_MAX_CONNECTIONS_PER_CLIENT from one
   address. A connection that would go over either limit takes the slot of the connection that has
   been *reading* longest (idle keep-alive, a request head or body still arriving) from the same
-  address, or, for the total, from anyone (a connection is never closed in its first
-  EVICTABLE_AFTER_S). When there is none, the new connection's request is answered 503 with
-  `Connection: close` and `Retry-After`. Sockets that send half a request therefore cannot shut
+  address, or, for the total, from anyone (a new connection that has sent nothing yet keeps its
+  slot for EVICTABLE_AFTER_S). When there is none, the new connection's request is answered 503
+  with `Connection: close` and `Retry-After`. Sockets that send half a request therefore cannot shut
   anyone out: the next real request takes one of their slots.
 - a request's head must arrive within BERTH_HEADER_TIMEOUT_S of the connection opening (or of the
   previous response), else the connection is closed (uvicorn has no such timeout itself); the body
@@ -35,9 +35,11 @@ from berth.api.common import OVER_LIMIT
 from berth.api.settings import Settings
 from berth.planner.errors import BerthError
 
-# A connection younger than this is never closed to make room (a client's head is on its way); one
-# over a limit with no room to make is answered 503 with `Connection: close` once its head arrives.
-EVICTABLE_AFTER_S = 0.5
+# A new connection from which the server has read nothing yet keeps its slot this long (its head may
+# be waiting in the socket while the server accepts others: a burst of connections). One that has
+# sent part of a request, or is idle after an answer, may give its slot at once. A connection over a
+# limit with no slot to take is answered 503 with `Connection: close` once its head arrives.
+EVICTABLE_AFTER_S = 1.0
 
 
 @functools.cache
@@ -53,6 +55,9 @@ class BoundedProtocol(H11Protocol):
     _write_timer: asyncio.TimerHandle | None = None
     _since = 0.0  # when this connection started waiting for (or reading) its current request
     _evicted = False
+    _over = False  # came over a connection limit: holds no slot, its request is answered 503
+    _served = False  # has answered a request (now idle keep-alive, or reading the next one)
+    _received = 0  # bytes received since the connection opened or its last answer
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -63,7 +68,7 @@ class BoundedProtocol(H11Protocol):
     def _arm(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
-        self._since = self.loop.time()
+        self._since, self._received = self.loop.time(), 0
         self._head_timer = self.loop.call_later(self.settings.header_timeout_s, self._head_late)
 
     def _head_late(self) -> None:
@@ -72,44 +77,56 @@ class BoundedProtocol(H11Protocol):
             self.transport.close()  # no complete request head in time
 
     def reading(self, now: float) -> bool:
-        """Waiting for a request or still receiving one for EVICTABLE_AFTER_S or more, not
-        answering: its slot may be taken."""
-        return (
-            not self._evicted
-            and now - self._since >= EVICTABLE_AFTER_S
-            and self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
-            and self.conn.our_state is not h11.SEND_BODY
-        )
+        """Its slot may be taken: not answering, and either idle after an answer, or part of a
+        request in (a head or a body still arriving), or nothing at all for EVICTABLE_AFTER_S
+        (a new connection whose head the server has not read yet keeps its slot)."""
+        state = self.conn.their_state
+        if self._evicted or self.conn.our_state is h11.SEND_BODY or state not in (h11.IDLE, h11.SEND_BODY):
+            return False
+        return state is h11.SEND_BODY or self._received > 0 or self._served or now - self._since >= EVICTABLE_AFTER_S
+
+    def data_received(self, data: bytes) -> None:
+        self._received += len(data)
+        super().data_received(data)
 
     def _make_room(self) -> bool:
         """Keep the connection limits with this connection counted: close the longest-reading
         connection of the same client over the per-client limit, of anyone over the total.
         False when there is nothing to close (every other connection is answering or has only
-        just opened)."""
+        just opened). A connection that came over a limit holds no slot."""
         now = self.loop.time()
-        live = [c for c in self.connections if isinstance(c, BoundedProtocol) and not c._evicted]
+        holders = [c for c in self.connections if isinstance(c, BoundedProtocol) and not c._evicted and not c._over]
         host = self.client[0] if self.client else None
-        mine = [c for c in live if (c.client[0] if c.client else None) == host]
-        for pool, limit in ((mine, self.settings.max_connections_per_client), (live, self.settings.limit_concurrency)):
+        mine = [c for c in holders if (c.client[0] if c.client else None) == host]
+        limits = ((mine, self.settings.max_connections_per_client), (holders, self.settings.limit_concurrency))
+        for pool, limit in limits:
             if len(pool) <= limit:
                 continue
             victims = [c for c in pool if c is not self and c.reading(now)]
             if not victims:
                 return False
             victim = min(victims, key=lambda c: c._since)
-            victim._evicted = True
-            victim.transport.close()
-            live.remove(victim)
+            victim._evict()
+            holders.remove(victim)
         return True
+
+    def _evict(self) -> None:
+        self._evicted = True
+        self.transport.close()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm()
         if not self._make_room():  # its request is answered 503 (api/common.py HeadLimit), then it closes
+            self._over = True
             self.app_state = {**self.app_state, OVER_LIMIT: True}
+            over = [c for c in self.connections if isinstance(c, BoundedProtocol) and c._over and not c._evicted]
+            if len(over) > self.settings.limit_concurrency:  # those waiting for their 503 are bounded too
+                min((c for c in over if c is not self), key=lambda c: c._since)._evict()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._served = True
         self._arm()
 
     # -- writing: an answer the client does not read is dropped ------------------------------
