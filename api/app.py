@@ -22,6 +22,8 @@ body limit, exception handlers); one router per resource: `routes_service.py` (/
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import signal
 import sys
 from collections.abc import AsyncIterator
 
@@ -30,8 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from berth.api import routes_catalog, routes_plans, routes_service, routes_validations
-from berth.api.common import BodyLimit, StrictRoute, berth_error, request_error, spec_error
-from berth.api.service import SWITCH_INTERVAL_S, Service, build_cluster, get_service
+from berth.api.common import BodyLimit, HeadLimit, StrictRoute, berth_error, internal_error, request_error, spec_error
+from berth.api.service import SWITCH_INTERVAL_S, Service, build_cluster, die_with_parent, get_service
 from berth.api.settings import Settings
 from berth.hardware_profiles import server_names
 from berth.planner import __version__
@@ -42,6 +44,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """The app: one Service (store, pools, writer) on app.state.service, handed to the routes by
     the `get_service` dependency, and the routers by resource (api/routes_*.py)."""
     settings = settings or Settings()
+    if multiprocessing.parent_process() is not None:  # a worker of `berth serve --workers N`
+        die_with_parent(signal.SIGTERM)  # ends (and stops its children) when the supervisor dies, kill -9 too
     service = Service(settings)
     server_names()  # the catalog, read once at startup (the names are also the schema's enum)
 
@@ -60,10 +64,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.router.route_class = StrictRoute
     app.state.settings, app.state.store, app.state.service = settings, service.store, service
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.header_timeout_s)
+    app.add_middleware(HeadLimit, max_bytes=settings.max_header_bytes, hosts=settings.hosts())  # outermost
     # Starlette types a handler as taking any Exception; each of these takes the class it is registered for
     app.add_exception_handler(BerthError, berth_error)  # type: ignore[arg-type]
     app.add_exception_handler(ValidationError, spec_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, request_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, internal_error)  # a 500 that says `Connection: close`
     for module in (routes_service, routes_plans, routes_catalog, routes_validations):
         app.include_router(module.router)
     return app

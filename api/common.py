@@ -28,6 +28,7 @@ COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
     503: {"description": "over the time budget; retry later", **ERROR},
 }
 RETRY_AFTER_S = 1
+OVER_LIMIT = "berth_over_limit"  # in a connection's ASGI state: it came over a connection limit (api/server.py)
 
 
 def json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -123,9 +124,7 @@ class BodyLimit:
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            return await json_response(
-                {"detail": f"the body did not arrive within {self.timeout_s:g} s"}, 408, {"Connection": "close"}
-            )(scope, receive, send)
+            return await closing(408, f"the body did not arrive within {self.timeout_s:g} s")(scope, receive, send)
         body, sent = b"".join(chunks), False
 
         async def replay() -> Message:
@@ -138,9 +137,50 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
     async def _too_big(self, scope, receive, send) -> None:
-        return await json_response({"detail": f"request body over {self.limit} bytes"}, 413, {"Connection": "close"})(
-            scope, receive, send
-        )
+        return await closing(413, f"request body over {self.limit} bytes")(scope, receive, send)
+
+
+class HeadLimit:
+    """Pure ASGI middleware, outermost: a request on a connection that came over a connection
+    limit (api/server.py) gets 503, a request head (request line and headers) over `max_bytes` 431
+    and a Host outside `hosts` (when given) 400, all ending the connection. h11 refuses an
+    incomplete head over the limit; a complete one that arrived in one read is counted here."""
+
+    def __init__(self, app, max_bytes: int, hosts: frozenset[str] | None = None):
+        self.app, self.max_bytes, self.hosts = app, max_bytes, hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if (scope.get("state") or {}).get(OVER_LIMIT):
+            refusal = closing(503, "every connection of this server is busy; retry", retry=True)
+            return await refusal(scope, receive, send)
+        headers = scope.get("headers") or []
+        size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 16
+        size += sum(len(k) + len(v) + 4 for k, v in headers)
+        if size > self.max_bytes:
+            return await closing(431, f"request head of {size} bytes, over this server's {self.max_bytes}")(
+                scope, receive, send
+            )
+        if self.hosts is not None:
+            host = dict(headers).get(b"host", b"").decode("latin-1")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.strip("[]").lower() not in self.hosts:
+                return await closing(400, f"host {host[:100]!r} is not served here (BERTH_ALLOWED_HOSTS)")(
+                    scope, receive, send
+                )
+        return await self.app(scope, receive, send)
+
+
+def closing(status: int, detail: str, retry: bool = False) -> Response:
+    """An error answer after which the server closes the connection: it says so."""
+    headers = {"Connection": "close", **({"Retry-After": str(RETRY_AFTER_S)} if retry else {})}
+    return json_response({"detail": detail}, status, headers)
+
+
+async def internal_error(_: Request, err: Exception) -> Response:
+    """The last resort (no input should reach it): a 500 that says the connection ends, as it does."""
+    return closing(500, f"internal error ({type(err).__name__}); the server log has the details")
 
 
 async def berth_error(_: Request, err: BerthError) -> Response:

@@ -47,6 +47,8 @@ async def create_plan(req: PlanRequest, service: ServiceDep) -> Response:
 
     async def work(deadline: float, cancel: threading.Event) -> Response:
         model, training, cluster, answer = await service.resolved(req, cancel, cached)
+        plans = req.search.top + (1 if req.search.fallback else 0)
+        service.check_answer("search.top", req.search.top, plans, cluster.world_size)
 
         def search() -> str:
             result = plan(model, training, cluster, spec, settings.max_candidates, deadline, cancel)
@@ -65,6 +67,7 @@ async def create_plan(req: PlanRequest, service: ServiceDep) -> Response:
 async def create_compare(req: CompareRequest, service: ServiceDep) -> Response:
     async def work(deadline: float, cancel: threading.Event) -> Response:
         model, training, cluster = await service.resolved(req, cancel)
+        service.check_answer("layouts", len(req.layouts), len(req.layouts) + 1, cluster.world_size)
 
         def score() -> str:
             candidates, best = compare_with_best(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import ctypes
 import hmac
 import importlib.util
 import json
@@ -22,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime
 from pathlib import Path
@@ -54,9 +56,26 @@ LIGHT_THREADS = 2  # resolving cached clusters, cache hits, launch files (CPU wo
 # The event loop waits for the interpreter lock behind every busy worker thread, up to one switch
 # interval each (5 ms by default): at 1 ms a /healthz behind 4 busy threads waits ~4 ms, not 20.
 SWITCH_INTERVAL_S = 0.001
-STORE_GRACE_S = 0.25  # how long a reply waits for its row (a WAL commit takes ~1 ms when the lock is free)
-MAX_PENDING_WRITES = 2000  # answers waiting for a locked store: at most ~80 MB of distinct 37 KB answers
+MAX_PENDING_WRITES = 2000  # answers waiting for the store at once
+MAX_PENDING_WRITE_BYTES = 64 << 20  # and their text, in bytes: beyond either, 503 at once
 WRITE_BATCH = 256  # rows per transaction
+QUEUE_CHECK_S = 0.1  # how often a queued job looks again whether it can still end within its budget
+WRITER_BUSY_S = 0.1  # the writer's wait for a lock held elsewhere, between looks at its requests' deadlines
+# The deadline of the request being served (set by Service.within_budget): a pool refuses at once
+# a job that could not start and finish within it, and the writer drops a row whose request gave up.
+DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("berth_deadline", default=None)
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when the thread that started it ends (Linux
+    prctl PR_SET_PDEATHSIG): a child of the server dies with it, kill -9 of the server included.
+    Run in the child (a pool's initializer, a Popen preexec_fn); a no-op elsewhere than Linux."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl: nobody will signal
+        os.kill(os.getpid(), sig)
 
 
 def utc_now() -> str:
@@ -66,31 +85,71 @@ def utc_now() -> str:
 class Workers:
     """A pool of `threads` worker threads with at most `queue` more jobs waiting; beyond that the
     request is refused at once (429). A slot is freed when its thread returns, not when the
-    request gives up, so abandoned work still counts against the bound."""
+    request gives up, so abandoned work still counts against the bound. A job that would not
+    start and finish before its request's deadline (the jobs ahead of it, at the pool's recent
+    mean time per job) is refused (429) as soon as that is known: when it arrives, or while it
+    waits in the queue (the first jobs teach the pool its mean), not after waiting out the budget."""
 
     def __init__(self, name: str, threads: int, queue: int):
-        self.name, self.limit = name, threads + queue
+        self.name, self.threads, self.limit = name, threads, threads + queue
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"berth-{name}")
         self.pending = 0
+        self.mean_s = 0.0  # moving mean of a job's time in a thread
+        self.submitted = self.left = 0  # jobs handed to the queue, jobs that left it (started or cancelled)
         self._lock = threading.Lock()
 
-    def _done(self, _: Any) -> None:
-        with self._lock:
-            self.pending -= 1
+    def _done(self, started: list[float]) -> Callable[[Any], None]:
+        def done(_: Any) -> None:
+            with self._lock:
+                self.pending -= 1
+                if started:  # the first job sets the mean, later ones move it
+                    took = time.monotonic() - started[0]
+                    self.mean_s = took if self.mean_s == 0 else self.mean_s + 0.2 * (took - self.mean_s)
+
+        return done
+
+    def _late(self, ahead: int, deadline: float | None) -> bool:
+        """Whether a job behind `ahead` others would end past `deadline` at the pool's mean."""
+        waves = ahead // self.threads + 1  # it ends with the waves of jobs ahead of it
+        return deadline is not None and time.monotonic() + waves * self.mean_s > deadline
+
+    def _late_refusal(self, ahead: int) -> HTTPException:
+        return self._refuse(f"{ahead} jobs ahead at {self.mean_s:.2f} s each: this one would end past its budget")
+
+    def _refuse(self, why: str) -> HTTPException:
+        return busy(429, f"the server is busy ({self.name}: {why}); retry after {RETRY_AFTER_S} s")
 
     async def run(self, fn: Callable[[], Any], cancel: threading.Event | None = None) -> Any:
+        deadline = DEADLINE.get()
         with self._lock:
             if self.pending >= self.limit:
-                raise busy(
-                    429,
-                    f"the server is busy ({self.name}: {self.limit} requests running or queued); "
-                    f"retry after {RETRY_AFTER_S} s",
-                )
+                raise self._refuse(f"{self.limit} requests running or queued")
+            if self._late(self.pending, deadline):
+                raise self._late_refusal(self.pending)
             self.pending += 1
-        future = self.pool.submit(fn)
-        future.add_done_callback(self._done)
+            self.submitted += 1
+            ticket = self.submitted
+        started: list[float] = []
+
+        def timed() -> Any:
+            with self._lock:
+                self.left += 1
+            started.append(time.monotonic())
+            return fn()
+
+        future = self.pool.submit(timed)
+        future.add_done_callback(self._done(started))
+        wrapped = asyncio.wrap_future(future)
         try:
-            return await asyncio.wrap_future(future)
+            while deadline is not None and not started and not wrapped.done():
+                await asyncio.wait({wrapped}, timeout=QUEUE_CHECK_S)
+                with self._lock:
+                    ahead = max(0, ticket - 1 - self.left)
+                if not started and self._late(ahead, deadline) and future.cancel():
+                    with self._lock:
+                        self.left += 1
+                    raise self._late_refusal(ahead)
+            return await wrapped
         except asyncio.CancelledError:
             if cancel is not None:
                 cancel.set()  # a search stops at its next chunk
@@ -164,8 +223,10 @@ class Builds:
 
     def _executor(self) -> ProcessPoolExecutor:
         with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            if self._pool is None:  # the child dies with the server, kill -9 included
+                self._pool = ProcessPoolExecutor(
+                    max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent
+                )
             return self._pool
 
     def _done(self, _: Any) -> None:
@@ -211,33 +272,52 @@ class Builds:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-class Writer:
-    """The one thread that writes answers to SQLite, in order, many per transaction. A request
-    waits for its own row up to STORE_GRACE_S: a commit takes milliseconds, so normally the answer
-    is on disk before the reply goes out. When another process holds the write lock longer, the
-    reply goes out anyway and the row is written as soon as the lock is free; until then the
-    answer is served from memory (GET, launch, validate). At most `max_pending` answers wait
-    (bounded memory); beyond that the request is 503 with Retry-After."""
+def _settle(done: Future, result: BaseException | None) -> None:
+    """Settle a writer's future unless its request already gave up on it."""
+    with contextlib.suppress(InvalidStateError):
+        if isinstance(result, BaseException):
+            done.set_exception(result)
+        else:
+            done.set_result(None)
 
-    def __init__(self, store: Store, max_pending: int):
-        self.store, self.max_pending = store, max_pending
+
+class Writer:
+    """The one thread that writes answers to SQLite, in order, many per transaction. A request's
+    id goes out only once its row is committed: the request waits for it within its deadline.
+    When another process holds the write lock, the writer retries (WRITER_BUSY_S at a time) and
+    drops the rows whose request has given up (that request answered 503, so no id of a row
+    that is not on disk is ever handed out). At most `max_pending` answers and `max_bytes` of
+    their text wait (bounded memory); beyond that the request is 503 with Retry-After."""
+
+    def __init__(self, store: Store, max_pending: int, max_bytes: int = MAX_PENDING_WRITE_BYTES):
+        self.store, self.max_pending, self.max_bytes = store, max_pending, max_bytes
         self.pending: dict[str, tuple[str, str, str]] = {}
+        self.pending_bytes = 0
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="berth-store-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, plan_id: str, created: str, kind: str, answer: str) -> Future:
+    def submit(self, plan_id: str, created: str, kind: str, answer: str, deadline: float | None = None) -> Future:
         with self._lock:
-            if len(self.pending) >= self.max_pending:
+            if len(self.pending) >= self.max_pending or self.pending_bytes + len(answer) > self.max_bytes:
                 raise busy(
-                    503, f"the store is not accepting writes ({len(self.pending)} answers waiting for it); retry later"
+                    503,
+                    f"the store is not accepting writes ({len(self.pending)} answers, {self.pending_bytes:,} bytes "
+                    "waiting for it); retry later",
                 )
             self.pending[plan_id] = (created, kind, answer)
+            self.pending_bytes += len(answer)
         done: Future = Future()
-        self._queue.put((plan_id, created, kind, answer, done))
+        self._queue.put((plan_id, created, kind, answer, done, deadline))
         return done
+
+    def _forget(self, items: list[tuple]) -> None:
+        with self._lock:
+            for item in items:
+                if self.pending.pop(item[0], None) is not None:
+                    self.pending_bytes -= len(item[3])
 
     def get(self, plan_id: str) -> dict[str, Any] | None:
         with self._lock:
@@ -262,18 +342,29 @@ class Writer:
                     self._queue.put(None)
                     break
                 batch.append(item)
-            while True:
+            while batch:
+                now = time.monotonic()
+                late = [item for item in batch if item[5] is not None and item[5] <= now]
+                if late:  # their requests answered 503: their rows are not written
+                    self._forget(late)
+                    for item in late:
+                        _settle(item[4], TimeoutError("the store stayed locked past the request's deadline"))
+                    batch = [item for item in batch if item not in late]
+                    continue
                 try:
                     self.store.add_answers([item[:4] for item in batch])
                     break
-                except sqlite3.OperationalError:  # locked by someone else: wait for it, keep the rows
-                    if self._stop.wait(0.05):
+                except sqlite3.OperationalError:  # locked by someone else (after WRITER_BUSY_S): retry
+                    if self._stop.wait(0.01):
                         return
-            with self._lock:
-                for item in batch:
-                    self.pending.pop(item[0], None)
+                except Exception as err:  # the rows cannot be written (e.g. larger than the store): say so
+                    self._forget(batch)
+                    for item in batch:
+                        _settle(item[4], err)
+                    batch = []
+            self._forget(batch)
             for item in batch:
-                item[4].set_result(None)
+                _settle(item[4], None)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Write what is waiting (within `timeout_s`), then stop."""
@@ -301,7 +392,14 @@ class Service:
         self.light = Workers("light", LIGHT_THREADS, settings.max_queued_requests)
         self.builds = Builds(BUILD_QUEUE)
         self.io = Workers("store", STORE_THREADS, settings.max_queued_requests)
-        self.writer = Writer(self.store, MAX_PENDING_WRITES)
+        writer_store = Store(  # its own short lock wait: it looks at its requests' deadlines between tries
+            settings.store_path,
+            busy_timeout_s=WRITER_BUSY_S,
+            max_plans=settings.store_max_plans,
+            max_bytes=settings.store_max_bytes,
+            retention_days=settings.store_retention_days,
+        )
+        self.writer = Writer(writer_store, MAX_PENDING_WRITES)
         self.validations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="berth-validate")
         self.open_jobs = 0  # validations queued or running
         self.jobs_lock = threading.Lock()
@@ -345,6 +443,7 @@ class Service:
         budget = self.budget
         cancel = threading.Event()
         deadline = time.monotonic() + budget
+        DEADLINE.set(deadline)
         try:
             with anyio.fail_after(budget):
                 return await work(deadline, cancel)
@@ -358,10 +457,26 @@ class Service:
         return self.writer.get(plan_id) or await self.io.run(lambda: self.store.get_plan(plan_id), cancel)
 
     async def keep(self, plan_id: str, created: str, kind: str, answer: str) -> None:
-        """Hand the answer to the writer; wait for its row up to STORE_GRACE_S."""
-        done = self.writer.submit(plan_id, created, kind, answer)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), STORE_GRACE_S)
+        """Hand the answer to the writer and wait until its row is committed (within the request's
+        deadline: past it, the request is 503 and the row is not written)."""
+        try:
+            done = self.writer.submit(plan_id, created, kind, answer, DEADLINE.get())
+            await asyncio.shield(asyncio.wrap_future(done))
+        except TimeoutError:
+            raise busy(503, "the store stayed locked past this request's budget; retry later") from None
+
+    def check_answer(self, field: str, value: int, plans: int, world_size: int) -> None:
+        """An answer lists every rank of each of its plans: refuse (422, naming the limit) one of
+        more than BERTH_MAX_ANSWER_RANKS plans x GPUs before it is searched or built."""
+        limit = self.settings.max_answer_ranks
+        if plans * world_size > limit:
+            most = max(1, limit // max(1, world_size))
+            raise BerthError(
+                field,
+                value,
+                f"{plans} plans x {world_size:,} GPUs = {plans * world_size:,} ranks to list, over this server's "
+                f"limit of {limit:,} (BERTH_MAX_ANSWER_RANKS); ask for at most {most} plan(s) on this cluster",
+            )
 
     async def answered(self, answer: str, kind: str) -> Response:
         """The answer (a JSON object's text) kept under a new id, and sent with its id and time."""

@@ -159,8 +159,9 @@ def _launch(
     """Run torchrun in its own process group; returns (exit code, timed out). The group is killed
     when it outlives `deadline_s`, or WORKER_SHUTDOWN_GRACE_S after `failed()` (a rank's error file)
     first holds while torchrun is still waiting on the other ranks."""
-    with stderr_path.open("w") as err:
+    with stderr_path.open("w") as err, contextlib.ExitStack() as stack:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+        stack.callback(_guard(proc.pid))
 
         stdout = proc.stdout
         assert stdout is not None  # stdout=PIPE
@@ -194,6 +195,40 @@ def _launch(
 
 
 KILL_SIGNALS = (signal.SIGTERM, signal.SIGKILL)  # each sent to the group, TERMINATE_GRACE_S apart
+# The guard of a launch: reads its stdin until this process writes "done" or dies (kill -9
+# included: the pipe closes, the read ends empty); in the second case it ends the launch's process
+# group (torchrun and its workers), SIGTERM then SIGKILL.
+GUARD = """
+import os, signal, sys, time
+group = int(sys.argv[1])
+if sys.stdin.buffer.read(4) != b"done":
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(float(sys.argv[2]))
+"""
+
+
+def _guard(group: int) -> Callable[[], None]:
+    """Start the guard of process group `group` (see GUARD); the returned function stands it down
+    once the group has ended normally."""
+    guard = subprocess.Popen(
+        [sys.executable, "-c", GUARD, str(group), str(TERMINATE_GRACE_S)],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+    def stand_down() -> None:
+        with contextlib.suppress(OSError):
+            assert guard.stdin is not None
+            guard.stdin.write(b"done")
+            guard.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            guard.wait(timeout=TERMINATE_GRACE_S)
+
+    return stand_down
 
 
 def _kill_group(proc: subprocess.Popen, signals: tuple[signal.Signals, ...] = KILL_SIGNALS) -> None:

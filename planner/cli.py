@@ -1112,8 +1112,8 @@ def serve_cmd(
 
     if not 1 <= port <= 65535:
         raise BerthError("port", port, "must be in 1..65535")
-    if workers < 1:
-        raise BerthError("workers", workers, "must be at least 1")
+    if not 1 <= workers <= 64:  # each worker process imports the planner (~200 MB)
+        raise BerthError("workers", workers, "must be in 1..64 (worker processes of one server)")
     serve(host, port, workers)
 
 

@@ -12,6 +12,8 @@ from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.specs import (
     AXIS_ORDER_CHOICES,
     LAYOUT_FIELDS,
+    MAX_GPUS_PER_NODE,
+    MAX_NODES,
     RECOMPUTE_CHOICES,
     SCHEDULE_CHOICES,
     ClusterSpec,
@@ -30,6 +32,9 @@ ALIASES = {
     "order": "axis_order",
     "etp": "expert_tp",
 }
+# the largest degree or batch count a layout may name: the most GPUs a cluster may have (nodes x GPUs
+# per node), above the largest global batch; keeps every product of the rules within int64
+MAX_LAYOUT_VALUE = MAX_NODES * MAX_GPUS_PER_NODE
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -114,6 +119,8 @@ def check_values(values: dict[str, Any], field: str = "layout") -> None:
             raise BerthError(f"{field}.{key}", value, f"valid: {shown}")
         if choices is None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise BerthError(f"{field}.{key}", value, "must be a positive integer")
+        if choices is None and value > MAX_LAYOUT_VALUE:
+            raise BerthError(f"{field}.{key}", value, f"at most {MAX_LAYOUT_VALUE:,} (the most GPUs or sequences)")
 
 
 def layout_problems(

@@ -240,7 +240,10 @@ def _refuse_unsupported(cfg: dict[str, Any], source: str, seq_len: int | None = 
     if model_type in _ENCODER_TYPES or cfg.get("is_encoder_decoder"):
         key = "model_type" if model_type in _ENCODER_TYPES else "is_encoder_decoder"
         raise BerthError(f"{source}.{key}", cfg.get(key), f"an encoder or encoder-decoder model; {supported}")
-    for arch in cfg.get("architectures") or ():
+    architectures = cfg.get("architectures")
+    if architectures is not None and not isinstance(architectures, list):
+        raise BerthError(f"{source}.architectures", architectures, "expected a list of class names")
+    for arch in architectures or ():
         if isinstance(arch, str) and not arch.endswith(_DECODER_ONLY_HEADS):
             raise BerthError(f"{source}.architectures", arch, f"not a causal language model; {supported}")
     if model_type not in _HF_FAMILIES:

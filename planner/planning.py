@@ -41,15 +41,21 @@ from berth.planner.specs import (
     TrainingSpec,
 )
 
+# plans x GPUs the cache keeps in all (a plan lists every rank's placement, ~200 bytes of JSON each,
+# so about 200 MB of answers): bounded in size at every insert, not only in count
+PLAN_CACHE_MAX_RANKS = 1 << 20
+
 
 class _PlanCache:
     """Least-recently-used answers of `plan`: a search is a pure function of its four specs, so a
     repeated question (a notebook re-run, a scheduler polling) is answered from memory. Size from
-    $BERTH_PLAN_CACHE_SIZE (default 256; 0 turns it off)."""
+    $BERTH_PLAN_CACHE_SIZE (default 256; 0 turns it off), and at most `max_ranks` plans x GPUs."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, max_ranks: int = PLAN_CACHE_MAX_RANKS):
+        self.size, self.max_ranks = size, max_ranks
         self._items: OrderedDict[str, SearchResult] = OrderedDict()
+        self._ranks: dict[str, int] = {}
+        self._total = 0
         self._lock = threading.Lock()
 
     def get(self, key: str) -> SearchResult | None:
@@ -62,11 +68,16 @@ class _PlanCache:
     def put(self, key: str, value: SearchResult) -> None:
         if self.size <= 0:
             return
+        ranks = 1 + sum(p.cluster.world_size for p in value.plans)  # bytes scale with the ranks listed
+        if ranks > self.max_ranks:
+            return
         with self._lock:
-            self._items[key] = value
+            self._total += ranks - self._ranks.get(key, 0)
+            self._items[key], self._ranks[key] = value, ranks
             self._items.move_to_end(key)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            while len(self._items) > self.size or self._total > self.max_ranks:
+                old, _ = self._items.popitem(last=False)
+                self._total -= self._ranks.pop(old)
 
 
 PLAN_CACHE = _PlanCache(int(os.environ.get("BERTH_PLAN_CACHE_SIZE", "256")))

@@ -12,13 +12,15 @@ The file: the `path` given, else $BERTH_STORE_PATH, else $XDG_DATA_HOME/berth/be
 
 Plan answers are stored once per content: `answers` holds each distinct answer text under its
 SHA-256, `plan_refs` one small row per id handed out (a repeated question costs a pointer, not
-another copy). `max_plans`, `max_bytes` and `retention_days` bound the store: the oldest ids and
-the answers no id points at any more are dropped (checked every PRUNE_EVERY inserts).
+another copy). `max_plans`, `max_bytes` and `retention_days` bound the store at every insert, in
+the insert's own transaction: the oldest ids go, with the answers no id points at any more. The
+totals they are checked against (`totals`: answer bytes, ids) are kept by triggers in the same
+transactions, so the check costs two indexed reads and holds across processes (several server
+workers on one file).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -31,7 +33,6 @@ from typing import Any
 from berth.planner.specs import ValidationReport
 
 BUSY_TIMEOUT_S = 30.0
-PRUNE_EVERY = 64  # inserts between retention checks (a check is two indexed queries)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS answers (
     hash TEXT PRIMARY KEY,
@@ -62,6 +63,22 @@ CREATE TABLE IF NOT EXISTS validations (
     body TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS validations_created ON validations (created);
+CREATE TABLE IF NOT EXISTS totals (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS answers_added AFTER INSERT ON answers BEGIN
+    UPDATE totals SET value = value + NEW.size WHERE name = 'answer_bytes';
+END;
+CREATE TRIGGER IF NOT EXISTS answers_dropped AFTER DELETE ON answers BEGIN
+    UPDATE totals SET value = value - OLD.size WHERE name = 'answer_bytes';
+END;
+CREATE TRIGGER IF NOT EXISTS refs_added AFTER INSERT ON plan_refs BEGIN
+    UPDATE totals SET value = value + 1 WHERE name = 'plan_refs';
+END;
+CREATE TRIGGER IF NOT EXISTS refs_dropped AFTER DELETE ON plan_refs BEGIN
+    UPDATE totals SET value = value - 1 WHERE name = 'plan_refs';
+END;
 CREATE TABLE IF NOT EXISTS validation_jobs (
     id TEXT PRIMARY KEY,
     created TEXT NOT NULL,
@@ -137,11 +154,17 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.busy_timeout_s = busy_timeout_s
         self.max_plans, self.max_bytes, self.retention_days = max_plans, max_bytes, retention_days
-        self._inserts = 0
         self._local = threading.local()
         with self._connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(SCHEMA)
+            # one transaction: a store of an older berth gets its totals from the rows it holds
+            db.executescript(
+                "BEGIN IMMEDIATE;"
+                + SCHEMA
+                + "INSERT OR IGNORE INTO totals SELECT 'answer_bytes', COALESCE(SUM(size), 0) FROM answers;"
+                "INSERT OR IGNORE INTO totals SELECT 'plan_refs', COUNT(*) FROM plan_refs;"
+                "COMMIT;"
+            )
 
     def _connect(self) -> sqlite3.Connection:
         """This thread's connection (a `with` block on it is one transaction)."""
@@ -207,47 +230,63 @@ class Store:
         return plan_id
 
     def add_answers(self, items: list[tuple[str, str, str, str]]) -> None:
-        """Several (id, created, kind, answer) in one transaction."""
+        """Several (id, created, kind, answer) in one transaction, which also keeps the store
+        within its limits (an answer larger than `max_bytes` on its own is refused: BerthError)."""
+        from berth.planner.errors import BerthError
+
+        for plan_id, _, _, answer in items:
+            if self.max_bytes is not None and len(answer) > self.max_bytes:
+                raise BerthError("answer", plan_id, f"{len(answer):,} bytes, over the store's {self.max_bytes:,}")
         with self._connect() as db:
             for plan_id, created, kind, answer in items:
                 digest = hashlib.sha256(answer.encode()).hexdigest()
                 db.execute("INSERT OR IGNORE INTO answers VALUES (?, ?, ?)", (digest, answer, len(answer)))
                 db.execute("INSERT INTO plan_refs VALUES (?, ?, ?, ?)", (plan_id, created, kind, digest))
-        before = self._inserts
-        self._inserts += len(items)
-        if self._inserts // PRUNE_EVERY != before // PRUNE_EVERY:
-            with contextlib.suppress(sqlite3.OperationalError):  # busy: the next check prunes
-                self.prune()
+            self._prune(db)
+
+    def _total(self, db: sqlite3.Connection, name: str) -> int:
+        return int(db.execute("SELECT value FROM totals WHERE name = ?", (name,)).fetchone()[0])
+
+    def _drop_refs(self, db: sqlite3.Connection, where: str, args: tuple) -> int:
+        """Delete the plan_refs matching `where`, and the answers no id points at any more."""
+        hashes = {h for (h,) in db.execute(f"SELECT answer FROM plan_refs WHERE {where}", args)}
+        dropped = db.execute(f"DELETE FROM plan_refs WHERE {where}", args).rowcount
+        for digest in hashes:
+            db.execute(
+                "DELETE FROM answers WHERE hash = ? AND NOT EXISTS (SELECT 1 FROM plan_refs WHERE answer = ?)",
+                (digest, digest),
+            )
+        return dropped
+
+    def _prune(self, db: sqlite3.Connection) -> int:
+        """Within the caller's transaction: drop the oldest ids past the limits (and the answers
+        nothing points at any more); the number of ids dropped."""
+        dropped = 0
+        if self.retention_days is not None:
+            cutoff = (datetime.now(UTC) - timedelta(days=self.retention_days)).isoformat()
+            dropped += self._drop_refs(db, "created < ?", (cutoff,))
+        if self.max_plans is not None:
+            over = self._total(db, "plan_refs") - self.max_plans
+            if over > 0:
+                dropped += self._drop_refs(db, "id IN (SELECT id FROM plan_refs ORDER BY created LIMIT ?)", (over,))
+        while self.max_bytes is not None and self._total(db, "answer_bytes") > self.max_bytes:
+            row = db.execute("SELECT answer FROM plan_refs ORDER BY created LIMIT 1").fetchone()
+            if row is None:
+                break
+            dropped += self._drop_refs(db, "answer = ?", (row[0],))  # the oldest answer, with all its ids
+        return dropped
 
     def prune(self) -> int:
         """Drop ids past the retention limits (oldest first) and answers nothing points at; the
-        number of ids dropped."""
-        dropped = 0
+        number of ids dropped (every insert does this too)."""
         with self._connect() as db:
-            if self.retention_days is not None:
-                cutoff = (datetime.now(UTC) - timedelta(days=self.retention_days)).isoformat()
-                dropped += db.execute("DELETE FROM plan_refs WHERE created < ?", (cutoff,)).rowcount
-            if self.max_plans is not None:
-                (count,) = db.execute("SELECT COUNT(*) FROM plan_refs").fetchone()
-                if count > self.max_plans:
-                    dropped += db.execute(
-                        "DELETE FROM plan_refs WHERE id IN (SELECT id FROM plan_refs ORDER BY created LIMIT ?)",
-                        (count - self.max_plans,),
-                    ).rowcount
+            dropped = self._prune(db)
             db.execute("DELETE FROM answers WHERE hash NOT IN (SELECT answer FROM plan_refs)")
-            while self.max_bytes is not None:
-                (size,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM answers").fetchone()
-                if size <= self.max_bytes:
-                    break
-                # the oldest answer goes with every id that points at it
-                (oldest,) = db.execute("SELECT answer FROM plan_refs ORDER BY created LIMIT 1").fetchone()
-                dropped += db.execute("DELETE FROM plan_refs WHERE answer = ?", (oldest,)).rowcount
-                db.execute("DELETE FROM answers WHERE hash = ?", (oldest,))
         return dropped
 
     def stored_bytes(self) -> int:
         with self._connect() as db:
-            return int(db.execute("SELECT COALESCE(SUM(size), 0) FROM answers").fetchone()[0])
+            return self._total(db, "answer_bytes")
 
     def get_plan(self, plan_id: str) -> dict[str, Any] | None:
         with self._connect() as db:

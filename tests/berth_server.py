@@ -24,7 +24,7 @@ def free_port() -> int:
 class Server:
     """`berth serve` in its own process."""
 
-    def __init__(self, store, extra_env=None, **env):
+    def __init__(self, store, extra_env=None, workers=1, **env):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full = {
@@ -34,7 +34,7 @@ class Server:
             **{f"BERTH_{k.upper()}": str(v) for k, v in env.items()},
         }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(self.port)],
+            [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(self.port), "--workers", str(workers)],
             env=full,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
@@ -51,6 +51,11 @@ class Server:
                 time.sleep(0.2)
         self.stop()
         raise RuntimeError("server did not start: " + self.proc.stderr.read().decode()[-2000:])
+
+    def kill9(self):
+        """kill -9 the server process (what a crash or the OOM killer does)."""
+        self.proc.kill()
+        self.proc.wait()
 
     def stop(self):
         self.proc.terminate()

@@ -345,13 +345,13 @@ def test_validation_disabled_by_default(server):
 
 def test_validation_runs_in_background_with_api_key(tmp_path):
     pytest.importorskip("torch", reason="the validation runs the executor (torch: the executor extra)")
-    s = Server(tmp_path / "store.sqlite", validation_enabled=1, api_key="sekret")
+    s = Server(tmp_path / "store.sqlite", validation_enabled=1, api_key="sekret-sekret-sekret")
     try:
         c = httpx.Client(base_url=s.url, timeout=30)
         plan_id = c.post("/v1/plans", json=TINY_LOCAL).json()["id"]
         assert c.post("/v1/validations", json={"plan_id": plan_id}).status_code == 401
         assert c.post("/v1/validations", json={"plan_id": plan_id}, headers={"X-API-Key": "wrong"}).status_code == 401
-        key = {"X-API-Key": "sekret"}
+        key = {"X-API-Key": "sekret-sekret-sekret"}
         assert c.post("/v1/validations", json={"plan_id": "nope"}, headers=key).status_code == 404
         r = c.post("/v1/validations", json={"plan_id": plan_id, "steps": 2, "warmup": 1}, headers=key)
         assert r.status_code == 202, r.text

@@ -103,7 +103,7 @@ def test_validation_routes_follow_the_overriding_settings(overridden):
     with TestClient(app) as client:
         r = client.post("/v1/validations", json={"plan_id": "x" * 32}, headers={"X-API-Key": "k"})
         assert r.status_code == 403 and "disabled" in r.json()["detail"]
-    app, _ = overridden(validation_enabled=True, api_key="secret")
+    app, _ = overridden(validation_enabled=True, api_key="secret-secret-secret")
     with TestClient(app) as client:
         r = client.get("/v1/validations/nope", headers={"X-API-Key": "wrong"})
         assert r.status_code == 401, r.text

@@ -128,6 +128,12 @@ CASES = [
     (["serve", "--port", "http"], "--port"),
     (["presets", "--json", "extra"], "extra"),
     (["nonsense"], "nonsense"),
+    # issue 28: an integer beyond int64 was an OverflowError traceback
+    (["plan", *GPT, "--cluster", "dgx-h100", "--fix", "tp=9223372036854775808"], "fix.tp"),
+    (["compare", *GPT, "--cluster", "dgx-h100", "--layout", "tp=99999999999999999999"], "tp"),
+    (["compare", *GPT, "--cluster", "dgx-h100", "--layout", "tp=1,mbs=9223372036854775808"], "micro_batch_size"),
+    (["serve", "--workers", "99999999999999999999"], "workers"),  # was: spawned workers without end
+    (["serve", "--workers", "65"], "workers"),
 ]
 
 
