@@ -20,6 +20,7 @@ from berth.planner.planning import (
     compare_with_best,
     json_text,
     plan,
+    plan_for_format,
     plans_text,
     with_fallback,
 )
@@ -102,12 +103,12 @@ async def create_launch(req: LaunchRequest, service: ServiceDep) -> Response:
             raise HTTPException(404, f"no plan with id {req.plan_id!r}")
         plans = plan_listing(got["response"]) or []
 
-        def build() -> dict[str, str]:
-            chosen = pick_plan(plans, req.pick, f"plan {req.plan_id}")
-            return artifacts(chosen, req.format, steps=req.steps, warmup=req.warmup, image=req.image)
+        def build() -> tuple[dict[str, str], str, str | None]:
+            chosen, fmt, note = plan_for_format(pick_plan(plans, req.pick, f"plan {req.plan_id}"), req.format)
+            return artifacts(chosen, fmt, steps=req.steps, warmup=req.warmup, image=req.image), fmt, note
 
-        files = await service.light.run(build, cancel)
-        return json_response({"plan_id": req.plan_id, "format": req.format, "files": files})
+        files, fmt, note = await service.light.run(build, cancel)
+        return json_response({"plan_id": req.plan_id, "format": fmt, "files": files, "note": note})
 
     return await service.within_budget(work)
 

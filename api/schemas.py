@@ -82,7 +82,9 @@ class EngineDoc(BaseModel):
     memory_recipe: str = Field(description="pytorch (autocast / FSDP2) or megatron (16-bit weights, fp32 master)")
     compute_stacks: list[str] = Field(description="the device profile's compute-stack entries, first present wins")
     launch_formats: list[str] = Field(description="POST /v1/launch formats that start it, the default first")
-    refuses: list[EngineRefusal] = Field(description="what the engine cannot run: its rules, as the planner applies them")
+    refuses: list[EngineRefusal] = Field(
+        description="what the engine cannot run: its rules, as the planner applies them"
+    )
     param_gather_exposed: float = Field(description="share of ZeRO-1/2's parameter gather exposed after the step")
     source: str = Field(description="where the entry was read")
 
@@ -241,7 +243,11 @@ class LaunchRequest(Body):
     plan_id: PlanId = Field(description="id of a stored plan or compare answer")
     pick: int = Field(default=1, ge=1, le=1000, description="which plan of the stored answer (1 = first)")
     # the launch formats' registry (planner/launch.py)
-    format: Literal[FORMATS] = Field(description="the launch file format to write")  # type: ignore[valid-type]
+    format: Literal[FORMATS] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="the launch file format to write (null: the plan's engine's own); another engine's format "
+        "re-predicts the layout for that engine (`note` says so) or is refused naming both engines",
+    )
     steps: int = Field(default=20, ge=1, le=100000, description="training steps the launched job runs")
     warmup: int = Field(default=3, ge=0, le=1000, description="untimed steps before the timed ones")
     image: ImageName = Field(
@@ -253,6 +259,7 @@ class LaunchResponse(BaseModel):
     plan_id: str = Field(description="the stored answer's id")
     format: str = Field(description="the launch file format written")
     files: dict[str, str] = Field(description="file name -> file contents")
+    note: str | None = Field(default=None, description="how the plan was re-predicted for the format's engine")
 
 
 class ValidationRequest(Body):

@@ -234,6 +234,13 @@ def _uneven(c: Candidates, m: ModelSpec) -> np.ndarray:
     return (c.pp > 1) & ((np.asarray(first) != np.asarray(middle)) | (np.asarray(last) != np.asarray(middle)))
 
 
+def _layers_text(num_layers: int, pp: int) -> str:
+    """ ": 11, 11, 10" (the planned stages' layers), or nothing where the split leaves a stage empty."""
+    if not bool(np.asarray(stages.split(num_layers, pp, 1)[3])):
+        return ""
+    return ": " + ", ".join(map(str, stages.stage_layers(num_layers, pp)))
+
+
 DEEPSPEED_RULES = (
     _rule(
         "deepspeed_cp",
@@ -263,8 +270,8 @@ DEEPSPEED_RULES = (
         ("pp",),
         lambda c, m, t: _uneven(c, m),
         lambda x, m, t: (
-            f"uneven pipeline stages ({m.num_layers} layers on pp {x.pp}: "
-            f"{', '.join(map(str, stages.stage_layers(m.num_layers, x.pp)))}): DeepSpeed's PipelineModule takes no "
+            f"uneven pipeline stages ({m.num_layers} layers on pp {x.pp}{_layers_text(m.num_layers, x.pp)}): "
+            "DeepSpeed's PipelineModule takes no "
             "per-stage layer counts (partition_method 'uniform' puts the remainder on the first stages, "
             "'parameters' and 'type:' balance weights), so it would not build the planned stages"
         ),

@@ -375,7 +375,12 @@ def compare_cmd(
         sys.stdout.write(plans_csv(candidates, ref))
         return
     console.print(
-        plans_table(candidates, f"{spec.name} on {cl.world_size} {_unit(cl)}: candidates", ref, width=console.width)
+        plans_table(
+            candidates,
+            f"{spec.name} on {cl.world_size} {_unit(cl)}, engine {training.engine}: candidates",
+            ref,
+            width=console.width,
+        )
     )
     print_layouts(console, candidates)
     print_reasons(console, candidates)
