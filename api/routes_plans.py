@@ -13,7 +13,7 @@ from berth.api.common import COMMON_ERRORS, ERROR, StrictRoute, json_response
 from berth.api.schemas import CompareRequest, CompareResponse, LaunchRequest, LaunchResponse, PlanRequest, PlanResponse
 from berth.api.service import Service, get_service
 from berth.planner.inputs import make_search
-from berth.planner.launch import artifacts
+from berth.planner.launch import artifacts, engine_training
 from berth.planner.planning import (
     cached_plan,
     compare_json,
@@ -105,7 +105,12 @@ async def create_launch(req: LaunchRequest, service: ServiceDep) -> Response:
 
         def build() -> tuple[dict[str, str], str, str | None]:
             chosen, fmt, note = plan_for_format(pick_plan(plans, req.pick, f"plan {req.plan_id}"), req.format)
-            return artifacts(chosen, fmt, steps=req.steps, warmup=req.warmup, image=req.image), fmt, note
+            run = engine_training(req.train, "train")
+            return (
+                artifacts(chosen, fmt, steps=req.steps, warmup=req.warmup, image=req.image, training=run),
+                fmt,
+                note,
+            )
 
         files, fmt, note = await service.light.run(build, cancel)
         return json_response({"plan_id": req.plan_id, "format": fmt, "files": files, "note": note})

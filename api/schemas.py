@@ -253,6 +253,12 @@ class LaunchRequest(Body):
     image: ImageName = Field(
         default="berth-executor:latest", description="container image of the executor (container formats)"
     )
+    train: dict[str, Annotated[str, Field(max_length=255)] | float | list[float]] | None = Field(
+        default=None,
+        max_length=32,
+        description="engine formats: the training run (train_steps, lr, min_lr, warmup_steps, decay, weight_decay, "
+        "betas, adam_eps, grad_clip, checkpoint_interval, checkpoint_dir, data_split; defaults in docs/engines.md)",
+    )
 
 
 class LaunchResponse(BaseModel):

@@ -706,10 +706,18 @@ def launch_cmd(
     image: Annotated[
         str, typer.Option("--image", help="kubernetes: container image with berth and torch")
     ] = "berth-executor:latest",
+    train: Annotated[
+        str,
+        typer.Option(
+            "--train",
+            help="engine formats: the training run, e.g. train_steps=20000,lr=1e-4,warmup_steps=2000,decay=cosine,"
+            "checkpoint_interval=500 (defaults and ranges: docs/engines.md)",
+        ),
+    ] = "",
 ) -> None:
     """Write the files that launch a plan: per-node torchrun scripts, an sbatch script or a PyTorchJob
     running the bundled executor, or Megatron-LM / DeepSpeed / torchtitan configs for the layout."""
-    from berth.planner.launch import artifacts
+    from berth.planner.launch import artifacts, engine_training
 
     _at_least("steps", steps, 1)
     _at_least("warmup", warmup, 0)
@@ -721,7 +729,7 @@ def launch_cmd(
     plan, fmt, note = plan_for_format(_load_plan(plan_file, pick), fmt)
     if note:
         console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
-    files = artifacts(plan, fmt, steps=steps, warmup=warmup, image=image)
+    files = artifacts(plan, fmt, steps=steps, warmup=warmup, image=image, training=engine_training(train))
     try:
         directory.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():

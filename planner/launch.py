@@ -31,7 +31,7 @@ import math
 import re
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any
 
@@ -93,6 +93,40 @@ class EngineTraining:
 
 
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_./-]{1,255}$")
+_TRAINING_FIELDS = {f.name: type(f.default) for f in fields(EngineTraining)}
+
+
+def engine_training(values: str | dict[str, Any] | None, field: str = "train") -> EngineTraining:
+    """EngineTraining from the CLI's "train_steps=20000,lr=1e-4,betas=0.9/0.95" or the API's object; an unknown
+    key or a bad value is refused naming `field.<key>`."""
+    if values is None or values == "":
+        return EngineTraining()
+    if isinstance(values, str):
+        pairs = [part.partition("=") for part in values.split(",") if part.strip()]
+        if any(not sep for _, sep, _ in pairs):
+            raise BerthError(field, values, "expected key=value pairs, e.g. train_steps=20000,lr=1e-4")
+        values = {k.strip(): v.strip() for k, _, v in pairs}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        kind = _TRAINING_FIELDS.get(key)
+        if kind is None:
+            raise BerthError(f"{field}.{key}", value, f"unknown key; use {', '.join(_TRAINING_FIELDS)}")
+        try:
+            if kind is tuple:
+                parts = value.split("/") if isinstance(value, str) else list(value)
+                out[key] = tuple(float(x) for x in parts)
+            elif kind is int:
+                out[key] = int(value)
+            elif kind is float:
+                out[key] = float(value)
+            else:
+                out[key] = str(value)
+        except (TypeError, ValueError):
+            raise BerthError(f"{field}.{key}", value, f"expected {kind.__name__}") from None
+    try:
+        return EngineTraining(**out)
+    except BerthError as err:
+        raise BerthError(f"{field}.{err.field.removeprefix('training.')}", err.value, err.problem) from None
 
 
 def _check_training(t: EngineTraining) -> EngineTraining:

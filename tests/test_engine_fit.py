@@ -392,3 +392,29 @@ def test_the_api_takes_the_engine_and_an_engine_profile(tmp_path):
         body["training"]["tuning"] = {"compute_efficiency": 0}
         bad = client.post("/v1/plans", json=body)
         assert bad.status_code == 422 and "compute_efficiency" in bad.text
+
+
+def test_launch_takes_the_training_run_from_the_user(tmp_path):
+    from berth.planner.launch import engine_training
+
+    run = engine_training("train_steps=20000,lr=1e-4,betas=0.9/0.99,decay=linear,min_lr=0")
+    assert (run.train_steps, run.lr, run.betas, run.decay) == (20000, 1e-4, (0.9, 0.99), "linear")
+    with pytest.raises(BerthError, match=r"train\.bogus"):
+        engine_training("bogus=1")
+    with pytest.raises(BerthError, match=r"train\.lr"):
+        engine_training({"lr": 2.0})
+    p = predict_layouts(
+        SMALL, training("megatron"), cluster_from_preset("dgx-h100", 1), [Layout(dp=8, num_microbatches=8)]
+    )
+    plans = tmp_path / "plans.json"
+    plans.write_text(json.dumps({"plans": [p[0].model_dump(mode="json")]}))
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [*BERTH, "launch", str(plans), "--out", str(out), "--train", "train_steps=1230,warmup_steps=100,lr=2e-4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    args = (out / "megatron-args.txt").read_text()  # the plan's engine's own format, by default
+    assert "--train-iters 1230" in args.replace("\n", " ") and "0.0002" in args
