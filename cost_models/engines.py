@@ -2,7 +2,7 @@
 
 An engine decides three things a layout's prediction depends on, and the files that start it:
 
-- what it can run: its rules (ENGINE_RULES), vectorized predicates over Candidates evaluated with
+- what it can run: its rules (`EngineInfo.rules`), vectorized predicates over Candidates evaluated with
   the layout rules of cost_models/validity.py (the search keeps only what the engine runs, a fixed
   layout it cannot run is refused naming the engine, and `berth launch` refuses with the same text);
 - its memory recipe (`recipe`, read by cost_models/memory.py): "pytorch" (fp32 parameters under
@@ -12,7 +12,8 @@ An engine decides three things a layout's prediction depends on, and the files t
   distributed optimizer; sequence parallelism keeps the inputs sharded);
 - its compute stack (`compute_stacks`): the DeviceProfile.frameworks entry, fitted to measured
   layers, that prices the non-GEMM work of a layer (the first one the device has);
-- its launch formats (`launch_formats`: planner/launch.py writes them) and the version all of this was read from.
+- its launch formats (`launch_formats`: planner/launch.py writes them), and the version all of this
+  was read from.
 
 What no table can know (this team's kernels, its network's achieved bandwidth, its allocator) an
 engine learns from measured runs: `berth calibrate --runs` fits EngineTuning (planner/engine_fit.py).
