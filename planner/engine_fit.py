@@ -35,6 +35,7 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,8 +43,11 @@ import numpy as np
 from pydantic import ValidationError
 from scipy.optimize import least_squares
 
+from berth.cost_models.candidates import Candidates
 from berth.cost_models.engines import ENGINES
 from berth.cost_models.memory import allocator_capacity_bytes
+from berth.cost_models.step import evaluate
+from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID
 from berth.planner.calibrate import jacobian
 from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.specs import ClusterSpec, EngineTuning, Layout, ModelSpec, TrainingSpec
@@ -111,8 +115,9 @@ class MeasuredRun:
     peak_memory_bytes: float | None = None
     memory_kind: Literal["reserved", "allocated"] = "reserved"
 
-    @property
+    @cached_property
     def group(self) -> str:
+        """The model, training (less its tuning) and cluster: runs of one group are predicted in one call."""
         t = self.training.model_copy(update={"tuning": EngineTuning()})
         return self.model.model_dump_json() + t.model_dump_json() + self.cluster.model_dump_json()
 
@@ -157,10 +162,9 @@ def with_values(tuning: EngineTuning, values: dict[str, float]) -> EngineTuning:
 
 
 def predict_runs(runs: list[MeasuredRun], tuning: EngineTuning) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(step time, peak memory, allocator capacity) of each run under `tuning`: one vectorized call per
-    model, training and cluster; a layout the model refuses now gets inf."""
-    from berth.planner.search import predict_layouts  # the planner sits above this module's specs
-
+    """(step time, peak memory, allocator capacity) of each run under `tuning`: one vectorized evaluation
+    (cost_models/step.py) per model, training and cluster; a layout the rules refuse now gets inf (what a plan
+    would carry, without building the plans: the fit evaluates its runs hundreds of times)."""
     times, mems, caps = (np.full(len(runs), np.inf) for _ in range(3))
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(runs):
@@ -168,12 +172,13 @@ def predict_runs(runs: list[MeasuredRun], tuning: EngineTuning) -> tuple[np.ndar
     for idx in groups.values():
         first = runs[idx[0]]
         training = first.training.model_copy(update={"tuning": tuning})
-        plans = predict_layouts(first.model, training, first.cluster, [runs[i].layout for i in idx])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ev = evaluate(first.model, training, first.cluster, Candidates.from_layouts([runs[i].layout for i in idx]))
+        runs_ok = np.isin(ev.reason, (VALID, OUT_OF_MEMORY, MEMORY_TIGHT))
         cap = allocator_capacity_bytes(first.cluster.device, first.cluster.world_size)
-        for i, p in zip(idx, plans, strict=True):
-            caps[i] = float(cap)
-            if p.prediction is not None:
-                times[i], mems[i] = p.prediction.step_time_s, p.prediction.peak_memory_bytes
+        caps[idx] = float(cap)
+        times[idx] = np.where(runs_ok, ev.step_time_s, np.inf)
+        mems[idx] = np.where(runs_ok, ev.peak_memory_bytes, np.inf)
     return times, mems, caps
 
 
