@@ -147,7 +147,7 @@ def full_step_cases(ref: Path) -> list[dict]:
 def predict_full_step(case: dict) -> Plan:
     model = model_from_dict(case["model"])
     training = TrainingSpec(
-        seq_len=case["seq_len"], global_batch_size=case["global_batch"], precision="bf16", framework="pytorch"
+        seq_len=case["seq_len"], global_batch_size=case["global_batch"], precision="bf16", engine="executor"
     )
     return predict_layouts(model, training, single_gpu_cluster(), [case["layout"]])[0]
 
@@ -216,7 +216,7 @@ def _megatron_row(r: dict) -> tuple[ModelSpec, TrainingSpec, ClusterSpec, Layout
         dropout=True,
     )
     training = TrainingSpec(
-        seq_len=r["seq_len"], global_batch_size=batch, precision="fp16", flash_attention=False, framework="megatron"
+        seq_len=r["seq_len"], global_batch_size=batch, precision="fp16", flash_attention=False, engine="megatron"
     )
     schedule = "interleaved_1f1b" if pp > 1 and vpp > 1 else "1f1b"
     layout = Layout(
@@ -254,7 +254,7 @@ def _torchtitan_row(r: dict) -> tuple[ModelSpec, TrainingSpec, ClusterSpec, Layo
         tied_embeddings=False,
         dropout=False,
     )
-    training = TrainingSpec(seq_len=seq, global_batch_size=mbs * dp, precision="bf16", framework="pytorch")
+    training = TrainingSpec(seq_len=seq, global_batch_size=mbs * dp, precision="bf16", engine="torchtitan")
     cluster = cluster_from_preset("dgx-h100", max(1, n // 8))
     cluster = cluster.model_copy(update={"device": cluster.device.model_copy(update={"memory_bytes": H100_96GB_BYTES})})
     layout = Layout(
@@ -293,7 +293,7 @@ def _mosaic_row(r: dict) -> tuple[ModelSpec, TrainingSpec, ClusterSpec, Layout]:
         seq_len=r["seq_len"],
         global_batch_size=mbs * accum * n,
         precision="bf16",
-        framework="pytorch",
+        engine="llmfoundry",
         cross_entropy="fused",
     )
     preset = "dgx-a100-80g" if "80" in r["gpu_type"] else "aws-p4d"
@@ -332,7 +332,7 @@ def score_published(ref: Path) -> dict:
             {
                 "id": r["id"],
                 "layout": layout.short(),
-                "framework": training.framework,
+                "engine": training.engine,
                 "structurally_valid": p is not None,
                 "predicted_bytes": p.peak_memory_bytes if p else None,
                 "capacity_bytes": p.memory_capacity_bytes if p else None,

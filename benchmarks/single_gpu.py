@@ -6,7 +6,7 @@ AdamW foreach=False) for single-GPU plans of llama-3.2-1b and -3b, seq 4096, glo
 median step time after warm-up. Runs with status "oom" have no time and are skipped (listed).
 
 Each run is predicted as `--cluster local` predicts on that machine: the h100-sxm profile with
-the GPU's 81559 MiB, one GPU, framework "pytorch", bf16, the run's layout. Nothing here is
+the GPU's 81559 MiB, one GPU, engine "executor", bf16, the run's layout. Nothing here is
 fitted: the profile's figures come from the microbenchmarks (benchmarks/layer_fidelity.py).
 
 Run: `python -m benchmarks.single_gpu` (prints per run, saves benchmarks/results/single_gpu.json).
@@ -60,7 +60,7 @@ def predict_run(run: dict, cluster: ClusterSpec) -> dict:
     spec = run["model"]
     model = ModelSpec(**{k: v for k, v in spec.items() if k in ModelSpec.model_fields})
     training = TrainingSpec(
-        seq_len=run["seq_len"], global_batch_size=run["global_batch"], precision="bf16", framework="pytorch"
+        seq_len=run["seq_len"], global_batch_size=run["global_batch"], precision="bf16", engine="executor"
     )
     layout = complete_layout(parse_spec(run["layout"]), training, 1)
     plan = predict_layouts(model, training, cluster, [layout])[0]
@@ -100,7 +100,7 @@ def run(reference: Path = REFERENCE) -> dict:
 
 def main(argv: list[str]) -> int:
     result = run()
-    print(f"single-GPU steps on one H100 ({result['device']} profile, --cluster local, framework pytorch)")
+    print(f"single-GPU steps on one H100 ({result['device']} profile, --cluster local, engine executor)")
     for r in result["runs"]:
         if "error" in r:
             print(

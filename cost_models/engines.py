@@ -39,8 +39,8 @@ from berth.cost_models.candidates import (
 from berth.planner import stages
 from berth.planner.specs import AXIS_ORDER_CHOICES, ENGINE_CHOICES, Engine, Layout, ModelSpec, TrainingSpec
 
-RECIPE_PYTORCH = "pytorch"
-RECIPE_MEGATRON = "megatron"
+MEMORY_PYTORCH = "pytorch"
+MEMORY_MEGATRON = "megatron"
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class EngineInfo:
     name: Engine
     title: str
     version: str  # the version whose code this entry was read from, and that launch files target
-    recipe: str  # RECIPE_PYTORCH or RECIPE_MEGATRON (cost_models/memory.py)
+    recipe: str  # MEMORY_PYTORCH or MEMORY_MEGATRON (cost_models/memory.py)
     compute_stacks: tuple[str, ...]  # DeviceProfile.frameworks entries, the first the device has wins
     launch_formats: tuple[str, ...]  # planner/launch.py formats that start it, the default first (none: no files)
     rules: tuple[EngineRule, ...]
@@ -335,7 +335,7 @@ ENGINES: dict[str, EngineInfo] = {
             "executor",
             "berth's bundled torch.distributed executor",
             "berth executor (torch 2.13)",
-            RECIPE_PYTORCH,
+            MEMORY_PYTORCH,
             ("pytorch",),
             ("torchrun", "slurm", "kubernetes"),
             (TORCH_PIPELINE_MICROBATCHES, INTERLEAVED_GROUPS),
@@ -345,7 +345,7 @@ ENGINES: dict[str, EngineInfo] = {
             "torchtitan",
             "torchtitan",
             "torchtitan 0.3.0",
-            RECIPE_PYTORCH,
+            MEMORY_PYTORCH,
             ("torchtitan", "pytorch"),
             ("torchtitan",),
             TORCHTITAN_RULES,
@@ -355,7 +355,7 @@ ENGINES: dict[str, EngineInfo] = {
             "megatron",
             "Megatron-LM (NeMo, Megatron-Bridge)",
             "Megatron-LM main @ d98e8a6 (2026-08-22, megatron-core 0.20.0)",
-            RECIPE_MEGATRON,
+            MEMORY_MEGATRON,
             ("megatron", "pytorch"),
             ("megatron",),
             MEGATRON_RULES,
@@ -366,7 +366,7 @@ ENGINES: dict[str, EngineInfo] = {
             "deepspeed",
             "DeepSpeed",
             "DeepSpeed 0.19.8",
-            RECIPE_MEGATRON,
+            MEMORY_MEGATRON,
             ("torchtitan", "pytorch"),
             ("deepspeed",),
             DEEPSPEED_RULES,
@@ -379,7 +379,7 @@ ENGINES: dict[str, EngineInfo] = {
             "llmfoundry",
             "MosaicML llm-foundry (Composer, FSDP)",
             "llm-foundry 0.x (2023-24 benchmark tables)",
-            RECIPE_PYTORCH,
+            MEMORY_PYTORCH,
             ("llmfoundry", "pytorch"),
             (),
             (),
@@ -389,7 +389,7 @@ ENGINES: dict[str, EngineInfo] = {
             "generic",
             "a PyTorch stack to calibrate (textbook mixed precision)",
             "generic (no version: calibrate it with berth calibrate --runs)",
-            RECIPE_MEGATRON,
+            MEMORY_MEGATRON,
             ("torchtitan", "pytorch"),
             (),
             (INTERLEAVED_GROUPS,),
@@ -407,6 +407,11 @@ ENGINE_RULE_NAMES: tuple[str, ...] = tuple(
 
 def engine_of(training: TrainingSpec) -> EngineInfo:
     return ENGINES[training.engine]
+
+
+def megatron_memory(training: TrainingSpec) -> bool:
+    """The training's engine keeps Megatron's memory recipe (else the PyTorch one)."""
+    return ENGINES[training.engine].recipe == MEMORY_MEGATRON
 
 
 def engine_of_format(fmt: str) -> EngineInfo | None:

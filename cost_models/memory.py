@@ -55,9 +55,7 @@ import numpy as np
 
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE, Candidates
-from berth.cost_models.engines import RECIPE_MEGATRON as RECIPE_MEGATRON_ENGINE
-from berth.cost_models.engines import RECIPE_PYTORCH as RECIPE_PYTORCH_ENGINE
-from berth.cost_models.engines import engine_of
+from berth.cost_models.engines import megatron_memory
 from berth.cost_models.pipeline import layers_in_flight, microbatches_in_flight
 from berth.hardware_profiles.schema import DeviceProfile
 from berth.planner import stages
@@ -133,7 +131,7 @@ def precision_recipe(training: TrainingSpec, c) -> np.ndarray:
     zero, dp = np.asarray(c.zero_stage), np.asarray(c.dp) * _cp(c)
     if training.precision == "fp32":
         return np.full(np.shape(zero), RECIPE_FP32)
-    if engine_of(training).recipe == RECIPE_MEGATRON_ENGINE:
+    if megatron_memory(training):
         return np.full(np.shape(zero), RECIPE_MEGATRON)
     fsdp2 = (zero >= 2) | ((dp > 1) & ((np.asarray(c.tp) > 1) | (np.asarray(c.pp) > 1)))
     return np.where(fsdp2, RECIPE_FSDP2, RECIPE_AUTOCAST)
@@ -272,7 +270,7 @@ def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray
     # ZeRO / FSDP shard over shard x cp ranks: the cp ranks hold the same parameters, and torchtitan's
     # FSDP mesh is dp_shard x cp, Megatron's distributed optimizer shards over dp x cp
     shard = np.asarray(c.shard, dtype=float) * _cp(c)
-    fsdp2 = (engine_of(training).recipe == RECIPE_PYTORCH_ENGINE) & (
+    fsdp2 = (not megatron_memory(training)) & (
         (zero >= 2) | ((np.asarray(c.dp) * _cp(c) > 1) & ((np.asarray(c.tp) > 1) | (np.asarray(c.pp) > 1)))
     )
     megatron = recipe == RECIPE_MEGATRON
@@ -314,7 +312,7 @@ def layer_activation_bytes(
     masks = 2 * MASK_BYTES if model.dropout else 0
     # norm inputs (2), QKV input, MLP input, dropout masks: replicated across tp unless sp; the
     # QKV and MLP inputs stay gathered under DTensor sp (framework "pytorch")
-    linear_split = 1 if engine_of(training).recipe == RECIPE_PYTORCH_ENGINE else hidden_split
+    linear_split = 1 if not megatron_memory(training) else hidden_split
     unsplit = (2 * e + masks) * sbh / hidden_split + 2 * e * sbh / linear_split
     # Q, K, V, attention output, and the MLP intermediates: split by tp.
     mlp_tensors = 3 if model.mlp == "swiglu" else 2
@@ -349,7 +347,7 @@ def precision_recipe_of(training: TrainingSpec, tp) -> int:
     formula that have no whole candidate."""
     if training.precision == "fp32":
         return RECIPE_FP32
-    return RECIPE_MEGATRON if engine_of(training).recipe == RECIPE_MEGATRON_ENGINE else RECIPE_AUTOCAST
+    return RECIPE_MEGATRON if megatron_memory(training) else RECIPE_AUTOCAST
 
 
 # The executor's layer under autocast with fp32 parameters (executor/model.py Block): the residual
@@ -506,7 +504,7 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c) -> ArrayO
     micro-batch on the first and the last rank (PipelineStage._prepare_forward_infra and
     _prepare_backward_infra, torch 2.x; measured by benchmarks/accuracy.py). Megatron-LM receives
     into transient tensors: none."""
-    torch_pipeline = (np.asarray(c.pp) > 1) & (engine_of(training).recipe == RECIPE_PYTORCH_ENGINE)
+    torch_pipeline = (np.asarray(c.pp) > 1) & (not megatron_memory(training))
     receivers = np.where(torch_pipeline, 2.0 * np.asarray(c.virtual_stages, dtype=float) - 1.0, 0.0)
     return boundary_bytes(model, training, c) * c.num_microbatches * receivers
 
@@ -522,7 +520,7 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
         # the 16-bit logits of each micro-batch in flight, saved by the kernel, which writes their
         # gradient into them (flash-attn's CrossEntropyLoss(inplace_backward=True), llm-foundry)
         per_logit = e * in_flight + 0.0 * parallel_loss
-    elif engine_of(training).recipe == RECIPE_PYTORCH_ENGINE and training.precision != "fp32":
+    elif not megatron_memory(training) and training.precision != "fp32":
         per_logit = LOGITS_SAVED_BYTES * in_flight + e * (in_flight - 1.0) + LOGITS_BACKWARD_BYTES + parallel_loss
     else:
         per_logit = (e + LOGITS_SAVED_BYTES) * in_flight + LOGITS_BACKWARD_BYTES + parallel_loss
@@ -558,7 +556,7 @@ def gradient_buckets(c, training: TrainingSpec) -> ArrayOrFloat:
         & (np.asarray(c.dp) > 1)
         & (np.asarray(c.tp) == 1)
         & (np.asarray(c.pp) == 1)
-        & (engine_of(training).recipe == RECIPE_PYTORCH_ENGINE)
+        & (not megatron_memory(training))
     ).astype(float)
 
 

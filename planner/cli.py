@@ -1040,7 +1040,7 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
     """`berth calibrate --runs/--log`: fit an engine to measured runs (planner/engine_fit.py)."""
     from rich.table import Table
 
-    from berth.planner.engine_fit import PARAMETERS, _value, fit_engine, read_engine_profile
+    from berth.planner.engine_fit import PARAMETERS, fit_engine, prior_value, read_engine_profile
     from berth.planner.run_logs import read_log, read_runs
 
     runs = []
@@ -1062,8 +1062,15 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
                 raise BerthError("log", path, f"cannot read: {err.strerror}") from None
     tuning = None
     if prior:
-        engine, tuning = read_engine_profile(json.loads(Path(prior).read_text()), "prior")
-        runs = [r if r.training.engine == engine else r for r in runs]
+        try:
+            engine, tuning = read_engine_profile(json.loads(Path(prior).read_text()), "prior")
+        except (OSError, ValueError) as err:
+            if isinstance(err, BerthError):
+                raise
+            raise BerthError("prior", prior, f"cannot read an engine profile: {err}") from None
+        given = sorted({r.training.engine for r in runs} - {engine})
+        if given:
+            raise BerthError("prior", prior, f"an engine profile of {engine}; the runs are of {', '.join(given)}")
     fit = fit_engine(runs, tuning)
     cl = runs[0].cluster
     t = Table(title=f"engine {fit.engine}: fitted on {len(runs)} runs ({fit.counts})")
@@ -1074,7 +1081,7 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
             no_wrap=col == "parameter",
         )
     for name in PARAMETERS:
-        before = _value(fit.prior, name, cl, fit.engine)
+        before = prior_value(fit.prior, name, cl, fit.engine)
         u = fit.uncertainty.get(name)
         if u:
             t.add_row(

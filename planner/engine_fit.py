@@ -125,7 +125,7 @@ class MeasuredRun:
 # ---- the parameters' coordinates ------------------------------------------------------------------
 
 
-def _value(tuning: EngineTuning, name: str, cluster: ClusterSpec | None = None, engine: str = "generic") -> float:
+def prior_value(tuning: EngineTuning, name: str, cluster: ClusterSpec | None = None, engine: str = "generic") -> float:
     v = getattr(tuning, name)
     if v is None and name == "overlap":  # the cluster's
         return cluster.comm_overlap_efficiency if cluster is not None else 0.7
@@ -318,7 +318,7 @@ def start(prior: EngineTuning, names: Iterable[str], cluster: ClusterSpec, engin
     e.g. an overhead of 0, stalls the trust-region solver's bound scaling at its first step)."""
     names = list(names)
     lo, hi = bounds(names)
-    x = np.array([encode(n, _value(prior, n, cluster, engine)) for n in names])
+    x = np.array([encode(n, prior_value(prior, n, cluster, engine)) for n in names])
     pad = INTERIOR * (hi - lo)
     return np.clip(x, lo + pad, hi - pad)
 

@@ -20,7 +20,7 @@ import numpy as np
 from berth.cost_models.candidates import Candidates
 from berth.cost_models.memory import allocator_capacity_bytes
 from berth.cost_models.step import evaluate
-from berth.planner.engine_fit import PARAMETERS, PRIOR_WEIGHT, _value, decode, encode, with_values
+from berth.planner.engine_fit import PARAMETERS, PRIOR_WEIGHT, decode, encode, prior_value, with_values
 from berth.planner.errors import BerthError
 from berth.planner.search import enumerate_candidates, make_plan
 from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, SearchSpec, TrainingSpec
@@ -50,7 +50,7 @@ def sensitivities(
     t0, m0 = np.log(base.step_time_s), np.log(base.peak_memory_bytes)
     jac = np.zeros((len(c), 2, len(names)))
     for j, n in enumerate(names):
-        x = encode(n, _value(training.tuning, n, cluster, training.engine))
+        x = encode(n, prior_value(training.tuning, n, cluster, training.engine))
         lo, hi = PARAMETERS[n].lo, PARAMETERS[n].hi
         h = STEP if decode(n, x + STEP) <= hi else -STEP
         if decode(n, x + h) < lo:
