@@ -86,6 +86,7 @@ class EngineDoc(BaseModel):
         description="what the engine cannot run: its rules, as the planner applies them"
     )
     param_gather_exposed: float = Field(description="share of ZeRO-1/2's parameter gather exposed after the step")
+    grad_reduce_exposed: float = Field(description="share of ZeRO-1/2's gradient reduction exposed after the backward")
     source: str = Field(description="where the entry was read")
 
 

@@ -13,9 +13,10 @@ generic, its prior) and after:
 
 - Spearman's rho between predicted and measured tokens/s over the layouts that ran;
 - top-1 regret: 1 - measured tokens/s of berth's first choice among the layouts that ran (the fastest
-  predicted among those it predicts to fit) / the best measured; also with ZeRO-0/1 twins merged (a
-  layout run with both: the measured figures differ up to 40x from run noise, so the twin pair counts
-  once, at its better measurement, and berth's prediction of the pair is its better one);
+  predicted among those it predicts to fit with the search's memory headroom, as `berth plan` ranks) /
+  the best measured; also with ZeRO-0/1 twins merged (a layout run with both: the measured figures
+  differ up to 40x from run noise, so the twin pair counts once, at its better measurement, and
+  berth's prediction of the pair is its better one);
 - top-3 hit: the best measured layout is among berth's three first choices;
 - median and worst |throughput error|, the median signed memory error against reserved memory;
 - runs that ran predicted not to fit, crashed configurations predicted to fit (an upper bound on
@@ -42,11 +43,17 @@ from scipy.stats import spearmanr
 from berth.planner.engine_fit import MeasuredRun, fit_engine, predict_runs
 from berth.planner.probe import probe
 from berth.planner.run_logs import read_runs
-from berth.planner.specs import EngineTuning
+from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, EngineTuning
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data" / "reference" / "ultrascale-playbook"
 OUT = HERE / "results" / "engine_sweep.json"
+EXAMPLE = HERE.parent / "examples" / "runs" / "nanotron-8b-probes.jsonl"  # the README's calibrate input
+EXAMPLE_HEADER = (
+    "# 12 runs of nanotron (Llama-style 8B, seq 4096, global batch 256) on 8 nodes of 8 x H100, measured by the\n"
+    "# Ultra-Scale Playbook (benchmarks/data/reference/ultrascale-playbook/): the layouts `berth probe` picked\n"
+    "# (benchmarks/engine_sweep.py writes this file), with their measured tokens/s per GPU and peak reserved memory\n"
+)
 PRESET = "aws-p5"
 PROBE_GPUS = 64
 PROBES = 12
@@ -143,11 +150,14 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
     pred = runs[0].training.global_batch_size * SEQ / (t * g)  # tokens/s per GPU (0 where refused)
     refused = ~np.isfinite(t)
     fits = np.isfinite(m) & (m <= cap)
+    # the search ranks only what fits with the memory headroom (a 'memory_tight' layout is not ranked): berth's
+    # first choice is the fastest of those
+    ranked = np.isfinite(m) & (m <= cap * (1.0 - DEFAULT_MEMORY_HEADROOM))
     pred = np.where(refused, 0.0, pred)
     ok = ~refused
     rho = float(spearmanr(pred[ok], tok[ok]).statistic) if ok.sum() >= 3 else float("nan")
     best = tok.max()
-    rank = np.where(fits & ok, pred, -1.0)
+    rank = np.where(ranked & ok, pred, -1.0)
     first = int(np.argmax(rank))
     top3 = np.argsort(-rank)[:3]
     # ZeRO-0/1 twins merged: one entry per layout without its ZeRO stage
@@ -225,10 +235,17 @@ def main(argv: list[str] | None = None) -> dict:
         pool = runs[key]
         first = pool[0]
         picks = probe(first.model, first.training, first.cluster, args.probes, layouts=[r.layout for r in pool])
-        chosen = []
+        chosen, chosen_records = [], []
         for p in picks:
             i = next(i for i, r in enumerate(pool) if r.layout == p.plan.layout)
             chosen.append(pool[i])
+            chosen_records.append(by_group[key][i])
+        if size == "8B" and not args.no_write and args.probe_gpus == PROBE_GPUS and args.probes == PROBES:
+            lines = (
+                json.dumps({k: v for k, v in r.items() if not k.startswith("_") and k != "size"})
+                for r in chosen_records
+            )
+            EXAMPLE.write_text(EXAMPLE_HEADER + "".join(line + "\n" for line in lines))
         fit = fit_engine(chosen, prior)
         scored: dict[str, list[dict]] = {"before": [], "after": []}
         for gk, recs in sorted(by_group.items()):

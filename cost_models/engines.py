@@ -68,6 +68,9 @@ class EngineInfo:
     # the share of ZeRO-1/2's parameter all-gather left exposed after the optimizer step (0: behind the next
     # forward; EngineTuning.param_gather_exposed overrides it)
     param_gather_exposed: float = 0.0
+    # the share of ZeRO-1/2's gradient reduction run after the backward as a whole-gradient all-reduce (0: reduce-
+    # scattered behind the last micro-batch's backward; EngineTuning.grad_reduce_exposed overrides it)
+    grad_reduce_exposed: float = 0.0
 
     @property
     def label(self) -> str:
@@ -426,6 +429,13 @@ def param_gather_exposed(training: TrainingSpec) -> float:
     return engine_of(training).param_gather_exposed if fitted is None else fitted
 
 
+def grad_reduce_exposed(training: TrainingSpec) -> float:
+    """The share of ZeRO-1/2's gradient reduction run exposed after the backward: the fitted value, else the
+    engine's."""
+    fitted = training.tuning.grad_reduce_exposed
+    return engine_of(training).grad_reduce_exposed if fitted is None else fitted
+
+
 RULE_BY_NAME: dict[str, EngineRule] = {r.name: r for e in ENGINES.values() for r in e.rules}
 
 
@@ -468,6 +478,7 @@ def engine_table() -> list[dict[str, object]]:
             "launch_formats": list(e.launch_formats),
             "refuses": [{"rule": r.name, "text": r.text} for r in e.rules],
             "param_gather_exposed": e.param_gather_exposed,
+            "grad_reduce_exposed": e.grad_reduce_exposed,
             "source": e.source,
         }
         for e in ENGINES.values()

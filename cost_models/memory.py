@@ -694,17 +694,21 @@ STATE_TERMS = ("parameters", "gradients", "autocast_copies", "sharding_buffers")
 ACTIVATION_TERMS = ("activations", "pipeline_buffers")
 
 
-def tuned_breakdown(b: dict[str, np.ndarray], tuning: EngineTuning) -> dict[str, np.ndarray]:
+def tuned_breakdown(b: dict[str, np.ndarray], tuning: EngineTuning, tp=1) -> dict[str, np.ndarray]:
     """A stage's breakdown with the engine's fitted memory parameters (EngineTuning; planner/engine_fit.py):
     the model-state terms x state_bytes_scale, the optimizer state x optimizer_bytes_scale, the activation
-    terms x activation_scale, the logits x logits_scale, fixed_bytes added to the framework term, and the
-    allocator's reserve over what
-    is allocated (reserve_fraction x the rest) added to its fragmentation term. Neutral values return `b`."""
+    terms x activation_scale, the saved activations' share activation_tp_unsharded held whole on every one of
+    the `tp` ranks (x (1 + u (tp - 1)): the recipe splits them all by tp), the logits x logits_scale,
+    fixed_bytes added to the framework term, and the allocator's reserve over what is allocated
+    (reserve_fraction x the rest) added to its fragmentation term. Neutral values return `b`."""
     if tuning.neutral:
         return b
     out = {k: v * tuning.state_bytes_scale if k in STATE_TERMS else v for k, v in b.items()}
     out["optimizer_state"] = b["optimizer_state"] * tuning.optimizer_bytes_scale
     out.update({k: b[k] * tuning.activation_scale for k in ACTIVATION_TERMS})
+    u = tuning.activation_tp_unsharded
+    if u:
+        out["activations"] = out["activations"] * (1.0 + u * (np.asarray(tp, dtype=float) - 1.0))
     out["logits"] = b["logits"] * tuning.logits_scale
     out["framework"] = b["framework"] + tuning.fixed_bytes
     out["fragmentation"] = b["fragmentation"] + tuning.reserve_fraction * sum(out.values())
@@ -721,8 +725,8 @@ def peak_memory(
     embedding or head, so they are never the peak. With an uneven one (planner/stages.py) a middle
     stage holds more layers than the first or last: the second stage, the middle one with the most
     micro-batches in flight, is taken too."""
-    first = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=True), training.tuning)
-    last = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=False), training.tuning)
+    first = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=True), training.tuning, c.tp)
+    last = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=False), training.tuning, c.tp)
     total_first = sum(first.values())
     total_last = sum(last.values())
     use_first = total_first >= total_last
@@ -733,7 +737,7 @@ def peak_memory(
     )
     if np.any(uneven):
         mid = tuned_breakdown(
-            stage_memory_breakdown(model, training, device, c, first=False, middle=True), training.tuning
+            stage_memory_breakdown(model, training, device, c, first=False, middle=True), training.tuning, c.tp
         )
         use_mid = uneven & (sum(mid.values()) > peak)
         breakdown = {k: np.where(use_mid, mid[k], breakdown[k]) for k in breakdown}

@@ -29,7 +29,7 @@ import numpy as np
 from berth.cost_models import comm, compute, flops, goodput, memory
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
-from berth.cost_models.engines import param_gather_exposed
+from berth.cost_models.engines import grad_reduce_exposed, param_gather_exposed
 from berth.cost_models.pipeline import bubble_s
 from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
 from berth.hardware_profiles.schema import LinkProfile
@@ -183,7 +183,11 @@ def _dp_times(
     - ZeRO 1/2: the gradient reduce-scatter (and, for hybrid sharding, the all-reduce of the
       shard across replicas) in the last micro-batch's backward; the all-gather of the updated
       parameters during the next step's first forward (FSDP2 reshard_after_forward=False,
-      Megatron's overlapped parameter gather), its first layer exposed.
+      Megatron's overlapped parameter gather), its first layer exposed. The engine's
+      `param_gather_exposed` share of the gather runs after the step instead (DeepSpeed), and its
+      `grad_reduce_exposed` share of the reduction is an all-reduce of the whole gradients after the
+      backward, each rank keeping its shard (nanotron's ZeRO-1 with fp32 accumulation: trainer.py
+      all-reduces the fp32 gradient buffers once the pipeline is done).
     - ZeRO 3 / FSDP (Rajbhandari et al. 2020 Sec. 5; Zhao et al. 2023, "PyTorch FSDP", Sec. 3.3-3.4):
       per micro-batch, each layer's parameters are all-gathered in forward (prefetched behind
       the previous layer's forward) and again in backward, where each layer's gradients are
@@ -220,7 +224,9 @@ def _dp_times(
     ddp = hidden(ar_dp, bwd_window_s)
     gather_fwd = hidden(gather, fwd_window_s)  # behind a forward: ZeRO-1/2's next step, ZeRO-3's micro-batch
     exposed = param_gather_exposed(training)  # ZeRO-1/2's gather after the step (DeepSpeed) or behind the forward
-    zero12 = hidden(scatter + ar_replicate, bwd_window_s) + (
+    after = grad_reduce_exposed(training)  # ZeRO-1/2's reduction behind the backward, or after it as an all-reduce
+    reduce12 = hidden(scatter + ar_replicate, bwd_window_s)
+    zero12 = (reduce12 if after == 0.0 else (1.0 - after) * reduce12 + after * ar_dp) + (
         gather_fwd if exposed == 0.0 else (1.0 - exposed) * gather_fwd + exposed * gather
     )
     zero3_mb = gather_fwd + hidden(gather + scatter, bwd_window_s)
@@ -232,7 +238,7 @@ def _dp_times(
         ar_dp,
         np.where(
             c.zero_stage <= 2,
-            scatter + ar_replicate + gather,
+            (1.0 - after) * (scatter + ar_replicate) + after * ar_dp + gather,
             c.num_microbatches * (2.0 * gather + scatter) + ar_replicate,
         ),
     )

@@ -10,9 +10,10 @@ The fit (`fit_engine`) moves a handful of named, bounded parameters (PARAMETERS,
 planner/specs.py) on top of the engine's recipe (cost_models/engines.py):
 
     time:   compute_efficiency, layer_overhead_s, intra_node_bandwidth_scale,
-            inter_node_bandwidth_scale, latency_scale, pipeline_microbatch_overhead_s, overlap
+            inter_node_bandwidth_scale, latency_scale, pipeline_microbatch_overhead_s, overlap,
+            param_gather_exposed, grad_reduce_exposed, pipeline_latency_scale
     memory: fixed_bytes, state_bytes_scale, optimizer_bytes_scale, activation_scale,
-            reserve_fraction
+            activation_tp_unsharded, logits_scale, reserve_fraction
 
 Residuals: log(predicted / measured) of each run's step time and peak memory; a run that ran out of
 memory is a one-sided constraint (its prediction must not fit: log(capacity / predicted) while it
@@ -22,7 +23,9 @@ values. `scipy.optimize.least_squares` with the parameters' bounds minimizes the
 
 Only what the runs determine is fitted: a parameter whose Jacobian column is (nearly) zero or a
 combination of those already kept (IDENTIFIABLE_TOLERANCE), or for which its quantity has no spare
-run (RUNS_PER_PARAMETER), stays at its prior value, and the answer says why. Each fitted value gets
+run (RUNS_PER_PARAMETER), stays at its prior value, and the answer says why. The parameters are
+considered in the order that explains most of the runs' disagreement with the prior first
+(`explaining_order`), so a short budget goes where the runs say the engine differs. Each fitted value gets
 its standard error (s^2 (J^T J)^-1 at the solution), and the fit is scored on runs it did not see
 (k-fold, `held_out`). A fit that determines nothing, or does not move, is refused (BerthError):
 the caller keeps the prior and exits non-zero.
@@ -78,11 +81,13 @@ PARAMETERS: dict[str, Parameter] = {
     "pipeline_microbatch_overhead_s": Parameter(0.0, 2.0, "lin", 1e-2, "time", "runs with pp > 1"),
     "overlap": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with dp > 1 whose gradient traffic is not hidden"),
     "param_gather_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
+    "grad_reduce_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
     "pipeline_latency_scale": Parameter(1.0, 1000.0, "log", 1.0, "time", "runs with tp > 1 and pp > 1"),
     "fixed_bytes": Parameter(-8 * GIB, 32 * GIB, "lin", GIB, "memory", "runs with a measured peak memory"),
     "state_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs whose parameter share differs"),
     "optimizer_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs with and without ZeRO sharding"),
     "activation_scale": Parameter(0.2, 5.0, "log", 1.0, "memory", "runs at two or more micro-batch sizes"),
+    "activation_tp_unsharded": Parameter(0.0, 1.0, "lin", 1.0, "memory", "runs at two or more tp degrees"),
     "logits_scale": Parameter(0.2, 5.0, "log", 1.0, "memory", "runs whose last stage holds the logits"),
     "reserve_fraction": Parameter(0.0, 1.0, "lin", 1.0, "memory", "runs with reserved and allocated peaks"),
 }
@@ -230,6 +235,7 @@ class Data:
             "time": int(np.isfinite(self.time).sum()),
             "memory": int(np.isfinite(self.mem).sum()),
             "oom": int(self.oom.sum()),
+            "allocated": int((np.isfinite(self.mem) & self.allocated).sum()),
         }
 
 
@@ -287,19 +293,50 @@ class EngineFit:
         }
 
 
+def explaining_order(jacobian: np.ndarray, residual: np.ndarray) -> list[int]:
+    """The columns in the order forward stepwise selection takes them (orthogonal matching pursuit, Pati et al.
+    1993): each next one is the column that, made orthogonal to those taken, explains most of what is left of the
+    runs' residual at the prior. A short budget of parameters goes to what the runs disagree with the prior
+    about, not to what they are merely sensitive to."""
+    q = np.array(jacobian, dtype=float)
+    r = np.array(residual, dtype=float)
+    order: list[int] = []
+    left = list(range(q.shape[1]))
+    while left:
+        if float(np.linalg.norm(r)) < 1e-9:  # nothing left to explain: the rest in PARAMETERS order
+            return order + left
+        norms = np.linalg.norm(q[:, left], axis=0)
+        gain = np.where(norms > 1e-12, np.abs(q[:, left].T @ r) / np.maximum(norms, 1e-12), -1.0)
+        j = left[int(np.argmax(gain))]
+        order.append(j)
+        left.remove(j)
+        u = q[:, j] / max(float(np.linalg.norm(q[:, j])), 1e-12)
+        r = r - u * (u @ r)
+        q[:, left] -= np.outer(u, u @ q[:, left])
+    return order
+
+
 def identifiable(
-    jacobian: np.ndarray, names: tuple[str, ...], counts: dict[str, int]
+    jacobian: np.ndarray, names: tuple[str, ...], counts: dict[str, int], residual: np.ndarray | None = None
 ) -> tuple[list[str], dict[str, str]]:
-    """(the parameters the runs determine, {parameter: why not} for the others), in PARAMETERS order."""
+    """(the parameters the runs determine, {parameter: why not} for the others), in PARAMETERS order. With the
+    runs' `residual` at the prior, the budget goes first to the parameters that explain it (`explaining_order`);
+    without, in PARAMETERS order."""
     keep: list[int] = []
     why: dict[str, str] = {}
     norms = np.linalg.norm(jacobian, axis=0)
     budget = {q: max(counts[q] // RUNS_PER_PARAMETER, 1 if counts[q] >= 2 else 0) for q in ("time", "memory")}
     budget["memory"] += 1 if counts["oom"] >= 2 and counts["memory"] else 0
-    for j, name in enumerate(names):
+    order = explaining_order(jacobian, residual) if residual is not None else range(len(names))
+    for j in order:
+        name = names[j]
         p = PARAMETERS[name]
         if not norms[j] > 1e-9:
             why[name] = f"the runs do not depend on it: needs {p.needs}"
+            continue
+        if name == "reserve_fraction" and not 0 < counts["allocated"] < counts["memory"]:
+            # with one kind of memory figure it is one more scale of every term, not the allocator's reserve
+            why[name] = f"needs {p.needs}"
             continue
         if budget[p.quantity] < 1:
             why[name] = f"needs {RUNS_PER_PARAMETER} more runs with a measured {p.quantity}"
@@ -310,7 +347,7 @@ def identifiable(
             continue
         budget[p.quantity] -= 1
         keep.append(j)
-    return [names[j] for j in keep], why
+    return [names[j] for j in sorted(keep)], {n: why[n] for n in names if n in why}
 
 
 def start(prior: EngineTuning, names: Iterable[str], cluster: ClusterSpec, engine: str) -> np.ndarray:
@@ -366,7 +403,7 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
     def fun_all(x: np.ndarray) -> np.ndarray:
         return data.residuals(with_values(prior, {n: decode(n, xi) for n, xi in zip(names, x, strict=True)}))
 
-    chosen, not_fitted = identifiable(jacobian(fun_all, x0, lo, hi), names, counts)
+    chosen, not_fitted = identifiable(jacobian(fun_all, x0, lo, hi), names, counts, data.residuals(prior))
     if not chosen:
         raise BerthError(
             "runs",

@@ -3,10 +3,11 @@
 `berth probe` answers "which K short runs should we measure so that `berth calibrate --runs` learns
 this engine?". For every candidate layout that is predicted to fit with a margin (MARGIN of the
 allocator's capacity left), the sensitivities of its log step time and log peak memory to each
-fitted parameter (planner/engine_fit.py PARAMETERS, in the fit's coordinates) are its rows of the
-fit's Jacobian. The picks greedily maximize the determinant of the information matrix
-lambda I + sum J_i^T J_i (D-optimal design, Atkinson & Donev 1992; lambda is the fit's prior
-weight squared), i.e. each next run is the one that shrinks the joint uncertainty of the
+parameter a layout informs (DESIGNED: planner/engine_fit.py PARAMETERS less the allocator's reserve,
+which measuring both peaks of any run pins; in the fit's coordinates) are its rows of the fit's
+Jacobian. The picks greedily maximize the determinant of the information matrix
+lambda I + sum J_i^T J_i (D-optimal design, Atkinson & Donev 1992; lambda is the fit's prior weight
+squared), i.e. each next run is the one that shrinks the joint uncertainty of the
 parameters most given the runs already picked. Each pick says which parameters it pins most
 (the largest relative gains of the information matrix's diagonal) and what dominates its step.
 """
@@ -31,6 +32,9 @@ MARGIN = 0.15  # a probe must fit with 15 % of the capacity to spare: it is meas
 RELEVANT = 0.5
 MAX_CANDIDATES = 20_000  # candidates scored for the design (an even sample of the feasible ones beyond)
 STEP = 0.05  # the finite-difference step in the fit's coordinates
+# the parameters a choice of layouts informs: the allocator's reserve is pinned by measuring both peaks of a run
+# (reserved and allocated), whichever layout it is
+DESIGNED = [n for n in PARAMETERS if n != "reserve_fraction"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ def sensitivities(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(J: candidates x 2 x parameters, d log step time and d log peak memory per fitted coordinate;
     predicted step time; predicted peak) at the training's tuning."""
-    names = list(PARAMETERS)
+    names = DESIGNED
     base = evaluate(model, training, cluster, c)
     t0, m0 = np.log(base.step_time_s), np.log(base.peak_memory_bytes)
     jac = np.zeros((len(c), 2, len(names)))
@@ -115,7 +119,7 @@ def probe(
     with np.errstate(divide="ignore", invalid="ignore"):
         jac, _, _ = sensitivities(model, training, cluster, sub)
     chosen, gains = design(jac, k)
-    names = list(PARAMETERS)
+    names = DESIGNED
     out: list[Pick] = []
     with np.errstate(divide="ignore", invalid="ignore"):
         ev_sub = evaluate(model, training, cluster, sub)

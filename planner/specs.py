@@ -403,6 +403,15 @@ class EngineTuning(Spec):
         "step, exposed (0: behind the next forward, as Megatron's overlapped gather and FSDP2; 1: after the step, "
         "as DeepSpeed ZeRO-1/2; null: the engine's, cost_models/engines.py)",
     )
+    grad_reduce_exposed: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="the share of ZeRO-1/2's gradient reduction that runs after the backward as an all-reduce of the "
+        "whole gradients, exposed (0: reduce-scattered behind the last micro-batch's backward, as Megatron's "
+        "overlapped reduce and FSDP2; 1: after the backward, as nanotron's ZeRO-1 with fp32 accumulation; "
+        "null: the engine's, cost_models/engines.py)",
+    )
     pipeline_latency_scale: float = Field(
         default=1.0,
         gt=0,
@@ -419,6 +428,14 @@ class EngineTuning(Spec):
     optimizer_bytes_scale: float = Field(default=1.0, gt=0, le=10, description="x the optimizer-state bytes")
     activation_scale: float = Field(
         default=1.0, gt=0, le=10, description="x the bytes of saved activations and pipeline buffers"
+    )
+    activation_tp_unsharded: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="the share of a layer's saved activations that tensor parallelism leaves whole on each rank "
+        "(0: the recipe's split; about 0.3 for tensor parallelism without sequence parallelism, whose layer norms "
+        "and dropouts keep 10 of 34 s b h bytes unsplit: Korthikanti et al. 2022, Sec. 4.2)",
     )
     logits_scale: float = Field(
         default=1.0, gt=0, le=10, description="x the bytes the loss holds for the logits (copies, gradients)"

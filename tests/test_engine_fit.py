@@ -418,3 +418,69 @@ def test_launch_takes_the_training_run_from_the_user(tmp_path):
     assert r.returncode == 0, r.stderr
     args = (out / "megatron-args.txt").read_text()  # the plan's engine's own format, by default
     assert "--train-iters 1230" in args.replace("\n", " ") and "0.0002" in args
+
+
+def test_the_budget_goes_to_what_the_runs_disagree_with_the_prior_about():
+    from berth.planner.engine_fit import explaining_order
+
+    # three columns; the residual is made of the third (and a little of the first): it comes first, then the first
+    jac = np.array([[1.0, 0.0, 0.0], [0.0, 5.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 1.0]])
+    residual = 2.0 * jac[:, 2] + 0.3 * jac[:, 0]
+    order = explaining_order(jac, residual)
+    assert order[:2] == [2, 0] and sorted(order) == [0, 1, 2]
+    # nothing to explain: PARAMETERS order
+    assert explaining_order(jac, np.zeros(4)) == [0, 1, 2]
+    # an engine whose only change is a host overhead per layer and micro-batch: with a budget of one time parameter
+    # (two timed runs), the fit takes it, not the first in PARAMETERS order (compute_efficiency, which would scale
+    # both runs alike where the truth slows the one with eight micro-batches most)
+    cl = cluster_from_preset("dgx-h100", 1)
+    layouts = [
+        Layout(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=8),
+        Layout(tp=1, pp=1, dp=8, micro_batch_size=8, num_microbatches=1),
+    ]
+    runs = synthetic_runs(layouts, cl, truth=EngineTuning(layer_overhead_s=0.004))
+    runs = [MeasuredRun(r.id, r.model, r.training, r.cluster, r.layout, "ok", r.step_time_s) for r in runs]
+    fit = fit_engine(runs, folds=1)
+    assert fit.fitted == ["layer_overhead_s"], fit.fitted
+    assert fit.tuning.layer_overhead_s == pytest.approx(0.004, rel=0.1)
+
+
+def test_zero1_gradients_reduced_after_the_backward_cost_more():
+    cl = cluster_from_preset("dgx-h100", 4)
+    x = Layout(tp=1, pp=1, dp=32, micro_batch_size=1, num_microbatches=2, zero_stage=1, shard=32)  # 64 sequences
+    times = []
+    for share in (0.0, 0.5, 1.0):
+        tr = training(tuning=EngineTuning(grad_reduce_exposed=share))
+        times.append(predict_layouts(SMALL, tr, cl, [x])[0].predicted().time_breakdown_s["dp_comm"])
+    assert times[0] < times[1] < times[2]
+    # ZeRO-0 does not read it
+    z0 = x.model_copy(update={"zero_stage": 0, "shard": 1})
+    a, b = (
+        predict_layouts(SMALL, training(tuning=EngineTuning(grad_reduce_exposed=v)), cl, [z0])[0].predicted()
+        for v in (0.0, 1.0)
+    )
+    assert a.step_time_s == b.step_time_s
+
+
+def test_activations_left_whole_by_tensor_parallelism():
+    cl = cluster_from_preset("dgx-h100", 1)
+    one = Layout(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=8)
+    four = Layout(tp=4, pp=1, dp=2, micro_batch_size=1, num_microbatches=32, sequence_parallel=True)
+    base, whole = (
+        predict_layouts(SMALL, training(tuning=EngineTuning(activation_tp_unsharded=u)), cl, [one, four])
+        for u in (0.0, 0.25)
+    )
+    act = [[p.predicted().memory_breakdown_bytes["activations"] for p in ps] for ps in (base, whole)]
+    assert act[1][0] == pytest.approx(act[0][0])  # tp 1: nothing to leave whole
+    assert act[1][1] == pytest.approx(act[0][1] * (1 + 0.25 * 3))
+
+
+def test_the_allocator_reserve_is_fitted_only_from_runs_with_both_peaks():
+    cl = cluster_from_preset("dgx-h100", 2)
+    picks = probe(SMALL, training(), cl, 8)
+    assert all("reserve_fraction" not in p.pins for p in picks)  # a layout choice does not inform it
+    truth = EngineTuning(reserve_fraction=0.2, state_bytes_scale=1.3)
+    runs = synthetic_runs([p.plan.layout for p in picks], cl, truth=truth)
+    fit = fit_engine(runs, folds=1)
+    assert "reserve_fraction" not in fit.fitted and "both peaks" not in fit.not_fitted["reserve_fraction"]
+    assert "reserved and allocated" in fit.not_fitted["reserve_fraction"]
