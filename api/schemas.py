@@ -87,6 +87,9 @@ class EngineDoc(BaseModel):
     )
     param_gather_exposed: float = Field(description="share of ZeRO-1/2's parameter gather exposed after the step")
     grad_reduce_exposed: float = Field(description="share of ZeRO-1/2's gradient reduction exposed after the backward")
+    bucket_params: float = Field(description="gradient parameters per data-parallel bucket (0: by bytes or one bucket)")
+    bucket_params_per_dp: float = Field(description="bucket parameters per data-parallel rank (Megatron's max(..))")
+    bucket_bytes: float = Field(description="gradient bytes per data-parallel bucket (0: by parameters or one bucket)")
     source: str = Field(description="where the entry was read")
 
 

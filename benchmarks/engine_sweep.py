@@ -56,6 +56,7 @@ EXAMPLE_HEADER = (
 )
 PRESET = "aws-p5"
 PROBE_GPUS = 64
+OTHER_PROBE_GPUS = (32, 128)  # the loop again with the probes there (summaries only)
 PROBES = 12
 SEQ = 4096
 
@@ -213,13 +214,8 @@ def summary(groups: list[dict]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--probe-gpus", type=int, default=PROBE_GPUS)
-    ap.add_argument("--probes", type=int, default=PROBES)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args(argv)
-    t0 = time.time()
+def loaded() -> tuple[dict, dict, dict]:
+    """(records by group, their runs, the crashed configurations' runs by group); a group is (model, GPUs)."""
     ran, crashed = records()
     by_group: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for r in ran:
@@ -228,46 +224,68 @@ def main(argv: list[str] | None = None) -> dict:
     crashed_runs: dict[tuple[str, int], list[MeasuredRun]] = defaultdict(list)
     for r in crashed:
         crashed_runs[(r["size"], r["cluster"]["nodes"] * 8)].extend(as_runs([r]))
+    return by_group, runs, crashed_runs
+
+
+def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int, folds: int = 4) -> dict:
+    """Probe `probes` layouts of `size` on `probe_gpus` GPUs, calibrate on their measured values, and score every
+    other group before (the prior) and after."""
+    by_group, runs, crashed_runs = data
     prior = EngineTuning()
+    key = (size, probe_gpus)
+    pool = runs[key]
+    first = pool[0]
+    picks = probe(first.model, first.training, first.cluster, probes, layouts=[r.layout for r in pool])
+    index = [next(i for i, r in enumerate(pool) if r.layout == p.plan.layout) for p in picks]
+    fit = fit_engine([pool[i] for i in index], prior, folds=folds)
+    scored: dict[str, list[dict]] = {"before": [], "after": []}
+    for gk, recs in sorted(by_group.items()):
+        if gk == key:
+            continue
+        for label, tuning in (("before", prior), ("after", fit.tuning)):
+            s = group_scores(recs, runs[gk], tuning)
+            s["model"] = gk[0]
+            s["crashed_predicted_to_fit"] = crashed_predicted_to_fit(crashed_runs.get(gk, []), tuning)
+            scored[label].append(s)
+    return {
+        "probes": [{"layout": p.plan.layout.short(), "why": p.why} for p in picks],
+        "probe_records": [by_group[key][i] for i in index],
+        "fit": fit.document(f"nanotron-{size}")["tuning"],
+        "fitted": fit.fitted,
+        "not_fitted": fit.not_fitted,
+        "fit_errors": fit.errors,
+        "before": summary(scored["before"]),
+        "after": summary(scored["after"]),
+        "groups_after": scored["after"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--probe-gpus", type=int, default=PROBE_GPUS)
+    ap.add_argument("--probes", type=int, default=PROBES)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    data = loaded()
+    sizes = sorted({k[0] for k in data[1]})
     result: dict = {"probe_gpus": args.probe_gpus, "probes": args.probes, "preset": PRESET, "models": {}}
-    for size in sorted({k[0] for k in runs}):
-        key = (size, args.probe_gpus)
-        pool = runs[key]
-        first = pool[0]
-        picks = probe(first.model, first.training, first.cluster, args.probes, layouts=[r.layout for r in pool])
-        chosen, chosen_records = [], []
-        for p in picks:
-            i = next(i for i, r in enumerate(pool) if r.layout == p.plan.layout)
-            chosen.append(pool[i])
-            chosen_records.append(by_group[key][i])
+    for size in sizes:
+        r = loop(data, size, args.probe_gpus, args.probes)
+        chosen_records = r.pop("probe_records")
         if size == "8B" and not args.no_write and args.probe_gpus == PROBE_GPUS and args.probes == PROBES:
             lines = (
-                json.dumps({k: v for k, v in r.items() if not k.startswith("_") and k != "size"})
-                for r in chosen_records
+                json.dumps({k: v for k, v in x.items() if not k.startswith("_") and k != "size"})
+                for x in chosen_records
             )
             EXAMPLE.write_text(EXAMPLE_HEADER + "".join(line + "\n" for line in lines))
-        fit = fit_engine(chosen, prior)
-        scored: dict[str, list[dict]] = {"before": [], "after": []}
-        for gk, recs in sorted(by_group.items()):
-            if gk == key:
-                continue
-            for label, tuning in (("before", prior), ("after", fit.tuning)):
-                s = group_scores(recs, runs[gk], tuning)
-                s["model"] = gk[0]
-                s["crashed_predicted_to_fit"] = crashed_predicted_to_fit(crashed_runs.get(gk, []), tuning)
-                scored[label].append(s)
-        result["models"][size] = {
-            "probes": [{"layout": p.plan.layout.short(), "why": p.why} for p in picks],
-            "fit": fit.document(f"nanotron-{size}")["tuning"],
-            "fitted": fit.fitted,
-            "not_fitted": fit.not_fitted,
-            "fit_errors": fit.errors,
-            "before": summary(scored["before"])
-            | {"crashed_predicted_to_fit": sum(g["crashed_predicted_to_fit"] for g in scored["before"])},
-            "after": summary(scored["after"])
-            | {"crashed_predicted_to_fit": sum(g["crashed_predicted_to_fit"] for g in scored["after"])},
-            "groups_after": scored["after"],
-        }
+        result["models"][size] = r
+    # the same loop with the probes on another GPU count: how much the figures hang on which runs were probed
+    result["other_probe_gpus"] = {
+        str(g): {size: {k: loop(data, size, g, args.probes, folds=1)[k] for k in ("before", "after")} for size in sizes}
+        for g in OTHER_PROBE_GPUS
+        if g != args.probe_gpus
+    }
     result["seconds"] = round(time.time() - t0, 1)
     print_result(result)
     if not args.no_write:
@@ -305,6 +323,18 @@ def print_result(result: dict) -> None:
                 f"{g['regret_twins_merged']:6.3f} {'yes' if g['top3_hit'] else 'no':>5s} {g['median_error']:6.2f} "
                 f"{g['memory_error_median']:+6.2f}"
             )
+    other = result.get("other_probe_gpus", {})
+    if other:
+        print("\nthe same loop with the probes on other GPU counts (after calibration):")
+        print(f"  {'probes on':14s} {'rho':>6s} {'regret':>7s} {'twins':>6s} {'|err|':>6s} {'|mem|':>6s}")
+        for g, models in other.items():
+            for size, r in models.items():
+                a = r["after"]
+                print(
+                    f"  {size} {g:>4s} GPUs   {a['rho_median']:6.3f} {a['regret_median']:7.3f} "
+                    f"{a['regret_twins_merged_median']:6.3f} {a['throughput_error_median']:6.3f} "
+                    f"{a['memory_abs_error_median']:6.3f}"
+                )
     print(f"\n{result['seconds']} s")
 
 

@@ -40,6 +40,7 @@ from berth.planner import stages
 from berth.planner.specs import AXIS_ORDER_CHOICES, ENGINE_CHOICES, Engine, Layout, ModelSpec, TrainingSpec
 
 MEMORY_PYTORCH = "pytorch"
+TORCH_DDP_BUCKET_BYTES = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25), the default
 MEMORY_MEGATRON = "megatron"
 
 
@@ -71,6 +72,12 @@ class EngineInfo:
     # the share of ZeRO-1/2's gradient reduction run after the backward as a whole-gradient all-reduce (0: reduce-
     # scattered behind the last micro-batch's backward; EngineTuning.grad_reduce_exposed overrides it)
     grad_reduce_exposed: float = 0.0
+    # the data-parallel gradient reduction's buckets, one collective (and its latency) each: max(bucket_params,
+    # bucket_params_per_dp x dp) parameters of gradient per bucket, or bucket_bytes of it; (0, 0, 0): one collective
+    # per stage (FSDP's per-layer collectives are costed apart, cost_models/step.py)
+    bucket_params: float = 0.0
+    bucket_params_per_dp: float = 0.0
+    bucket_bytes: float = 0.0
 
     @property
     def label(self) -> str:
@@ -342,7 +349,9 @@ ENGINES: dict[str, EngineInfo] = {
             ("pytorch",),
             ("torchrun", "slurm", "kubernetes"),
             (TORCH_PIPELINE_MICROBATCHES, INTERLEAVED_GROUPS),
-            "executor/ (its own rules: cost_models/validity.py, applies=EXECUTOR)",
+            "executor/ (its own rules: cost_models/validity.py, applies=EXECUTOR); torch DDP's default buckets "
+            "(torch/nn/parallel/distributed.py bucket_cap_mb=25)",
+            bucket_bytes=TORCH_DDP_BUCKET_BYTES,
         ),
         EngineInfo(
             "torchtitan",
@@ -363,7 +372,10 @@ ENGINES: dict[str, EngineInfo] = {
             ("megatron",),
             MEGATRON_RULES,
             "Megatron-LM: megatron/training/arguments.py validate_args, megatron/core/pipeline_parallel/schedules.py, "
-            "docs/source/api-guide/dist_optimizer.md",
+            "docs/source/api-guide/dist_optimizer.md, megatron/core/distributed/distributed_data_parallel.py "
+            "(bucket_size = max(40000000, 1000000 * dp) parameters)",
+            bucket_params=40e6,
+            bucket_params_per_dp=1e6,
         ),
         EngineInfo(
             "deepspeed",
@@ -375,8 +387,10 @@ ENGINES: dict[str, EngineInfo] = {
             DEEPSPEED_RULES,
             "DeepSpeed 0.19.8: deepspeed/runtime/pipe/engine.py, deepspeed/runtime/bf16_optimizer.py "
             "(16-bit weights, fp32 gradient accumulation, fp32 master and Adam state over dp); "
-            "deepspeed/runtime/zero/stage_1_and_2.py step(): the updated partitions are all-gathered after the step",
+            "deepspeed/runtime/zero/stage_1_and_2.py step(): the updated partitions are all-gathered after the step; "
+            "reduce_bucket_size 5e8 elements (deepspeed/runtime/zero/config.py)",
             param_gather_exposed=1.0,
+            bucket_params=5e8,
         ),
         EngineInfo(
             "llmfoundry",
@@ -397,8 +411,9 @@ ENGINES: dict[str, EngineInfo] = {
             (),
             (INTERLEAVED_GROUPS,),
             "Rajbhandari et al. 2020 (ZeRO), Sec. 3.1 and 5 (the updated partitions all-gathered after the step); "
-            "Narayanan et al. 2021 (1F1B with any micro-batch count)",
+            "Narayanan et al. 2021 (1F1B with any micro-batch count); torch DDP's default buckets (bucket_cap_mb=25)",
             param_gather_exposed=1.0,
+            bucket_bytes=TORCH_DDP_BUCKET_BYTES,
         ),
     )
 }
@@ -427,6 +442,17 @@ def param_gather_exposed(training: TrainingSpec) -> float:
     the engine's."""
     fitted = training.tuning.param_gather_exposed
     return engine_of(training).param_gather_exposed if fitted is None else fitted
+
+
+def gradient_buckets(training: TrainingSpec, params, reduced_bytes_per_param, dp) -> np.ndarray:
+    """How many collectives the engine reduces `params` parameters' gradients in over `dp` ranks (at least 1):
+    its bucket size (EngineInfo.bucket_*), from its code."""
+    e = engine_of(training)
+    params = np.asarray(params, dtype=float)
+    per_bucket = np.maximum(e.bucket_params, e.bucket_params_per_dp * np.asarray(dp, dtype=float))
+    if e.bucket_bytes:
+        per_bucket = np.maximum(per_bucket, e.bucket_bytes / np.asarray(reduced_bytes_per_param, dtype=float))
+    return np.where(per_bucket > 0, np.maximum(np.ceil(params / np.maximum(per_bucket, 1.0)), 1.0), 1.0)
 
 
 def grad_reduce_exposed(training: TrainingSpec) -> float:
@@ -479,6 +505,9 @@ def engine_table() -> list[dict[str, object]]:
             "refuses": [{"rule": r.name, "text": r.text} for r in e.rules],
             "param_gather_exposed": e.param_gather_exposed,
             "grad_reduce_exposed": e.grad_reduce_exposed,
+            "bucket_params": e.bucket_params,
+            "bucket_params_per_dp": e.bucket_params_per_dp,
+            "bucket_bytes": e.bucket_bytes,
             "source": e.source,
         }
         for e in ENGINES.values()

@@ -29,7 +29,7 @@ import numpy as np
 from berth.cost_models import comm, compute, flops, goodput, memory
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
-from berth.cost_models.engines import grad_reduce_exposed, param_gather_exposed
+from berth.cost_models.engines import gradient_buckets, grad_reduce_exposed, param_gather_exposed
 from berth.cost_models.pipeline import bubble_s
 from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
 from berth.hardware_profiles.schema import LinkProfile
@@ -212,9 +212,13 @@ def _dp_times(
     stride_shard, stride_rep = np.where(c.shard * c.cp > c.shard, inner_stride, dp_stride), dp_stride * c.shard
     # all-gather and reduce-scatter of the stage's parameters over the shard group (costed apart: gloo differs)
     gather = comm.all_gather_s(cluster, param_bytes, shard, stride_shard)
-    scatter = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)
+    # the engine reduces gradients in buckets, one collective each: every bucket after the first adds its latency
+    buckets = gradient_buckets(training, stage_params, reduced, c.dp * cp) - 1.0
+    scatter_whole = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)  # ZeRO-3's, per layer
+    scatter = scatter_whole + buckets * comm.reduce_scatter_s(cluster, 0.0, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)
-    ar_dp = comm.all_reduce_s(cluster, grad_bytes, c.dp * cp, inner_stride)
+    ar_whole = comm.all_reduce_s(cluster, grad_bytes, c.dp * cp, inner_stride)  # one collective
+    ar_dp = ar_whole + buckets * comm.all_reduce_s(cluster, 0.0, c.dp * cp, inner_stride)
     overlap = cluster.comm_overlap_efficiency
     n = layers_per_stage
 
@@ -226,11 +230,11 @@ def _dp_times(
     exposed = param_gather_exposed(training)  # ZeRO-1/2's gather after the step (DeepSpeed) or behind the forward
     after = grad_reduce_exposed(training)  # ZeRO-1/2's reduction behind the backward, or after it as an all-reduce
     reduce12 = hidden(scatter + ar_replicate, bwd_window_s)
-    zero12 = (reduce12 if after == 0.0 else (1.0 - after) * reduce12 + after * ar_dp) + (
+    zero12 = (reduce12 if after == 0.0 else (1.0 - after) * reduce12 + after * ar_whole) + (
         gather_fwd if exposed == 0.0 else (1.0 - exposed) * gather_fwd + exposed * gather
     )
-    zero3_mb = gather_fwd + hidden(gather + scatter, bwd_window_s)
-    zero3_last = gather_fwd + hidden(gather + scatter + ar_replicate, bwd_window_s)
+    zero3_mb = gather_fwd + hidden(gather + scatter_whole, bwd_window_s)
+    zero3_last = gather_fwd + hidden(gather + scatter_whole + ar_replicate, bwd_window_s)
     zero3 = (c.num_microbatches - 1.0) * zero3_mb + zero3_last
     charged = np.where(c.zero_stage == 0, ddp, np.where(c.zero_stage <= 2, zero12, zero3))
     total = np.where(
@@ -238,8 +242,8 @@ def _dp_times(
         ar_dp,
         np.where(
             c.zero_stage <= 2,
-            (1.0 - after) * (scatter + ar_replicate) + after * ar_dp + gather,
-            c.num_microbatches * (2.0 * gather + scatter) + ar_replicate,
+            (1.0 - after) * (scatter + ar_replicate) + after * ar_whole + gather,
+            c.num_microbatches * (2.0 * gather + scatter_whole) + ar_replicate,
         ),
     )
     return charged, total

@@ -484,3 +484,27 @@ def test_the_allocator_reserve_is_fitted_only_from_runs_with_both_peaks():
     fit = fit_engine(runs, folds=1)
     assert "reserve_fraction" not in fit.fitted and "both peaks" not in fit.not_fitted["reserve_fraction"]
     assert "reserved and allocated" in fit.not_fitted["reserve_fraction"]
+
+
+def test_gradient_buckets_follow_each_engines_code(monkeypatch):
+    import dataclasses
+    import math
+
+    from berth.cost_models import engines
+    from berth.cost_models.engines import TORCH_DDP_BUCKET_BYTES, gradient_buckets
+
+    # Megatron-LM: max(40,000,000, 1,000,000 x dp) parameters a bucket (distributed_data_parallel.py)
+    assert gradient_buckets(training("megatron"), 1e9, 4.0, 8) == 25
+    assert gradient_buckets(training("megatron"), 1e9, 4.0, 100) == 10
+    # torch DDP (the executor, the generic stack): 25 MiB of gradient a bucket
+    assert gradient_buckets(training("generic"), 1e9, 4.0, 8) == math.ceil(4e9 / TORCH_DDP_BUCKET_BYTES)
+    # torchtitan (FSDP2's per-layer collectives are costed apart) and small stages: one collective
+    assert gradient_buckets(training("torchtitan"), 1e9, 4.0, 8) == 1
+    assert gradient_buckets(training("generic"), 1e3, 4.0, 8) == 1
+    # each bucket after the first costs one more all-reduce latency over the data-parallel ranks
+    cl = cluster_from_preset("dgx-h100", 4)
+    x = Layout(tp=1, pp=1, dp=32, micro_batch_size=1, num_microbatches=2)
+    bucketed = predict_layouts(SMALL, training(), cl, [x])[0].predicted()
+    monkeypatch.setitem(engines.ENGINES, "generic", dataclasses.replace(engines.ENGINES["generic"], bucket_bytes=0.0))
+    whole = predict_layouts(SMALL, training(), cl, [x])[0].predicted()
+    assert bucketed.comm_total_s["dp_comm"] > whole.comm_total_s["dp_comm"]
