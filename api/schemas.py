@@ -233,6 +233,11 @@ class CompareResponse(BaseModel):
     id: str = Field(description="the stored answer's id (plan_id for launch and validation requests)")
     created: str = Field(description="when the answer was made (ISO 8601, UTC)")
     candidates: list[Plan] = Field(description="one plan per requested layout, in request order")
+    choice: int | None = Field(
+        default=None,
+        description="index into candidates of the one berth picks: the fastest predicted to fit with the memory "
+        "headroom (null: none does)",
+    )
     best_searched: Plan | None = Field(
         description="the best plan a search finds for the same inputs (null when none fits)"
     )

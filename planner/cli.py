@@ -337,7 +337,7 @@ def compare_cmd(
     as_csv: Csv = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
-    from berth.planner.planning import compare_json, compare_with_best
+    from berth.planner.planning import compare_json, compare_with_best, first_choice
     from berth.planner.render import (
         BOTTLENECK_LEGEND,
         breakdown_table,
@@ -385,6 +385,13 @@ def compare_cmd(
     print_layouts(console, candidates)
     print_reasons(console, candidates)
     console.print(BOTTLENECK_LEGEND, highlight=False)
+    pick = first_choice(candidates)
+    console.print(
+        f"berth's pick among these: #{pick + 1}, the fastest predicted to fit with the memory headroom"
+        if pick is not None
+        else "berth's pick among these: none is predicted to fit with the memory headroom",
+        highlight=False,
+    )
     if best and best.plans:
         b = best.plans[0]
         console.print(f"best searched layout, at {b.predicted().tokens_per_s:,.0f} tokens/s:", highlight=False)
@@ -952,6 +959,18 @@ def probe_cmd(
     engine: EngineOpt = None,
     runs: Annotated[int, typer.Option("--runs", help="how many trial runs to pick (1-64)")] = 8,
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
+    layout: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--layout",
+            help="pick only among these layouts (repeat it; those your engine and cluster can run); default: every "
+            "layout the search enumerates",
+        ),
+    ] = None,
+    layouts_file: Annotated[
+        str | None,
+        typer.Option("--layouts", help="a file of layouts to pick among, one per line ('#' starts a comment)"),
+    ] = None,
     out: Annotated[
         str | None, typer.Option("--out", help="write each pick's plan (and its engine's launch files) here")
     ] = None,
@@ -961,13 +980,24 @@ def probe_cmd(
     design over the fit's sensitivities, among layouts predicted to fit with 15 % memory to spare), say why
     each was picked, and write their plans and launch files. Measure them, then `berth calibrate --runs`."""
     from berth.planner.inputs import make_search
+    from berth.planner.planning import parse_layouts
     from berth.planner.probe import probe
 
     _at_least("runs", runs, 1)
     spec, training, cl = _inputs(
         model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile, engine=engine
     )
-    picks = probe(spec, training, cl, runs, search=make_search(max_micro_batch_size=max_mbs))
+    given = list(layout or [])
+    if layouts_file is not None:
+        try:
+            text = Path(layouts_file).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise BerthError("layouts", layouts_file, f"cannot read it ({err.__class__.__name__})") from None
+        given += [line.split("#", 1)[0].strip() for line in text.splitlines() if line.split("#", 1)[0].strip()]
+        if not given:
+            raise BerthError("layouts", layouts_file, "no layout in it")
+    candidates = parse_layouts(spec, training, cl, given) if given else None
+    picks = probe(spec, training, cl, runs, layouts=candidates, search=make_search(max_micro_batch_size=max_mbs))
     if as_json:
         print(
             json.dumps(

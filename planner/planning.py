@@ -35,6 +35,7 @@ from berth.planner.specs import (
     ClusterSpec,
     EngineTuning,
     Fallback,
+    Layout,
     ModelSpec,
     Plan,
     SearchSpec,
@@ -112,13 +113,11 @@ def plan(
     return result
 
 
-def compare(
-    model: ModelSpec,
-    training: TrainingSpec,
-    cluster: ClusterSpec,
-    layouts: Sequence[str | dict[str, Any]],
-    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-) -> list[Plan]:
+def parse_layouts(
+    model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, layouts: Sequence[str | dict[str, Any]]
+) -> list[Layout]:
+    """Layouts given as text ("tp=8,pp=4,dp=2,...") or objects, each checked against the inputs; an error names
+    the layout's index (`layout[i]`)."""
     if not layouts:
         raise BerthError("layout", None, "give at least one layout")
     specs = []
@@ -126,6 +125,17 @@ def compare(
         field = f"layout[{i}]"
         values = parse_spec(item, field) if isinstance(item, str) else dict(item)
         specs.append(check_layout(values, model, training, cluster, field))
+    return specs
+
+
+def compare(
+    model: ModelSpec,
+    training: TrainingSpec,
+    cluster: ClusterSpec,
+    layouts: Sequence[str | dict[str, Any]],
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+) -> list[Plan]:
+    specs = parse_layouts(model, training, cluster, layouts)
     if not 0 <= memory_headroom <= MAX_MEMORY_HEADROOM:
         raise BerthError("memory_headroom", memory_headroom, f"must be in 0..{MAX_MEMORY_HEADROOM}")
     return predict_layouts(model, training, cluster, specs, memory_headroom)
@@ -303,9 +313,22 @@ def gap_to_best(p: Plan, best_tokens_per_s: float | None) -> float | None:
     return p.prediction.tokens_per_s / best_tokens_per_s - 1.0
 
 
+def first_choice(candidates: list[Plan]) -> int | None:
+    """The index of the candidate berth would pick among these, as the search ranks: the fastest of those
+    predicted to fit with the memory headroom (a 'memory_tight' plan, bottleneck 'memory', is not ranked);
+    None where none does."""
+    ranked = [
+        (p.prediction.tokens_per_s, i)
+        for i, p in enumerate(candidates)
+        if p.prediction is not None and p.prediction.fits and p.prediction.bottleneck != "memory"
+    ]
+    return max(ranked)[1] if ranked else None
+
+
 def compare_json(candidates: list[Plan], best: SearchResult | None) -> dict[str, Any]:
     best_plan = best.plans[0] if best and best.plans else None
     out: dict[str, Any] = {"candidates": [p.model_dump(mode="json") for p in candidates]}
+    out["choice"] = first_choice(candidates)
     out["best_searched"] = best_plan.model_dump(mode="json") if best_plan else None
     if best_plan and best_plan.prediction:
         out["gap_to_best"] = [gap_to_best(p, best_plan.prediction.tokens_per_s) for p in candidates]

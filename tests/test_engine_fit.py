@@ -508,3 +508,58 @@ def test_gradient_buckets_follow_each_engines_code(monkeypatch):
     monkeypatch.setitem(engines.ENGINES, "generic", dataclasses.replace(engines.ENGINES["generic"], bucket_bytes=0.0))
     whole = predict_layouts(SMALL, training(), cl, [x])[0].predicted()
     assert bucketed.comm_total_s["dp_comm"] > whole.comm_total_s["dp_comm"]
+
+
+def test_probe_picks_among_given_layouts_and_names_a_bad_one(tmp_path):
+    common = ["--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "2048", "--global-batch", "64"]
+    model = tmp_path / "small.json"
+    model.write_text(SMALL.model_dump_json())
+    given = ["tp=1,pp=1,dp=16,mbs=1,nmb=4", "tp=2,pp=1,dp=8,mbs=2,nmb=4,sp=1", "tp=8,pp=2,dp=1,mbs=1,nmb=64,sp=1"]
+    f = tmp_path / "layouts.txt"
+    f.write_text("# candidates\n" + "\n".join(given[:2]) + "\n\n")
+    args = [*BERTH, "probe", str(model), *common, "--engine", "generic", "--runs", "2"]
+    r = subprocess.run([*args, "--layouts", str(f), "--layout", given[2], "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    picked = {p["layout"] for p in json.loads(r.stdout)["picks"]}
+    allowed = {Layout.model_validate(x).short() for x in (parse(g) for g in given)}
+    assert picked and picked <= allowed
+    # a layout that does not fit the inputs is refused by its index; an empty or missing file by name
+    f.write_text("tp=3,pp=1,dp=16,mbs=1,nmb=4\n")
+    r = subprocess.run([*args, "--layouts", str(f)], capture_output=True, text=True)
+    assert r.returncode == 2 and "layout[0]" in r.stderr and "Traceback" not in r.stderr
+    f.write_text("# nothing\n")
+    r = subprocess.run([*args, "--layouts", str(f)], capture_output=True, text=True)
+    assert r.returncode == 2 and "no layout in it" in r.stderr
+    r = subprocess.run([*args, "--layouts", str(tmp_path / "missing.txt")], capture_output=True, text=True)
+    assert r.returncode == 2 and "layouts" in r.stderr and "Traceback" not in r.stderr
+
+
+def parse(text):
+    from berth.planner.layouts import check_layout, parse_spec
+
+    cl = cluster_from_preset("dgx-h100", 2)
+    return check_layout(parse_spec(text, "layout"), SMALL, training(), cl, "layout").model_dump()
+
+
+def test_compare_names_the_layout_berth_picks_among_those_given():
+    from berth.planner.planning import compare_json, first_choice
+
+    cl = cluster_from_preset("dgx-h100", 2)
+    plans = predict_layouts(
+        SMALL,
+        training(),
+        cl,
+        [
+            Layout(tp=1, pp=1, dp=16, micro_batch_size=1, num_microbatches=4),
+            Layout(tp=2, pp=1, dp=8, micro_batch_size=2, num_microbatches=4, sequence_parallel=True),
+        ],
+    )
+    fastest = max(range(2), key=lambda i: plans[i].predicted().tokens_per_s)
+    assert first_choice(plans) == fastest and compare_json(plans, None)["choice"] == fastest
+    # memory_tight (bottleneck 'memory' while it fits) is not ranked, as in the search
+    tight = plans[fastest].model_copy(
+        update={"prediction": plans[fastest].prediction.model_copy(update={"bottleneck": "memory"})}
+    )
+    others = [tight if i == fastest else p for i, p in enumerate(plans)]
+    assert first_choice(others) == 1 - fastest
+    assert first_choice([tight]) is None

@@ -43,3 +43,45 @@ def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
         assert a["regret_median"] < b["regret_median"], size
         assert a["throughput_error_median"] < b["throughput_error_median"], size
         assert a["refused"] == 0 and b["refused"] == 0  # the generic engine refuses no layout nanotron ran
+
+
+def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
+    """The loop through the CLI, as a team (or a reviewer with another model size) runs it: `berth probe` among the
+    layouts that ran on 64 GPUs, `berth calibrate --runs` on the probes' measured values (the README's example
+    file), `berth compare --json` of another group's layouts: the same probes, and the compare's pick is the
+    benchmark's first choice (its regret, the saved one)."""
+    import subprocess
+    import sys
+
+    berth = [sys.executable, "-m", "berth.planner.cli"]
+    saved = json.loads(SAVED.read_text())["models"]["8B"]
+    ran, _ = engine_sweep.records()
+    model = tmp_path / "nanotron-8b.json"
+    group = {g: [r for r in ran if r["size"] == "8B" and r["cluster"]["nodes"] * 8 == g] for g in (64, 128)}
+    model.write_text(json.dumps(group[64][0]["model"]))
+    layouts = tmp_path / "layouts.txt"
+    layouts.write_text("# the 8B layouts that ran on 64 GPUs\n" + "\n".join(r["layout"] for r in group[64]) + "\n")
+    common = ["--cluster", "aws-p5", "--seq-len", "4096", "--global-batch", "256", "--engine", "generic"]
+
+    def run(*args):
+        r = subprocess.run([*berth, *args], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+
+    picks = json.loads(
+        run("probe", str(model), *common, "--nodes", "8", "--runs", "12", "--layouts", str(layouts), "--json")
+    )
+    assert [p["layout"] for p in picks["picks"]] == [p["layout"] for p in saved["probes"]]
+    example = engine_sweep.EXAMPLE  # the probes' measured values, as the README's calibrate reads them
+    recs = [json.loads(x) for x in example.read_text().splitlines() if not x.startswith("#")]
+    assert [r.layout.short() for r in engine_sweep.as_runs(recs)] == [p["layout"] for p in saved["probes"]]
+    profile = tmp_path / "profile.json"
+    run("calibrate", "--runs", str(example), "--out", str(profile))
+    args = [x for r in group[128] for x in ("--layout", r["layout"])]
+    answer = json.loads(
+        run("compare", str(model), *common, "--nodes", "16", "--profile", str(profile), *args, "--json")
+    )
+    tok = [r["tokens_per_s_per_gpu"] for r in group[128]]
+    regret = 1.0 - tok[answer["choice"]] / max(tok)
+    want = next(g for g in saved["groups_after"] if g["model"] == "8B" and g["gpus"] == 128)
+    assert regret == pytest.approx(want["regret"], abs=1e-9)
