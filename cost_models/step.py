@@ -29,7 +29,7 @@ import numpy as np
 from berth.cost_models import comm, compute, flops, goodput, memory
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
-from berth.cost_models.engines import gradient_buckets, grad_reduce_exposed, param_gather_exposed
+from berth.cost_models.engines import grad_reduce_exposed, gradient_buckets, param_gather_exposed
 from berth.cost_models.pipeline import bubble_s
 from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
 from berth.hardware_profiles.schema import LinkProfile
@@ -441,7 +441,10 @@ def evaluate(
     edge_tp = comm.all_reduce_s(cluster, act_bytes, tp, stride["tp"])
     p2p = np.where(
         pp > 1,
-        2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"]) + tuning.pipeline_microbatch_overhead_s,
+        2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"])
+        # the engine's send handshake, where the pipeline's sends cross nodes (EngineTuning)
+        + tuning.pipeline_microbatch_overhead_s
+        * (comm.members_per_block(c.pp, stride["pp"], cluster.gpus_per_node) < pp),
         0.0,
     )
 

@@ -78,7 +78,7 @@ PARAMETERS: dict[str, Parameter] = {
     "intra_node_bandwidth_scale": Parameter(0.02, 1.2, "log", 1.0, "time", "runs with tp or dp inside a node"),
     "inter_node_bandwidth_scale": Parameter(0.005, 1.2, "log", 1.0, "time", "runs with a group across nodes"),
     "latency_scale": Parameter(0.1, 1000.0, "log", 1.0, "time", "runs with many small collectives (tp, small mbs)"),
-    "pipeline_microbatch_overhead_s": Parameter(0.0, 2.0, "lin", 1e-2, "time", "runs with pp > 1"),
+    "pipeline_microbatch_overhead_s": Parameter(0.0, 2.0, "lin", 1e-2, "time", "runs with pp > 1 across nodes"),
     "overlap": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with dp > 1 whose gradient traffic is not hidden"),
     "param_gather_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
     "grad_reduce_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),

@@ -387,7 +387,8 @@ class EngineTuning(Spec):
         default=0.0,
         ge=0,
         le=10.0,
-        description="fixed time per micro-batch of a pipeline stage (pp > 1): the engine's send/receive handshake",
+        description="fixed time per micro-batch of a pipeline stage whose sends cross nodes (pp > 1 over the "
+        "network): the engine's host-synchronized send/receive handshake (inside a node it is negligible)",
     )
     overlap: float | None = Field(
         default=None,
