@@ -563,3 +563,15 @@ def test_compare_names_the_layout_berth_picks_among_those_given():
     others = [tight if i == fastest else p for i, p in enumerate(plans)]
     assert first_choice(others) == 1 - fastest
     assert first_choice([tight]) is None
+
+
+def test_the_pipeline_handshake_is_charged_where_sends_cross_nodes():
+    cl = cluster_from_preset("dgx-h100", 2)
+    # tp-dp-pp: the two stages 8 ranks apart, one node each; tp-pp-dp: neighbours in one node
+    across = Layout(tp=1, pp=2, dp=8, micro_batch_size=1, num_microbatches=8)
+    within = Layout(tp=1, pp=2, dp=8, micro_batch_size=1, num_microbatches=8, axis_order="tp-pp-dp")
+    slow = EngineTuning(pipeline_microbatch_overhead_s=0.05)
+    base, tuned = (predict_layouts(SMALL, training(tuning=t), cl, [across, within]) for t in (EngineTuning(), slow))
+    crossing = tuned[0].predicted().step_time_s - base[0].predicted().step_time_s
+    assert crossing == pytest.approx(0.05 * (8 + 1), rel=0.05)  # every micro-batch, and the bubble's share
+    assert tuned[1].predicted().step_time_s == pytest.approx(base[1].predicted().step_time_s)
