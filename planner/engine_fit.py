@@ -83,7 +83,7 @@ PARAMETERS: dict[str, Parameter] = {
     "param_gather_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
     "grad_reduce_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
     "pipeline_latency_scale": Parameter(1.0, 1000.0, "log", 1.0, "time", "runs with tp > 1 and pp > 1"),
-    "fixed_bytes": Parameter(-8 * GIB, 32 * GIB, "lin", GIB, "memory", "runs with a measured peak memory"),
+    "fixed_bytes": Parameter(0.0, 32 * GIB, "lin", GIB, "memory", "runs with a measured peak memory"),
     "state_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs whose parameter share differs"),
     "optimizer_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs with and without ZeRO sharding"),
     "activation_scale": Parameter(0.2, 5.0, "log", 1.0, "memory", "runs at two or more micro-batch sizes"),
@@ -363,19 +363,23 @@ def start(prior: EngineTuning, names: Iterable[str], cluster: ClusterSpec, engin
 def _solve(
     data: Data, prior: EngineTuning, names: list[str], cluster: ClusterSpec
 ) -> tuple[EngineTuning, Any, np.ndarray]:
+    """(the fitted tuning, the solver's result, the prior in the fit's coordinates): the solver starts INTERIOR
+    inside the bounds (`start`), the prior's pull is towards the prior itself."""
     lo, hi = bounds(names)
-    x0 = start(prior, names, cluster, data.runs[0].training.engine)
+    engine = data.runs[0].training.engine
+    x0 = start(prior, names, cluster, engine)
+    at = np.clip([encode(n, prior_value(prior, n, cluster, engine)) for n in names], lo, hi)
 
     def tuning_of(x: np.ndarray) -> EngineTuning:
         return with_values(prior, {n: decode(n, xi) for n, xi in zip(names, x, strict=True)})
 
     def fun(x: np.ndarray) -> np.ndarray:
-        return np.concatenate([data.residuals(tuning_of(x)), PRIOR_WEIGHT * (x - x0)])
+        return np.concatenate([data.residuals(tuning_of(x)), PRIOR_WEIGHT * (x - at)])
 
     result = least_squares(
         fun, x0, bounds=(lo, hi), diff_step=1e-3, x_scale="jac", max_nfev=MAX_EVALUATIONS, loss=LOSS, f_scale=LOSS_SCALE
     )
-    return tuning_of(result.x), result, x0
+    return tuning_of(result.x), result, at
 
 
 def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds: int = FOLDS) -> EngineFit:
@@ -411,8 +415,8 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
             "these runs determine none of the engine's parameters (the prior is kept): "
             + "; ".join(f"{n}: {w}" for n, w in not_fitted.items()),
         )
-    tuning, result, x_start = _solve(data, prior, chosen, cluster)
-    if np.max(np.abs(result.x - x_start)) < MOVED:
+    tuning, result, x_prior = _solve(data, prior, chosen, cluster)
+    if np.max(np.abs(result.x - x_prior)) < MOVED:
         raise BerthError(
             "runs",
             len(runs),

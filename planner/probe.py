@@ -2,7 +2,8 @@
 
 `berth probe` answers "which K short runs should we measure so that `berth calibrate --runs` learns
 this engine?". For every candidate layout that is predicted to fit with a margin (MARGIN of the
-allocator's capacity left), the sensitivities of its log step time and log peak memory to each
+allocator's capacity left; short of K such layouts, those predicted to fit, and among the layouts a
+team gave, the rest: it knows which run), the sensitivities of its log step time and log peak memory to each
 parameter a layout informs (DESIGNED: planner/engine_fit.py PARAMETERS less the allocator's reserve,
 which measuring both peaks of any run pins; in the fit's coordinates) are its rows of the fit's
 Jacobian. The picks greedily maximize the determinant of the information matrix
@@ -21,6 +22,7 @@ import numpy as np
 from berth.cost_models.candidates import Candidates
 from berth.cost_models.memory import allocator_capacity_bytes
 from berth.cost_models.step import evaluate
+from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID
 from berth.planner.engine_fit import PARAMETERS, PRIOR_WEIGHT, decode, encode, prior_value, with_values
 from berth.planner.errors import BerthError
 from berth.planner.search import enumerate_candidates, make_plan
@@ -95,8 +97,8 @@ def probe(
     search: SearchSpec | None = None,
 ) -> list[Pick]:
     """K layouts to measure (among `layouts`, or every layout the search enumerates) that fit with MARGIN
-    to spare and are predicted at RELEVANT of the best throughput or more, chosen to pin the engine's parameters
-    down (see the module docstring)."""
+    to spare (short of K such, those predicted to fit; among given layouts, then any) and are predicted at
+    RELEVANT of the best throughput or more, chosen to pin the engine's parameters down (module docstring)."""
     if not 1 <= k <= 64:
         raise BerthError("runs", k, "probe 1 to 64 runs")
     c = (
@@ -107,12 +109,19 @@ def probe(
     with np.errstate(divide="ignore", invalid="ignore"):
         ev = evaluate(model, training, cluster, c)
         capacity = allocator_capacity_bytes(cluster.device, cluster.world_size)
-        ok = ev.feasible & (ev.peak_memory_bytes <= (1.0 - MARGIN) * capacity) & np.isfinite(ev.step_time_s)
+        runnable = np.isin(ev.reason, (VALID, MEMORY_TIGHT, OUT_OF_MEMORY)) & np.isfinite(ev.step_time_s)
+        # with MARGIN to spare; short of k such layouts, those predicted to fit at all; and among layouts the team
+        # gave (it knows what runs), the rest too: a run the prior thinks too big corrects the memory model
+        tiers = [runnable & (ev.peak_memory_bytes <= (1.0 - MARGIN) * capacity)]
+        tiers.append(runnable & (ev.peak_memory_bytes <= capacity))
+        if layouts is not None:
+            tiers.append(runnable)
+        ok = next((t for t in tiers if t.sum() >= k), next((t for t in reversed(tiers) if t.any()), tiers[0]))
         if ok.any():
             ok &= ev.tokens_per_s >= RELEVANT * ev.tokens_per_s[ok].max()
     idx = np.flatnonzero(ok)
     if idx.size == 0:
-        raise BerthError("probe", len(c), f"no layout fits with {MARGIN:.0%} of the memory to spare")
+        raise BerthError("probe", len(c), "no layout is predicted to fit: give the layouts that run (--layouts)")
     if idx.size > MAX_CANDIDATES:
         idx = idx[np.linspace(0, idx.size - 1, MAX_CANDIDATES).astype(int)]
     sub = c.take(idx)
@@ -130,9 +139,17 @@ def probe(
         pred = plan.predicted()
         terms = sorted(pred.time_breakdown_s.items(), key=lambda kv: -kv[1])
         share = ", ".join(f"{t} {v / pred.step_time_s:.0%}" for t, v in terms[:2] if v > 0)
+        room = pred.peak_memory_bytes / pred.memory_capacity_bytes
         why = (
             f"pins {', '.join(pins) if pins else 'nothing new (the design ran out of information)'}; "
             f"its step is {share}; {pred.peak_memory_bytes / 2**30:.1f} GiB"
+            + (
+                ""
+                if room <= 1.0 - MARGIN
+                else f" (predicted to leave less than {MARGIN:.0%} of the memory: it may not fit)"
+                if room <= 1.0
+                else " (predicted not to fit: whether it runs corrects the memory model)"
+            )
         )
         out.append(Pick(plan, pins, why))
     return out

@@ -575,3 +575,21 @@ def test_the_pipeline_handshake_is_charged_where_sends_cross_nodes():
     crossing = tuned[0].predicted().step_time_s - base[0].predicted().step_time_s
     assert crossing == pytest.approx(0.05 * (8 + 1), rel=0.05)  # every micro-batch, and the bubble's share
     assert tuned[1].predicted().step_time_s == pytest.approx(base[1].predicted().step_time_s)
+
+
+def test_probe_among_given_layouts_the_prior_thinks_too_big():
+    cl = cluster_from_preset("dgx-h100", 1)
+    big = SMALL.model_copy(update={"num_layers": 48, "hidden_size": 6144, "num_attention_heads": 48})
+    given = [
+        Layout(
+            tp=tp, pp=1, dp=8 // tp, micro_batch_size=m, num_microbatches=64 * tp // (8 * m), sequence_parallel=tp > 1
+        )
+        for tp in (1, 2)
+        for m in (1, 2)
+    ]
+    plans = predict_layouts(big, training(), cl, given)
+    assert not any(p.predicted().fits for p in plans)  # the prior: none fits
+    # what the search enumerates: only what is predicted to fit is ever proposed
+    assert all(p.plan.predicted().fits for p in probe(big, training(), cl, 2))
+    picks = probe(big, training(), cl, 2, layouts=given)  # what the team says runs: measured, and it corrects
+    assert len(picks) == 2 and all("predicted not to fit" in p.why for p in picks)
