@@ -90,6 +90,7 @@ class EngineDoc(BaseModel):
     bucket_params: float = Field(description="gradient parameters per data-parallel bucket (0: by bytes or one bucket)")
     bucket_params_per_dp: float = Field(description="bucket parameters per data-parallel rank (Megatron's max(..))")
     bucket_bytes: float = Field(description="gradient bytes per data-parallel bucket (0: by parameters or one bucket)")
+    buckets_ddp_only: bool = Field(description="the buckets apply only where the engine wraps DDP (tp = pp = 1)")
     source: str = Field(description="where the entry was read")
 
 

@@ -78,6 +78,9 @@ class EngineInfo:
     bucket_params: float = 0.0
     bucket_params_per_dp: float = 0.0
     bucket_bytes: float = 0.0
+    # the buckets apply only where the engine wraps the model in DDP (tp = pp = 1, ZeRO <= 1: the executor,
+    # executor/parallel.py); elsewhere one collective per stage
+    buckets_ddp_only: bool = False
 
     @property
     def label(self) -> str:
@@ -352,6 +355,7 @@ ENGINES: dict[str, EngineInfo] = {
             "executor/ (its own rules: cost_models/validity.py, applies=EXECUTOR); torch DDP's default buckets "
             "(torch/nn/parallel/distributed.py bucket_cap_mb=25)",
             bucket_bytes=TORCH_DDP_BUCKET_BYTES,
+            buckets_ddp_only=True,
         ),
         EngineInfo(
             "torchtitan",
@@ -444,7 +448,7 @@ def param_gather_exposed(training: TrainingSpec) -> float:
     return engine_of(training).param_gather_exposed if fitted is None else fitted
 
 
-def gradient_buckets(training: TrainingSpec, params, reduced_bytes_per_param, dp) -> np.ndarray:
+def reduction_buckets(training: TrainingSpec, c: Candidates, params, reduced_bytes_per_param, dp) -> np.ndarray:
     """How many collectives the engine reduces `params` parameters' gradients in over `dp` ranks (at least 1):
     its bucket size (EngineInfo.bucket_*), from its code."""
     e = engine_of(training)
@@ -452,7 +456,10 @@ def gradient_buckets(training: TrainingSpec, params, reduced_bytes_per_param, dp
     per_bucket = np.maximum(e.bucket_params, e.bucket_params_per_dp * np.asarray(dp, dtype=float))
     if e.bucket_bytes:
         per_bucket = np.maximum(per_bucket, e.bucket_bytes / np.asarray(reduced_bytes_per_param, dtype=float))
-    return np.where(per_bucket > 0, np.maximum(np.ceil(params / np.maximum(per_bucket, 1.0)), 1.0), 1.0)
+    n = np.where(per_bucket > 0, np.maximum(np.ceil(params / np.maximum(per_bucket, 1.0)), 1.0), 1.0)
+    if e.buckets_ddp_only:
+        n = np.where((c.tp == 1) & (c.pp == 1) & (c.zero_stage <= 1), n, 1.0)
+    return n
 
 
 def grad_reduce_exposed(training: TrainingSpec) -> float:
@@ -508,6 +515,7 @@ def engine_table() -> list[dict[str, object]]:
             "bucket_params": e.bucket_params,
             "bucket_params_per_dp": e.bucket_params_per_dp,
             "bucket_bytes": e.bucket_bytes,
+            "buckets_ddp_only": e.buckets_ddp_only,
             "source": e.source,
         }
         for e in ENGINES.values()

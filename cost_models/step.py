@@ -29,7 +29,7 @@ import numpy as np
 from berth.cost_models import comm, compute, flops, goodput, memory
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
-from berth.cost_models.engines import grad_reduce_exposed, gradient_buckets, param_gather_exposed
+from berth.cost_models.engines import grad_reduce_exposed, param_gather_exposed, reduction_buckets
 from berth.cost_models.pipeline import bubble_s
 from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
 from berth.hardware_profiles.schema import LinkProfile
@@ -213,7 +213,7 @@ def _dp_times(
     # all-gather and reduce-scatter of the stage's parameters over the shard group (costed apart: gloo differs)
     gather = comm.all_gather_s(cluster, param_bytes, shard, stride_shard)
     # the engine reduces gradients in buckets, one collective each: every bucket after the first adds its latency
-    buckets = gradient_buckets(training, stage_params, reduced, c.dp * cp) - 1.0
+    buckets = reduction_buckets(training, c, stage_params, reduced, c.dp * cp) - 1.0
     scatter_whole = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)  # ZeRO-3's, per layer
     scatter = scatter_whole + buckets * comm.reduce_scatter_s(cluster, 0.0, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from berth.cost_models.candidates import Candidates
 from berth.cost_models.engines import ENGINES, engine_refusal
 from berth.planner.engine_fit import PARAMETERS, MeasuredRun, fit_engine, predict_runs
 from berth.planner.errors import BerthError
@@ -491,16 +492,22 @@ def test_gradient_buckets_follow_each_engines_code(monkeypatch):
     import math
 
     from berth.cost_models import engines
-    from berth.cost_models.engines import TORCH_DDP_BUCKET_BYTES, gradient_buckets
+    from berth.cost_models.engines import TORCH_DDP_BUCKET_BYTES, reduction_buckets
 
+    one = Candidates.from_layouts([Layout(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=8)])
+    tp2 = Candidates.from_layouts([Layout(tp=2, pp=1, dp=4, micro_batch_size=1, num_microbatches=16)])
     # Megatron-LM: max(40,000,000, 1,000,000 x dp) parameters a bucket (distributed_data_parallel.py)
-    assert gradient_buckets(training("megatron"), 1e9, 4.0, 8) == 25
-    assert gradient_buckets(training("megatron"), 1e9, 4.0, 100) == 10
-    # torch DDP (the executor, the generic stack): 25 MiB of gradient a bucket
-    assert gradient_buckets(training("generic"), 1e9, 4.0, 8) == math.ceil(4e9 / TORCH_DDP_BUCKET_BYTES)
+    assert reduction_buckets(training("megatron"), one, 1e9, 4.0, 8) == 25
+    assert reduction_buckets(training("megatron"), one, 1e9, 4.0, 100) == 10
+    # torch DDP (the generic stack; the executor where it wraps DDP: tp = pp = 1): 25 MiB of gradient a bucket
+    ddp = math.ceil(4e9 / TORCH_DDP_BUCKET_BYTES)
+    assert reduction_buckets(training("generic"), one, 1e9, 4.0, 8) == ddp
+    assert reduction_buckets(training("generic"), tp2, 1e9, 4.0, 4) == ddp
+    assert reduction_buckets(training("executor"), one, 1e9, 4.0, 8) == ddp
+    assert reduction_buckets(training("executor"), tp2, 1e9, 4.0, 4) == 1
     # torchtitan (FSDP2's per-layer collectives are costed apart) and small stages: one collective
-    assert gradient_buckets(training("torchtitan"), 1e9, 4.0, 8) == 1
-    assert gradient_buckets(training("generic"), 1e3, 4.0, 8) == 1
+    assert reduction_buckets(training("torchtitan"), one, 1e9, 4.0, 8) == 1
+    assert reduction_buckets(training("generic"), one, 1e3, 4.0, 8) == 1
     # each bucket after the first costs one more all-reduce latency over the data-parallel ranks
     cl = cluster_from_preset("dgx-h100", 4)
     x = Layout(tp=1, pp=1, dp=32, micro_batch_size=1, num_microbatches=2)
