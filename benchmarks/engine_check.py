@@ -597,18 +597,19 @@ def build_torchtitan_trainers(plans: list[tuple[Plan, dict[str, str]]], workdir:
         d.mkdir(parents=True, exist_ok=True)
         jobs.append({"workdir": str(d), "module": files["berth_torchtitan.py"], "world": plan.cluster.world_size})
     root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return _run_runner(_TORCHTITAN_TRAINER_RUNNER, jobs, "the torchtitan trainer runner", cwd=root, env=env)
+
+
+def _run_runner(source: str, jobs: list[dict[str, Any]], name: str, **kw: Any) -> Any:
+    """Run a runner script (`python -c source`) on `jobs` (JSON on its stdin) and return what it printed after
+    BERTH_RESULT; a runner that printed none failed, and its stderr says why."""
     r = subprocess.run(
-        [sys.executable, "-c", _TORCHTITAN_TRAINER_RUNNER],
-        input=json.dumps(jobs),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        [sys.executable, "-c", source], input=json.dumps(jobs), capture_output=True, text=True, timeout=900, **kw
     )
     lines = [line for line in r.stdout.splitlines() if line.startswith("BERTH_RESULT ")]
     if not lines:
-        raise RuntimeError(f"the torchtitan trainer runner failed (rc {r.returncode}): {r.stderr[-3000:]}")
+        raise RuntimeError(f"{name} failed (rc {r.returncode}): {r.stderr[-3000:]}")
     return json.loads(lines[-1].removeprefix("BERTH_RESULT "))
 
 
@@ -763,17 +764,7 @@ print("BERTH_RESULT " + json.dumps({"version": megatron.core.__version__, "resul
 def check_megatron_core(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each job ({"argv": pretrain_gpt.py's arguments, "world": ranks}) through megatron-core's own classes (one
     subprocess); {"version": megatron-core's, "results": [values or {"error": ...}]}."""
-    r = subprocess.run(
-        [sys.executable, "-c", _MEGATRON_CORE_RUNNER],
-        input=json.dumps(jobs),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line for line in r.stdout.splitlines() if line.startswith("BERTH_RESULT ")]
-    if not lines:
-        raise RuntimeError(f"the megatron-core runner failed (rc {r.returncode}): {r.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("BERTH_RESULT "))
+    return _run_runner(_MEGATRON_CORE_RUNNER, jobs, "the megatron-core runner")
 
 
 # --- Megatron-LM --------------------------------------------------------------------------------------------

@@ -592,23 +592,24 @@ def attack_orphans(store: Path) -> dict:
     """kill -9 of a server with a cluster-build child, and of a `--workers 2` server."""
     left: dict[str, int] = {}
     seen: dict[str, int] = {}
-    proc, url = start_server(1, store, True)
-    try:  # a 4,160-GPU cluster is built in the server's child process
-        httpx.post(url + "/v1/plans", json={**BODY, "cluster": {"preset": "dgx-h100", "nodes": 520}}, timeout=60)
-        tree = _tree(proc.pid)[1:]
-    finally:
-        proc.kill()
-        proc.wait()
-    time.sleep(5)
-    seen["build_child"], left["build_child"] = len(tree), sum(_alive(p) for p in tree)
-    proc, url = start_server(2, store, True)
-    try:
-        tree = _tree(proc.pid)[1:]
-    finally:
-        proc.kill()
-        proc.wait()
-    time.sleep(5)
-    seen["workers_2"], left["workers_2"] = len(tree), sum(_alive(p) for p in tree)
+
+    def killed(workers: int, key: str, build: bool) -> None:
+        """Start a server, list its children (after a plan whose cluster is built in a child, with `build`), kill
+        the server, and count the children still alive 5 s later."""
+        proc, url = start_server(workers, store, True)
+        try:  # a 4,160-GPU cluster is built in the server's child process
+            if build:
+                body = {**BODY, "cluster": {"preset": "dgx-h100", "nodes": 520}}
+                httpx.post(url + "/v1/plans", json=body, timeout=60)
+            tree = _tree(proc.pid)[1:]
+        finally:
+            proc.kill()
+            proc.wait()
+        time.sleep(5)
+        seen[key], left[key] = len(tree), sum(_alive(p) for p in tree)
+
+    killed(1, "build_child", True)
+    killed(2, "workers_2", False)
     return {"children_seen": seen, "left_alive": left, "pass": all(seen.values()) and not any(left.values())}
 
 

@@ -40,8 +40,8 @@ from berth.planner import stages
 from berth.planner.specs import AXIS_ORDER_CHOICES, ENGINE_CHOICES, Engine, Layout, ModelSpec, TrainingSpec
 
 MEMORY_PYTORCH = "pytorch"
-TORCH_DDP_BUCKET_BYTES = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25), the default
 MEMORY_MEGATRON = "megatron"
+TORCH_DDP_BUCKET_BYTES = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25), the default
 
 
 @dataclass(frozen=True)
@@ -448,6 +448,12 @@ def param_gather_exposed(training: TrainingSpec) -> float:
     return engine_of(training).param_gather_exposed if fitted is None else fitted
 
 
+def ddp_wrapped(c: Candidates) -> np.ndarray:
+    """Where the executor (and a PyTorch stack like it) wraps the model in DDP: tp = pp = 1 and ZeRO <= 1
+    (executor/parallel.py); elsewhere it shards or splits the model."""
+    return (np.asarray(c.tp) == 1) & (np.asarray(c.pp) == 1) & (np.asarray(c.zero_stage) < 2)
+
+
 def reduction_buckets(training: TrainingSpec, c: Candidates, params, reduced_bytes_per_param, dp) -> np.ndarray:
     """How many collectives the engine reduces `params` parameters' gradients in over `dp` ranks (at least 1):
     its bucket size (EngineInfo.bucket_*), from its code."""
@@ -458,7 +464,7 @@ def reduction_buckets(training: TrainingSpec, c: Candidates, params, reduced_byt
         per_bucket = np.maximum(per_bucket, e.bucket_bytes / np.asarray(reduced_bytes_per_param, dtype=float))
     n = np.where(per_bucket > 0, np.maximum(np.ceil(params / np.maximum(per_bucket, 1.0)), 1.0), 1.0)
     if e.buckets_ddp_only:
-        n = np.where((c.tp == 1) & (c.pp == 1) & (c.zero_stage <= 1), n, 1.0)
+        n = np.where(ddp_wrapped(c), n, 1.0)
     return n
 
 

@@ -55,7 +55,7 @@ import numpy as np
 
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE, Candidates
-from berth.cost_models.engines import megatron_memory
+from berth.cost_models.engines import ddp_wrapped, megatron_memory
 from berth.cost_models.pipeline import layers_in_flight, microbatches_in_flight
 from berth.hardware_profiles.schema import DeviceProfile
 from berth.planner import stages
@@ -551,13 +551,7 @@ def gradient_buckets(c, training: TrainingSpec) -> ArrayOrFloat:
     """1 where the data-parallel wrapper keeps a persistent unsharded gradient copy: PyTorch DDP
     with gradient_as_bucket_view, which the executor uses for zero <= 1 when dp is the only axis
     (Megatron's persistent buffer is its `grad_buffer`, counted by the recipe)."""
-    return (
-        (np.asarray(c.zero_stage) < 2)
-        & (np.asarray(c.dp) > 1)
-        & (np.asarray(c.tp) == 1)
-        & (np.asarray(c.pp) == 1)
-        & (not megatron_memory(training))
-    ).astype(float)
+    return (ddp_wrapped(c) & (np.asarray(c.dp) > 1) & (not megatron_memory(training))).astype(float)
 
 
 def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> float:

@@ -214,7 +214,7 @@ def _dp_times(
     gather = comm.all_gather_s(cluster, param_bytes, shard, stride_shard)
     # the engine reduces gradients in buckets, one collective each: every bucket after the first adds its latency
     buckets = reduction_buckets(training, c, stage_params, reduced, c.dp * cp) - 1.0
-    scatter_whole = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)  # ZeRO-3's, per layer
+    scatter_whole = comm.reduce_scatter_s(cluster, grad_bytes, shard, stride_shard)  # one collective (ZeRO-3's)
     scatter = scatter_whole + buckets * comm.reduce_scatter_s(cluster, 0.0, shard, stride_shard)
     ar_replicate = comm.all_reduce_s(cluster, grad_bytes / shard, replicate, stride_rep)
     ar_whole = comm.all_reduce_s(cluster, grad_bytes, c.dp * cp, inner_stride)  # one collective

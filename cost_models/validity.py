@@ -418,6 +418,8 @@ REASONS: tuple[tuple[str, str], ...] = (
 REASON_CODES = {name: i for i, (name, _) in enumerate(REASONS)}
 OUT_OF_MEMORY = REASON_CODES["out_of_memory"]
 MEMORY_TIGHT = REASON_CODES["memory_tight"]  # fits, but closer to the capacity than the search's memory headroom
+# what the rules let run, whatever the memory model says of it (a measured run is scored, a probe proposed, by these)
+RUNS_MEMORY_ASIDE = (VALID, MEMORY_TIGHT, OUT_OF_MEMORY)
 PLAN_RULES: tuple[Rule, ...] = tuple(r for r in RULES if PLAN in r.applies)
 EXECUTOR_RULES: tuple[Rule, ...] = tuple(r for r in RULES if EXECUTOR in r.applies)
 _WHO = {PLAN: PLAN_RULES, EXECUTOR: EXECUTOR_RULES}

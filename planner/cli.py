@@ -188,6 +188,16 @@ def _unit(cluster) -> str:
     return "CPU workers" if cluster.device.kind == "cpu" else "GPUs"
 
 
+def _read_text(path: str, field: str, expected: str) -> str:
+    """A local file's text; an unreadable or binary one is refused naming the option and the path."""
+    try:
+        return Path(path).read_text()
+    except OSError as err:
+        raise BerthError(field, path, f"cannot read: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise BerthError(field, path, f"not a text file (expected {expected})") from None
+
+
 @app.command("plan")
 def plan_cmd(
     model: Model,
@@ -848,12 +858,9 @@ def calibrate_cmd(
     loaded = []
     if reports:
         for path in reports:
+            text = _read_text(path, "reports", "a ValidationReport JSON")
             try:
-                loaded.append(ValidationReport.model_validate_json(Path(path).read_text()))
-            except OSError as err:
-                raise BerthError("reports", path, f"cannot read: {err.strerror}") from None
-            except UnicodeDecodeError:
-                raise BerthError("reports", path, "not a text file (expected a ValidationReport JSON)") from None
+                loaded.append(ValidationReport.model_validate_json(text))
             except ValidationError as err:
                 raise from_validation_error(err, f"reports[{path}]") from None
     else:
@@ -989,10 +996,7 @@ def probe_cmd(
     )
     given = list(layout or [])
     if layouts_file is not None:
-        try:
-            text = Path(layouts_file).read_text()
-        except (OSError, UnicodeDecodeError) as err:
-            raise BerthError("layouts", layouts_file, f"cannot read it ({err.__class__.__name__})") from None
+        text = _read_text(layouts_file, "layouts", "one layout a line")
         given += [line.split("#", 1)[0].strip() for line in text.splitlines() if line.split("#", 1)[0].strip()]
         if not given:
             raise BerthError("layouts", layouts_file, "no layout in it")
@@ -1075,12 +1079,8 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
 
     runs = []
     if runs_file:
-        try:
-            runs.extend(read_runs(Path(runs_file).read_text(), runs_file, base=Path(runs_file).resolve().parent))
-        except OSError as err:
-            raise BerthError("runs", runs_file, f"cannot read: {err.strerror}") from None
-        except UnicodeDecodeError:
-            raise BerthError("runs", runs_file, "not a text file (expected JSON lines)") from None
+        text = _read_text(runs_file, "runs", "JSON lines")
+        runs.extend(read_runs(text, runs_file, base=Path(runs_file).resolve().parent))
     if logs:
         if plan_file is None:
             raise BerthError("plan", None, "--log needs --plan: the plan that ran (berth plan --json output)")

@@ -50,7 +50,7 @@ from berth.cost_models.candidates import Candidates
 from berth.cost_models.engines import ENGINES
 from berth.cost_models.memory import allocator_capacity_bytes
 from berth.cost_models.step import evaluate
-from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID
+from berth.cost_models.validity import RUNS_MEMORY_ASIDE
 from berth.planner.calibrate import jacobian
 from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.specs import ClusterSpec, EngineTuning, Layout, ModelSpec, TrainingSpec
@@ -179,7 +179,7 @@ def predict_runs(runs: list[MeasuredRun], tuning: EngineTuning) -> tuple[np.ndar
         training = first.training.model_copy(update={"tuning": tuning})
         with np.errstate(divide="ignore", invalid="ignore"):
             ev = evaluate(first.model, training, first.cluster, Candidates.from_layouts([runs[i].layout for i in idx]))
-        runs_ok = np.isin(ev.reason, (VALID, OUT_OF_MEMORY, MEMORY_TIGHT))
+        runs_ok = np.isin(ev.reason, RUNS_MEMORY_ASIDE)
         cap = allocator_capacity_bytes(first.cluster.device, first.cluster.world_size)
         caps[idx] = float(cap)
         times[idx] = np.where(runs_ok, ev.step_time_s, np.inf)

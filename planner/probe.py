@@ -22,11 +22,11 @@ import numpy as np
 from berth.cost_models.candidates import Candidates
 from berth.cost_models.memory import allocator_capacity_bytes
 from berth.cost_models.step import evaluate
-from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID
+from berth.cost_models.validity import RUNS_MEMORY_ASIDE
 from berth.planner.engine_fit import PARAMETERS, PRIOR_WEIGHT, decode, encode, prior_value, with_values
 from berth.planner.errors import BerthError
 from berth.planner.search import enumerate_candidates, make_plan
-from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, SearchSpec, TrainingSpec
+from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, Prediction, SearchSpec, TrainingSpec
 
 MARGIN = 0.15  # a probe must fit with 15 % of the capacity to spare: it is measured, not risked
 # a probe is a layout a team might use: among the fitting layouts, those predicted at least this share of the best
@@ -109,14 +109,20 @@ def probe(
     with np.errstate(divide="ignore", invalid="ignore"):
         ev = evaluate(model, training, cluster, c)
         capacity = allocator_capacity_bytes(cluster.device, cluster.world_size)
-        runnable = np.isin(ev.reason, (VALID, MEMORY_TIGHT, OUT_OF_MEMORY)) & np.isfinite(ev.step_time_s)
+        runnable = np.isin(ev.reason, RUNS_MEMORY_ASIDE) & np.isfinite(ev.step_time_s)
         # with MARGIN to spare; short of k such layouts, those predicted to fit at all; and among layouts the team
         # gave (it knows what runs), the rest too: a run the prior thinks too big corrects the memory model
-        tiers = [runnable & (ev.peak_memory_bytes <= (1.0 - MARGIN) * capacity)]
-        tiers.append(runnable & (ev.peak_memory_bytes <= capacity))
+        tiers = [
+            runnable & (ev.peak_memory_bytes <= (1.0 - MARGIN) * capacity),
+            runnable & (ev.peak_memory_bytes <= capacity),
+        ]
         if layouts is not None:
             tiers.append(runnable)
-        ok = next((t for t in tiers if t.sum() >= k), next((t for t in reversed(tiers) if t.any()), tiers[0]))
+        ok = tiers[-1]  # the widest: fewer than k candidates in all of them
+        for tier in tiers:
+            if tier.sum() >= k:
+                ok = tier
+                break
         if ok.any():
             ok &= ev.tokens_per_s >= RELEVANT * ev.tokens_per_s[ok].max()
     idx = np.flatnonzero(ok)
@@ -139,17 +145,19 @@ def probe(
         pred = plan.predicted()
         terms = sorted(pred.time_breakdown_s.items(), key=lambda kv: -kv[1])
         share = ", ".join(f"{t} {v / pred.step_time_s:.0%}" for t, v in terms[:2] if v > 0)
-        room = pred.peak_memory_bytes / pred.memory_capacity_bytes
         why = (
             f"pins {', '.join(pins) if pins else 'nothing new (the design ran out of information)'}; "
-            f"its step is {share}; {pred.peak_memory_bytes / 2**30:.1f} GiB"
-            + (
-                ""
-                if room <= 1.0 - MARGIN
-                else f" (predicted to leave less than {MARGIN:.0%} of the memory: it may not fit)"
-                if room <= 1.0
-                else " (predicted not to fit: whether it runs corrects the memory model)"
-            )
+            f"its step is {share}; {pred.peak_memory_bytes / 2**30:.1f} GiB{_room(pred)}"
         )
         out.append(Pick(plan, pins, why))
     return out
+
+
+def _room(pred: Prediction) -> str:
+    """What a pick's predicted memory says of measuring it (nothing when it fits with MARGIN to spare)."""
+    room = pred.peak_memory_bytes / pred.memory_capacity_bytes
+    if room <= 1.0 - MARGIN:
+        return ""
+    if room <= 1.0:
+        return f" (predicted to leave less than {MARGIN:.0%} of the memory: it may not fit)"
+    return " (predicted not to fit: whether it runs corrects the memory model)"
