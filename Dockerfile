@@ -13,11 +13,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY planner ./planner
-COPY api ./api
-COPY cost_models ./cost_models
+COPY specs ./specs
 COPY hardware_profiles ./hardware_profiles
+COPY topology ./topology
+COPY cost_models ./cost_models
+COPY planner ./planner
 COPY executor ./executor
+COPY launch ./launch
+COPY api ./api
+COPY cli ./cli
 RUN pip install . \
     && if [ "$WITH_TORCH" = "1" ]; then \
          pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \

@@ -36,8 +36,8 @@ from berth.api.common import BodyLimit, HeadLimit, StrictRoute, berth_error, int
 from berth.api.service import SWITCH_INTERVAL_S, Service, build_cluster, die_with_parent, get_service
 from berth.api.settings import Settings
 from berth.hardware_profiles import server_names
-from berth.planner import __version__
-from berth.planner.errors import BerthError
+from berth.specs import __version__
+from berth.specs.errors import BerthError
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -16,8 +16,8 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.types import Message
 
-from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.planning import json_text
+from berth.specs.errors import BerthError, from_validation_error
 
 ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"detail": {}}}}}}
 COMMON_ERRORS: dict[int | str, dict[str, Any]] = {

@@ -7,7 +7,6 @@ from fastapi import APIRouter, HTTPException
 
 from berth.api.common import ERROR, StrictRoute
 from berth.api.schemas import ClusterInfo, EngineDoc, ModelInfo, ProfileInfo
-from berth.cost_models.engines import engine_table
 from berth.hardware_profiles import (
     DeviceProfile,
     UnknownProfileError,
@@ -16,7 +15,8 @@ from berth.hardware_profiles import (
     load_server,
     server_names,
 )
-from berth.planner.models import presets
+from berth.specs.engines import engine_table
+from berth.specs.models import presets
 
 router = APIRouter(route_class=StrictRoute)
 

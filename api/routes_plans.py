@@ -12,8 +12,8 @@ from fastapi.responses import Response
 from berth.api.common import COMMON_ERRORS, ERROR, StrictRoute, json_response
 from berth.api.schemas import CompareRequest, CompareResponse, LaunchRequest, LaunchResponse, PlanRequest, PlanResponse
 from berth.api.service import Service, get_service
+from berth.launch.writers import artifacts, engine_training
 from berth.planner.inputs import make_search
-from berth.planner.launch import artifacts, engine_training
 from berth.planner.planning import (
     cached_plan,
     compare_json,
@@ -24,7 +24,7 @@ from berth.planner.planning import (
     plans_text,
     with_fallback,
 )
-from berth.planner.specs import pick_plan, plan_listing
+from berth.specs.tree import pick_plan, plan_listing
 
 router = APIRouter(route_class=StrictRoute)
 ServiceDep = Annotated[Service, Depends(get_service)]

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 from berth.api.common import StrictRoute
 from berth.api.schemas import Health
 from berth.api.service import Service, get_service
-from berth.planner import __version__
+from berth.specs import __version__
 
 router = APIRouter(route_class=StrictRoute)
 

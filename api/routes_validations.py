@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException
 from berth.api.common import COMMON_ERRORS, ERROR, StrictRoute
 from berth.api.schemas import ValidationJob, ValidationRequest
 from berth.api.service import Service, get_service, utc_now
-from berth.planner.specs import ValidationReport, pick_plan, plan_listing
+from berth.specs.tree import ValidationReport, pick_plan, plan_listing
 
 router = APIRouter(route_class=StrictRoute)
 ServiceDep = Annotated[Service, Depends(get_service)]

@@ -8,10 +8,10 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from berth.hardware_profiles import server_names
-from berth.hardware_profiles.schema import LinkProfile, Precision
+from berth.launch.writers import FORMATS
 from berth.planner.inputs import ClusterInput, OperationsInput, TrainingInput
-from berth.planner.launch import FORMATS
-from berth.planner.specs import (
+from berth.specs.hardware import LinkProfile, Precision
+from berth.specs.tree import (
     DEFAULT_MEMORY_HEADROOM,
     ENGINE_ALIASES,
     ENGINE_CHOICES,
@@ -26,7 +26,7 @@ from berth.planner.specs import (
     SearchSpec,
     ValidationReport,
 )
-from berth.planner.topology import LOCAL
+from berth.topology.clusters import LOCAL
 
 
 class Body(BaseModel):
@@ -252,7 +252,7 @@ class CompareResponse(BaseModel):
 class LaunchRequest(Body):
     plan_id: PlanId = Field(description="id of a stored plan or compare answer")
     pick: int = Field(default=1, ge=1, le=1000, description="which plan of the stored answer (1 = first)")
-    # the launch formats' registry (planner/launch.py)
+    # the launch formats' registry (launch/writers.py)
     format: Literal[FORMATS] | None = Field(  # type: ignore[valid-type]
         default=None,
         description="the launch file format to write (null: the plan's engine's own); another engine's format "

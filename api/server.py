@@ -33,7 +33,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from berth.api.common import OVER_LIMIT
 from berth.api.settings import Settings
-from berth.planner.errors import BerthError
+from berth.specs.errors import BerthError
 
 # A new connection from which the server has read nothing yet keeps its slot this long (its head may
 # be waiting in the socket while the server accepts others: a burst of connections). One that has

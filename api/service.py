@@ -38,12 +38,12 @@ from berth.api.common import RETRY_AFTER_S, busy
 from berth.api.schemas import ValidationRequest
 from berth.api.settings import Settings
 from berth.hardware_profiles import load_server
-from berth.planner.errors import BerthError
 from berth.planner.inputs import ClusterInput, make_cluster_input, resolve
 from berth.planner.search import SearchTimeout
-from berth.planner.specs import ClusterSpec, ModelSpec, Plan, TrainingSpec
 from berth.planner.store import BUSY_TIMEOUT_S, Store
-from berth.planner.topology import LOCAL
+from berth.specs.errors import BerthError
+from berth.specs.tree import ClusterSpec, ModelSpec, Plan, TrainingSpec
+from berth.topology.clusters import LOCAL
 
 # A preset cluster of more GPUs than this, or a graph of more elements, is built in the one
 # "build" thread: a 65,536-GPU preset takes seconds of pure Python, and must not hold the threads

@@ -33,7 +33,7 @@ import numpy as np
 from scipy.optimize import minimize_scalar
 
 from benchmarks import published
-from berth.hardware_profiles.schema import DeviceProfile
+from berth.specs.hardware import DeviceProfile
 
 OUT = Path(__file__).parent / "results" / "a100_fit.json"
 FIT_FAMILIES = ("narayanan2021",)

@@ -40,12 +40,12 @@ from scipy.stats import spearmanr
 
 from berth.executor.profile import run_profile
 from berth.executor.validate import report_from_result
-from berth.hardware_profiles.schema import DeviceProfile, ServerProfile
 from berth.planner.calibrate import calibrate, predict
-from berth.planner.models import load_model
 from berth.planner.search import predict_layouts, search
-from berth.planner.specs import Layout, Plan, SearchSpec, TrainingSpec, ValidationReport
-from berth.planner.topology import local_cluster
+from berth.specs.hardware import DeviceProfile, ServerProfile
+from berth.specs.models import load_model
+from berth.specs.tree import Layout, Plan, SearchSpec, TrainingSpec, ValidationReport
+from berth.topology.clusters import local_cluster
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "tiny-gpt"

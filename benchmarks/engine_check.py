@@ -53,11 +53,11 @@ import types
 from pathlib import Path
 from typing import Any
 
-from berth.planner.launch import ENGINE_VERSIONS, LaunchRefused, artifacts
-from berth.planner.models import load_model
+from berth.launch.writers import ENGINE_VERSIONS, LaunchRefused, artifacts
 from berth.planner.search import predict_layouts, search
-from berth.planner.specs import Layout, Plan, SearchSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.models import load_model
+from berth.specs.tree import Layout, Plan, SearchSpec, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
 ENGINES = ("megatron", "deepspeed", "torchtitan")
 # (model, dgx-h100 nodes, seq_len, global batch): the README's launch example and its other llama cases
@@ -144,7 +144,7 @@ LAYOUT_CASES = [
     ),
     ("llama3-8b", 4, 64, Layout(dp=32, zero_stage=3, shard=8, micro_batch_size=2)),
     ("llama3-8b", 1, 64, Layout(dp=8, zero_stage=3, shard=8, micro_batch_size=2, num_microbatches=4, recompute="full")),
-    # uneven pipeline stages (planner/stages.py): 32 layers on pp 3 (11, 11, 10), and 80 in 12 chunks (5, 7 x10, 5)
+    # uneven pipeline stages (specs/stages.py): 32 layers on pp 3 (11, 11, 10), and 80 in 12 chunks (5, 7 x10, 5)
     (
         "llama3-8b",
         3,

@@ -43,7 +43,7 @@ from scipy.stats import spearmanr
 from berth.planner.engine_fit import MeasuredRun, fit_engine, predict_runs
 from berth.planner.probe import probe
 from berth.planner.run_logs import read_runs
-from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, EngineTuning
+from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, EngineTuning
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data" / "reference" / "ultrascale-playbook"

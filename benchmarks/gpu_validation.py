@@ -66,7 +66,7 @@ HOLDOUT_MIN_REPORTS = 10  # with fewer successful runs every report is fitted (n
 
 def device_slug() -> str:
     from berth.hardware_profiles import UnknownProfileError, nvidia_smi_device
-    from berth.planner.topology import local_gpus
+    from berth.topology.clusters import local_gpus
 
     gpus = local_gpus()
     if not gpus:
@@ -83,7 +83,7 @@ class Runner:
 
     def berth(self, name: str, *args: str, ok_codes=(0,)) -> subprocess.CompletedProcess:
         """Run one berth command; its stdout/stderr go to NAME.out / NAME.err."""
-        cmd = [sys.executable, "-m", "berth.planner.cli", *args]
+        cmd = [sys.executable, "-m", "berth.cli.main", *args]
         t0 = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True, env=self.env, cwd=ROOT)
         took = time.perf_counter() - t0

@@ -41,14 +41,14 @@ from scipy.optimize import least_squares
 import benchmarks
 from berth.cost_models import compute
 from berth.hardware_profiles import load_device
-from berth.hardware_profiles.schema import (
+from berth.specs.hardware import (
     AttentionPassModel,
     AttentionShapeModel,
     DeviceProfile,
     GemmShapeModel,
 )
-from berth.planner.models import presets
-from berth.planner.specs import ModelSpec, TrainingSpec
+from berth.specs.models import presets
+from berth.specs.tree import ModelSpec, TrainingSpec
 
 REFERENCE = benchmarks.REFERENCE / "h100-microbench"
 OUT = Path(__file__).parent / "results" / "layer_fidelity.json"

@@ -26,10 +26,10 @@ import numpy as np
 
 import benchmarks
 from berth.hardware_profiles import load_device, load_server
-from berth.planner.models import model_from_dict
 from berth.planner.search import predict_layouts
-from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.models import model_from_dict
+from berth.specs.tree import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
 REFERENCE = benchmarks.REFERENCE
 RESULTS = Path(__file__).parent / "results"

@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from berth.executor.model import Block
-from berth.planner.specs import ModelSpec
+from berth.specs.tree import ModelSpec
 
 DEVICES = Path(__file__).resolve().parents[1] / "hardware_profiles" / "devices"
 OUT = Path(__file__).parent / "results" / "op_census.json"

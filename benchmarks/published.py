@@ -63,11 +63,11 @@ from pathlib import Path
 import numpy as np
 
 import benchmarks
-from berth.cost_models.candidates import Candidates
 from berth.cost_models.step import evaluate
 from berth.hardware_profiles import load_device
-from berth.planner.specs import ClusterSpec, Layout, ModelSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.candidates import Candidates
+from berth.specs.tree import ClusterSpec, Layout, ModelSpec, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
 REFERENCE = benchmarks.REFERENCE
 FILES = ("published_runs_a100.json", "published_runs_more.json")
@@ -104,7 +104,7 @@ H100_96GB_MEMORY_BANDWIDTH = 2.41e12
 
 # torchtitan and Composer gather bf16 parameters under FSDP mixed precision and step a fused AdamW: their
 # engines ("torchtitan", "llmfoundry") price a layer's non-GEMM work with their own compute stacks
-# (cost_models/engines.py). MosaicML's MPT ran attn_impl "triton" (llm-foundry b2a43a147
+# (specs/engines.py). MosaicML's MPT ran attn_impl "triton" (llm-foundry b2a43a147
 # submit_benchmarks.py default and mpt-*.yaml; the `gpu` extra pinned flash-attn 1.0.x), FlashAttention v1 class.
 # torchtitan's benchmark ran PyTorch nightly 1963fc8 (2024-12): F.scaled_dot_product_attention's flash
 # backend was FlashAttention-2 (FlashAttention-3 class kernels came to SDPA later).
@@ -133,7 +133,7 @@ class Skip(Exception):
 
 
 def model_name(row: dict) -> str:
-    """The record's model name as a spec name (names are validated: no spaces, `planner/specs.py`)."""
+    """The record's model name as a spec name (names are validated: no spaces, `specs/tree.py`)."""
     return re.sub(r"[^A-Za-z0-9_./:+@-]+", "-", row["model_name"]).strip("-") or "published"
 
 
@@ -691,7 +691,7 @@ def predict(case: Case) -> Result:
     c = Candidates.from_layouts([case.layout])
     with np.errstate(divide="ignore", invalid="ignore"):
         ev = evaluate(case.model, case.training, case.cluster, c)
-    from berth.cost_models.validity import describe
+    from berth.specs.validity import describe
 
     code = int(ev.reason[0])
     return Result(

@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from berth.planner.models import load_model
 from berth.planner.search import search
-from berth.planner.specs import SearchSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.models import load_model
+from berth.specs.tree import SearchSpec, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
 CASES = [
     # name, model, cluster preset, nodes, seq, global batch (sequences)
@@ -82,7 +82,7 @@ def whole_process(model_name, preset, nodes, seq, batch) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "berth.planner.cli",
+        "berth.cli.main",
         "plan",
         model_name,
         "--cluster",

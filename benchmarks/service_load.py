@@ -89,7 +89,7 @@ def start_server(workers: int, store: Path, cache: bool, **settings) -> tuple[su
     if not cache:
         env["BERTH_PLAN_CACHE_SIZE"] = "0"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(port), "--workers", str(workers)],
+        [sys.executable, "-m", "berth.cli.main", "serve", "--port", str(port), "--workers", str(workers)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

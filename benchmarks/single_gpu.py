@@ -22,9 +22,9 @@ import numpy as np
 
 import benchmarks
 from berth.hardware_profiles import load_device, load_server, server_names
-from berth.planner.layouts import complete_layout, parse_spec
 from berth.planner.search import predict_layouts
-from berth.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from berth.specs.layouts import complete_layout, parse_spec
+from berth.specs.tree import ClusterSpec, ModelSpec, TrainingSpec
 
 REFERENCE = benchmarks.REFERENCE / "h100-microbench"
 OUT = Path(__file__).parent / "results" / "single_gpu.json"
@@ -41,7 +41,7 @@ def load_runs(reference: Path = REFERENCE) -> list[dict]:
 
 
 def local_h100() -> ClusterSpec:
-    """One H100 as `--cluster local` sees it (planner/topology.py local_cluster, GPU branch)."""
+    """One H100 as `--cluster local` sees it (topology/clusters.py local_cluster, GPU branch)."""
     device = load_device(DEVICE).model_copy(update={"memory_bytes": GPU_MEMORY_MIB * 2**20})
     server = next(load_server(s) for s in server_names() if load_server(s).device == DEVICE)
     return ClusterSpec(

@@ -8,7 +8,7 @@ e.g. NVLink pair, host, leaf switch, cluster): at level k the group's m_k member
 form c_k = m_k / m_(k-1) sub-groups and each GPU carries S / m_(k-1) bytes over that level's link
 (reduce-scatter up the levels, all-gather down; NCCL's rings cross each level once per channel,
 one NIC per GPU). A level's bandwidth is the per-GPU share when all groups of an axis use it at
-once (`planner/hierarchy.py`), which is how shared NICs and oversubscribed uplinks slow every group.
+once (`topology/hierarchy.py`), which is how shared NICs and oversubscribed uplinks slow every group.
 
 A group of `size` ranks with `stride` between members (from the layout's axis order) has
 min(size, D / stride) members in a block of D consecutive GPUs.
@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from berth.cost_models.arrays import ArrayOrFloat
-from berth.hardware_profiles.schema import CollectiveOp
-from berth.planner.specs import ClusterSpec
+from berth.specs.hardware import CollectiveOp
+from berth.specs.tree import ClusterSpec
 
 ALL_REDUCE_PASSES = 2.0  # reduce-scatter + all-gather
 HALF_PASSES = 1.0  # all-gather or reduce-scatter alone

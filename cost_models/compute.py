@@ -31,10 +31,10 @@ import numpy as np
 
 from berth.cost_models import memory
 from berth.cost_models.arrays import ArrayOrFloat
-from berth.cost_models.engines import engine_of
 from berth.cost_models.flops import BACKWARD_TO_FORWARD
-from berth.hardware_profiles.schema import AttentionPassModel, DeviceProfile, FrameworkCompute
-from berth.planner.specs import ModelSpec, TrainingSpec
+from berth.specs.engines import engine_of
+from berth.specs.hardware import AttentionPassModel, DeviceProfile, FrameworkCompute
+from berth.specs.tree import ModelSpec, TrainingSpec
 
 # Named constants (each an assumption stated with its reason).
 CAUSAL_WORK_FRACTION = 0.5  # FlashAttention skips fully-masked blocks: ~half of s^2 (Dao 2023)
@@ -49,7 +49,7 @@ GELU_FFN_SHARE = 0.5  # GELU touches one b x s x ffn tensor where SiLU(gate) * u
 
 
 def _framework(device: DeviceProfile, training: TrainingSpec) -> FrameworkCompute | None:
-    """The engine's compute stack: the first of its `compute_stacks` (cost_models/engines.py) the device has."""
+    """The engine's compute stack: the first of its `compute_stacks` (specs/engines.py) the device has."""
     for stack in engine_of(training).compute_stacks:
         if stack in device.frameworks:
             return device.frameworks[stack]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from berth.cost_models.arrays import ArrayOrFloat
-from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
-from berth.planner.specs import ModelSpec, TrainingSpec
+from berth.specs.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE
+from berth.specs.tree import ModelSpec, TrainingSpec
 
 BACKWARD_TO_FORWARD = 2.0  # dgrad + wgrad GEMMs, each the size of the forward GEMM
 

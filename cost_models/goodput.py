@@ -28,8 +28,8 @@ import numpy as np
 
 from berth.cost_models import memory
 from berth.cost_models.arrays import ArrayOrFloat
-from berth.cost_models.candidates import Candidates
-from berth.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from berth.specs.candidates import Candidates
+from berth.specs.tree import ClusterSpec, ModelSpec, TrainingSpec
 
 SECONDS_PER_HOUR = 3600.0
 JOULES_PER_KWH = 3.6e6

@@ -54,12 +54,12 @@ from dataclasses import replace
 import numpy as np
 
 from berth.cost_models.arrays import ArrayOrFloat
-from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE, Candidates
-from berth.cost_models.engines import ddp_wrapped, megatron_memory
 from berth.cost_models.pipeline import layers_in_flight, microbatches_in_flight
-from berth.hardware_profiles.schema import DeviceProfile
-from berth.planner import stages
-from berth.planner.specs import EngineTuning, ModelSpec, TrainingSpec
+from berth.specs import stages
+from berth.specs.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE, Candidates
+from berth.specs.engines import ddp_wrapped, megatron_memory
+from berth.specs.hardware import DeviceProfile
+from berth.specs.tree import EngineTuning, ModelSpec, TrainingSpec
 
 FP32_BYTES = 4
 HALF_BYTES = 2  # a bf16/fp16 element
@@ -173,7 +173,7 @@ def stage_params(
 ) -> ArrayOrFloat:
     """Parameters on one rank of the first (or last) pipeline stage after the tp split.
 
-    The stage's decoder layers follow the split rule (planner/stages.py; `vpp` virtual stages).
+    The stage's decoder layers follow the split rule (specs/stages.py; `vpp` virtual stages).
     The first stage holds the input embedding, the last the LM head and final norm; with
     pp = 1 one stage holds both (a single matrix if the embeddings are tied). Megatron keeps a
     copy of a tied embedding on the last stage when pp > 1. `middle`: a middle stage (its layers
@@ -716,7 +716,7 @@ def peak_memory(
     stage) and that stage's breakdown.
 
     With an even split the middle stages hold fewer in-flight micro-batches than the first and no
-    embedding or head, so they are never the peak. With an uneven one (planner/stages.py) a middle
+    embedding or head, so they are never the peak. With an uneven one (specs/stages.py) a middle
     stage holds more layers than the first or last: the second stage, the middle one with the most
     micro-batches in flight, is taken too."""
     first = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=True), training.tuning, c.tp)

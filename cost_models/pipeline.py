@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from berth.cost_models.arrays import ArrayOrFloat
-from berth.cost_models.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
+from berth.specs.candidates import SCHEDULE_GPIPE, SCHEDULE_INTERLEAVED
 
 
 def layers_in_flight(num_layers: int, pp, vpp, nmb, schedule, stage, stage_layers=None) -> np.ndarray:
     """Layer-micro-batches whose activations stage `stage` holds at its peak. `stage_layers`: the
-    decoder layers of that stage (planner/stages.py; default num_layers / pp, the even split); under
+    decoder layers of that stage (specs/stages.py; default num_layers / pp, the even split); under
     the interleaved schedule its in-flight chunks are counted at the stage's mean chunk size."""
     pp = np.asarray(pp, dtype=float)
     vpp = np.asarray(vpp, dtype=float)

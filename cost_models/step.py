@@ -4,7 +4,7 @@ Per micro-batch, the slowest pipeline stage runs its layers' forward, backward a
 recomputation, the tensor-parallel collectives of each layer (exposed: Megatron does not
 overlap them, Shoeybi 2019), and its stage-to-stage sends. The pipeline runs m micro-batches at
 the pace of the slowest stage plus a fill/drain bubble of (p - 1)/v mean micro-batch times
-(Narayanan 2021). Stage depths follow planner/stages.py: with an uneven split the first and last
+(Narayanan 2021). Stage depths follow specs/stages.py: with an uneven split the first and last
 stages hold fewer layers and a middle stage (more layers, no embedding or head) can be the slowest.
 Data-parallel traffic (gradient reduction, ZeRO-3 parameter gathers) is issued layer by layer
 behind the forward or backward compute it overlaps (`_dp_times`); what a layer's traffic takes
@@ -22,19 +22,20 @@ shard x cp ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from berth.cost_models import comm, compute, flops, goodput, memory
 from berth.cost_models.arrays import ArrayOrFloat
-from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
-from berth.cost_models.engines import grad_reduce_exposed, param_gather_exposed, reduction_buckets
-from berth.cost_models.pipeline import bubble_s
-from berth.cost_models.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
-from berth.hardware_profiles.schema import LinkProfile
-from berth.planner import stages
-from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, EngineTuning, ModelSpec, TrainingSpec
+from berth.cost_models.pipeline import bubble_s, microbatches_in_flight
+from berth.specs import stages
+from berth.specs.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
+from berth.specs.engines import grad_reduce_exposed, param_gather_exposed, reduction_buckets
+from berth.specs.hardware import LinkProfile
+from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, ClusterSpec, EngineTuning, Metrics, ModelSpec, Plan, TrainingSpec
+from berth.specs.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
 
 TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Shoeybi 2019, Fig. 4)
 # The fraction of a compute window that hides data-parallel communication is the cluster's
@@ -85,7 +86,7 @@ class Evaluation:
     mfu: np.ndarray
     hfu: np.ndarray
     peak_memory_bytes: np.ndarray
-    reason: np.ndarray  # 0 = feasible, else a code from berth.cost_models.validity
+    reason: np.ndarray  # 0 = feasible, else a code from berth.specs.validity
     time_breakdown_s: dict[str, np.ndarray]
     memory_breakdown_bytes: dict[str, np.ndarray]
     bottleneck: np.ndarray  # index into BOTTLENECK_NAMES
@@ -299,7 +300,7 @@ def _stage_dp_times_part(
     """(exposed, total) data-parallel time of the stage whose exposed time is longest: each rank reduces
     (and gathers) its own stage's parameters behind its own layers' compute. With an even split the first or the last
     stage (an embedding or head more, the same layers) is that stage; with an uneven one
-    (planner/stages.py) each of the first, a middle and the last stage is costed."""
+    (specs/stages.py) each of the first, a middle and the last stage is costed."""
     n_first, n_middle, n_last = layers
     etp = memory.expert_tp_of(c)
     pf = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=ep, part=part, etp=etp)
@@ -402,7 +403,7 @@ def evaluate(
     tp, pp, vpp, nmb = c.tp.astype(float), c.pp.astype(float), c.virtual_stages, c.num_microbatches
     # tokens per rank: b s / cp (the compute and memory terms take b / cp as the micro-batch)
     b = c.micro_batch_size.astype(float) / c.cp
-    # decoder layers of the first, a middle and the last stage (planner/stages.py: L / pp each when even)
+    # decoder layers of the first, a middle and the last stage (specs/stages.py: L / pp each when even)
     n_first, n_middle, n_last, _ = (
         np.asarray(a, dtype=float) for a in stages.stage_split(model.num_layers, c.pp, c.virtual_stages)
     )
@@ -617,3 +618,28 @@ def stage_compute(
         "recompute": c.num_microbatches * layers * recompute,
         "optimizer": compute.optimizer_step_s(device, training, local),
     }
+
+
+def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dict[str, float], int]:
+    """The per-rank figures a rank-slice proxy measures, from the same cost model: the stage's
+    compute (communication excluded) and memory, for a model `layers` deep per stage, with ZeRO
+    capped at stage 1 (what the proxy holds). Returns metrics, breakdown, micro-batches in flight."""
+    x = plan.layout
+    model = plan.model.model_copy(update={"num_layers": layers * x.pp})
+    c = Candidates.from_layouts([x.model_copy(update={"zero_stage": min(x.zero_stage, 1)})])
+    # one process without FSDP2: fp32 weights under autocast, the executor's own precision recipe
+    c = replace(c, dp=np.ones_like(c.dp))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        comp = {k: float(v[0]) for k, v in stage_compute(model, plan.training, plan.cluster, c, first).items()}
+        mem = {
+            k: float(v[0])
+            for k, v in memory.stage_memory_breakdown(
+                model, plan.training, plan.cluster.device, c, first, buckets=False
+            ).items()
+        }
+        stage = 0 if first else x.pp - 1
+        in_flight = float(microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)[0])
+    mem["framework"] = 0.0
+    metrics = Metrics(step_time_s=sum(comp.values()), peak_memory_bytes=sum(mem.values()))
+    breakdown = {**{f"time.{k}": v for k, v in comp.items()}, **{f"memory.{k}": v for k, v in mem.items()}}
+    return metrics, breakdown, max(1, math.ceil(in_flight - 1e-9))

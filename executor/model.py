@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from berth.cost_models.memory import vocab_rows
-from berth.planner.specs import ModelSpec
+from berth.specs.tree import ModelSpec
 
 if TYPE_CHECKING:
     from berth.executor.context_parallel import ContextParallel

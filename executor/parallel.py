@@ -62,10 +62,10 @@ from berth.executor import timing
 from berth.executor.checks import UnsupportedLayout, check_layout  # noqa: F401 (re-exported)
 from berth.executor.context_parallel import apply_cp
 from berth.executor.model import STAND_IN_DEVICES, Attention, Decoder, MoE, build_model, loss_fn
-from berth.planner import stages
-from berth.planner.axes import MESH_DIMS
 from berth.planner.placement import coordinates
-from berth.planner.specs import Layout, ModelSpec, TrainingSpec
+from berth.specs import stages
+from berth.specs.axes import MESH_DIMS
+from berth.specs.tree import Layout, ModelSpec, TrainingSpec
 
 if TYPE_CHECKING:  # imported at first use (_schedule_class); the proxy imports this module
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -73,7 +73,7 @@ if TYPE_CHECKING:  # imported at first use (_schedule_class); the proxy imports 
     from berth.executor.proxy import StageSlice
 
 LEARNING_RATE = 1e-3
-# MESH_DIMS (planner/axes.py): ("pp", "replicate", "shard", "cp", "tp"), torchtitan's order, outermost first
+# MESH_DIMS (specs/axes.py): ("pp", "replicate", "shard", "cp", "tp"), torchtitan's order, outermost first
 
 
 @dataclass
@@ -119,7 +119,7 @@ def reduce_cp_gradients(prepared: Prepared, cp: int) -> None:
 
 
 def mesh_shape(layout: Layout) -> tuple[int, ...]:
-    """The DeviceMesh's size along each of MESH_DIMS (planner/axes.py): dp becomes (replicate,
+    """The DeviceMesh's size along each of MESH_DIMS (specs/axes.py): dp becomes (replicate,
     shard), shard inner (FSDP2's hybrid mesh)."""
     sizes = {"replicate": layout.dp // layout.shard, "shard": layout.shard}
     return tuple(sizes[d] if d in sizes else getattr(layout, d) for d in MESH_DIMS)
@@ -167,7 +167,7 @@ def apply_recompute(model: Decoder | StageSlice, recompute: str) -> None:
 
 def pipeline_chunk(model: Decoder, chunk: int, pp: int, vpp: int = 1) -> Decoder:
     """Model chunk `chunk` of pp x vpp: its contiguous layers as the split rule gives them
-    (planner/stages.py: uneven when pp x vpp does not divide the layers), the embedding on the
+    (specs/stages.py: uneven when pp x vpp does not divide the layers), the embedding on the
     first chunk, the final norm and head on the last; names keep their global layer index."""
     chunks = pp * vpp
     offsets = stages.chunk_offsets(model.spec.num_layers, pp, vpp)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from berth.executor.device import rank_device
 from berth.hardware_profiles import PROFILE_FORMAT, load_device, load_server
-from berth.hardware_profiles.schema import CollectiveOp, DeviceProfile, GemmCurve, LinkProfile, Precision, ServerProfile
+from berth.specs.hardware import CollectiveOp, DeviceProfile, GemmCurve, LinkProfile, Precision, ServerProfile
 
 GEMM_DIMS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 QUICK_GEMM_DIMS = (16, 64, 256, 1024)
@@ -672,7 +672,7 @@ def gpu_base(name: str) -> tuple[str, str]:
     """(device profile, server preset) of this GPU by its name (the nvidia_smi section of its device file);
     an unknown GPU is an error naming the known ones."""
     from berth.hardware_profiles import UnknownProfileError, nvidia_smi_device
-    from berth.planner.errors import BerthError
+    from berth.specs.errors import BerthError
 
     try:
         return nvidia_smi_device(name)

@@ -40,7 +40,7 @@ from berth.executor.model import INIT_STD, Block, norm_layer
 from berth.executor.parallel import apply_recompute
 from berth.executor.train import PeakMemory
 from berth.executor.worker import machine
-from berth.planner.specs import Plan
+from berth.specs.tree import Plan
 
 
 class SequenceParallelBlock(nn.Module):

@@ -1,5 +1,5 @@
 """Where a rank's step time goes: exclusive time per region, per step (the measuring side of
-`executor/breakdown.py`, whose TERM_REGIONS maps these regions onto the predicted terms).
+`cost_models/breakdown.py`, whose TERM_REGIONS maps these regions onto the predicted terms).
 
 A `StepTimer` records spans (name, start point, end point) between `begin()` and `end()`; `end()`
 gives every instant of the step to the innermost span open at that instant (`attribute`), so the
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from berth.executor.breakdown import OTHER
-from berth.planner.axes import RANK_AXES
+from berth.cost_models.breakdown import OTHER
+from berth.specs.axes import RANK_AXES
 
 # spans of these prefixes opened inside the key are not opened: their time stays the key's
 # (the cost model counts a full recomputation's tensor-parallel collectives as recomputation)

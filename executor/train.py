@@ -5,7 +5,7 @@ Every rank takes its data-parallel slice of the same seeded global batch; the tp
 rank see the same rows; the first pipeline stage reads the tokens and the last the targets.
 
 Each step is timed region by region (executor/timing.py; the regions map onto the predicted
-terms in executor/breakdown.py). With `trace_dir`, one extra step after the timed ones (not in
+terms in cost_models/breakdown.py). With `trace_dir`, one extra step after the timed ones (not in
 the losses or step times) runs under torch.profiler with the regions as `berth:<region>` ranges
 and is written as a Chrome/Perfetto trace, `<trace_dir>/rank<R>.trace.json`.
 
@@ -33,9 +33,9 @@ from berth.executor.context_parallel import shard_batch
 from berth.executor.device import init_cuda
 from berth.executor.model import synthetic_batch
 from berth.executor.parallel import Coordinates, build_mesh, check_layout, prepare, run_microbatches, world_loss
-from berth.planner.axes import MESH_DIM_AXIS, MESH_DIMS
 from berth.planner.placement import coordinates
-from berth.planner.specs import Layout, ModelSpec, TrainingSpec
+from berth.specs.axes import MESH_DIM_AXIS, MESH_DIMS
+from berth.specs.tree import Layout, ModelSpec, TrainingSpec
 
 TRAIN_MARK = "berth.train_start"
 MEMORY_STEPS = 2  # the peak is reached once optimizer state exists: by the end of the second step

@@ -32,11 +32,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from berth.executor.breakdown import compare, terms_from_regions
+from berth.cost_models.breakdown import compare, terms_from_regions
+from berth.cost_models.step import proxy_prediction
 from berth.executor.checks import PROGRESS_PREFIX, REQUIRE_GPU_ENV, UnsupportedLayout, check_layout
-from berth.planner import __version__, stages
-from berth.planner.errors import BerthError
-from berth.planner.specs import (
+from berth.planner.store import Store
+from berth.specs import __version__, stages
+from berth.specs.errors import BerthError
+from berth.specs.tree import (
     MeasuredBreakdown,
     Metrics,
     Plan,
@@ -45,8 +47,7 @@ from berth.planner.specs import (
     pick_plan,
     plan_listing,
 )
-from berth.planner.store import Store
-from berth.planner.topology import local_gpus
+from berth.topology.clusters import local_gpus
 
 STARTUP_BUDGET_S = 120.0  # torchrun start, imports and model build, generously
 STEP_BUDGET_FACTOR = 20.0  # a step may run this many times slower than predicted before the watchdog fires
@@ -351,7 +352,7 @@ def _rank_entry(r: dict[str, Any], warm: int) -> dict[str, Any]:
         "peak_memory_bytes": r["peak_memory_bytes"],
         "collective_s_per_step": r.get("collective_s_per_step"),
     }
-    if r.get("regions_s") is not None:  # what this rank's steps went to (executor/breakdown.py)
+    if r.get("regions_s") is not None:  # what this rank's steps went to (cost_models/breakdown.py)
         entry.update(
             {
                 "step_time_mean_s": r["step_time_mean_s"],
@@ -384,40 +385,6 @@ PROXY_CHECKS = {
 }
 
 
-def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dict[str, float], int]:
-    """The per-rank figures a rank-slice proxy measures, from the same cost model: the stage's
-    compute (communication excluded) and memory, for a model `layers` deep per stage, with ZeRO
-    capped at stage 1 (what the proxy holds). Returns metrics, breakdown, micro-batches in flight."""
-    import dataclasses
-
-    import numpy as np
-
-    from berth.cost_models.candidates import Candidates
-    from berth.cost_models.memory import stage_memory_breakdown
-    from berth.cost_models.pipeline import microbatches_in_flight
-    from berth.cost_models.step import stage_compute
-
-    x = plan.layout
-    model = plan.model.model_copy(update={"num_layers": layers * x.pp})
-    c = Candidates.from_layouts([x.model_copy(update={"zero_stage": min(x.zero_stage, 1)})])
-    # one process without FSDP2: fp32 weights under autocast, the executor's own precision recipe
-    c = dataclasses.replace(c, dp=np.ones_like(c.dp))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        comp = {k: float(v[0]) for k, v in stage_compute(model, plan.training, plan.cluster, c, first).items()}
-        mem = {
-            k: float(v[0])
-            for k, v in stage_memory_breakdown(
-                model, plan.training, plan.cluster.device, c, first, buckets=False
-            ).items()
-        }
-        stage = 0 if first else x.pp - 1
-        in_flight = float(microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)[0])
-    mem["framework"] = 0.0
-    metrics = Metrics(step_time_s=sum(comp.values()), peak_memory_bytes=sum(mem.values()))
-    breakdown = {**{f"time.{k}": v for k, v in comp.items()}, **{f"memory.{k}": v for k, v in mem.items()}}
-    return metrics, breakdown, max(1, math.ceil(in_flight - 1e-9))
-
-
 def validate_proxy(
     plan: Plan,
     layers: int | None = None,
@@ -434,7 +401,7 @@ def validate_proxy(
     """Run one rank's share of the plan in one process (executor/proxy.py) and compare it with
     the cost model's per-rank figures for that stage."""
     x = plan.layout
-    # the deepest stage's layers (planner/stages.py; every stage's when the split is even)
+    # the deepest stage's layers (specs/stages.py; every stage's when the split is even)
     per_stage = max(int(n) for n in stages.stage_split(plan.model.num_layers, x.pp, x.virtual_stages)[:3])
     layers = per_stage if layers is None else layers
     if not 1 <= layers <= per_stage:

@@ -11,7 +11,7 @@ out-of-memory the device's memory) and re-raises, so torchrun tears the group do
 judged from the result file, not the exit code (reference "Traps").
 
 Each rank's entry also holds where its timed steps went: the mean exclusive seconds per measured
-region (`regions_s`, executor/timing.py; executor/breakdown.py maps them onto the predicted terms),
+region (`regions_s`, executor/timing.py; cost_models/breakdown.py maps them onto the predicted terms),
 the timeline of its median step, the model-state bytes it holds, and with --trace the path of its
 Chrome trace of one more step.
 """
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from berth.executor.checks import PROGRESS_PREFIX
 from berth.executor.device import rank_device
 from berth.executor.train import run_steps
-from berth.planner.specs import Plan
+from berth.specs.tree import Plan
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # a dead or hung peer turns a hang into an error
 SLOW_OPTIMIZER_ENV = "BERTH_TEST_SLOW_OPTIMIZER"  # test hook: "RANK:SECONDS[:PLAN]" (executor/train.py)

@@ -9,7 +9,7 @@ import json
 from functools import cache
 from pathlib import Path
 
-from berth.hardware_profiles.schema import DeviceProfile, LinkProfile, NvidiaSmiNames, ServerProfile
+from berth.specs.hardware import DeviceProfile, LinkProfile, NvidiaSmiNames, ServerProfile
 
 _HERE = Path(__file__).parent
 PROFILE_FORMAT = "berth-profile/1"  # the `format` of a `berth profile` output (executor/profile.py writes it)

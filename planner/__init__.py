@@ -1,3 +1,2 @@
-"""berth planner: specs, search and plans. Import submodules directly; nothing runs at import."""
-
-__version__ = "0.1.0"
+"""berth planner: inputs, topology, search, placement, plans, probes and calibration, on top of the cost
+model. Import submodules directly; nothing runs at import."""

@@ -15,7 +15,7 @@ spec the reports were planned for (so the fitted result is an ordinary profile):
 
 Residuals are log(predicted / measured) of step time and of peak memory for every report whose
 run succeeded: full runs (predicted as the plan) and rank-slice proxies (predicted as the proxy
-is, `berth.executor.validate.proxy_prediction`: one stage's compute and memory, no communication, no
+is, `berth.cost_models.step.proxy_prediction`: one stage's compute and memory, no communication, no
 memory outside the allocator). Full runs that measured their step terms (`breakdown`, executor/
 breakdown.py) add one residual per measured term, log(predicted term / measured term), for each
 term of at least TERM_FLOOR_SHARE of the step that is predicted: the compute scale is then fitted
@@ -43,12 +43,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import least_squares
 
-from berth.executor.breakdown import TERMS
+from berth.cost_models.breakdown import TERMS
+from berth.cost_models.step import proxy_prediction
 from berth.hardware_profiles import PROFILE_FORMAT
-from berth.hardware_profiles.schema import LinkProfile, ServerProfile
-from berth.planner.errors import BerthError
 from berth.planner.search import predict_layouts
-from berth.planner.specs import ClusterSpec, ValidationReport
+from berth.specs.errors import BerthError
+from berth.specs.hardware import LinkProfile, ServerProfile
+from berth.specs.tree import ClusterSpec, ValidationReport
 
 MIB = 2**20
 # name: (lower, upper, kind) -- "log": fitted as log(value), "lin": as value / unit
@@ -163,8 +164,6 @@ def predict_with_terms(
     reports: list[ValidationReport], values: dict[str, float] | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`predict`, and the predicted step terms (reports x TERMS; NaN for a rank-slice proxy)."""
-    from berth.executor.validate import proxy_prediction  # torch-free: the parent side of `berth validate`
-
     times, mems = np.zeros(len(reports)), np.zeros(len(reports))
     terms = np.full((len(reports), len(TERMS)), np.nan)
     groups: dict[str, list[int]] = {}

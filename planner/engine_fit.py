@@ -7,7 +7,7 @@ come as JSON lines (`read_runs`; `berth calibrate --runs FILE`), from torchtitan
 own training logs (planner/run_logs.py), or from berth's executor reports.
 
 The fit (`fit_engine`) moves a handful of named, bounded parameters (PARAMETERS, EngineTuning in
-planner/specs.py) on top of the engine's recipe (cost_models/engines.py):
+specs/tree.py) on top of the engine's recipe (specs/engines.py):
 
     time:   compute_efficiency, layer_overhead_s, intra_node_bandwidth_scale,
             inter_node_bandwidth_scale, latency_scale, pipeline_microbatch_overhead_s, overlap,
@@ -46,14 +46,14 @@ import numpy as np
 from pydantic import ValidationError
 from scipy.optimize import least_squares
 
-from berth.cost_models.candidates import Candidates
-from berth.cost_models.engines import ENGINES
 from berth.cost_models.memory import allocator_capacity_bytes
 from berth.cost_models.step import evaluate
-from berth.cost_models.validity import RUNS_MEMORY_ASIDE
 from berth.planner.calibrate import jacobian
-from berth.planner.errors import BerthError, from_validation_error
-from berth.planner.specs import ClusterSpec, EngineTuning, Layout, ModelSpec, TrainingSpec
+from berth.specs.candidates import Candidates
+from berth.specs.engines import ENGINES
+from berth.specs.errors import BerthError, from_validation_error
+from berth.specs.tree import ClusterSpec, EngineTuning, Layout, ModelSpec, TrainingSpec
+from berth.specs.validity import RUNS_MEMORY_ASIDE
 
 ENGINE_PROFILE_FORMAT = "berth-engine-profile/1"
 GIB = 2.0**30
@@ -134,7 +134,7 @@ def prior_value(tuning: EngineTuning, name: str, cluster: ClusterSpec | None = N
     v = getattr(tuning, name)
     if v is None and name == "overlap":  # the cluster's
         return cluster.comm_overlap_efficiency if cluster is not None else 0.7
-    if v is None:  # the engine's (cost_models/engines.py)
+    if v is None:  # the engine's (specs/engines.py)
         return float(getattr(ENGINES[engine], name))
     return float(v)
 

@@ -1,6 +1,6 @@
 """User input -> specs: the one conversion both edges call.
 
-The CLI (`planner/cli.py`: `plan`, `compare`, `topology`) and the REST service (`api/service.py`
+The CLI (`cli/main.py`: `plan`, `compare`, `topology`) and the REST service (`api/service.py`
 for /v1/plans and /v1/compare) only parse their own syntax (typer options, pydantic bodies) into
 the plain values below (`ClusterInput`, `TrainingInput`, `OperationsInput`, the search's fields)
 and render a BerthError (CLI: exit 2 and one line; API: a 422 whose `loc` names the field). The
@@ -24,12 +24,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from berth.hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
-from berth.hardware_profiles.schema import DeviceProfile, ServerProfile
-from berth.planner.errors import BerthError, from_validation_error
-from berth.planner.graphs import cluster_graph, to_node_link
-from berth.planner.layouts import parse_spec
-from berth.planner.models import load_model
-from berth.planner.specs import (
+from berth.specs.errors import BerthError, from_validation_error
+from berth.specs.hardware import DeviceProfile, ServerProfile
+from berth.specs.layouts import parse_spec
+from berth.specs.models import load_model
+from berth.specs.tree import (
     ENGINE_ALIASES,
     MAX_NODES,
     ClusterSpec,
@@ -38,7 +37,8 @@ from berth.planner.specs import (
     SearchSpec,
     TrainingSpec,
 )
-from berth.planner.topology import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
+from berth.topology.clusters import LOCAL, cluster_from_node_link, cluster_from_preset, local_cluster
+from berth.topology.graphs import cluster_graph, to_node_link
 
 
 @dataclass(frozen=True)

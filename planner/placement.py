@@ -16,10 +16,10 @@ from typing import cast
 
 import numpy as np
 
-from berth.cost_models import terms
 from berth.cost_models.comm import group_level
-from berth.planner.axes import ORDERED_AXES, RANK_AXES, with_cp
-from berth.planner.specs import (
+from berth.specs import terms
+from berth.specs.axes import ORDERED_AXES, RANK_AXES, with_cp
+from berth.specs.tree import (
     PLACEMENT_DETAIL_MAX_RANKS,
     AxisName,
     ClusterSpec,
@@ -29,7 +29,7 @@ from berth.planner.specs import (
 )
 
 AXES = ORDERED_AXES  # the axes of axis_order: tp, dp, pp
-# RANK_AXES (planner/axes.py): with context parallelism, right outside tp
+# RANK_AXES (specs/axes.py): with context parallelism, right outside tp
 ORDERS: tuple[tuple[str, ...], ...] = tuple(permutations(AXES))
 
 

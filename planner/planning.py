@@ -12,9 +12,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from berth.cost_models.validity import divisors as search_divisors
-from berth.planner.errors import BerthError
-
 # The input conversion lives in berth.planner.inputs; these names stay importable from here for
 # the callers that planned with them (tests, notebooks).
 from berth.planner.inputs import (  # noqa: F401
@@ -27,9 +24,10 @@ from berth.planner.inputs import (  # noqa: F401
     preset_graph,
     with_operations,
 )
-from berth.planner.layouts import check_layout, parse_spec
 from berth.planner.search import SearchResult, predict_layouts, search
-from berth.planner.specs import (
+from berth.specs.errors import BerthError
+from berth.specs.layouts import check_layout, parse_spec
+from berth.specs.tree import (
     DEFAULT_MEMORY_HEADROOM,
     MAX_MEMORY_HEADROOM,
     ClusterSpec,
@@ -41,6 +39,7 @@ from berth.planner.specs import (
     SearchSpec,
     TrainingSpec,
 )
+from berth.specs.validity import divisors as search_divisors
 
 # plans x GPUs the cache keeps in all (a plan lists every rank's placement, ~200 bytes of JSON each,
 # so about 200 MB of answers): bounded in size at every insert, not only in count
@@ -339,7 +338,7 @@ def plan_for_format(plan: Plan, fmt: str | None) -> tuple[Plan, str, str | None]
     """(the plan to launch, the format, a note): the plan's engine's own format when `fmt` is None; a format of
     another engine re-predicts the layout for that engine (the note says so and gives both predictions), and is
     refused, naming both engines and the reason, when that engine cannot run the layout."""
-    from berth.cost_models.engines import ENGINES, engine_of_format
+    from berth.specs.engines import ENGINES, engine_of_format
 
     engine = ENGINES[plan.training.engine]
     if fmt is None:

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from berth.cost_models.candidates import Candidates
 from berth.cost_models.memory import allocator_capacity_bytes
 from berth.cost_models.step import evaluate
-from berth.cost_models.validity import RUNS_MEMORY_ASIDE
 from berth.planner.engine_fit import PARAMETERS, PRIOR_WEIGHT, decode, encode, prior_value, with_values
-from berth.planner.errors import BerthError
 from berth.planner.search import enumerate_candidates, make_plan
-from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, Prediction, SearchSpec, TrainingSpec
+from berth.specs.candidates import Candidates
+from berth.specs.errors import BerthError
+from berth.specs.tree import ClusterSpec, Layout, ModelSpec, Plan, Prediction, SearchSpec, TrainingSpec
+from berth.specs.validity import RUNS_MEMORY_ASIDE
 
 MARGIN = 0.15  # a probe must fit with 15 % of the capacity to spare: it is measured, not risked
 # a probe is a layout a team might use: among the fitting layouts, those predicted at least this share of the best

@@ -36,10 +36,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from berth.planner.engine_fit import MeasuredRun
-from berth.planner.errors import BerthError, from_validation_error
 from berth.planner.inputs import ClusterInput, TrainingInput, resolve
-from berth.planner.layouts import complete_layout, parse_spec
-from berth.planner.specs import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
+from berth.specs.errors import BerthError, from_validation_error
+from berth.specs.layouts import complete_layout, parse_spec
+from berth.specs.tree import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
 
 GIB = 2.0**30
 MIB = 2.0**20

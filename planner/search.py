@@ -13,29 +13,19 @@ from itertools import product
 
 import numpy as np
 
-from berth.cost_models.candidates import (
+from berth.cost_models.memory import allocator_capacity_bytes
+from berth.cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
+from berth.planner.placement import innermost_cluster, placement
+from berth.specs import __version__, stages
+from berth.specs.candidates import (
     SCHEDULE_1F1B,
     SCHEDULE_GPIPE,
     SCHEDULE_INTERLEAVED,
     Candidates,
 )
-from berth.cost_models.memory import allocator_capacity_bytes
-from berth.cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
-from berth.cost_models.validity import (
-    MEMORY_TIGHT,
-    OUT_OF_MEMORY,
-    REASONS,
-    VALID,
-    Facts,
-    divisors,
-    prune,
-    structural_reasons,
-)
-from berth.planner import __version__, stages
-from berth.planner.errors import BerthError
-from berth.planner.layouts import check_values, refuse_fix
-from berth.planner.placement import innermost_cluster, placement
-from berth.planner.specs import (
+from berth.specs.errors import BerthError
+from berth.specs.layouts import check_values, refuse_fix
+from berth.specs.tree import (
     AXIS_ORDER_CHOICES,
     DEFAULT_MEMORY_HEADROOM,
     RECOMPUTE_CHOICES,
@@ -48,6 +38,16 @@ from berth.planner.specs import (
     Prediction,
     SearchSpec,
     TrainingSpec,
+)
+from berth.specs.validity import (
+    MEMORY_TIGHT,
+    OUT_OF_MEMORY,
+    REASONS,
+    VALID,
+    Facts,
+    divisors,
+    prune,
+    structural_reasons,
 )
 
 # Memory of one search is bounded: candidates are generated and scored in chunks, and only each
@@ -86,7 +86,7 @@ def axis_orders(tp: int, pp: int, dp: int) -> list[int]:
 # split) and flash attention. Context parallelism is for sequences whose activations do not fit
 # otherwise (Llama 3 used it only for its 131k stage, 8,192 tokens per rank); shorter chunks only add
 # KV traffic, and the rule keeps the search small (seq 8192: cp <= 2; 4096 and below: never). `--fix
-# cp=N` / `--layout cp=N` reach any cp the validity rules accept (cost_models/validity.py).
+# cp=N` / `--layout cp=N` reach any cp the validity rules accept (specs/validity.py).
 CP_SEARCH_MIN_TOKENS_PER_RANK = 4096
 
 
@@ -105,7 +105,7 @@ def cp_options(training: TrainingSpec, world: int) -> list[int]:
 
 def _structural_rows(model: ModelSpec, training: TrainingSpec, world: int, max_mbs: int | None) -> np.ndarray:
     """(tp, pp, dp, mbs, nmb, schedule, vpp, axis order, cp) rows that divide correctly: the
-    rule table's rules that read only tp, cp, pp and virtual_stages (cost_models/validity.py
+    rule table's rules that read only tp, cp, pp and virtual_stages (specs/validity.py
     `prune`: the heads, the cp chunks, the stage split) judge (tp, cp, pp) and the virtual stages
     before any row is built; the search's own choices (cp_options, axis_orders, the vpp that divide a
     middle rank's layers) narrow what is tried; the mask checks every rule on the full rows."""
@@ -308,7 +308,7 @@ def enumerate_candidates(
 
 
 def _fix_codes(fix: dict) -> dict[str, int]:
-    """search.fix (its values checked by `berth.planner.layouts.check_values`) as column -> code."""
+    """search.fix (its values checked by `berth.specs.layouts.check_values`) as column -> code."""
     return {key: _CODES[key].index(value) if key in _CODES else int(value) for key, value in fix.items()}
 
 

@@ -30,7 +30,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from berth.planner.specs import ValidationReport
+from berth.specs.tree import ValidationReport
 
 BUSY_TIMEOUT_S = 30.0
 SCHEMA = """
@@ -112,7 +112,7 @@ def read_validations(path: str | Path | None = None, status: str | None = None) 
     """The validation reports of an existing results store, opened read-only: a missing file, a
     file that is not SQLite or a store without reports is a BerthError naming the `store`
     argument (nothing is created)."""
-    from berth.planner.errors import BerthError
+    from berth.specs.errors import BerthError
 
     where = Path(path) if path else default_path()
     if not where.is_file():
@@ -232,7 +232,7 @@ class Store:
     def add_answers(self, items: list[tuple[str, str, str, str]]) -> None:
         """Several (id, created, kind, answer) in one transaction, which also keeps the store
         within its limits (an answer larger than `max_bytes` on its own is refused: BerthError)."""
-        from berth.planner.errors import BerthError
+        from berth.specs.errors import BerthError
 
         for plan_id, _, _, answer in items:
             if self.max_bytes is not None and len(answer) > self.max_bytes:

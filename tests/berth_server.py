@@ -34,7 +34,7 @@ class Server:
             **{f"BERTH_{k.upper()}": str(v) for k, v in env.items()},
         }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(self.port), "--workers", str(workers)],
+            [sys.executable, "-m", "berth.cli.main", "serve", "--port", str(self.port), "--workers", str(workers)],
             env=full,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,

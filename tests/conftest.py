@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import REFERENCE  # benchmarks/data/reference: the reference data, part of the repository
-from berth.planner.specs import ModelSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.tree import ModelSpec, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
 
 def require_reference(path: Path) -> Path:

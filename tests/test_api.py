@@ -67,7 +67,7 @@ def test_same_json_as_the_cli(server):
         [
             sys.executable,
             "-m",
-            "berth.planner.cli",
+            "berth.cli.main",
             "plan",
             "llama3-70b",
             "--cluster",

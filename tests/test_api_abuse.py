@@ -358,7 +358,7 @@ def test_short_or_padded_api_key_refuses_to_start(tmp_path, key):
     env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "s.sqlite"), "BERTH_API_KEY": key}
     env["BERTH_VALIDATION_ENABLED"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(free_port())],
+        [sys.executable, "-m", "berth.cli.main", "serve", "--port", str(free_port())],
         env=env,
         cwd=ROOT,
         capture_output=True,

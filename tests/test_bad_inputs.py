@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from berth.planner.cli import main
+from berth.cli.main import main
 
 BINARY = bytes(range(256)) * 4  # not UTF-8, not JSON, not SQLite
 
@@ -30,7 +30,7 @@ def files(tmp_path_factory):
         [
             sys.executable,
             "-m",
-            "berth.planner.cli",
+            "berth.cli.main",
             "plan",
             "tiny-gpt",
             "--cluster",
@@ -230,9 +230,7 @@ def test_scripts_end_to_end(tmp_path):
     blob = tmp_path / "m.json"
     blob.write_bytes(BINARY)
     for args in (["plan", str(blob)], ["compare", "tiny-gpt", "--layout", "tp=3"]):
-        r = subprocess.run(
-            [sys.executable, "-m", "berth.planner.cli", *args], capture_output=True, text=True, timeout=60
-        )
+        r = subprocess.run([sys.executable, "-m", "berth.cli.main", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
 
@@ -250,7 +248,7 @@ def test_api_refuses_impossible_fix_and_layouts_with_422(tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "store.sqlite")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "berth.cli.main", "serve", "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -290,14 +288,14 @@ def test_one_layout_check_agrees_with_the_search():
     reject them."""
     import numpy as np
 
-    from berth.cost_models.candidates import Candidates
-    from berth.cost_models.validity import structural_reasons
-    from berth.planner.errors import BerthError
-    from berth.planner.layouts import check_layout
-    from berth.planner.models import load_model
     from berth.planner.planning import make_cluster, make_training
     from berth.planner.search import enumerate_candidates
-    from berth.planner.specs import Layout, SearchSpec
+    from berth.specs.candidates import Candidates
+    from berth.specs.errors import BerthError
+    from berth.specs.layouts import check_layout
+    from berth.specs.models import load_model
+    from berth.specs.tree import Layout, SearchSpec
+    from berth.specs.validity import structural_reasons
 
     model, cluster = load_model("llama3-8b"), make_cluster("dgx-h100", 2)
     training = make_training(seq_len=2048, global_batch_size=32)

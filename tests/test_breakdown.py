@@ -1,4 +1,4 @@
-"""Measured step terms beside predicted ones (executor/timing.py, executor/breakdown.py), traces,
+"""Measured step terms beside predicted ones (executor/timing.py, cost_models/breakdown.py), traces,
 and `berth report`.
 
 One launch (2 gloo processes, tiny-gpt, 1 warm-up + 1 timed step + 1 traced step per layout)
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from berth.executor.breakdown import OTHER, TERMS, compare
-from berth.planner.specs import Layout, TrainingSpec, ValidationReport
+from berth.cost_models.breakdown import OTHER, TERMS, compare
+from berth.specs.tree import Layout, TrainingSpec, ValidationReport
 
 torch = pytest.importorskip("torch")
 
 from berth.executor import timing  # noqa: E402
 
-BERTH = [sys.executable, "-m", "berth.planner.cli"]
+BERTH = [sys.executable, "-m", "berth.cli.main"]
 TRAINING = TrainingSpec(seq_len=32, global_batch_size=4, precision="fp32")
 LAYOUTS = [
     Layout(dp=2, micro_batch_size=1, num_microbatches=2),
@@ -163,9 +163,9 @@ def test_largest_error_is_in_seconds_not_relative():
 
 
 def test_reports_from_before_the_breakdown_still_load(tmp_path):
-    from berth.planner.models import presets
     from berth.planner.planning import make_cluster
     from berth.planner.search import predict_layouts
+    from berth.specs.models import presets
 
     plan = predict_layouts(presets()["tiny-gpt"], TRAINING, make_cluster("local", 1, 2), LAYOUTS[:1])[0]
     old = {
@@ -194,9 +194,9 @@ def test_reports_from_before_the_breakdown_still_load(tmp_path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from berth.executor.validate import report_from_result
-    from berth.planner.models import presets
     from berth.planner.planning import make_cluster
     from berth.planner.search import predict_layouts
+    from berth.specs.models import presets
 
     tmp = tmp_path_factory.mktemp("breakdown")
     plans = predict_layouts(presets()["tiny-gpt"], TRAINING, make_cluster("local", 1, 2), LAYOUTS)
@@ -312,7 +312,7 @@ def test_berth_report_png_exits_2_without_matplotlib(runs):
     tmp, reports = runs
     path = tmp / "pp.json"
     path.write_text(reports[2].model_dump_json())
-    hide = "import sys; sys.modules['matplotlib'] = None; from berth.planner.cli import main; main()"  # not importable
+    hide = "import sys; sys.modules['matplotlib'] = None; from berth.cli.main import main; main()"  # not importable
     r = subprocess.run(
         [sys.executable, "-c", hide, "report", str(path), "--png", str(tmp / "nopng")],
         capture_output=True,
@@ -344,7 +344,7 @@ def test_metrics_of_a_report_without_prediction_have_no_errors():
 
 
 def test_every_measured_term_has_a_colour():
-    from berth.executor.breakdown import OTHER, TERMS
-    from berth.planner.plots import COLORS
+    from berth.cli.plots import COLORS
+    from berth.cost_models.breakdown import OTHER, TERMS
 
     assert set(TERMS) | {OTHER} <= set(COLORS)

@@ -11,14 +11,14 @@ import pytest
 
 from berth.executor.validate import proxy_prediction
 from berth.planner.calibrate import PARAMETERS, apply, calibrate, current_values
-from berth.planner.errors import BerthError
-from berth.planner.models import presets
 from berth.planner.planning import make_cluster
 from berth.planner.search import predict_layouts
-from berth.planner.specs import Layout, Metrics, TrainingSpec, ValidationReport
 from berth.planner.store import Store
+from berth.specs.errors import BerthError
+from berth.specs.models import presets
+from berth.specs.tree import Layout, Metrics, TrainingSpec, ValidationReport
 
-BERTH = [sys.executable, "-m", "berth.planner.cli"]
+BERTH = [sys.executable, "-m", "berth.cli.main"]
 
 
 def _report(i, plan, t, m, mode="full", per_rank=None):
@@ -201,7 +201,7 @@ def test_cli_reads_a_real_store_and_refuses_bad_stores(tmp_path):
 
 def _with_terms(reports_and_truth, noise=0.01, seed=0):
     """Full-run reports whose breakdown measured every step term at its true value (with noise)."""
-    from berth.planner.specs import MeasuredBreakdown
+    from berth.specs.tree import MeasuredBreakdown
 
     rng = np.random.default_rng(seed)
     out = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BERTH = [sys.executable, "-m", "berth.planner.cli"]
+BERTH = [sys.executable, "-m", "berth.cli.main"]
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 PREDICTION_KEYS = {
     "step_time_s",
@@ -63,7 +63,7 @@ NOT_ON_PLAN_PATH = {"torch", "fastapi", "starlette", "uvicorn", "scipy", "yaml",
 def test_plan_path_imports_no_graph_library_service_stack_or_torch():
     code = f"""
 import sys
-from berth.planner.cli import main
+from berth.cli.main import main
 for argv in (["plan", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2", "--fallback"],
              ["plan", "llama3-8b", "--cluster", {str(EXAMPLES / "pcie-h100-bridged-pairs-2nodes.json")!r}, "--json"],
              ["compare", "llama3-8b", "--layout", "tp=8,pp=1,dp=1"]):
@@ -333,13 +333,13 @@ def test_gpipe_at_one_stage_holds_one_microbatch():
     activations at a time (it predicted 1,060 GiB against 164 GiB for the same layout)."""
     import numpy as np
 
-    from berth.cost_models.candidates import SCHEDULE_1F1B, SCHEDULE_GPIPE
     from berth.cost_models.pipeline import layers_in_flight
     from berth.cost_models.step import evaluate
-    from berth.planner.models import load_model
     from berth.planner.planning import make_cluster, make_training
     from berth.planner.search import Candidates
-    from berth.planner.specs import Layout
+    from berth.specs.candidates import SCHEDULE_1F1B, SCHEDULE_GPIPE
+    from berth.specs.models import load_model
+    from berth.specs.tree import Layout
 
     pp, vpp, nmb = np.array([1, 1, 4]), np.array([1, 1, 1]), np.array([32, 32, 32])
     held = layers_in_flight(80, pp, vpp, nmb, np.array([SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_GPIPE]), 0)
@@ -372,11 +372,11 @@ def test_bottleneck_memory_only_for_misfits():
     """A fitting plan's bottleneck is the term that takes most of its step (compute included); "memory"
     is kept for layouts that do not fit."""
     from berth.cost_models.step import BOTTLENECK_NAMES, BOTTLENECK_TERMS, evaluate
-    from berth.cost_models.validity import OUT_OF_MEMORY
-    from berth.planner.models import load_model
     from berth.planner.planning import make_cluster, make_training
     from berth.planner.search import enumerate_candidates
-    from berth.planner.specs import SearchSpec
+    from berth.specs.models import load_model
+    from berth.specs.tree import SearchSpec
+    from berth.specs.validity import OUT_OF_MEMORY
 
     model, cluster = load_model("llama3-70b"), make_cluster("dgx-h100", 2)
     training = make_training(seq_len=4096, global_batch_size=64)
@@ -490,7 +490,7 @@ def test_tables_fit_80_columns_and_read_in_human_units():
     whole = re.compile(r"^(#\d+ |  )?tp=\d+(,[a-z_]+=[0-9a-z_-]+)+$")
     assert r.returncode == 0 and max(len(x) for x in r.stdout.splitlines() if not whole.match(x)) <= 80, r.stdout
     assert "memory" in r.stdout and "tp4 pp4" in r.stdout
-    from berth.planner.render import _seconds, count
+    from berth.cli.render import _seconds, count
 
     assert (_seconds(26793.74), _seconds(0.0123), _seconds(3.5), _seconds(600)) == (
         "7.4 h",
@@ -532,7 +532,7 @@ def test_executor_commands_without_torch_say_so_in_one_line(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     plans.write_text(r.stdout)
-    hide = "import sys; sys.modules['torch'] = None; from berth.planner.cli import main; main(sys.argv[1:])"
+    hide = "import sys; sys.modules['torch'] = None; from berth.cli.main import main; main(sys.argv[1:])"
     store = str(tmp_path / "s.sqlite")
     for args, what in (
         (["validate", str(plans), "--store", store], "a validation"),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from berth.cost_models import comm
-from berth.planner.topology import cluster_from_preset
+from berth.topology.clusters import cluster_from_preset
 
 
 def test_flat_ring_all_reduce_inside_a_node():
@@ -51,7 +51,7 @@ def test_busbw_matches_nccl_tests_inside_a_dgx():
 
 def test_preset_cluster_is_derived_from_its_graph():
     from berth.hardware_profiles import load_server
-    from berth.planner.graphs import cluster_graph
+    from berth.topology.graphs import cluster_graph
 
     g = cluster_graph([(load_server("dgx-a100-80g"), 3)])
     assert g.number_of_nodes() == 3 * 8 + 3 + 8  # GPUs, one NVSwitch per node, 8 rail switches

@@ -25,9 +25,9 @@ from benchmarks import layer_fidelity as lf
 from benchmarks import single_gpu
 from berth.cost_models import compute
 from berth.hardware_profiles import load_device
-from berth.hardware_profiles.schema import DeviceProfile
-from berth.planner.models import presets
-from berth.planner.specs import TrainingSpec
+from berth.specs.hardware import DeviceProfile
+from berth.specs.models import presets
+from berth.specs.tree import TrainingSpec
 from tests.conftest import require_reference
 
 

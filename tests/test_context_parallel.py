@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from berth.cost_models import compute, flops, memory, step
-from berth.cost_models.candidates import Candidates
-from berth.cost_models.validity import REASON_CODES, structural_reasons
-from berth.planner.errors import BerthError
-from berth.planner.layouts import check_layout
-from berth.planner.models import load_model
 from berth.planner.search import cp_options, search
-from berth.planner.specs import Layout, SearchSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.candidates import Candidates
+from berth.specs.errors import BerthError
+from berth.specs.layouts import check_layout
+from berth.specs.models import load_model
+from berth.specs.tree import Layout, SearchSpec, TrainingSpec
+from berth.specs.validity import REASON_CODES, structural_reasons
+from berth.topology.clusters import cluster_from_preset
 
 MODEL = load_model("llama3-8b")
 CLUSTER = cluster_from_preset("dgx-h100", 2)

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from berth.cost_models import comm, memory
-from berth.cost_models.candidates import Candidates
 from berth.cost_models.step import OVERLAP_COMPUTE_SLOWDOWN, evaluate, overlapped_s, pipelined_exposed_s
-from berth.planner.models import load_model
-from berth.planner.specs import Layout, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.candidates import Candidates
+from berth.specs.models import load_model
+from berth.specs.tree import Layout, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
 
 def test_pipelined_exposure_bounds():

@@ -1,4 +1,4 @@
-"""The engine as an input (cost_models/engines.py), runs of any engine (planner/run_logs.py), the fit that
+"""The engine as an input (specs/engines.py), runs of any engine (planner/run_logs.py), the fit that
 learns an engine (planner/engine_fit.py) and the trial runs that feed it (planner/probe.py).
 
 The fit is checked against runs whose truth is known: runs made by the cost model itself under a known
@@ -13,19 +13,19 @@ import sys
 import numpy as np
 import pytest
 
-from berth.cost_models.candidates import Candidates
-from berth.cost_models.engines import ENGINES, engine_refusal
 from berth.planner.engine_fit import PARAMETERS, MeasuredRun, fit_engine, predict_runs
-from berth.planner.errors import BerthError
 from berth.planner.inputs import make_search
 from berth.planner.planning import plan, plan_for_format
 from berth.planner.probe import MARGIN, probe
 from berth.planner.run_logs import megatron_log, read_runs, torchtitan_log
 from berth.planner.search import predict_layouts
-from berth.planner.specs import EngineTuning, Layout, ModelSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.candidates import Candidates
+from berth.specs.engines import ENGINES, engine_refusal
+from berth.specs.errors import BerthError
+from berth.specs.tree import EngineTuning, Layout, ModelSpec, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
-BERTH = [sys.executable, "-m", "berth.planner.cli"]
+BERTH = [sys.executable, "-m", "berth.cli.main"]
 SMALL = ModelSpec(
     name="small",
     num_layers=8,
@@ -227,7 +227,7 @@ def test_the_cli_loop_probe_calibrate_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (out / "probe-01" / "megatron-launch.sh").exists() and (out / "probe-01" / "plan.json").exists()
     # the team runs them: here the cost model under TRUTH stands in for the engine
-    from berth.planner.specs import Plan
+    from berth.specs.tree import Plan
 
     template = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
     plans = [Plan.model_validate_json((out / t["plan"]).read_text()) for t in template]
@@ -396,7 +396,7 @@ def test_the_api_takes_the_engine_and_an_engine_profile(tmp_path):
 
 
 def test_launch_takes_the_training_run_from_the_user(tmp_path):
-    from berth.planner.launch import engine_training
+    from berth.launch.writers import engine_training
 
     run = engine_training("train_steps=20000,lr=1e-4,betas=0.9/0.99,decay=linear,min_lr=0")
     assert (run.train_steps, run.lr, run.betas, run.decay) == (20000, 1e-4, (0.9, 0.99), "linear")
@@ -491,8 +491,8 @@ def test_gradient_buckets_follow_each_engines_code(monkeypatch):
     import dataclasses
     import math
 
-    from berth.cost_models import engines
-    from berth.cost_models.engines import TORCH_DDP_BUCKET_BYTES, reduction_buckets
+    from berth.specs import engines
+    from berth.specs.engines import TORCH_DDP_BUCKET_BYTES, reduction_buckets
 
     one = Candidates.from_layouts([Layout(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=8)])
     tp2 = Candidates.from_layouts([Layout(tp=2, pp=1, dp=4, micro_batch_size=1, num_microbatches=16)])
@@ -542,7 +542,7 @@ def test_probe_picks_among_given_layouts_and_names_a_bad_one(tmp_path):
 
 
 def parse(text):
-    from berth.planner.layouts import check_layout, parse_spec
+    from berth.specs.layouts import check_layout, parse_spec
 
     cl = cluster_from_preset("dgx-h100", 2)
     return check_layout(parse_spec(text, "layout"), SMALL, training(), cl, "layout").model_dump()

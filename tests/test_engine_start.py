@@ -24,11 +24,11 @@ import subprocess
 import pytest
 
 from benchmarks import engine_check as ec
-from berth.planner.launch import ENGINE_VERSIONS, LaunchRefused, artifacts
-from berth.planner.models import load_model
+from berth.launch.writers import ENGINE_VERSIONS, LaunchRefused, artifacts
 from berth.planner.search import predict_layouts
-from berth.planner.specs import Layout, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.models import load_model
+from berth.specs.tree import Layout, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
 PLANS = ec.plan_set()
 SCRIPTS = {"megatron": "megatron-launch.sh", "deepspeed": "deepspeed-launch.sh", "torchtitan": "torchtitan-launch.sh"}
@@ -336,8 +336,8 @@ def test_deepspeed_experts_refused_exactly_where_autoep_refuses():
 
 
 def test_training_run_options_reach_every_engine_and_bad_values_name_the_field():
-    from berth.planner.errors import BerthError
-    from berth.planner.launch import EngineTraining
+    from berth.launch.writers import EngineTraining
+    from berth.specs.errors import BerthError
 
     run = EngineTraining(train_steps=2000, lr=1e-4, min_lr=1e-5, warmup_steps=100, checkpoint_interval=250)
     plan = next(p for _, p in PLANS if _files(p, "torchtitan") and _files(p, "deepspeed") and _files(p, "megatron"))

@@ -53,7 +53,7 @@ def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
     import subprocess
     import sys
 
-    berth = [sys.executable, "-m", "berth.planner.cli"]
+    berth = [sys.executable, "-m", "berth.cli.main"]
     saved = json.loads(SAVED.read_text())["models"]["8B"]
     ran, _ = engine_sweep.records()
     model = tmp_path / "nanotron-8b.json"

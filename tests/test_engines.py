@@ -12,8 +12,8 @@ import os
 import pytest
 
 from benchmarks import engine_check as ec
-from berth.planner.launch import ENGINE_VERSIONS, LaunchRefused, artifacts
-from berth.planner.stages import chunk_layers
+from berth.launch.writers import ENGINE_VERSIONS, LaunchRefused, artifacts
+from berth.specs.stages import chunk_layers
 
 PLANS = ec.plan_set()
 IDS = [name for name, _ in PLANS]

@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from berth.executor.train import run_steps  # noqa: E402
-from berth.planner import __version__  # noqa: E402
-from berth.planner.models import presets  # noqa: E402
-from berth.planner.specs import Layout, ModelSpec, Plan, TrainingSpec  # noqa: E402
-from berth.planner.topology import cluster_from_preset  # noqa: E402
+from berth.specs import __version__  # noqa: E402
+from berth.specs.models import presets  # noqa: E402
+from berth.specs.tree import Layout, ModelSpec, Plan, TrainingSpec  # noqa: E402
+from berth.topology.clusters import cluster_from_preset  # noqa: E402
 
 STEPS = 3
 MODEL = presets()["tiny-gpt"]
@@ -153,7 +153,7 @@ def test_3d_layouts_on_eight_processes_match_single_process(tmp_path, reference)
 
 
 def test_uneven_pipeline_stages_match_single_process(tmp_path):
-    """Stages of unequal depth (planner/stages.py): a 7-layer tiny-gpt on pp = 2 holds 4 and 3 layers
+    """Stages of unequal depth (specs/stages.py): a 7-layer tiny-gpt on pp = 2 holds 4 and 3 layers
     (1F1B and GPipe), and with 2 virtual stages chunks of 2, 2, 2 and 1; each reproduces the
     single-process losses of the same 7-layer model."""
     from berth.executor.model import build_model
@@ -254,8 +254,8 @@ def test_odd_vocabulary_at_tp2_pads_and_matches_single_process(tmp_path):
     single-process, unpadded losses of the same seed. The pre-flight check and `berth validate`'s rules
     no longer refuse it, and the cost model counts the padded rows a rank holds (ceil(V / tp))."""
     from berth.cost_models import memory
-    from berth.cost_models.validity import EXECUTOR, Facts, violations
     from berth.executor.model import build_model, padded_vocab
+    from berth.specs.validity import EXECUTOR, Facts, violations
 
     model = ModelSpec.model_validate(ODD_VOCAB.model_dump())
     assert padded_vocab(model, 2) == 1002 and padded_vocab(model, 1) == 1001

@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from berth.executor.model import build_model, loss_fn, synthetic_batch  # noqa: E402
-from berth.planner.models import presets  # noqa: E402
-from berth.planner.specs import ModelSpec  # noqa: E402
+from berth.specs.models import presets  # noqa: E402
+from berth.specs.tree import ModelSpec  # noqa: E402
 
 SMALL_LLAMA = ModelSpec(
     name="small-llama",

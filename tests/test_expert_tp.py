@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 
 from berth.cost_models import comm, memory
-from berth.cost_models.candidates import Candidates
 from berth.cost_models.step import A2A_PER_MOE_LAYER, MOE_IMBALANCE, _tp_layer_s, evaluate
-from berth.cost_models.validity import EXECUTOR, PLAN, Facts, violations
 from berth.executor.checks import UnsupportedLayout
 from berth.executor.checks import check_layout as executor_check
-from berth.planner.errors import BerthError
-from berth.planner.launch import artifacts
-from berth.planner.layouts import check_layout, parse_spec
-from berth.planner.models import presets
+from berth.launch.writers import artifacts
 from berth.planner.search import predict_layouts, search
-from berth.planner.specs import Layout, SearchSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.candidates import Candidates
+from berth.specs.errors import BerthError
+from berth.specs.layouts import check_layout, parse_spec
+from berth.specs.models import presets
+from berth.specs.tree import Layout, SearchSpec, TrainingSpec
+from berth.specs.validity import EXECUTOR, PLAN, Facts, violations
+from berth.topology.clusters import cluster_from_preset
 
 MIXTRAL = presets()["mixtral-8x7b"]
 TRAINING = TrainingSpec(seq_len=4096, global_batch_size=256, framework="megatron")

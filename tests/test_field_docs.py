@@ -1,4 +1,4 @@
-"""Every field of the spec tree (planner/specs.py) and of the API's bodies (api/schemas.py) has a
+"""Every field of the spec tree (specs/tree.py) and of the API's bodies (api/schemas.py) has a
 description: it is what the OpenAPI schema and the plan JSON schema show a reader (units and
 meaning). A new field without one fails here."""
 
@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from berth.api import schemas
-from berth.planner import specs
+from berth.specs import tree as specs
 
 
 def models_of(module) -> list[type[BaseModel]]:

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from berth.cost_models import flops
-from berth.cost_models.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTIVE
-from berth.planner.specs import ModelSpec, TrainingSpec
+from berth.specs.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, RECOMPUTE_SELECTIVE
+from berth.specs.tree import ModelSpec, TrainingSpec
 from tests.conftest import gpt
 
 

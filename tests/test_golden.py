@@ -223,10 +223,10 @@ LLAMA3_405B_TOLERANCE = 0.15  # predicted 399 and 359 (-7% and -10%) when added
 
 @pytest.mark.parametrize("nodes, tflops", LLAMA3_405B_META, ids=["8192gpu", "16384gpu"])
 def test_llama3_405b_as_meta_trained_it(nodes, tflops):
-    from berth.planner.models import load_model
     from berth.planner.search import search
-    from berth.planner.specs import SearchSpec, TrainingSpec
-    from berth.planner.topology import cluster_from_preset
+    from berth.specs.models import load_model
+    from berth.specs.tree import SearchSpec, TrainingSpec
+    from berth.topology.clusters import cluster_from_preset
 
     cluster = cluster_from_preset("dgx-h100", nodes)
     result = search(
@@ -261,10 +261,10 @@ LLAMA3_405B_LONG_FULL_COUNT_TOLERANCE = 0.30
 
 def test_llama3_405b_long_context_with_cp16():
     from berth.cost_models import flops
-    from berth.planner.models import load_model
     from berth.planner.search import search
-    from berth.planner.specs import SearchSpec, TrainingSpec
-    from berth.planner.topology import cluster_from_preset
+    from berth.specs.models import load_model
+    from berth.specs.tree import SearchSpec, TrainingSpec
+    from berth.topology.clusters import cluster_from_preset
 
     cluster = cluster_from_preset("dgx-h100", 2048)
     model, training = load_model("llama3.1-405b"), TrainingSpec(seq_len=131072, global_batch_size=128)

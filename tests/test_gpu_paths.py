@@ -20,10 +20,10 @@ from berth.executor import device as executor_device  # noqa: E402 (`berth` is t
 from berth.executor import profile as prof  # noqa: E402
 from berth.hardware_profiles import DeviceProfile, load_device, load_server  # noqa: E402
 
-BERTH = [sys.executable, "-m", "berth.planner.cli"]
+BERTH = [sys.executable, "-m", "berth.cli.main"]
 H100_LINE = "NVIDIA H100 80GB HBM3, 81559"
 H100_BYTES = 81559 * 2**20
-QUERY = "--query-gpu=name,memory.total --format=csv,noheader,nounits"  # what planner/topology.py asks
+QUERY = "--query-gpu=name,memory.total --format=csv,noheader,nounits"  # what topology/clusters.py asks
 
 
 def fake_nvidia_smi(directory: Path, line: str = H100_LINE) -> Path:
@@ -199,10 +199,10 @@ def _keep_torch_threads():
 
 def _gpu_plan(tmp_path) -> Path:
     """A one-rank tiny-gpt plan for an H100 (what `--cluster local` gives on a one-GPU machine)."""
-    from berth.planner.models import presets
     from berth.planner.search import predict_layouts
-    from berth.planner.specs import Layout, TrainingSpec
-    from berth.planner.topology import cluster_from_preset
+    from berth.specs.models import presets
+    from berth.specs.tree import Layout, TrainingSpec
+    from berth.topology.clusters import cluster_from_preset
 
     plan = predict_layouts(
         presets()["tiny-gpt"],
@@ -271,7 +271,7 @@ def test_profile_initialises_cuda_first_and_names_the_gpu(monkeypatch):
     assert rec.calls.index("set_device") < rec.calls.index("get_device_name")
     assert rec.calls.index("init") < rec.calls.index("get_device_name")
     assert prof.gpu_base("NVIDIA H100 80GB HBM3") == ("h100-sxm", "dgx-h100")
-    from berth.planner.errors import BerthError
+    from berth.specs.errors import BerthError
 
     with pytest.raises(BerthError, match="NVIDIA H100 80GB HBM3"):  # an unknown GPU names the known ones
         prof.gpu_base("NVIDIA Imaginary X1")

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from berth.api.app import create_app
 from berth.api.service import Service, get_service
 from berth.api.settings import Settings
-from berth.planner.cli import main
+from berth.cli.main import main
 
 # A small Hugging Face config: a file for the CLI, the same object inline for the API.
 HF_CONFIG = {
@@ -219,8 +219,8 @@ def test_bad_value_names_the_same_field_on_both_edges(client, capsys, args, patc
 def test_a_file_is_read_by_the_cli_only(client, capsys, hf_file):
     """The CLI reads a model or graph file (the user's own disk); the same name in a request is
     refused naming the field, and the shared conversion is told so by its required allow_files."""
-    from berth.planner.errors import BerthError
     from berth.planner.inputs import ClusterInput, TrainingInput, resolve
+    from berth.specs.errors import BerthError
 
     training = TrainingInput(256, 8)
     assert resolve(str(hf_file), ClusterInput(), training, allow_files=True)[0].name == "tiny-hf"

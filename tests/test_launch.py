@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from berth.cost_models.goodput import daly_interval_s, useful_fraction
-from berth.planner.launch import (
+from berth.launch.writers import (
     ENGINE_REFUSALS,
     ENGINE_VERSIONS,
     FIELD_KEYS,
@@ -23,17 +23,17 @@ from berth.planner.launch import (
     LaunchRefused,
     artifacts,
 )
-from berth.planner.models import load_model
 from berth.planner.planning import fallback, make_search, plan, with_operations
 from berth.planner.search import predict_layouts, search
-from berth.planner.specs import LAYOUT_FIELDS, Layout, SearchSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.models import load_model
+from berth.specs.tree import LAYOUT_FIELDS, Layout, SearchSpec, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
-BERTH = [sys.executable, "-m", "berth.planner.cli"]
+BERTH = [sys.executable, "-m", "berth.cli.main"]
 
 # Argument names read from Megatron-LM (main @ d98e8a6): megatron/training/arguments.py and the config
 # dataclasses its arguments are generated from; DeepSpeed 0.19.8's deepspeed/runtime/constants.py,
-# zero/config.py, tensor_parallel/config.py (the engines' own sources; see planner/launch.py FIELD_SOURCES).
+# zero/config.py, tensor_parallel/config.py (the engines' own sources; see launch/writers.py FIELD_SOURCES).
 # tests/test_engines.py loads the artifacts with the engines' parsers themselves.
 MEGATRON_ARGS = {
     # the model's details and the training run (megatron/training/arguments.py)
@@ -592,7 +592,7 @@ def test_fallback_with_one_node_lost_keeps_the_batch_or_says_what_changes():
     keep = plan(model, TrainingSpec(seq_len=4096, global_batch_size=96), cluster_from_preset("dgx-h100", 4), spec)
     fb = fallback(keep.plans[0], spec)
     assert fb.world_size == 24 and fb.global_batch_size == 96 and fb.layout.world_size == 24
-    # 56 GPUs = 7 x 8: with uneven pipeline stages (planner/stages.py) pp = 7 splits 70B's 80 layers (10, 12 x5,
+    # 56 GPUs = 7 x 8: with uneven pipeline stages (specs/stages.py) pp = 7 splits 70B's 80 layers (10, 12 x5,
     # 10), so the batch of 256 is kept; a 4-layer model has no pp of 7 and no dp of 7 divides 256
     kept = plan(model, TrainingSpec(seq_len=8192, global_batch_size=256), cluster_from_preset("dgx-h100", 8), spec)
     fb = fallback(kept.plans[0], spec)
@@ -684,8 +684,8 @@ def test_every_registered_format_is_offered_by_the_cli_and_the_api_and_builds():
     import typer
 
     from berth.api.schemas import LaunchRequest
-    from berth.planner.cli import app
-    from berth.planner.launch import LAUNCH_FORMATS
+    from berth.cli.main import app
+    from berth.launch.writers import LAUNCH_FORMATS
 
     launch = typer.main.get_command(app).commands["launch"]
     (fmt_option,) = [p for p in launch.params if p.name == "fmt"]

@@ -1,6 +1,6 @@
-"""The one rule table (cost_models/validity.py RULES) evaluated every way it is used agrees with
+"""The one rule table (specs/validity.py RULES) evaluated every way it is used agrees with
 itself: the vectorized mask over many candidates at once (the search), the one-layout evaluation
-with its explanation (compare / --layout / --fix, planner/layouts.py), the search's pruning before
+with its explanation (compare / --layout / --fix, specs/layouts.py), the search's pruning before
 rows are built, and the executor's pre-flight check (executor/checks.py), on a few thousand seeded
 random layouts, valid and not, over models and trainings that exercise every rule.
 """
@@ -8,8 +8,22 @@ random layouts, valid and not, over models and trainings that exercise every rul
 import numpy as np
 import pytest
 
-from berth.cost_models.candidates import Candidates
-from berth.cost_models.validity import (
+from berth.executor.checks import UnsupportedLayout
+from berth.executor.checks import check_layout as executor_check
+from berth.planner.search import predict_layouts, search
+from berth.specs.candidates import Candidates
+from berth.specs.errors import BerthError
+from berth.specs.layouts import check_layout as planner_check
+from berth.specs.tree import (
+    AXIS_ORDER_CHOICES,
+    RECOMPUTE_CHOICES,
+    SCHEDULE_CHOICES,
+    Layout,
+    ModelSpec,
+    SearchSpec,
+    TrainingSpec,
+)
+from berth.specs.validity import (
     EXECUTOR,
     EXECUTOR_RULES,
     PLAN,
@@ -22,21 +36,7 @@ from berth.cost_models.validity import (
     reason_codes,
     violations,
 )
-from berth.executor.checks import UnsupportedLayout
-from berth.executor.checks import check_layout as executor_check
-from berth.planner.errors import BerthError
-from berth.planner.layouts import check_layout as planner_check
-from berth.planner.search import predict_layouts, search
-from berth.planner.specs import (
-    AXIS_ORDER_CHOICES,
-    RECOMPUTE_CHOICES,
-    SCHEDULE_CHOICES,
-    Layout,
-    ModelSpec,
-    SearchSpec,
-    TrainingSpec,
-)
-from berth.planner.topology import cluster_from_preset
+from berth.topology.clusters import cluster_from_preset
 
 # vocabulary 50,257 (GPT-2's) divides by no tp > 1: the planner plans it (the engines pad the
 # vocabulary), the bundled executor does not split it
@@ -160,7 +160,7 @@ def test_vectorized_and_per_layout_evaluation_agree():
 
 
 def test_the_edges_refuse_exactly_what_the_table_refuses():
-    """planner/layouts.py check_layout (compare, --layout, the API) refuses a whole layout exactly
+    """specs/layouts.py check_layout (compare, --layout, the API) refuses a whole layout exactly
     when a PLAN rule is broken and names the first; the executor's pre-flight refuses exactly when an
     EXECUTOR rule is broken and lists them all."""
     for facts, layouts in cases(seed=1, per_case=40):

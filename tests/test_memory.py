@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from berth.cost_models import memory, pipeline
-from berth.cost_models.candidates import (
+from berth.specs.candidates import (
     RECOMPUTE_FULL,
     RECOMPUTE_NONE,
     RECOMPUTE_SELECTIVE,
@@ -12,7 +12,7 @@ from berth.cost_models.candidates import (
     SCHEDULE_GPIPE,
     SCHEDULE_INTERLEAVED,
 )
-from berth.planner.specs import TrainingSpec
+from berth.specs.tree import TrainingSpec
 from tests.conftest import gpt
 
 S, B, H, A = 2048, 4, 6144, 64
@@ -81,8 +81,8 @@ def test_layers_in_flight_by_schedule():
 
 
 def _states(precision, framework, zero=0, shard=1, dp=None, tp=1):
-    from berth.cost_models.candidates import Candidates
-    from berth.planner.specs import Layout
+    from berth.specs.candidates import Candidates
+    from berth.specs.tree import Layout
 
     t = TrainingSpec(seq_len=1, global_batch_size=8, precision=precision, framework=framework)
     dp = dp or shard
@@ -112,8 +112,8 @@ def test_executor_autocast_recipe_holds_fp32_state_and_a_bf16_cast_cache():
 
 
 def _cands(**layout):
-    from berth.cost_models.candidates import Candidates
-    from berth.planner.specs import Layout
+    from berth.specs.candidates import Candidates
+    from berth.specs.tree import Layout
 
     return Candidates.from_layouts([Layout(**layout)])
 
@@ -138,9 +138,9 @@ def test_fp32_training_keeps_two_optimizer_states():
 
 def _peak_grads(**layout):
     """Gradient bytes held at the peak phase, and the phase's logits, for a 4-layer model in fp32."""
-    from berth.cost_models.candidates import Candidates
-    from berth.planner.specs import Layout
-    from berth.planner.topology import cluster_from_preset
+    from berth.specs.candidates import Candidates
+    from berth.specs.tree import Layout
+    from berth.topology.clusters import cluster_from_preset
 
     m = gpt(layers=4, hidden=256, heads=4)
     t = TrainingSpec(seq_len=256, global_batch_size=8, precision="fp32")
@@ -172,9 +172,9 @@ def test_pipeline_buffers_of_torch_pipelining():
     """GPipe's last stage holds every micro-batch's logits and saved log-softmax until its loss
     backward; torch.distributed.pipelining (framework "pytorch") preallocates a receive buffer per
     micro-batch for activations and gradients of each local stage, which Megatron-LM does not."""
-    from berth.cost_models.candidates import Candidates
-    from berth.planner.specs import Layout
-    from berth.planner.topology import cluster_from_preset
+    from berth.specs.candidates import Candidates
+    from berth.specs.tree import Layout
+    from berth.topology.clusters import cluster_from_preset
 
     m = gpt(layers=4, hidden=256, heads=4)
     device = cluster_from_preset("dgx-a100-80g", 1).device
@@ -199,9 +199,9 @@ def test_pipeline_buffers_of_torch_pipelining():
 def test_fsdp2_zero2_in_fp32_holds_a_sharded_copy_beside_the_gathered_parameters():
     """FSDP2 ZeRO-2 (framework pytorch) keeps the gathered model from forward to backward next to
     its fp32 shards; in mixed precision the shards are the master copy the optimizer state counts."""
-    from berth.cost_models.candidates import Candidates
-    from berth.planner.specs import Layout
-    from berth.planner.topology import cluster_from_preset
+    from berth.specs.candidates import Candidates
+    from berth.specs.tree import Layout
+    from berth.topology.clusters import cluster_from_preset
 
     m = gpt(layers=4, hidden=256, heads=4)
     device = cluster_from_preset("dgx-a100-80g", 1).device
@@ -234,7 +234,7 @@ def test_executor_layer_bytes_match_layer_json():
     backward, output excluded, measured at tp 1-8 and seq 2k-8k for eight models. The measurement
     includes the layer's bf16 weight copies (autocast's cache) and excludes its input; rows whose
     figures are odd (peak over parameters negative: measured right after a resize) are left out."""
-    from berth.planner.models import load_model
+    from berth.specs.models import load_model
 
     errors = []
     for r in _bench("layer.json"):
@@ -289,7 +289,7 @@ def test_selective_recompute_with_flash_attention_means_what_each_engine_recompu
     allocated over 16 layers x 8192 tokens = 5.07h; here 5h); torchtitan's op-level SAC (FSDP2)
     keeps only the attention output and every second matmul's; Megatron's core-attention
     recompute saves nothing with flash (only the log-sum-exp)."""
-    from berth.planner.models import load_model
+    from berth.specs.models import load_model
 
     m = load_model("llama3-8b")
     h, g = m.hidden_size, m.kv_ratio
@@ -330,7 +330,7 @@ def test_a_tight_plan_is_never_ranked_and_says_why():
     """Plans whose peak is above capacity x (1 - headroom) get reason memory_tight: still `fits`
     (below the capacity) but not ranked; the search's plans all leave the headroom free."""
     from berth.planner.planning import compare, make_search, plan
-    from berth.planner.topology import cluster_from_preset
+    from berth.topology.clusters import cluster_from_preset
 
     m = gpt(layers=8, hidden=2048, heads=16, vocab=50257)
     cluster = cluster_from_preset("dgx-h100", 1)
@@ -354,9 +354,9 @@ def test_a_tight_plan_is_never_ranked_and_says_why():
 def test_memory_headroom_is_validated_where_it_enters():
     """A headroom outside 0..0.5 is a clear error naming the field (CLI exit 2, API 422)."""
     from berth.api.schemas import SearchRequest
-    from berth.planner.errors import BerthError
     from berth.planner.planning import compare, make_search
-    from berth.planner.topology import cluster_from_preset
+    from berth.specs.errors import BerthError
+    from berth.topology.clusters import cluster_from_preset
 
     with pytest.raises(BerthError, match="memory_headroom"):
         make_search(memory_headroom=0.9)
@@ -376,10 +376,10 @@ def test_memory_headroom_is_validated_where_it_enters():
 def test_rank_slice_proxy_is_predicted_with_the_recipe_it_runs():
     """The rank-slice proxy (executor/proxy.py) runs one rank's slice in one process: fp32 weights
     under autocast, no FSDP2, even for a layout whose full run would use FSDP2 (dp with tp)."""
-    from berth.executor.validate import proxy_prediction
+    from berth.cost_models.step import proxy_prediction
     from berth.planner.search import predict_layouts
-    from berth.planner.specs import Layout
-    from berth.planner.topology import cluster_from_preset
+    from berth.specs.tree import Layout
+    from berth.topology.clusters import cluster_from_preset
 
     m = gpt(layers=4, hidden=1024, heads=8)
     t = TrainingSpec(seq_len=1024, global_batch_size=8, precision="bf16")

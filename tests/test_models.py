@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from berth.planner.errors import BerthError
-from berth.planner.models import load_model, presets
+from berth.specs.errors import BerthError
+from berth.specs.models import load_model, presets
 
 PUBLISHED_PARAMS_B = {
     "llama2-7b": 6.74,
@@ -360,7 +360,7 @@ def test_a_sliding_window_that_covers_the_sequence_is_planned(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MISTRAL_7B_V01))
-    cli = [sys.executable, "-m", "berth.planner.cli", "plan", str(path), "--global-batch", "64", "--top", "1"]
+    cli = [sys.executable, "-m", "berth.cli.main", "plan", str(path), "--global-batch", "64", "--top", "1"]
     ok = subprocess.run([*cli, "--seq-len", "4096", "--json"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["plans"][0]["model"]["num_kv_heads"] == 8

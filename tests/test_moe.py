@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 
 from berth.cost_models import comm, flops, memory
-from berth.cost_models.candidates import Candidates
 from berth.cost_models.step import MOE_IMBALANCE, evaluate
-from berth.cost_models.validity import REASONS, structural_reasons
-from berth.planner.errors import BerthError
-from berth.planner.layouts import check_layout
-from berth.planner.models import presets
 from berth.planner.search import predict_layouts, search
-from berth.planner.specs import Layout, SearchSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.candidates import Candidates
+from berth.specs.errors import BerthError
+from berth.specs.layouts import check_layout
+from berth.specs.models import presets
+from berth.specs.tree import Layout, SearchSpec, TrainingSpec
+from berth.specs.validity import REASONS, structural_reasons
+from berth.topology.clusters import cluster_from_preset
 
 MIXTRAL = presets()["mixtral-8x7b"]
 DEEPSEEK = presets()["deepseek-v3-style"]

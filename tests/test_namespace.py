@@ -1,11 +1,12 @@
-"""One installed namespace, `berth`: the packages keep their folders (planner/, api/, cost_models/,
-hardware_profiles/, executor/) and are imported as `berth.planner`, ... (pyproject's package-dir).
+"""One installed namespace, `berth`: the packages keep their folders (specs/, hardware_profiles/,
+topology/, cost_models/, planner/, executor/, launch/, api/, cli/) and are imported as `berth.specs`, ...
+(pyproject's package-dir).
 
 - the wheel holds only `berth/` and its dist-info, every package folder and data file included;
 - installed from that wheel, `berth.planner` is the wheel's, run from the repo root (whose bare
   `planner/` folder is then on sys.path) or from elsewhere, and no module loads under a bare name;
-- no file imports, or runs with `-m`, a bare `planner`/`api`/`cost_models`/`hardware_profiles`/
-  `executor` (the same module under two names would be two module objects: two ClusterSpec classes).
+- no file imports, or runs with `-m`, a bare package name (`planner`, `specs`, `cli`, ...): the same
+  module under two names would be two module objects (two ClusterSpec classes).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("planner", "api", "cost_models", "hardware_profiles", "executor")
+PACKAGES = ("specs", "hardware_profiles", "topology", "cost_models", "planner", "executor", "launch", "api", "cli")
 PACKAGE_DATA = {
-    "planner": ["*.json"],
+    "specs": ["*.json"],
     "hardware_profiles": ["devices/*.json", "servers/*.json", "nvidia_smi_names.json"],
 }
 SCANNED = [*PACKAGES, "tests", "benchmarks"]
@@ -70,10 +71,10 @@ def test_scan_catches_the_old_style():
     old = (
         "import planner.search\nfrom api.app import create_app\nfrom executor import worker\n"
         "def f():\n    from cost_models.step import x\n"
-        'CMD = ["-m", "planner.cli"]\nAPP = "api.app:create_app"\nCODE = "from planner.cli import main"\n'
+        'CMD = ["-m", "cli.main"]\nAPP = "api.app:create_app"\nCODE = "from cli.main import main"\n'
         'SH = "python -m executor.worker --plans p.json"\n'
-        'import berth.planner.search\nfrom berth.api.app import create_app\nOK = ["-m", "berth.planner.cli"]\n'
-        'NOT_A_MODULE = "api.sqlite"\nPACKAGE = "hardware_profiles.schema"\n'
+        'import berth.planner.search\nfrom berth.api.app import create_app\nOK = ["-m", "berth.cli.main"]\n'
+        'NOT_A_MODULE = "api.sqlite"\nPACKAGE = "specs.hardware"\n'
     )
     found = [hit.split(": ", 1)[1] for hit in _bare_uses(old, "old.py")]
     assert sorted(found) == sorted(
@@ -82,11 +83,11 @@ def test_scan_catches_the_old_style():
             "import api.app",
             "import executor",
             "import cost_models.step",
-            "string 'planner.cli'",
+            "string 'cli.main'",
             "string 'api.app:create_app'",
-            "string 'from planner.cli import main'",
+            "string 'from cli.main import main'",
             "string 'python -m executor.worker --plans p.json'",
-            "string 'hardware_profiles.schema'",
+            "string 'specs.hardware'",
         ]
     )
 
@@ -147,7 +148,7 @@ def test_wheel_holds_only_berth_with_every_package_and_data_file(wheel):
     assert len([n for n in names if n.endswith(".json")]) >= 10  # the profiles and presets
     zf = zipfile.ZipFile(wheel)
     assert zf.read(f"{info}/top_level.txt").decode().split() == ["berth"]
-    assert "berth = berth.planner.cli:main" in zf.read(f"{info}/entry_points.txt").decode()
+    assert "berth = berth.cli.main:main" in zf.read(f"{info}/entry_points.txt").decode()
 
 
 def _run_installed(site: Path, cwd: Path, code: str) -> subprocess.CompletedProcess:
@@ -162,8 +163,8 @@ def _run_installed(site: Path, cwd: Path, code: str) -> subprocess.CompletedProc
 
 CHECK = """
 import json, sys
-from berth.planner.cli import main
-import berth.planner.specs as specs
+from berth.cli.main import main
+import berth.specs.tree as specs
 from berth.hardware_profiles import load_device
 from berth.planner.planning import make_cluster
 assert make_cluster("dgx-h100", 1).__class__ is specs.ClusterSpec
@@ -171,11 +172,10 @@ try:
     main(["plan", "tiny-gpt", "--cluster", "dgx-h100", "--top", "1", "--json"])
 except SystemExit as done:
     assert done.code in (0, None), done.code
-bare = sorted(m for m in sys.modules if m.split(".")[0] in {"planner", "api", "cost_models", "hardware_profiles",
-                                                           "executor"})
+bare = sorted(m for m in sys.modules if m.split(".")[0] in BARE_PACKAGES)
 sys.stderr.write("\\nRESULT " + json.dumps({"specs": specs.__file__, "bare": bare,
                                            "device": load_device("h100-sxm").name}))
-"""
+""".replace("BARE_PACKAGES", repr(PACKAGES))
 
 
 @pytest.mark.parametrize("where", ["repo root", "elsewhere"])
@@ -186,7 +186,7 @@ def test_installed_wheel_resolves_berth_to_itself_from_the_repo_root_and_elsewhe
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout)["plans"]  # the presets and profiles (package data) came with the wheel
     result = json.loads(r.stderr.rsplit("RESULT ", 1)[1])
-    assert Path(result["specs"]).resolve() == (site / "berth" / "planner" / "specs.py").resolve()
+    assert Path(result["specs"]).resolve() == (site / "berth" / "specs" / "tree.py").resolve()
     assert result["bare"] == [] and result["device"]
 
 

@@ -9,8 +9,8 @@ pytest.importorskip("torch", reason="the op census runs the layers with torch")
 from benchmarks import op_census  # noqa: E402
 from berth.cost_models import compute  # noqa: E402
 from berth.hardware_profiles import load_device  # noqa: E402
-from berth.planner.models import presets  # noqa: E402
-from berth.planner.specs import TrainingSpec  # noqa: E402
+from berth.specs.models import presets  # noqa: E402
+from berth.specs.tree import TrainingSpec  # noqa: E402
 from tests.conftest import require_reference  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-""" "Pick plan N" is written once (planner/specs.py plan_listing and pick_plan): `berth validate/launch
+""" "Pick plan N" is written once (specs/tree.py plan_listing and pick_plan): `berth validate/launch
 --pick` and the API's `pick` (launch, validations) read a listing the same way and refuse the same
 way, naming the field and the value."""
 
@@ -9,12 +9,12 @@ from fastapi.testclient import TestClient
 
 from berth.api.app import create_app
 from berth.api.settings import Settings
-from berth.planner.cli import main
-from berth.planner.errors import BerthError
-from berth.planner.models import load_model
+from berth.cli.main import main
 from berth.planner.search import predict_layouts
-from berth.planner.specs import Layout, TrainingSpec, pick_plan, plan_listing
-from berth.planner.topology import cluster_from_preset
+from berth.specs.errors import BerthError
+from berth.specs.models import load_model
+from berth.specs.tree import Layout, TrainingSpec, pick_plan, plan_listing
+from berth.topology.clusters import cluster_from_preset
 
 
 @pytest.fixture(scope="module")

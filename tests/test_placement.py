@@ -4,8 +4,8 @@ the axis order says."""
 import pytest
 
 from berth.planner.placement import AXES, ORDERS, coordinates, process_groups, rank_map, spans
-from berth.planner.specs import Layout
-from berth.planner.topology import cluster_from_preset
+from berth.specs.tree import Layout
+from berth.topology.clusters import cluster_from_preset
 
 LAYOUTS = [Layout(tp=8, pp=4, dp=4), Layout(tp=2, pp=2, dp=8), Layout(tp=4, dp=16), Layout(pp=8, dp=8)]
 

@@ -20,10 +20,10 @@ layout better than the published ones may exist, but not one much better than th
 import pytest
 
 from benchmarks.published import REFERENCE, Skip, case_for, load_runs, predict
-from berth.planner.models import load_model
 from berth.planner.search import search
-from berth.planner.specs import SearchSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs.models import load_model
+from berth.specs.tree import SearchSpec, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
 PESSIMISM = 0.30  # issue 12's worst-case step-time error
 OPTIMISM = 0.10  # headroom over the best published run for a better layout

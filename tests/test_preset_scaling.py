@@ -1,11 +1,11 @@
-"""Rail-fabric presets are derived from a 2-node sample graph and scaled (planner/topology.py):
+"""Rail-fabric presets are derived from a 2-node sample graph and scaled (topology/clusters.py):
 the result must equal the cluster derived from the full graph of every preset."""
 
 import pytest
 
 from berth.hardware_profiles import load_server, server_names
-from berth.planner.graphs import cluster_graph
-from berth.planner.topology import RAILS_SAMPLE_NODES, _preset_cluster, cluster_from_graph
+from berth.topology.clusters import RAILS_SAMPLE_NODES, _preset_cluster, cluster_from_graph
+from berth.topology.graphs import cluster_graph
 
 
 @pytest.mark.parametrize("preset", [p for p in server_names() if p != "local-cpu"])

@@ -10,12 +10,12 @@ import pytest
 
 from berth.hardware_profiles import device_names, load_device, load_profile_file, load_server, server_names
 from berth.planner.calibrate import PARAMETERS, apply, calibrate, current_values
-from berth.planner.models import presets
 from berth.planner.planning import make_cluster, make_search, plan
 from berth.planner.search import predict_layouts
-from berth.planner.specs import Layout, Metrics, TrainingSpec, ValidationReport
+from berth.specs.models import presets
+from berth.specs.tree import Layout, Metrics, TrainingSpec, ValidationReport
 
-BERTH = [sys.executable, "-m", "berth.planner.cli"]
+BERTH = [sys.executable, "-m", "berth.cli.main"]
 DEVICES = ("a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x", "l40s", "l4")
 
 

@@ -290,8 +290,8 @@ def _table_headers(out: str) -> set[str]:
 def test_readme_defines_every_column_and_term():
     """Every column the plan and compare tables show (wide and narrow), every time and memory term of
     the breakdown, and every bottleneck name appears, in backticks, in "Reading the output"."""
-    from berth.cost_models import terms
     from berth.cost_models.step import BOTTLENECK_NAMES
+    from berth.specs import terms
 
     model = ["llama3-70b", "--cluster", "dgx-h100", "--seq-len", "8192"]
     runs = [
@@ -303,7 +303,7 @@ def test_readme_defines_every_column_and_term():
         for width in ("250", "80"):
             env = {**os.environ, "COLUMNS": width}
             r = subprocess.run(
-                [sys.executable, "-m", "berth.planner.cli", *args], capture_output=True, text=True, timeout=120, env=env
+                [sys.executable, "-m", "berth.cli.main", *args], capture_output=True, text=True, timeout=120, env=env
             )
             assert r.returncode == 0, r.stderr[-2000:]
             columns |= _table_headers(r.stdout)

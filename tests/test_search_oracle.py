@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from berth.planner.search import predict_layouts, search
-from berth.planner.specs import (
+from berth.specs.tree import (
     AXIS_ORDER_CHOICES,
     RECOMPUTE_CHOICES,
     SCHEDULE_CHOICES,
@@ -20,7 +20,7 @@ from berth.planner.specs import (
     SearchSpec,
     TrainingSpec,
 )
-from berth.planner.topology import cluster_from_preset
+from berth.topology.clusters import cluster_from_preset
 
 
 def distinct_orders(tp, pp, dp):
@@ -38,7 +38,7 @@ def distinct_orders(tp, pp, dp):
 
 
 def uneven_split_ok(L, pp, vpp):
-    """The stage rule written out (planner/stages.py): pp x vpp chunks; the middle ones hold
+    """The stage rule written out (specs/stages.py): pp x vpp chunks; the middle ones hold
     ceil(L / chunks), the first and last give up the missing layers (the last the larger half) and
     must keep one each; the search tries the vpp that split a middle rank's ceil(L / pp) layers
     into equal chunks."""

@@ -162,8 +162,8 @@ def test_request_never_opens_a_server_file(tmp_path, monkeypatch):
 
 
 def _plan(nodes=2):
-    from berth.planner.models import presets
     from berth.planner.planning import make_cluster, make_search, make_training, plan
+    from berth.specs.models import presets
 
     cluster = make_cluster("dgx-h100", nodes)
     return plan(
@@ -178,9 +178,9 @@ def _plan(nodes=2):
 def test_hostile_names_are_refused_by_the_spec_tree(payload):
     from pydantic import ValidationError
 
-    from berth.planner.errors import BerthError
-    from berth.planner.launch import artifacts
-    from berth.planner.specs import ClusterSpec, ModelSpec
+    from berth.launch.writers import artifacts
+    from berth.specs.errors import BerthError
+    from berth.specs.tree import ClusterSpec, ModelSpec
 
     bad = payload.format(m="/tmp/pwned")
     shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128)
@@ -214,7 +214,7 @@ def test_generated_scripts_run_no_injected_command(tmp_path, payload):
     into every format; the torchrun and sbatch scripts are run with stubs on PATH."""
     import re
 
-    from berth.planner.launch import FORMATS, artifacts
+    from berth.launch.writers import FORMATS, artifacts
 
     marker = tmp_path / "pwned"
     bad = payload.format(m=marker)
@@ -314,7 +314,7 @@ def test_healthz_stays_fast_under_a_held_lock_and_a_huge_cluster(tmp_path):
         (huge1, t1), (normal1, t2), (huge2, t3), (normal2, t4) = answers
         for r, took in ((huge1, t1), (huge2, t3)):  # a clear answer within the budget, never a stall
             assert took < budget + 1.5, (r.status_code, took)
-            # presets on rails are derived from a 2-node graph (planner/topology.py), so the 65,528-GPU
+            # presets on rails are derived from a 2-node graph (topology/clusters.py), so the 65,528-GPU
             # cluster may be built in time and its search refused (this batch does not split): 422
             assert r.status_code in (422, 429, 503), r.text[:300]
             if r.status_code != 422:
@@ -372,16 +372,16 @@ def test_nvidia_smi_runs_off_the_event_loop(tmp_path):
 
 
 def _gpt_1t():
-    from berth.planner.models import presets
     from berth.planner.planning import make_cluster, make_training
+    from berth.specs.models import presets
 
     return presets()["gpt-1t"], make_training(seq_len=2048, global_batch_size=3072), make_cluster("dgx-a100-80g", 384)
 
 
 def test_over_the_limit_search_is_refused_without_enumerating():
-    from berth.planner.errors import BerthError
     from berth.planner.planning import make_search
     from berth.planner.search import count_candidates, search
+    from berth.specs.errors import BerthError
 
     model, training, cluster = _gpt_1t()
     count = count_candidates(model, training, cluster, make_search(top=1))
@@ -397,9 +397,9 @@ def test_over_the_limit_search_is_refused_without_enumerating():
 
 
 def test_candidate_count_matches_the_enumeration():
-    from berth.planner.models import presets
     from berth.planner.planning import make_cluster, make_search, make_training
     from berth.planner.search import count_candidates, enumerate_candidates, iter_candidates
+    from berth.specs.models import presets
 
     model, training = presets()["llama3-70b"], make_training(seq_len=8192, global_batch_size=256)
     cluster = make_cluster("dgx-h100", 8)
@@ -562,7 +562,7 @@ def test_validation_without_a_key_refuses_to_start(tmp_path):
     env = {**os.environ, "BERTH_STORE_PATH": str(tmp_path / "s.sqlite"), "BERTH_VALIDATION_ENABLED": "1"}
     env.pop("BERTH_API_KEY", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "berth.planner.cli", "serve", "--port", str(free_port())],
+        [sys.executable, "-m", "berth.cli.main", "serve", "--port", str(free_port())],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,

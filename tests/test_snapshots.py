@@ -52,7 +52,7 @@ def cli_options() -> dict[str, Any]:
     whether required, and help."""
     import typer
 
-    from berth.planner.cli import app
+    from berth.cli.main import app
 
     group = typer.main.get_command(app)
 
@@ -95,7 +95,7 @@ def test_openapi_schema(tmp_path):
 
 
 def test_plan_json_schema():
-    from berth.planner.specs import Plan
+    from berth.specs.tree import Plan
 
     _compare("plan.schema.json", Plan.model_json_schema())
 

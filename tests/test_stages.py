@@ -1,20 +1,20 @@
-"""Uneven pipeline stages (planner/stages.py): the split rule, its validity, and how the cost model
+"""Uneven pipeline stages (specs/stages.py): the split rule, its validity, and how the cost model
 weighs stages of unequal depth (the slowest stage sets the step, the largest the memory)."""
 
 import numpy as np
 import pytest
 
 from berth.cost_models import memory
-from berth.cost_models.candidates import Candidates
 from berth.cost_models.step import evaluate
-from berth.cost_models.validity import REASON_CODES
-from berth.planner import stages
-from berth.planner.errors import BerthError
-from berth.planner.layouts import check_layout
-from berth.planner.models import load_model
 from berth.planner.search import predict_layouts, search
-from berth.planner.specs import Layout, SearchSpec, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs import stages
+from berth.specs.candidates import Candidates
+from berth.specs.errors import BerthError
+from berth.specs.layouts import check_layout
+from berth.specs.models import load_model
+from berth.specs.tree import Layout, SearchSpec, TrainingSpec
+from berth.specs.validity import REASON_CODES
+from berth.topology.clusters import cluster_from_preset
 
 
 def test_the_rule_by_hand():

@@ -1,4 +1,4 @@
-"""The registry of cost terms (cost_models/terms.py) is the one list: every term the cost model
+"""The registry of cost terms (specs/terms.py) is the one list: every term the cost model
 emits is registered, every registered term is emitted by some plan, and the plan tables, the
 measured breakdown, the report colours, the placement and the API's schema all show it."""
 
@@ -6,15 +6,15 @@ from io import StringIO
 
 from rich.console import Console
 
-from berth.cost_models import terms
+from berth.cli.render import breakdown_table
+from berth.cost_models.breakdown import MEMORY_MEASURED, TERM_REGIONS, TERMS
 from berth.cost_models.step import BOTTLENECK_TERMS
-from berth.executor.breakdown import MEMORY_MEASURED, TERM_REGIONS, TERMS
-from berth.planner.models import load_model, presets
 from berth.planner.placement import AXIS_TERMS
-from berth.planner.render import breakdown_table
 from berth.planner.search import predict_layouts
-from berth.planner.specs import Layout, Prediction, TrainingSpec
-from berth.planner.topology import cluster_from_preset
+from berth.specs import terms
+from berth.specs.models import load_model, presets
+from berth.specs.tree import Layout, Prediction, TrainingSpec
+from berth.topology.clusters import cluster_from_preset
 
 CLUSTER = cluster_from_preset("dgx-h100", 2)
 
@@ -73,7 +73,7 @@ def test_every_term_is_rendered_in_the_breakdown_table():
 
 
 def test_every_reader_takes_the_registry():
-    from berth.planner.plots import COLORS
+    from berth.cli.plots import COLORS
 
     assert tuple(TERM_REGIONS) == TERMS == terms.TIME_NAMES
     assert all(regions and how for regions, how in TERM_REGIONS.values())

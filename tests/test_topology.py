@@ -6,13 +6,13 @@ import json
 import pytest
 
 from berth.hardware_profiles import load_server
-from berth.planner.errors import BerthError
-from berth.planner.graphs import cluster_graph, to_node_link
-from berth.planner.models import load_model
 from berth.planner.planning import make_search, plan
 from berth.planner.search import predict_layouts
-from berth.planner.specs import Layout, ModelSpec, TrainingSpec
-from berth.planner.topology import cluster_from_node_link, cluster_from_preset
+from berth.specs.errors import BerthError
+from berth.specs.models import load_model
+from berth.specs.tree import Layout, ModelSpec, TrainingSpec
+from berth.topology.clusters import cluster_from_node_link, cluster_from_preset
+from berth.topology.graphs import cluster_graph, to_node_link
 
 GB = 1e9
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-BERTH = [sys.executable, "-m", "berth.planner.cli"]
+BERTH = [sys.executable, "-m", "berth.cli.main"]
 GPT3 = ("plan", "gpt3-175b", "--cluster", "dgx-a100-80g", "--nodes", "128", "--seq-len", "2048")
 GPT3 = (*GPT3, "--global-batch", "1536")
 LAYOUT_LINE = re.compile(r"^(#\d+ |  )?(tp=\d+(,[a-z_]+=[0-9a-z_-]+)+)$")
@@ -61,7 +61,7 @@ def test_compare_with_a_tight_row_fits_80_columns_and_prints_layouts_whole():
     lines = r.stdout.splitlines()
     for cand in out["candidates"]:
         # each layout on one line, whole, and it parses back to the same layout
-        from berth.planner.specs import Layout
+        from berth.specs.tree import Layout
 
         short = Layout(**cand["layout"]).short()
         assert any(line.endswith(" " + short) or line == short for line in lines), short
@@ -105,8 +105,8 @@ def test_presets_print_every_name_whole():
 
 
 def test_csv_header_is_stable_and_carries_every_layout_field_and_the_breakdown():
-    from berth.cost_models import terms
-    from berth.planner.specs import LAYOUT_FIELDS
+    from berth.specs import terms
+    from berth.specs.tree import LAYOUT_FIELDS
 
     dense = berth("plan", "llama3-8b", "--seq-len", "4096", "--global-batch", "64", "--top", "2", "--csv")
     moe = berth("plan", "mixtral-8x7b", "--nodes", "8", "--seq-len", "4096", "--global-batch", "256", "--csv")
@@ -137,8 +137,8 @@ def test_bottleneck_is_the_term_that_takes_most_of_the_step_and_is_defined():
     top = out["plans"][0]["prediction"]
     assert top["time_breakdown_s"]["compute"] / top["step_time_s"] > 0.7 and top["bottleneck"] == "compute"
     from berth.cost_models.step import BOTTLENECK_TERMS
-    from berth.cost_models.terms import BOTTLENECK_DEFINITION
-    from berth.planner.specs import Prediction
+    from berth.specs.terms import BOTTLENECK_DEFINITION
+    from berth.specs.tree import Prediction
 
     for p in out["plans"]:
         pr = p["prediction"]
@@ -166,10 +166,10 @@ def test_hidden_traffic_is_shown_beside_the_exposed_part():
 def test_the_step_time_does_not_move_when_the_hidden_traffic_is_reported():
     """comm_total_s is reported, never charged: the step is the sum of the breakdown, as before."""
     from berth.cost_models.step import evaluate
-    from berth.planner.models import load_model
     from berth.planner.planning import make_cluster, make_training
     from berth.planner.search import enumerate_candidates
-    from berth.planner.specs import SearchSpec
+    from berth.specs.models import load_model
+    from berth.specs.tree import SearchSpec
 
     model, cluster = load_model("llama3-70b"), make_cluster("dgx-h100", 4)
     training = make_training(seq_len=4096, global_batch_size=128)

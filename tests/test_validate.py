@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from berth.executor.validate import _failure, load_plan, validate
-from berth.planner.errors import BerthError
 from berth.planner.store import Store
+from berth.specs.errors import BerthError
 
-BERTH = [sys.executable, "-m", "berth.planner.cli"]
+BERTH = [sys.executable, "-m", "berth.cli.main"]
 TORCH_REASON = "runs the plan with torch.distributed (torch: the executor extra)"
 TINY = ["tiny-gpt", "--seq-len", "128", "--global-batch", "8"]
 

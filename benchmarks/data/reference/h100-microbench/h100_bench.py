@@ -1,7 +1,7 @@
 # ruff: noqa
 # fmt: off
 # The script as it ran on the H100 (benchmarks/data/reference/PROVENANCE.md), kept unformatted; only its
-# imports changed: the berth package names (berth.executor, berth.planner) for the bare folders it once
+# imports changed: the berth package names (berth.executor, berth.specs) for the bare folders it once
 # put on sys.path, so that it runs wherever berth is installed (pip install -e '.[executor]').
 """H100 microbenchmarks for berth's cost model: GEMM shapes, attention, one decoder layer of the
 bundled executor (executor/model.py Block) per model and tp slice, LM head + loss, AdamW, bandwidth.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from berth.executor.model import Block
-from berth.planner.models import load_model
+from berth.specs.models import load_model
 
 OUT = os.environ["OUT"]
 dev = torch.device("cuda", 0)

@@ -1,7 +1,7 @@
 # ruff: noqa
 # fmt: off
 # The script as it ran on the H100 (benchmarks/data/reference/PROVENANCE.md), kept unformatted; only its
-# imports changed: the berth package names (berth.executor, berth.planner) for the bare folders it once
+# imports changed: the berth package names (berth.executor, berth.specs) for the bare folders it once
 # put on sys.path, so that it runs wherever berth is installed (pip install -e '.[executor]').
 """Allocator detail of full single-GPU training steps of the bundled executor (executor.train.run_steps):
 peak allocated vs peak reserved, retries, inactive split bytes, state after the step. $OUT/mem_detail.json"""
@@ -14,8 +14,8 @@ import sys
 import torch
 
 from berth.executor.train import run_steps
-from berth.planner.models import load_model
-from berth.planner.specs import Layout, TrainingSpec
+from berth.specs.models import load_model
+from berth.specs.tree import Layout, TrainingSpec
 
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from berth.cost_models.terms import TIME as TIME_TERMS
-from berth.executor.breakdown import OTHER, TERMS, term_of
-from berth.planner.specs import ValidationReport
+from berth.cost_models.breakdown import OTHER, TERMS, term_of
+from berth.specs.terms import TIME as TIME_TERMS
+from berth.specs.tree import ValidationReport
 
 COLORS = {**{t.name: t.colour for t in TIME_TERMS}, OTHER: "#f0e442"}  # the terms' own from the registry
 # compute is drawn in two shades in the timeline, so that a schedule's forwards and backwards show

@@ -7,9 +7,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from berth.cost_models.validity import RULE, Facts, listing, violations
-from berth.planner.errors import BerthError, from_validation_error
-from berth.planner.specs import (
+from berth.specs.errors import BerthError, from_validation_error
+from berth.specs.tree import (
     AXIS_ORDER_CHOICES,
     LAYOUT_FIELDS,
     MAX_GPUS_PER_NODE,
@@ -21,6 +20,7 @@ from berth.planner.specs import (
     ModelSpec,
     TrainingSpec,
 )
+from berth.specs.validity import RULE, Facts, listing, violations
 
 ALIASES = {
     "zero": "zero_stage",
@@ -126,7 +126,7 @@ def check_values(values: dict[str, Any], field: str = "layout") -> None:
 def layout_problems(
     layout: Layout, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, given: set[str] | None = None
 ) -> list[tuple[str, str]]:
-    """(rule name, why) of every PLAN rule of berth.cost_models.validity.RULES the layout breaks (the
+    """(rule name, why) of every PLAN rule of berth.specs.validity.RULES the layout breaks (the
     search's own vectorized predicates on a one-row Candidates), in the user's numbers; with
     `given`, only the rules that read a given field (a rule broken only through fields a user left
     free is no refusal of what the user gave)."""

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from berth.planner.errors import BerthError, from_validation_error
-from berth.planner.specs import MAX_NAME_LEN, ModelSpec, RopeScaling
+from berth.specs.errors import BerthError, from_validation_error
+from berth.specs.tree import MAX_NAME_LEN, ModelSpec, RopeScaling
 
 PRESETS_FILE = Path(__file__).parent / "model_presets.json"
 

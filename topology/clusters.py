@@ -19,11 +19,11 @@ from typing import Any
 import networkx as nx
 
 from berth.hardware_profiles import UnknownProfileError, device_names, load_device, load_server, nvidia_smi_device
-from berth.hardware_profiles.schema import DeviceProfile, ServerProfile
-from berth.planner.errors import BerthError
-from berth.planner.graphs import check_fabric, cluster_graph
-from berth.planner.hierarchy import GRAPH_LINK_EFFICIENCY, derive_levels, gpu_order
-from berth.planner.specs import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, check_host
+from berth.specs.errors import BerthError
+from berth.specs.hardware import DeviceProfile, ServerProfile
+from berth.specs.tree import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, check_host
+from berth.topology.graphs import check_fabric, cluster_graph
+from berth.topology.hierarchy import GRAPH_LINK_EFFICIENCY, derive_levels, gpu_order
 
 
 def cluster_from_preset(

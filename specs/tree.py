@@ -21,14 +21,14 @@ from pydantic import (
     model_validator,
 )
 
-from berth.cost_models import terms
-from berth.hardware_profiles.schema import DeviceProfile, LinkProfile, Precision
-from berth.planner.axes import with_cp  # noqa: F401 (re-exported: the axis table's placement of cp)
-from berth.planner.errors import BerthError, from_validation_error
+from berth.specs import terms
+from berth.specs.axes import with_cp  # noqa: F401 (re-exported: the axis table's placement of cp)
+from berth.specs.errors import BerthError, from_validation_error
+from berth.specs.hardware import DeviceProfile, LinkProfile, Precision
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-# The training engines berth plans for; each is described once, in cost_models/engines.py (what it runs,
+# The training engines berth plans for; each is described once, in specs/engines.py (what it runs,
 # its memory recipe, its compute stack, its launch format and version).
 Engine = Literal["executor", "torchtitan", "megatron", "deepspeed", "llmfoundry", "generic"]
 ENGINE_CHOICES: tuple[Engine, ...] = ("executor", "torchtitan", "megatron", "deepspeed", "llmfoundry", "generic")
@@ -43,7 +43,7 @@ ENGINE_ALIASES: dict[str, Engine] = {
 }
 Framework = Engine  # the old name of the field's type
 AxisOrder = Literal["tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"]
-AxisName = Literal["tp", "cp", "dp", "pp", "ep"]  # the values of berth.planner.axes.Axis
+AxisName = Literal["tp", "cp", "dp", "pp", "ep"]  # the values of berth.specs.axes.Axis
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
 SCHEDULE_CHOICES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 # innermost axis first; tp-dp-pp (Megatron's default) first so that ties keep it
@@ -65,7 +65,7 @@ MAX_GPUS_PER_NODE = 1024
 # Names that reach generated scripts and manifests (sbatch job names, torchrun's --master-addr,
 # container images, Kubernetes object names) are checked here, once: letters, digits and . _ - /
 # : + @ only (no whitespace, quotes, $, backticks, ; or newlines), bounded length. Launch files
-# still shell-quote every value (planner/launch.py): the two defences do not rely on each other.
+# still shell-quote every value (launch/writers.py): the two defences do not rely on each other.
 MAX_NAME_LEN = 128  # Hugging Face repo ids ("org/name") are at most 96 characters
 MAX_IMAGE_LEN = 255  # OCI image references: registry host, path, tag (Docker caps a tag at 128)
 ModelName = Annotated[
@@ -149,7 +149,7 @@ class ModelSpec(Spec):
     dropout: bool = Field(
         default=False, description="dropout is applied (adds elementwise passes and mask memory to the cost model)"
     )
-    # The model's own details that launch files carry (planner/launch.py) and the cost model does not read.
+    # The model's own details that launch files carry (launch/writers.py) and the cost model does not read.
     rope_theta: float = Field(
         default=10000.0,
         gt=0,
@@ -360,7 +360,7 @@ class ModelSpec(Spec):
 
 class EngineTuning(Spec):
     """What `berth calibrate --runs` learns of an engine from its measured runs: a handful of named,
-    bounded parameters on top of the engine's recipe (cost_models/engines.py). The defaults change
+    bounded parameters on top of the engine's recipe (specs/engines.py). The defaults change
     nothing. Time: cost_models/step.py; memory: cost_models/memory.py `tuned_breakdown`; bounds and
     fitting: planner/engine_fit.py."""
 
@@ -402,7 +402,7 @@ class EngineTuning(Spec):
         le=1,
         description="the share of ZeRO-1/2's all-gather of the updated parameters that runs after the optimizer "
         "step, exposed (0: behind the next forward, as Megatron's overlapped gather and FSDP2; 1: after the step, "
-        "as DeepSpeed ZeRO-1/2; null: the engine's, cost_models/engines.py)",
+        "as DeepSpeed ZeRO-1/2; null: the engine's, specs/engines.py)",
     )
     grad_reduce_exposed: float | None = Field(
         default=None,
@@ -411,7 +411,7 @@ class EngineTuning(Spec):
         description="the share of ZeRO-1/2's gradient reduction that runs after the backward as an all-reduce of the "
         "whole gradients, exposed (0: reduce-scattered behind the last micro-batch's backward, as Megatron's "
         "overlapped reduce and FSDP2; 1: after the backward, as nanotron's ZeRO-1 with fp32 accumulation; "
-        "null: the engine's, cost_models/engines.py)",
+        "null: the engine's, specs/engines.py)",
     )
     pipeline_latency_scale: float = Field(
         default=1.0,
@@ -486,7 +486,7 @@ class TrainingSpec(Spec):
         default="executor",
         validation_alias=AliasChoices("engine", "framework"),
         description=(
-            "the training engine the plan is for (cost_models/engines.py): 'executor' (berth's bundled "
+            "the training engine the plan is for (specs/engines.py): 'executor' (berth's bundled "
             "torch.distributed executor), 'torchtitan', 'megatron' (Megatron-LM, NeMo, Megatron-Bridge), 'deepspeed', "
             "'llmfoundry' (MosaicML) or 'generic' (a PyTorch stack to calibrate with `berth calibrate --runs`); it "
             "decides which layouts run, the memory recipe and the compute stack. Old name: framework ('pytorch' is "
@@ -852,7 +852,7 @@ class Prediction(Spec):
     fits: bool = Field(description="the predicted peak is at most memory_capacity_bytes (the headroom not applied)")
     bottleneck: str = Field(description="the bottleneck: " + terms.BOTTLENECK_DEFINITION)
     time_breakdown_s: dict[str, float] = Field(
-        description="seconds per step by term (cost_models/terms.py): " + terms.describe(terms.TIME)
+        description="seconds per step by term (specs/terms.py): " + terms.describe(terms.TIME)
     )
     comm_total_s: dict[str, float] = Field(
         default_factory=dict,
@@ -862,7 +862,7 @@ class Prediction(Spec):
         "exposed is the traffic compute hides: near the total, a slower link or less compute exposes it",
     )
     memory_breakdown_bytes: dict[str, float] = Field(
-        description="bytes per GPU at the peak by term (cost_models/terms.py): " + terms.describe(terms.MEMORY)
+        description="bytes per GPU at the peak by term (specs/terms.py): " + terms.describe(terms.MEMORY)
     )
     model_flops_per_step: float = Field(
         description="FLOPs of one step's forward and backward, recomputation not counted"
@@ -939,7 +939,7 @@ class Plan(Spec):
     stage_layers: list[int] | None = Field(
         default=None,
         description="decoder layers on each pipeline stage (pp rank, its virtual stages summed), "
-        "first stage first: the split rule of planner/stages.py, uneven when pp x virtual_stages does not divide "
+        "first stage first: the split rule of specs/stages.py, uneven when pp x virtual_stages does not divide "
         "the layers; null when the layout has no valid split",
     )
     placement: Placement | None = Field(default=None, description="rank -> GPU mapping and process groups")
@@ -991,7 +991,7 @@ ValidationStatus = Literal["ok", "failed", "did_not_fit"]
 
 
 class TermComparison(Spec):
-    """One predicted step term beside what was measured for it (executor/breakdown.py says how)."""
+    """One predicted step term beside what was measured for it (cost_models/breakdown.py says how)."""
 
     predicted_s: float | None = Field(default=None, description="predicted seconds per step of this term")
     measured_s: float | None = Field(default=None, description="None: the run never entered this term's regions")

@@ -3,7 +3,7 @@
 An engine decides three things a layout's prediction depends on, and the files that start it:
 
 - what it can run: its rules (`EngineInfo.rules`), vectorized predicates over Candidates evaluated with
-  the layout rules of cost_models/validity.py (the search keeps only what the engine runs, a fixed
+  the layout rules of specs/validity.py (the search keeps only what the engine runs, a fixed
   layout it cannot run is refused naming the engine, and `berth launch` refuses with the same text);
 - its memory recipe (`recipe`, read by cost_models/memory.py): "pytorch" (fp32 parameters under
   autocast, or FSDP2 bf16 mixed precision where the layout shards; DTensor sequence parallelism
@@ -12,7 +12,7 @@ An engine decides three things a layout's prediction depends on, and the files t
   distributed optimizer; sequence parallelism keeps the inputs sharded);
 - its compute stack (`compute_stacks`): the DeviceProfile.frameworks entry, fitted to measured
   layers, that prices the non-GEMM work of a layer (the first one the device has);
-- its launch formats (`launch_formats`: planner/launch.py writes them), and the version all of this
+- its launch formats (`launch_formats`: launch/writers.py writes them), and the version all of this
   was read from.
 
 What no table can know (this team's kernels, its network's achieved bandwidth, its allocator) an
@@ -29,15 +29,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from berth.cost_models.candidates import (
+from berth.specs import stages
+from berth.specs.candidates import (
     RECOMPUTE_SELECTIVE,
     SCHEDULE_1F1B,
     SCHEDULE_GPIPE,
     SCHEDULE_INTERLEAVED,
     Candidates,
 )
-from berth.planner import stages
-from berth.planner.specs import AXIS_ORDER_CHOICES, ENGINE_CHOICES, Engine, Layout, ModelSpec, TrainingSpec
+from berth.specs.tree import AXIS_ORDER_CHOICES, ENGINE_CHOICES, Engine, Layout, ModelSpec, TrainingSpec
 
 MEMORY_PYTORCH = "pytorch"
 MEMORY_MEGATRON = "megatron"
@@ -63,7 +63,7 @@ class EngineInfo:
     version: str  # the version whose code this entry was read from, and that launch files target
     recipe: str  # MEMORY_PYTORCH or MEMORY_MEGATRON (cost_models/memory.py)
     compute_stacks: tuple[str, ...]  # DeviceProfile.frameworks entries, the first the device has wins
-    launch_formats: tuple[str, ...]  # planner/launch.py formats that start it, the default first (none: no files)
+    launch_formats: tuple[str, ...]  # launch/writers.py formats that start it, the default first (none: no files)
     rules: tuple[EngineRule, ...]
     source: str  # where the rules and recipe were read
     # the share of ZeRO-1/2's parameter all-gather left exposed after the optimizer step (0: behind the next
@@ -352,7 +352,7 @@ ENGINES: dict[str, EngineInfo] = {
             ("pytorch",),
             ("torchrun", "slurm", "kubernetes"),
             (TORCH_PIPELINE_MICROBATCHES, INTERLEAVED_GROUPS),
-            "executor/ (its own rules: cost_models/validity.py, applies=EXECUTOR); torch DDP's default buckets "
+            "executor/ (its own rules: specs/validity.py, applies=EXECUTOR); torch DDP's default buckets "
             "(torch/nn/parallel/distributed.py bucket_cap_mb=25)",
             bucket_bytes=TORCH_DDP_BUCKET_BYTES,
             buckets_ddp_only=True,

@@ -2,8 +2,8 @@
 
 The one table of axes the specs, the search, the placement math and the executor's mesh derive
 from. Adding an axis (docs/axes.md): a member of `Axis`, its `AxisFacts` row in `AXES`, a field of
-`berth.planner.specs.Layout` (and `berth.cost_models.candidates.Candidates`) named as the axis, its rules in
-`berth.cost_models.validity.RULES`, the cost terms that price it, the executor's mesh and the launch
+`berth.specs.tree.Layout` (and `berth.specs.candidates.Candidates`) named as the axis, its rules in
+`berth.specs.validity.RULES`, the cost terms that price it, the executor's mesh and the launch
 mappings.
 
 Placement over ranks (innermost first): the axes of `Layout.axis_order` (tp, dp, pp in any order;

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from berth.hardware_profiles.schema import LinkKind, LinkProfile
-from berth.planner.specs import FabricLevel
+from berth.specs.hardware import LinkKind, LinkProfile
+from berth.specs.tree import FabricLevel
 
 # Achieved ring bus bandwidth / wire bandwidth per link kind when a link does not give its own
 # `efficiency` (presets do).

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from berth.planner.axes import RANK_AXES, with_cp
-from berth.planner.specs import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
+from berth.specs.axes import RANK_AXES, with_cp
+from berth.specs.tree import AXIS_ORDER_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout
 
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
 SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED = 0, 1, 2

@@ -5,7 +5,7 @@ a reason code (its name), the general statement of it (`text`: the plan's infeas
 the search's rejection counts) and the statement in one layout's numbers (`detail`, with the values
 that would do where they are few). Everything that checks a layout evaluates this table and
 nothing else: the search's mask (`structural_reasons`) and its pruning (planner/search.py
-`_structural_rows` through `prune`), `compare` / `--layout` / `--fix` (planner/layouts.py through
+`_structural_rows` through `prune`), `compare` / `--layout` / `--fix` (specs/layouts.py through
 `violations`), the API (the same functions), and the executor's pre-flight check
 (executor/checks.py, `violations(..., who=EXECUTOR)`).
 
@@ -27,10 +27,10 @@ from math import gcd
 
 import numpy as np
 
-from berth.cost_models.candidates import SCHEDULE_INTERLEAVED, Candidates
-from berth.cost_models.engines import ENGINE_RULE_NAMES, ENGINES, RULE_BY_NAME, refusal_text, rule_broken
-from berth.planner import stages
-from berth.planner.specs import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, ClusterSpec, Layout, ModelSpec, TrainingSpec
+from berth.specs import stages
+from berth.specs.candidates import SCHEDULE_INTERLEAVED, Candidates
+from berth.specs.engines import ENGINE_RULE_NAMES, ENGINES, RULE_BY_NAME, refusal_text, rule_broken
+from berth.specs.tree import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, ClusterSpec, Layout, ModelSpec, TrainingSpec
 
 VALID = 0
 # The smallest load-balanced chunk (seq_len / (2 cp) tokens) a layout may use: below it each ring
@@ -208,7 +208,7 @@ _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
         "stage_without_layers",
         ("pp", "virtual_stages"),
         lambda c, f: ~stages.split(f.model.num_layers, c.pp, c.virtual_stages)[3],
-        "the layer split over pp x virtual_stages leaves a pipeline stage without a layer (planner/stages.py)",
+        "the layer split over pp x virtual_stages leaves a pipeline stage without a layer (specs/stages.py)",
         _stages,
     ),
     Rule(
@@ -328,7 +328,7 @@ _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
 
 # What the bundled executor cannot run and the engines can (executor/parallel.py, executor/model.py).
 def _engine_rule(name: str, engine: str | None = None) -> Rule:
-    """A rule of the engine table (cost_models/engines.py) as a layout rule: for the plan, the rule of the
+    """A rule of the engine table (specs/engines.py) as a layout rule: for the plan, the rule of the
     training's engine; with `engine`, that engine's (the bundled executor's pre-flight check)."""
     r = RULE_BY_NAME[name]
 

@@ -37,9 +37,9 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from berth.cost_models.engines import ENGINES, engine_refusal, refusal_text
-from berth.planner.errors import BerthError
-from berth.planner.specs import ImageName, Plan
+from berth.specs.engines import ENGINES, engine_refusal, refusal_text
+from berth.specs.errors import BerthError
+from berth.specs.tree import ImageName, Plan
 
 DEFAULT_PORT = 29500
 # the Dockerfile built with --build-arg WITH_TORCH=1 (CPU torch); GPU clusters need an image whose
@@ -59,12 +59,12 @@ class LaunchRefused(BerthError):
 
 def _refuse(engine: str, reason: str) -> str:
     """A refusal of the engine's training options, worded as the engine table words a layout's
-    (cost_models/engines.py refusal_text: the engine, its version and the reason)."""
+    (specs/engines.py refusal_text: the engine, its version and the reason)."""
     return refusal_text(engine, reason)
 
 
 def _engine_refusal(engine: str, plan: Plan) -> str | None:
-    """Why `engine` cannot run the plan's layout: the engine table's rules (cost_models/engines.py), the ones the
+    """Why `engine` cannot run the plan's layout: the engine table's rules (specs/engines.py), the ones the
     search applies, so a plan offered for an engine is one its launch files accept."""
     return engine_refusal(plan.layout, plan.model, plan.training, engine)
 
@@ -294,7 +294,7 @@ FIELD_KEYS: dict[str, dict[str, str]] = {
 #   default). berth sets both to 0 and layers_per_stage = layers / (pp x vpp), so torchtitan builds pp x vpp
 #   stages of equal layers, the embedding with the first and norm + output with the last (as the plan costs them).
 # - DeepSpeed: PipelineModule(num_stages=pp, partition_method="uniform") balances layer counts (module.py).
-# Uneven stages (planner/stages.py: pp x vpp does not divide the layers; the middle chunks hold k, the first and
+# Uneven stages (specs/stages.py: pp x vpp does not divide the layers; the middle chunks hold k, the first and
 # the last fewer) as each engine takes them (STAGE_SPLIT_SOURCES):
 # - Megatron, vpp = 1: --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers; TransformerConfig
 #   ("Uneven PP") checks that the rest divide evenly among the middle stages (k each). vpp > 1: Megatron's first/last
@@ -354,8 +354,8 @@ _IMAGE = TypeAdapter(ImageName)
 
 
 def _stages() -> ModuleType:
-    """berth.planner.stages, imported at first use: it loads numpy, and the CLI reads LAUNCH_FORMATS at start-up."""
-    from berth.planner import stages
+    """berth.specs.stages, imported at first use: it loads numpy, and the CLI reads LAUNCH_FORMATS at start-up."""
+    from berth.specs import stages
 
     return stages
 
@@ -692,7 +692,7 @@ def megatron_args(plan: Plan, run: EngineTraining | None = None) -> dict[str, st
     if x.axis_order == "tp-pp-dp":
         args.append(("--use-tp-pp-dp-mapping", None))
     # the whole model: berth's models are decoder-only with rotary positions and no linear biases but the qkv
-    # ones a model names (the parameter count planner/specs.py uses)
+    # ones a model names (the parameter count specs/tree.py uses)
     args += [
         ("--num-layers", m.num_layers),
         ("--hidden-size", m.hidden_size),
@@ -1019,7 +1019,7 @@ def torchtitan_config(plan: Plan, run: EngineTraining | None = None) -> dict[str
 
 Still to supply (read from the environment when the config is built; an unset one stops with its description):
 {chr(10).join(f"    {k}: {v}" for k, v in TORCHTITAN_INPUTS.items())}
-Pipeline split (berth's rule, planner/stages.py): {_torchtitan_split_note(m.num_layers, x.pp, x.virtual_stages)}
+Pipeline split (berth's rule, specs/stages.py): {_torchtitan_split_note(m.num_layers, x.pp, x.virtual_stages)}
 """
 
 import os

@@ -11,13 +11,13 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from berth.planner import __version__
-from berth.planner.errors import BerthError
-from berth.planner.launch import formats_text
-from berth.planner.specs import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, Plan, TrainingSpec
+from berth.launch.writers import formats_text
+from berth.specs import __version__
+from berth.specs.errors import BerthError
+from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, Plan, TrainingSpec
 
 # Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
-# (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m berth.planner.cli plan ...`;
+# (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m berth.cli.main plan ...`;
 # tests/test_cli.py checks it).
 
 # Exit codes: 0 done (also when the reader of the output goes away: `berth plan ... | head -1`), 1 no layout
@@ -42,7 +42,7 @@ def _quiet_exit() -> None:
     raise SystemExit(0)
 
 
-console = _Console()  # the terminal's width (80 when piped): tables adapt, see berth.planner.render.NARROW
+console = _Console()  # the terminal's width (80 when piped): tables adapt, see berth.cli.render.NARROW
 
 
 def _version(value: bool) -> None:
@@ -232,9 +232,7 @@ def plan_cmd(
     as_csv: Csv = False,
 ) -> None:
     """Search every valid layout and show the fastest that fit (exit 1 when none fits, with the reason)."""
-    from berth.planner.inputs import make_search
-    from berth.planner.planning import lose_nodes, plan, plans_json, with_fallback
-    from berth.planner.render import (
+    from berth.cli.render import (
         BOTTLENECK_LEGEND,
         breakdown_table,
         count,
@@ -244,6 +242,8 @@ def plan_cmd(
         print_layouts,
         print_placement,
     )
+    from berth.planner.inputs import make_search
+    from berth.planner.planning import lose_nodes, plan, plans_json, with_fallback
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -347,8 +347,7 @@ def compare_cmd(
     as_csv: Csv = False,
 ) -> None:
     """Predict given layouts side by side, with the gap to the best layout the search finds."""
-    from berth.planner.planning import compare_json, compare_with_best, first_choice
-    from berth.planner.render import (
+    from berth.cli.render import (
         BOTTLENECK_LEGEND,
         breakdown_table,
         plans_csv,
@@ -357,6 +356,7 @@ def compare_cmd(
         print_placement,
         print_reasons,
     )
+    from berth.planner.planning import compare_json, compare_with_best, first_choice
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -439,7 +439,7 @@ def topology_cmd(
     if as_json:
         print(json.dumps(data if data is not None else cl.model_dump(mode="json")))
         return
-    from berth.planner.render import hierarchy_table
+    from berth.cli.render import hierarchy_table
 
     console.print(hierarchy_table(cl))
     for note in cl.notes:
@@ -456,9 +456,9 @@ def presets_cmd(as_json: Json = False) -> None:
     """List the model, cluster and device presets."""
     from rich.table import Table
 
+    from berth.cli.render import count
     from berth.hardware_profiles import device_names, load_device, load_server, server_names
-    from berth.planner.models import presets
-    from berth.planner.render import count
+    from berth.specs.models import presets
 
     servers = [load_server(n) for n in server_names()]
     devices = [load_device(n) for n in device_names()]
@@ -550,8 +550,8 @@ def validate_cmd(
     by term (`berth report` renders a saved report)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from berth.cli.render import measured_terms_table, validation_table
     from berth.executor.validate import validate, validate_proxy
-    from berth.planner.render import measured_terms_table, validation_table
     from berth.planner.store import Store
 
     _at_least("steps", steps, 1)
@@ -653,14 +653,14 @@ def report_cmd(
     named; the traces it lists; with --png the timeline ("comb") and the bar chart."""
     from pydantic import ValidationError
 
-    from berth.planner.errors import from_validation_error
-    from berth.planner.render import (
+    from berth.cli.render import (
         measured_memory_table,
         measured_regions_line,
         measured_terms_table,
         validation_table,
     )
-    from berth.planner.specs import ValidationReport
+    from berth.specs.errors import from_validation_error
+    from berth.specs.tree import ValidationReport
 
     path = Path(report_file)
     if not path.is_file():
@@ -672,7 +672,7 @@ def report_cmd(
     except ValidationError as err:
         raise from_validation_error(err, "report") from None
     if png is not None:
-        from berth.planner.plots import EXTRA, have_matplotlib
+        from berth.cli.plots import EXTRA, have_matplotlib
 
         if not have_matplotlib():
             raise BerthError("png", png, f"needs matplotlib: pip install 'berth[{EXTRA}]'")
@@ -696,7 +696,7 @@ def report_cmd(
     if report.traces:
         console.print("traces (chrome://tracing or https://ui.perfetto.dev):\n  " + "\n  ".join(report.traces))
     if png is not None:
-        from berth.planner.plots import terms_png, timeline_png
+        from berth.cli.plots import terms_png, timeline_png
 
         out = Path(png)
         out.mkdir(parents=True, exist_ok=True)
@@ -734,7 +734,7 @@ def launch_cmd(
 ) -> None:
     """Write the files that launch a plan: per-node torchrun scripts, an sbatch script or a PyTorchJob
     running the bundled executor, or Megatron-LM / DeepSpeed / torchtitan configs for the layout."""
-    from berth.planner.launch import artifacts, engine_training
+    from berth.launch.writers import artifacts, engine_training
 
     _at_least("steps", steps, 1)
     _at_least("warmup", warmup, 0)
@@ -845,9 +845,9 @@ def calibrate_cmd(
     from rich.table import Table
 
     from berth.planner.calibrate import PARAMETERS, calibrate, profile_document
-    from berth.planner.errors import from_validation_error
-    from berth.planner.specs import ValidationReport
     from berth.planner.store import read_validations
+    from berth.specs.errors import from_validation_error
+    from berth.specs.tree import ValidationReport
 
     if runs or log:
         _calibrate_runs(runs or "", log or [], plan_file, out, prior)
@@ -930,10 +930,10 @@ def calibrate_cmd(
 @app.command("engines")
 def engines_cmd(as_json: Json = False) -> None:
     """The engines berth plans for: version, memory recipe, compute stack, launch formats and what each cannot run
-    (cost_models/engines.py)."""
+    (specs/engines.py)."""
     from rich.table import Table
 
-    from berth.cost_models.engines import ENGINES, engine_table
+    from berth.specs.engines import ENGINES, engine_table
 
     if as_json:
         print(json.dumps(engine_table()))
@@ -1034,8 +1034,8 @@ def probe_cmd(
 
 
 def _write_probe_files(out: str, picks: list) -> None:
-    from berth.cost_models.engines import ENGINES
-    from berth.planner.launch import artifacts
+    from berth.launch.writers import artifacts
+    from berth.specs.engines import ENGINES
 
     directory = Path(out)
     if directory.exists() and not directory.is_dir():

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from berth.cost_models import terms
+from berth.specs import terms
 
 # term of time_breakdown_s -> (measured regions whose exclusive times add up to it, how it is measured):
-# read from the registry of terms (cost_models/terms.py)
+# read from the registry of terms (specs/terms.py)
 TERM_REGIONS: dict[str, tuple[tuple[str, ...], str]] = {t.name: (t.regions, t.measured_by) for t in terms.TIME}
 OTHER = "other"  # the step's time in no region (untimed glue); also collectives on groups of no single axis
 TERMS = tuple(TERM_REGIONS)

@@ -1,9 +1,9 @@
 """The one registry of the cost model's terms: every key of `time_breakdown_s` (cost_models/step.py
 `evaluate`) and of `memory_breakdown_bytes` (cost_models/memory.py `stage_memory_breakdown`), with
 its unit, display label, what it is, and what the edges need of it: the plan tables
-(planner/render.py), the executor's measured regions (executor/breakdown.py), the report colours
-(planner/plots.py), the placement's axis -> term map (planner/placement.py) and the API's
-description of a Prediction (planner/specs.py).
+(cli/render.py), the executor's measured regions (cost_models/breakdown.py), the report colours
+(cli/plots.py), the placement's axis -> term map (planner/placement.py) and the API's
+description of a Prediction (specs/tree.py).
 
 A term the cost model emits but this registry lacks fails tests/test_terms.py; order here is the
 order of every table, breakdown and figure. Pure data: no numpy, no torch.
@@ -25,7 +25,7 @@ class TimeTerm:
     name: str
     label: str  # the row label in tables (after "time: ") and the bar label in figures
     description: str
-    colour: str  # report figures (planner/plots.py)
+    colour: str  # report figures (cli/plots.py)
     regions: tuple[str, ...]  # executor regions (executor/timing.py) whose exclusive times add up to it
     measured_by: str  # how the executor measures it (a ValidationReport's breakdown says it)
     axis: str | None = None  # the parallel axis whose process groups carry it (placement)

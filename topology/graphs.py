@@ -18,8 +18,8 @@ from typing import Any
 
 import networkx as nx
 
-from berth.hardware_profiles.schema import LinkProfile, ServerProfile
-from berth.planner.errors import BerthError
+from berth.specs.errors import BerthError
+from berth.specs.hardware import LinkProfile, ServerProfile
 
 FABRICS = ("rails", "fat-tree")
 SHARED_NIC_PCIE_HEADROOM = 2.0  # a GPU's PCIe path to a shared NIC is not its bottleneck (x2 the NIC)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from berth.cost_models import terms
 from berth.cost_models.step import COMM_TERMS
-from berth.planner.specs import LAYOUT_FIELDS, ClusterSpec, Plan, ValidationReport, with_cp
+from berth.specs import terms
+from berth.specs.tree import LAYOUT_FIELDS, ClusterSpec, Plan, ValidationReport, with_cp
 
 GIB = 2**30
-# the breakdown's terms, their order and labels come from the registry (cost_models/terms.py)
+# the breakdown's terms, their order and labels come from the registry (specs/terms.py)
 
 
 NARROW = 120  # below this many terminal columns the plan table stacks the layout into one cell
@@ -228,7 +228,7 @@ def plans_csv(plans: list[Plan], best_tokens_per_s: float | None = None) -> str:
 
 
 def stage_text(p: Plan) -> str:
-    """Decoder layers per pipeline stage, runs folded: "7, 8 x14, 7" (planner/stages.py)."""
+    """Decoder layers per pipeline stage, runs folded: "7, 8 x14, 7" (specs/stages.py)."""
     if not p.stage_layers:
         return "-"
     runs: list[list[int]] = []

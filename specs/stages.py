@@ -1,7 +1,7 @@
 """Decoder layers per pipeline stage: the one rule berth applies, used by the cost model
-(cost_models/step.py, memory.py), the validity rules (cost_models/validity.py), the search
+(cost_models/step.py, memory.py), the validity rules (specs/validity.py), the search
 (planner/search.py), the executor (executor/parallel.py, checks.py) and the launch artifacts
-(planner/launch.py).
+(launch/writers.py).
 
 The rule. pp ranks with v virtual stages each cut the model into S = pp x v chunks, in model order
 (chunk c runs on pp rank c mod pp: the interleaved order of Megatron-LM and of
@@ -35,7 +35,7 @@ Why this split:
   k - last` gives exactly these chunks;
   torch.distributed.pipelining (the bundled executor): any split;
   DeepSpeed's PipelineModule partitions by its own method (`uniform` puts the remainder on the
-  first stages), so planner/launch.py refuses uneven stages for it.
+  first stages), so launch/writers.py refuses uneven stages for it.
 """
 
 from __future__ import annotations
