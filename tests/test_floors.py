@@ -72,19 +72,16 @@ def test_no_import_runs_upward_or_sideways():
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_scan_sees_every_form():
+def test_the_scan_sees_every_form(tmp_path):
     """The scan finds a module-level import, one inside a function and a module path in a string."""
-    probe = ROOT / "tests" / "_floors_probe.py"
+    probe = tmp_path / "probe.py"
     probe.write_text(
         "from berth.cli.main import main\n"
         "def f():\n    import berth.api.app\n"
         'CMD = ["-m", "berth.executor.worker"]\n'
         "from berth.specs import tree\n"
     )
-    try:
-        assert sorted(t for _, t in _imports(probe)) == ["api", "cli", "executor", "specs"]
-    finally:
-        probe.unlink()
+    assert sorted(t for _, t in _imports(probe)) == ["api", "cli", "executor", "specs"]
 
 
 def test_the_largest_package_is_under_4000_lines():
