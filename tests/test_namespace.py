@@ -33,9 +33,9 @@ PACKAGE_DATA = {
 }
 SCANNED = [*PACKAGES, "tests", "benchmarks"]
 BARE = "|".join(PACKAGES)
-# a module path held in a string: "planner.cli", "api.app:create_app"
+# a module path held in a string: "cli.main", "api.app:create_app"
 MODULE_STRING = re.compile(rf"({BARE})(\.\w+)+(:\w+)?")
-# code or a command held in a string: "from planner.cli import main", "python -m executor.worker"
+# code or a command held in a string: "from cli.main import main", "python -m executor.worker"
 CODE_IN_STRING = re.compile(rf"(?<![\w.])(from\s+({BARE})(\.\w+)*\s+import\b|import\s+({BARE})\b|-m\s+({BARE})\b)")
 DOCS = [ROOT / "README.md", ROOT / "Dockerfile", ROOT / ".ci" / "run", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -46,7 +46,7 @@ def _python_files() -> list[Path]:
 
 def _bare_uses(text: str, name: str, strings: bool = True) -> list[str]:
     """Where the Python source `text` imports a bare package, or holds one in a string as a module
-    path ("planner.cli", "api.app:create_app") or inside code or a command ("-m executor.worker")."""
+    path ("cli.main", "api.app:create_app") or inside code or a command ("-m executor.worker")."""
     found = []
     for node in ast.walk(ast.parse(text, filename=name)):
         names = []
