@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from berth.planner.engine_fit import MeasuredRun, fit_engine, predict_runs
+from berth.planner.engine_fit import CEILING, MeasuredRun, fit_engine, predict_runs
 from berth.planner.probe import probe
 from berth.planner.run_logs import read_runs
 from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, EngineTuning
@@ -181,6 +181,9 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
         "memory_error_median": float(np.median(m[ok] / mem[ok] - 1.0)) if ok.any() else float("nan"),
         "memory_abs_error_median": float(np.median(np.abs(m[ok] / mem[ok] - 1.0))) if ok.any() else float("nan"),
         "ran_predicted_not_to_fit": int(np.sum(ok & ~fits)),
+        # of those, runs whose reserved peak reached the allocator's ceiling: capped, not measured, and slowed by
+        # the allocator's retries (planner/engine_fit.py CEILING)
+        "ran_at_ceiling_predicted_not_to_fit": int(np.sum(ok & ~fits & (mem >= CEILING * cap))),
         "refused": int(refused.sum()),
     }
 
@@ -209,6 +212,7 @@ def summary(groups: list[dict]) -> dict:
         "memory_error_median": med("memory_error_median"),
         "memory_abs_error_median": med("memory_abs_error_median"),
         "ran_predicted_not_to_fit": int(sum(g["ran_predicted_not_to_fit"] for g in groups)),
+        "ran_at_ceiling_predicted_not_to_fit": int(sum(g["ran_at_ceiling_predicted_not_to_fit"] for g in groups)),
         "refused": int(sum(g["refused"] for g in groups)),
         "crashed_predicted_to_fit": int(sum(g["crashed_predicted_to_fit"] for g in groups)),
     }
@@ -309,6 +313,7 @@ def print_result(result: dict) -> None:
             ("throughput_error_median", "median |throughput error|"),
             ("memory_abs_error_median", "median |memory error|"),
             ("ran_predicted_not_to_fit", "ran, predicted not to fit"),
+            ("ran_at_ceiling_predicted_not_to_fit", "  of them at the allocator's cap"),
             ("crashed_predicted_to_fit", "crashed, predicted to fit"),
             ("refused", "ran, refused as invalid"),
         ]

@@ -600,3 +600,31 @@ def test_probe_among_given_layouts_the_prior_thinks_too_big():
     assert all(p.plan.predicted().fits for p in probe(big, training(), cl, 2))
     picks = probe(big, training(), cl, 2, layouts=given)  # what the team says runs: measured, and it corrects
     assert len(picks) == 2 and all("predicted not to fit" in p.why for p in picks)
+
+
+def test_a_peak_at_the_allocators_ceiling_bounds_memory_from_below_and_its_step_is_left_out(monkeypatch):
+    """PyTorch's caching allocator frees its cache and retries a failed allocation before it raises: a run
+    whose reserved peak reached the capacity was measured where the cap stopped it, and its step paid for the
+    retries. Such a run bounds the fitted memory from below and does not pull the fitted time."""
+    from berth.planner import engine_fit
+
+    cl = cluster_from_preset("dgx-h100", 2)
+    runs = synthetic_runs([p.plan.layout for p in probe(SMALL, training(), cl, 12)], cl)
+    big = TrainingSpec(seq_len=4096, global_batch_size=256, engine="generic")
+    x = Layout(dp=16, micro_batch_size=16, num_microbatches=1)
+    (true,) = synthetic_runs([x], cl, train=big)
+    cap = predict_runs([true], TRUTH)[2][0]
+    assert true.peak_memory_bytes > cap  # what it asked for is over the capacity
+    capped = MeasuredRun("capped", SMALL, big, cl, x, "ok", 4 * true.step_time_s, 0.99 * cap)
+    plain = fit_engine(runs)
+    fit = fit_engine([*runs, capped])
+    assert fit.counts["at_ceiling"] == 1
+    assert fit.tuning.compute_efficiency == pytest.approx(plain.tuning.compute_efficiency, rel=0.01)
+    assert predict_runs([capped], fit.tuning)[1][0] >= 0.98 * cap
+    assert engine_fit.errors([capped], fit.tuning)["memory_median_error"] == 0.0  # above the cap: no error
+    assert engine_fit.memory_errors(np.array([0.9, 1.2]), np.array([True, True])).tolist() == pytest.approx([0.1, 0])
+    # read as a measurement, the same run drags the fitted engine slower and its memory down
+    monkeypatch.setattr(engine_fit, "CEILING", 10.0)
+    naive = fit_engine([*runs, capped])
+    assert naive.counts["at_ceiling"] == 0
+    assert naive.tuning.compute_efficiency < 0.97 * plain.tuning.compute_efficiency
