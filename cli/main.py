@@ -1074,7 +1074,7 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
     """`berth calibrate --runs/--log`: fit an engine to measured runs (planner/engine_fit.py)."""
     from rich.table import Table
 
-    from berth.planner.engine_fit import PARAMETERS, fit_engine, prior_value, read_engine_profile
+    from berth.planner.engine_fit import CEILING, PARAMETERS, fit_engine, prior_value, read_engine_profile
     from berth.planner.run_logs import read_log, read_runs
 
     runs = []
@@ -1124,6 +1124,13 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
         else:
             t.add_row(name, f"{before:.4g}", "not fitted", "", fit.not_fitted.get(name, ""))
     console.print(t)
+    if fit.counts.get("at_ceiling"):
+        console.print(
+            f"{fit.counts['at_ceiling']} run(s) reached the allocator's ceiling (reserved >= {CEILING:.0%} of the "
+            "capacity): their peak is read as a lower bound, their step time (slowed by the allocator's retries) "
+            "is left out",
+            highlight=False,
+        )
     e = fit.errors
     for q, label in (("step_time", "step time"), ("memory", "peak memory")):
         key = f"{q}_median_error"

@@ -23,9 +23,9 @@ censored: PyTorch's caching allocator frees its cache and retries a failed alloc
 (c10/cuda/CUDACachingAllocator.cpp: release_cached_blocks, then the malloc again), so the reserved
 figure is where the cap stopped it, a lower bound on what the run asked for (a one-sided constraint:
 its prediction must not be lower), and its step time paid for the retries (left out of the fit: on
-the Ultra-Scale Playbook's sweep such runs ran 2.5-5x slower than the same layouts' neighbours
-predict, docs/accuracy.md); a weak prior (PRIOR_WEIGHT) holds what the runs say nothing about at the engine's
-values. `scipy.optimize.least_squares` with the parameters' bounds minimizes them.
+the Ultra-Scale Playbook's sweep such runs ran 2.5-5x slower than predicted, docs/accuracy.md); a weak
+prior (PRIOR_WEIGHT) holds what the runs say nothing about at the engine's values.
+`scipy.optimize.least_squares` with the parameters' bounds minimizes them.
 
 Only what the runs determine is fitted: a parameter whose Jacobian column is (nearly) zero or a
 combination of those already kept (IDENTIFIABLE_TOLERANCE), or for which its quantity has no spare

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import engine_sweep
+from berth.cost_models.memory import allocator_capacity_bytes
+from berth.planner.engine_fit import CEILING
 
 SAVED = Path(engine_sweep.__file__).resolve().parent / "results" / "engine_sweep.json"
 KEYS = (
@@ -76,7 +78,13 @@ def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
     recs = [json.loads(x) for x in example.read_text().splitlines() if not x.startswith("#")]
     assert [r.layout.short() for r in engine_sweep.as_runs(recs)] == [p["layout"] for p in saved["probes"]]
     profile = tmp_path / "profile.json"
-    run("calibrate", "--runs", str(example), "--out", str(profile))
+    said = run("calibrate", "--runs", str(example), "--out", str(profile))
+    # one probe's reserved peak reached the allocator's ceiling: read as a lower bound, its step left out
+    runs = engine_sweep.as_runs(recs)
+    cap = allocator_capacity_bytes(runs[0].cluster.device, runs[0].cluster.world_size)
+    at_cap = sum(r["peak_memory_gib"] * 2**30 >= CEILING * cap for r in recs)
+    assert at_cap == json.loads(profile.read_text())["fit"]["runs"]["at_ceiling"] == 1
+    assert "1 run(s) reached the allocator's ceiling" in " ".join(said.split())
     args = [x for r in group[128] for x in ("--layout", r["layout"])]
     answer = json.loads(
         run("compare", str(model), *common, "--nodes", "16", "--profile", str(profile), *args, "--json")
