@@ -285,11 +285,13 @@ def main(argv: list[str] | None = None) -> dict:
             EXAMPLE.write_text(EXAMPLE_HEADER + "".join(line + "\n" for line in lines))
         result["models"][size] = r
     # the same loop with the probes on another GPU count: how much the figures hang on which runs were probed
-    result["other_probe_gpus"] = {
-        str(g): {size: {k: loop(data, size, g, args.probes, folds=1)[k] for k in ("before", "after")} for size in sizes}
-        for g in OTHER_PROBE_GPUS
-        if g != args.probe_gpus
-    }
+    result["other_probe_gpus"] = {}
+    for g in OTHER_PROBE_GPUS:
+        if g != args.probe_gpus:
+            runs_at = {size: loop(data, size, g, args.probes, folds=1) for size in sizes}
+            result["other_probe_gpus"][str(g)] = {
+                size: {"before": r["before"], "after": r["after"]} for size, r in runs_at.items()
+            }
     result["seconds"] = round(time.time() - t0, 1)
     print_result(result)
     if not args.no_write:

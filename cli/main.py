@@ -997,7 +997,7 @@ def probe_cmd(
     given = list(layout or [])
     if layouts_file is not None:
         text = _read_text(layouts_file, "layouts", "one layout a line")
-        given += [line.split("#", 1)[0].strip() for line in text.splitlines() if line.split("#", 1)[0].strip()]
+        given += [x for x in (line.split("#", 1)[0].strip() for line in text.splitlines()) if x]
         if not given:
             raise BerthError("layouts", layouts_file, "no layout in it")
     candidates = parse_layouts(spec, training, cl, given) if given else None

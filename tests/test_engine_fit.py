@@ -616,8 +616,8 @@ def test_a_peak_at_the_allocators_ceiling_bounds_memory_from_below_and_its_step_
     cap = predict_runs([true], TRUTH)[2][0]
     assert true.peak_memory_bytes > cap  # what it asked for is over the capacity
     capped = MeasuredRun("capped", SMALL, big, cl, x, "ok", 4 * true.step_time_s, 0.99 * cap)
-    plain = fit_engine(runs)
-    fit = fit_engine([*runs, capped])
+    plain = fit_engine(runs, folds=1)  # no held-out scoring: the fits alone
+    fit = fit_engine([*runs, capped], folds=1)
     assert fit.counts["at_ceiling"] == 1
     assert fit.tuning.compute_efficiency == pytest.approx(plain.tuning.compute_efficiency, rel=0.01)
     assert predict_runs([capped], fit.tuning)[1][0] >= 0.98 * cap
@@ -625,6 +625,6 @@ def test_a_peak_at_the_allocators_ceiling_bounds_memory_from_below_and_its_step_
     assert engine_fit.memory_errors(np.array([0.9, 1.2]), np.array([True, True])).tolist() == pytest.approx([0.1, 0])
     # read as a measurement, the same run drags the fitted engine slower and its memory down
     monkeypatch.setattr(engine_fit, "CEILING", 10.0)
-    naive = fit_engine([*runs, capped])
+    naive = fit_engine([*runs, capped], folds=1)
     assert naive.counts["at_ceiling"] == 0
     assert naive.tuning.compute_efficiency < 0.97 * plain.tuning.compute_efficiency
