@@ -55,8 +55,8 @@ class TrainingRequest(Body):
         default="executor",
         validation_alias=AliasChoices("engine", "framework"),
         description="the training engine (GET /v1/engines lists them): executor (berth's), torchtitan, megatron "
-        "(NeMo, Megatron-Bridge), deepspeed, llmfoundry or generic; the old field name framework and its value "
-        "pytorch (= executor) are accepted",
+        "(NeMo, Megatron-Bridge), deepspeed, llmfoundry, nanotron or generic; the old field name framework and "
+        "its value pytorch (= executor) are accepted",
     )
     token_budget: float | None = Field(default=None, gt=0, le=1e16, description="tokens to train on, for the cost")
     tuning: EngineTuning | None = Field(

@@ -2,14 +2,16 @@
 
 Data: benchmarks/data/reference/ultrascale-playbook/ (the Ultra-Scale Playbook's nanotron sweep on
 H100, the 1B and 8B models: 1,027 runs with throughput and peak reserved memory, 616 configurations
-that crashed; provenance in its README). berth has no nanotron entry: the loop starts from the
-'generic' engine, as a team with an unmodelled stack would.
+that crashed; provenance in its README). The loop runs twice: from berth's nanotron entry
+(specs/engines.py: its rules, memory recipe and compute-balanced pipeline split, read from its code),
+as a team on nanotron would, and from the 'generic' engine, as a team on a stack berth has no
+entry for would.
 
 For each model: `berth probe` (planner/probe.py) picks K <= 12 layouts among the layouts that ran at
 one GPU count (PROBE_GPUS); their measured step time and peak memory are read from the data, as a
 team would read them from its runs; `berth calibrate --runs` (planner/engine_fit.py) fits the
-engine on them; then every other group (model x GPU count) of both models is scored, before (engine
-generic, its prior) and after:
+engine on them; then every other group (model x GPU count) of both models is scored, before (the
+engine's prior) and after:
 
 - Spearman's rho between predicted and measured tokens/s over the layouts that ran;
 - top-1 regret: 1 - measured tokens/s of berth's first choice among the layouts that ran (the fastest
@@ -58,6 +60,8 @@ PRESET = "aws-p5"
 PROBE_GPUS = 64
 OTHER_PROBE_GPUS = (32, 128)  # the loop again with the probes there (summaries only)
 PROBES = 12
+ENGINE = "nanotron"  # the engine the sweep ran; the loop is also run from "generic" (GENERIC)
+GENERIC = "generic"
 SEQ = 4096
 
 
@@ -89,7 +93,7 @@ def layout_text(tp: int, pp: int, dp: int, mbs: int, ga: int, zero: int) -> str:
     return text + (",sp=1" if tp > 1 else "")
 
 
-def records() -> tuple[list[dict], list[dict]]:
+def records(engine: str = ENGINE) -> tuple[list[dict], list[dict]]:
     """(runs that ran, crashed configurations) as JSON-lines records; rows whose printed batch disagrees
     with their layout are left out (README: 'completeness: inconsistent')."""
     ran, crashed = [], []
@@ -111,7 +115,7 @@ def records() -> tuple[list[dict], list[dict]]:
                 "layout": layout_text(
                     row["tp"], row["pp"], row["dp"], row["micro_batch_size"], row["grad_accum_steps"], row["zero_stage"]
                 ),
-                "engine": "generic",
+                "engine": engine,
                 "status": "ok",
                 "tokens_per_s_per_gpu": precise.get("tok_s_gpu", row["tokens_per_sec_per_gpu"]),
                 "peak_memory_gib": precise.get("mem_reserved_GiB", row["memory_per_gpu_gib"]),
@@ -130,7 +134,7 @@ def records() -> tuple[list[dict], list[dict]]:
                 "seq_len": SEQ,
                 "global_batch": row["gbs"],
                 "layout": layout_text(row["tp"], row["pp"], row["dp"], row["mbs"], row["grad_accum"], row["zero"]),
-                "engine": "generic",
+                "engine": engine,
                 "status": "oom",
             }
         )
@@ -218,9 +222,9 @@ def summary(groups: list[dict]) -> dict:
     }
 
 
-def loaded() -> tuple[dict, dict, dict]:
+def loaded(engine: str = ENGINE) -> tuple[dict, dict, dict]:
     """(records by group, their runs, the crashed configurations' runs by group); a group is (model, GPUs)."""
-    ran, crashed = records()
+    ran, crashed = records(engine)
     by_group: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for r in ran:
         by_group[(r["size"], r["cluster"]["nodes"] * 8)].append(r)
@@ -269,11 +273,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--probe-gpus", type=int, default=PROBE_GPUS)
     ap.add_argument("--probes", type=int, default=PROBES)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--engine", default=ENGINE, choices=(ENGINE, GENERIC))
     args = ap.parse_args(argv)
     t0 = time.time()
-    data = loaded()
+    data = loaded(args.engine)
     sizes = sorted({k[0] for k in data[1]})
-    result: dict = {"probe_gpus": args.probe_gpus, "probes": args.probes, "preset": PRESET, "models": {}}
+    result: dict = {
+        "probe_gpus": args.probe_gpus,
+        "probes": args.probes,
+        "preset": PRESET,
+        "engine": args.engine,
+        "models": {},
+    }
     for size in sizes:
         r = loop(data, size, args.probe_gpus, args.probes)
         chosen_records = r.pop("probe_records")
@@ -284,6 +295,12 @@ def main(argv: list[str] | None = None) -> dict:
             )
             EXAMPLE.write_text(EXAMPLE_HEADER + "".join(line + "\n" for line in lines))
         result["models"][size] = r
+    if args.engine != GENERIC:  # the same loop from the generic engine: what the nanotron entry adds
+        generic = loaded(GENERIC)
+        result["generic"] = {}
+        for size in sizes:
+            r = loop(generic, size, args.probe_gpus, args.probes)
+            result["generic"][size] = {"fitted": r["fitted"], "before": r["before"], "after": r["after"]}
     # the same loop with the probes on another GPU count: how much the figures hang on which runs were probed
     result["other_probe_gpus"] = {}
     for g in OTHER_PROBE_GPUS:
@@ -319,10 +336,13 @@ def print_result(result: dict) -> None:
             ("crashed_predicted_to_fit", "crashed, predicted to fit"),
             ("refused", "ran, refused as invalid"),
         ]
-        print(f"  {'':32s} {'before':>9s} {'after':>9s}")
+        generic = result.get("generic", {}).get(size)
+        columns = [("generic", generic["before"]), ("fitted", generic["after"])] if generic else []
+        columns += [(f"{result['engine'][:8]}", r["before"]), ("fitted", r["after"])]
+        print(f"  {'':32s} " + " ".join(f"{name:>9s}" for name, _ in columns))
         for k, label in keys:
-            b, a = r["before"][k], r["after"][k]
-            print(f"  {label:32s} {b:9.3f} {a:9.3f}" if isinstance(b, float) else f"  {label:32s} {b:9d} {a:9d}")
+            cells = [c[k] for _, c in columns]
+            print(f"  {label:32s} " + " ".join(f"{v:9.3f}" if isinstance(v, float) else f"{v:9d}" for v in cells))
         print(f"  {'group':12s} {'rho':>6s} {'regret':>7s} {'twins':>6s} {'top3':>5s} {'|err|':>6s} {'mem':>6s}")
         for g in r["groups_after"]:
             print(

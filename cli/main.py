@@ -129,8 +129,8 @@ EngineOpt = Annotated[
         "--engine",
         "--framework",
         help="the training engine: executor (berth's, the default), torchtitan, megatron (NeMo, Megatron-Bridge), "
-        "deepspeed, llmfoundry or generic (to calibrate); `berth engines` lists what each runs. --framework is the "
-        "old name (pytorch = executor)",
+        "deepspeed, llmfoundry, nanotron or generic (to calibrate); `berth engines` lists what each runs. "
+        "--framework is the old name (pytorch = executor)",
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]

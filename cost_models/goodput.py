@@ -29,6 +29,7 @@ import numpy as np
 from berth.cost_models import memory
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.specs.candidates import Candidates
+from berth.specs.engines import split_rule
 from berth.specs.tree import ClusterSpec, ModelSpec, TrainingSpec
 
 SECONDS_PER_HOUR = 3600.0
@@ -73,7 +74,7 @@ def checkpoint_bytes(
     # the experts' states shard over their expert-data-parallel share of the ZeRO group (memory.expert_candidates)
     expert_ranks = np.where(zero, memory.expert_candidates(c).shard * c.cp, 1.0)
     writers = (c.tp * c.pp) * np.where(zero, np.maximum(shard_cp, ep), ep)
-    stage, share = memory.expert_share(model, c)
+    stage, share = memory.expert_share(model, c, split_rule(training))
     per_rank = stage * per_param * ((1.0 - share) / dense_ranks + share / expert_ranks)
     return total, per_rank, writers.astype(float)
 

@@ -57,7 +57,7 @@ from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.pipeline import layers_in_flight, microbatches_in_flight
 from berth.specs import stages
 from berth.specs.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE, Candidates
-from berth.specs.engines import ddp_wrapped, megatron_memory
+from berth.specs.engines import ddp_wrapped, megatron_memory, split_rule
 from berth.specs.hardware import DeviceProfile
 from berth.specs.tree import EngineTuning, ModelSpec, TrainingSpec
 
@@ -169,11 +169,20 @@ def padded_vocab(model: ModelSpec, tp) -> ArrayOrFloat:
 
 
 def stage_params(
-    model: ModelSpec, pp, tp, first: bool, vpp=1, middle: bool = False, ep=1, part: str = "all", etp=None
+    model: ModelSpec,
+    pp,
+    tp,
+    first: bool,
+    vpp=1,
+    middle: bool = False,
+    ep=1,
+    part: str = "all",
+    etp=None,
+    rule: str = stages.SPLIT_ENDS_LIGHTER,
 ) -> ArrayOrFloat:
     """Parameters on one rank of the first (or last) pipeline stage after the tp split.
 
-    The stage's decoder layers follow the split rule (specs/stages.py; `vpp` virtual stages).
+    The stage's decoder layers follow the engine's split `rule` (specs/stages.py; `vpp` virtual stages).
     The first stage holds the input embedding, the last the LM head and final norm; with
     pp = 1 one stage holds both (a single matrix if the embeddings are tied). Megatron keeps a
     copy of a tied embedding on the last stage when pp > 1. `middle`: a middle stage (its layers
@@ -187,7 +196,7 @@ def stage_params(
     """
     edge = 0.0 if part == "expert" else 1.0
     local = local_layer_params(model, tp, ep, etp, part)
-    first_layers, middle_layers, last_layers, _ = stages.stage_split(model.num_layers, pp, vpp)
+    first_layers, middle_layers, last_layers, _ = stages.rule_stage_split(model, pp, vpp, rule)
     if middle:
         return np.asarray(middle_layers, dtype=float) * local
     pp = np.asarray(pp, dtype=float)
@@ -209,21 +218,26 @@ def local_layer_params(model: ModelSpec, tp, ep=1, etp=None, part: str = "all") 
     return dense + routed + 0.0 * ep
 
 
-def largest_stage_params(model: ModelSpec, pp, tp, vpp=1, ep=1, etp=None) -> ArrayOrFloat:
+def largest_stage_params(
+    model: ModelSpec, pp, tp, vpp=1, ep=1, etp=None, rule: str = stages.SPLIT_ENDS_LIGHTER
+) -> ArrayOrFloat:
     """Parameters on one rank of the pipeline stage that holds the most: the first or the last (an
     embedding or head more), or a middle one where the split gives it more layers (pp > 2)."""
     ends = np.maximum(
-        stage_params(model, pp, tp, True, vpp, ep=ep, etp=etp), stage_params(model, pp, tp, False, vpp, ep=ep, etp=etp)
+        stage_params(model, pp, tp, True, vpp, ep=ep, etp=etp, rule=rule),
+        stage_params(model, pp, tp, False, vpp, ep=ep, etp=etp, rule=rule),
     )
-    mid = np.where(np.asarray(pp) > 2, stage_params(model, pp, tp, False, vpp, middle=True, ep=ep, etp=etp), 0.0)
+    mid = np.where(
+        np.asarray(pp) > 2, stage_params(model, pp, tp, False, vpp, middle=True, ep=ep, etp=etp, rule=rule), 0.0
+    )
     return np.maximum(ends, mid)
 
 
-def expert_share(model: ModelSpec, c) -> tuple[np.ndarray, np.ndarray]:
+def expert_share(model: ModelSpec, c, rule: str = stages.SPLIT_ENDS_LIGHTER) -> tuple[np.ndarray, np.ndarray]:
     """(parameters on one rank of the largest stage, the share of them that are routed experts): the
     split data-parallel costs (step.py) and the checkpoint (goodput.py) weigh dense and expert parts by."""
     etp = expert_tp_of(c)
-    stage = np.asarray(largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep, etp))
+    stage = np.asarray(largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep, etp, rule))
     if not model.is_moe:
         return stage, np.zeros_like(stage)
     expert = stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert", etp=etp)
@@ -474,7 +488,7 @@ def activation_bytes(
         per_layer = per_layer + np.where(c.recompute == RECOMPUTE_FULL, 0.0, extra)
         full_layer = full_layer + extra
     if layers is None:
-        split = stages.stage_split(model.num_layers, c.pp, c.virtual_stages)
+        split = stages.rule_stage_split(model, c.pp, c.virtual_stages, split_rule(training))
         layers = split[0] if first else split[2]
     held = (
         layers_in_flight(model.num_layers, c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage, layers)
@@ -583,10 +597,13 @@ def stage_memory_breakdown(
     first = first and not middle
     stage = 0.0 if first else 1.0 if middle else np.asarray(c.pp, dtype=float) - 1.0
     etp = expert_tp_of(c)
-    params = stage_params(model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep, etp=etp)
+    rule = split_rule(training)
+    params = stage_params(model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep, etp=etp, rule=rule)
     st = model_state_bytes(training, params, c)
     if model.is_moe:  # the routed experts' states shard over the expert-data-parallel group (expert_candidates)
-        experts = stage_params(model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep, part="expert", etp=etp)
+        experts = stage_params(
+            model, c.pp, c.tp, first, c.virtual_stages, middle, ep=c.ep, part="expert", etp=etp, rule=rule
+        )
         dense = model_state_bytes(training, params - experts, c)
         moe = model_state_bytes(training, experts, expert_candidates(c))
         st = {k: dense[k] + moe[k] if k != "grad_element" else dense[k] for k in dense}
@@ -596,7 +613,7 @@ def stage_memory_breakdown(
     c = replace(c, micro_batch_size=np.asarray(c.micro_batch_size) / _cp(c)) if np.any(_cp(c) > 1) else c
     p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
     unsharded = params * st["grad_element"]
-    layers = stages.stage_split(model.num_layers, c.pp, c.virtual_stages)[1] if middle else None
+    layers = stages.rule_stage_split(model, c.pp, c.virtual_stages, rule)[1] if middle else None
     stored, working = activation_bytes(act_model, training, c, stage, first, layers, moe_model=model)
     holds_head = ((np.asarray(c.pp) == 1) | (not first)) & (not middle)
     # micro-batches past the head but not yet through their loss backward: all of them under GPipe

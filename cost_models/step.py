@@ -32,7 +32,7 @@ from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.pipeline import bubble_s, microbatches_in_flight
 from berth.specs import stages
 from berth.specs.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
-from berth.specs.engines import grad_reduce_exposed, param_gather_exposed, reduction_buckets
+from berth.specs.engines import grad_reduce_exposed, param_gather_exposed, reduction_buckets, split_rule
 from berth.specs.hardware import LinkProfile
 from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, ClusterSpec, EngineTuning, Metrics, ModelSpec, Plan, TrainingSpec
 from berth.specs.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
@@ -260,7 +260,7 @@ def _stage_dp_times(
     their bytes on the rank."""
     if not model.is_moe:
         return _stage_dp_times_part(model, training, cluster, c, layers, fwd, bwd_and_recompute, dp_stride, cp_stride)
-    _, share = memory.expert_share(model, c)
+    _, share = memory.expert_share(model, c, split_rule(training))
     etp = memory.expert_tp_of(c)
     # the expert-data-parallel group's stride: ep x the dp stride with expert_tp = tp; with expert_tp < tp the
     # expert ranks are ordered expert_tp-ep-edp inside tp x dp (Megatron's expert RankGenerator, order
@@ -303,8 +303,9 @@ def _stage_dp_times_part(
     (specs/stages.py) each of the first, a middle and the last stage is costed."""
     n_first, n_middle, n_last = layers
     etp = memory.expert_tp_of(c)
-    pf = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=ep, part=part, etp=etp)
-    pl = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, ep=ep, part=part, etp=etp)
+    rule = split_rule(training)
+    pf = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=ep, part=part, etp=etp, rule=rule)
+    pl = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, ep=ep, part=part, etp=etp, rule=rule)
     even = (n_first == n_middle) & (n_last == n_middle)
     if np.all(even):
         return _dp_times(
@@ -325,7 +326,9 @@ def _stage_dp_times_part(
     def longer(a, b) -> tuple[np.ndarray, np.ndarray]:
         return np.maximum(a[0], b[0]), np.where(b[0] > a[0], b[1], a[1])
 
-    pm = memory.stage_params(model, c.pp, c.tp, False, c.virtual_stages, middle=True, ep=ep, part=part, etp=etp)
+    pm = memory.stage_params(
+        model, c.pp, c.tp, False, c.virtual_stages, middle=True, ep=ep, part=part, etp=etp, rule=rule
+    )
     middle = at(pm, n_middle)
     ends = longer(at(pf, n_first), at(pl, n_last))
     return longer(ends, (np.where(c.pp > 2, middle[0], 0.0), middle[1]))
@@ -405,7 +408,7 @@ def evaluate(
     b = c.micro_batch_size.astype(float) / c.cp
     # decoder layers of the first, a middle and the last stage (specs/stages.py: L / pp each when even)
     n_first, n_middle, n_last, _ = (
-        np.asarray(a, dtype=float) for a in stages.stage_split(model.num_layers, c.pp, c.virtual_stages)
+        np.asarray(a, dtype=float) for a in stages.rule_stage_split(model, c.pp, c.virtual_stages, split_rule(training))
     )
     stride = c.strides()
 
@@ -470,11 +473,14 @@ def evaluate(
         model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"], stride["cp"]
     )
     etp = memory.expert_tp_of(c)
-    local_params = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep, etp) / np.where(
+    rule = split_rule(training)
+    local_params = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep, etp, rule) / np.where(
         c.zero_stage >= 1, c.shard * c.cp, 1
     )
     if model.is_moe:  # the routed experts' optimizer states shard over max(shard x tp / (ep x etp), 1) ranks only
-        experts = memory.stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert", etp=etp)
+        experts = memory.stage_params(
+            model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert", etp=etp, rule=rule
+        )
         expert_shard = memory.expert_candidates(c).shard * c.cp
         local_params = local_params + np.where(
             c.zero_stage >= 1, experts / expert_shard - experts / (c.shard * c.cp), 0.0
@@ -600,7 +606,8 @@ def stage_compute(
     parameters. This is what a rank-slice proxy measures (executor/proxy.py)."""
     device = cluster.device
     b, tp, pp = c.micro_batch_size.astype(float) / c.cp, c.tp.astype(float), c.pp.astype(float)
-    split = stages.stage_split(model.num_layers, c.pp, c.virtual_stages)
+    rule = split_rule(training)
+    split = stages.rule_stage_split(model, c.pp, c.virtual_stages, rule)
     layers = np.asarray(split[0] if first else split[2], dtype=float)
     cm = model.compute_view()
     lt = compute.layer_times(cm, training, device, b, tp, c.sequence_parallel, c.cp)
@@ -611,7 +618,9 @@ def stage_compute(
     )
     has_head = (pp == 1) | (not first)
     head = np.where(has_head, compute.lm_head_compute_s(model, training, device, b, tp), 0.0)
-    params = memory.stage_params(model, c.pp, c.tp, first, c.virtual_stages, ep=c.ep, etp=memory.expert_tp_of(c))
+    params = memory.stage_params(
+        model, c.pp, c.tp, first, c.virtual_stages, ep=c.ep, etp=memory.expert_tp_of(c), rule=rule
+    )
     local = params / np.where(c.zero_stage >= 1, c.shard * c.cp, 1)
     return {
         "forward_backward": c.num_microbatches * (layers * (fwd + bwd) + head),

@@ -16,7 +16,7 @@ import numpy as np
 from berth.cost_models.memory import allocator_capacity_bytes
 from berth.cost_models.step import BOTTLENECK_NAMES, Evaluation, evaluate
 from berth.planner.placement import innermost_cluster, placement
-from berth.specs import __version__, stages
+from berth.specs import __version__, engines, stages
 from berth.specs.candidates import (
     SCHEDULE_1F1B,
     SCHEDULE_GPIPE,
@@ -467,14 +467,14 @@ def make_plan(
         layout=layout,
         prediction=prediction,
         infeasible_reason=_reason_text(code, ev, cluster, i),
-        stage_layers=_stage_layers(model, layout),
+        stage_layers=_stage_layers(model, training, layout),
         placement=placed,
     )
 
 
-def _stage_layers(model: ModelSpec, layout: Layout) -> list[int] | None:
+def _stage_layers(model: ModelSpec, training: TrainingSpec, layout: Layout) -> list[int] | None:
     try:
-        return stages.stage_layers(model.num_layers, layout.pp, layout.virtual_stages)
+        return stages.rule_stage_layers(model, layout.pp, layout.virtual_stages, engines.split_rule(training))
     except ValueError:
         return None
 

@@ -81,6 +81,8 @@ class EngineInfo:
     # the buckets apply only where the engine wraps the model in DDP (tp = pp = 1, ZeRO <= 1: the executor,
     # executor/parallel.py); elsewhere one collective per stage
     buckets_ddp_only: bool = False
+    # how the engine splits the decoder layers over pipeline ranks (specs/stages.py: berth's rule or nanotron's)
+    split: str = stages.SPLIT_ENDS_LIGHTER
 
     @property
     def label(self) -> str:
@@ -119,6 +121,13 @@ TEXTS = {
     "deepspeed_pipeline_zero": "DeepSpeed's pipeline engine refuses ZeRO-2/3",
     "deepspeed_pipeline_tp": "DeepSpeed's pipeline with tp needs a Megatron-style mpu",
     "deepspeed_partial_shard": "DeepSpeed 0.19 shards over all dp ranks (shard = dp)",
+    "nanotron_model": "nanotron's LlamaForTraining: SwiGLU, RMSNorm, no qkv bias, no experts",
+    "nanotron_zero": "nanotron shards optimizer state only (ZeRO 0 or 1, over all of dp)",
+    "nanotron_cp": "nanotron (e24d2483) has no context parallelism",
+    "nanotron_schedule": "nanotron runs all-forward-all-backward (gpipe) or 1F1B, not interleaved",
+    "nanotron_1f1b_microbatches": "nanotron's 1F1B needs num_microbatches >= pp - 1",
+    "nanotron_selective_recompute": "nanotron recomputes whole layers (recompute_layer) only",
+    "nanotron_axis_order": "nanotron's ranks are (ep, pp, dp, tp): tp-dp-pp",
 }
 
 
@@ -341,6 +350,68 @@ DEEPSPEED_RULES = (
     ),
 )
 
+# nanotron at e24d2483 (src/nanotron/...): config/parallelism_config.py ParallelismArgs (dp, pp, tp, pp_engine
+# "afab" | "1f1b", tp_mode "all_reduce" | "reduce_scatter" = sequence parallelism, recompute_layer: whole layers),
+# config/config.py OptimizerArgs.zero_stage with optim/zero.py (ZeRO-1 over the dp group; no ZeRO-2/3),
+# parallel/context.py (ranks reshaped (ep, pp, dp, tp): tp innermost), parallel/pipeline_parallel/engine.py
+# (OneForwardOneBackwardPipelineEngine asserts nb_microbatches >= pp - 1), models/llama.py (the only dense model).
+NANOTRON_RULES = (
+    _rule(
+        "nanotron_model",
+        ("tp",),
+        lambda c, m, t: np.full(len(c.tp), m.is_moe or m.mlp != "swiglu" or m.norm != "rmsnorm" or m.qkv_bias),
+        lambda x, m, t: (
+            f"model {m.name} ({m.mlp}, {m.norm}, qkv bias {m.qkv_bias}, experts {m.num_experts}): nanotron's "
+            "LlamaForTraining is SwiGLU with RMSNorm and no qkv biases; its MoE models are examples, not the trainer's"
+        ),
+    ),
+    _rule(
+        "nanotron_zero",
+        ("zero_stage", "shard", "dp"),
+        lambda c, m, t: (c.zero_stage >= 2) | ((c.zero_stage == 1) & (c.shard < c.dp)),
+        lambda x, m, t: (
+            f"zero_stage {x.zero_stage}, shard {x.shard} of dp {x.dp}: nanotron's ZeRO-1 (optim/zero.py) shards the "
+            "optimizer state over the whole dp group and it has no ZeRO-2/3"
+        ),
+    ),
+    _rule(
+        "nanotron_cp",
+        ("cp",),
+        lambda c, m, t: c.cp > 1,
+        lambda x, m, t: f"cp {x.cp}: nanotron's ParallelismArgs has dp, pp, tp and expert_parallel_size only",
+    ),
+    _rule(
+        "nanotron_schedule",
+        ("schedule", "virtual_stages"),
+        lambda c, m, t: (c.schedule == SCHEDULE_INTERLEAVED) | (c.virtual_stages > 1),
+        lambda x, m, t: (
+            f"schedule {x.schedule}, virtual_stages {x.virtual_stages}: nanotron's pp_engine is 'afab' or '1f1b', "
+            "one chunk per rank"
+        ),
+    ),
+    _rule(
+        "nanotron_1f1b_microbatches",
+        ("num_microbatches", "pp", "schedule"),
+        lambda c, m, t: (c.schedule == SCHEDULE_1F1B) & (c.pp > 1) & (c.num_microbatches < c.pp - 1),
+        lambda x, m, t: (
+            f"num_microbatches {x.num_microbatches} < pp - 1 = {x.pp - 1}: nanotron's "
+            "OneForwardOneBackwardPipelineEngine asserts nb_microbatches >= pp - 1"
+        ),
+    ),
+    _rule(
+        "nanotron_selective_recompute",
+        ("recompute",),
+        lambda c, m, t: c.recompute == RECOMPUTE_SELECTIVE,
+        lambda x, m, t: "recompute selective: nanotron's recompute_layer checkpoints whole decoder layers",
+    ),
+    _rule(
+        "nanotron_axis_order",
+        ("axis_order",),
+        lambda c, m, t: ~np.isin(c.axis_order, _order("tp-dp-pp")),
+        lambda x, m, t: f"axis_order {x.axis_order}: nanotron's ranks are (ep, pp, dp, tp), i.e. tp-dp-pp",
+    ),
+)
+
 ENGINES: dict[str, EngineInfo] = {
     e.name: e
     for e in (
@@ -407,6 +478,25 @@ ENGINES: dict[str, EngineInfo] = {
             "mosaicml/llm-foundry scripts/train/benchmarking (FSDP FULL_SHARD, fused cross-entropy, triton attention)",
         ),
         EngineInfo(
+            "nanotron",
+            "nanotron (Hugging Face)",
+            "nanotron e24d2483 (2025-02-19)",
+            MEMORY_MEGATRON,
+            ("torchtitan", "pytorch"),
+            (),
+            NANOTRON_RULES,
+            "nanotron e24d2483: models/base.py build_model (the compute-balanced pipeline split, specs/stages.py), "
+            "helpers.py and optim/gradient_accumulator.py (16-bit weights, a full fp32 gradient buffer, fp32 master "
+            "and Adam state sharded by ZeRO-1), trainer.py (ZeRO-1: one all-reduce of the whole fp32 gradients after "
+            "the pipeline, then the updated shards all-gathered; ZeRO-0: DDP with 25 MB buckets). No launch files: "
+            "nanotron 0.4, the release on PyPI, does not import (a circular import between nanotron.config and "
+            "nanotron.logging), so no config berth wrote could be loaded by nanotron's own code",
+            param_gather_exposed=1.0,
+            grad_reduce_exposed=1.0,
+            bucket_bytes=TORCH_DDP_BUCKET_BYTES,
+            split=stages.SPLIT_COMPUTE_BALANCED,
+        ),
+        EngineInfo(
             "generic",
             "a PyTorch stack to calibrate (textbook mixed precision)",
             "generic (no version: calibrate it with berth calibrate --runs)",
@@ -429,6 +519,11 @@ ENGINE_RULE_NAMES: tuple[str, ...] = tuple(
 
 def engine_of(training: TrainingSpec) -> EngineInfo:
     return ENGINES[training.engine]
+
+
+def split_rule(training: TrainingSpec) -> str:
+    """The training's engine's pipeline split rule (specs/stages.py)."""
+    return ENGINES[training.engine].split
 
 
 def megatron_memory(training: TrainingSpec) -> bool:
@@ -522,6 +617,7 @@ def engine_table() -> list[dict[str, object]]:
             "bucket_params_per_dp": e.bucket_params_per_dp,
             "bucket_bytes": e.bucket_bytes,
             "buckets_ddp_only": e.buckets_ddp_only,
+            "pipeline_split": e.split,
             "source": e.source,
         }
         for e in ENGINES.values()

@@ -36,6 +36,20 @@ Why this split:
   torch.distributed.pipelining (the bundled executor): any split;
   DeepSpeed's PipelineModule partitions by its own method (`uniform` puts the remainder on the
   first stages), so launch/writers.py refuses uneven stages for it.
+
+One engine splits by a rule of its own, and berth predicts its layouts with that rule
+(`SPLIT_COMPUTE_BALANCED`, EngineInfo.split): nanotron (models/base.py `build_model` at e24d2483)
+walks its pipeline blocks in model order (the embedding, the L decoder layers, the final norm,
+the LM head, the fp32 cast, the loss) with a compute cost each (models/llama.py
+`get_block_compute_costs`: a decoder layer 4 heads head_dim h + 3 ffn h, the LM head V h, every
+other block 0) and puts a block on the current rank, moving to the next rank once the running sum
+passes (rank + 1) / pp of the total. Rank 0 thus holds more layers than the others (the sweep's
+1B, vocabulary 131,072: 11 and 5 at pp 2) and, in deep pipelines, the head takes a rank of its own
+and the cast and the loss the last ones (its 8B at pp 32: 2, 1 x 13, 2, 1 x 13, 2 layers, then the
+head, the cast, the loss). Its (first, middle, last) are the layers of rank 0, of the fullest rank
+between it and the head's, and of the head's rank. A trailing rank can be left without a block
+(the 1B at pp 16); nanotron ran one such layout of the sweep, so it is not refused: `valid` is
+berth's rule's (a first or last chunk without a layer, pp > L).
 """
 
 from __future__ import annotations
@@ -44,6 +58,8 @@ import numpy as np
 
 StageSplit = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (first, middle, last, valid), broadcast
 
+SPLIT_ENDS_LIGHTER = "ends_lighter"  # berth's rule (the module docstring); every engine's but nanotron's
+SPLIT_COMPUTE_BALANCED = "compute_balanced"  # nanotron's build_model
 TABULATE_FROM = 256  # candidate arrays at least this long are answered from a table over (pp, vpp)
 
 
@@ -100,6 +116,68 @@ def _stage_split(num_layers, pp, vpp) -> StageSplit:
         np.where(one, L, last + (v - 1) * middle),
         valid,
     )
+
+
+def balanced_blocks(num_layers: int, layer_cost: int, head_cost: int, pp: int) -> list[list[str]]:
+    """nanotron's placement of its pipeline blocks (module docstring): for each of the pp ranks, the
+    blocks it holds in model order ("embedding", "layer", "norm", "head", "cast", "loss"). Integer
+    costs and the same comparison as build_model (cumulative cost > total x (rank + 1) / pp)."""
+    kinds = ["embedding", *["layer"] * num_layers, "norm", "head", "cast", "loss"]
+    costs = np.cumsum([{"layer": layer_cost, "head": head_cost}.get(k, 0) for k in kinds])
+    thresholds = [costs[-1] * ((rank + 1) / pp) for rank in range(pp)]
+    ranks: list[list[str]] = [[] for _ in range(pp)]
+    at = 0
+    for kind, cumulative in zip(kinds, costs, strict=True):
+        ranks[at].append(kind)
+        if cumulative > thresholds[at]:
+            at += 1
+    return ranks
+
+
+def nanotron_costs(model) -> tuple[int, int]:
+    """(decoder layer, LM head) compute costs of nanotron's LlamaModel.get_block_compute_costs for a
+    model spec (duck-typed: hidden_size, num_attention_heads, ffn_hidden_size, vocab_size)."""
+    h, heads = int(model.hidden_size), int(model.num_attention_heads)
+    return 4 * heads * (h // heads) * h + 3 * int(model.ffn_hidden_size) * h, int(model.vocab_size) * h
+
+
+def _balanced_one(num_layers: int, layer_cost: int, head_cost: int, pp: int) -> tuple[int, int, int, bool]:
+    if pp == 1:
+        return num_layers, num_layers, num_layers, True
+    ranks = balanced_blocks(num_layers, layer_cost, head_cost, pp)
+    layers = [r.count("layer") for r in ranks]
+    head = next(i for i, r in enumerate(ranks) if "head" in r)
+    middle = max(layers[1:head], default=0)
+    return layers[0], middle, layers[head], pp <= num_layers
+
+
+def balanced_split(num_layers: int, layer_cost: int, head_cost: int, pp) -> StageSplit:
+    """(first, middle, last, valid) of nanotron's split over candidate arrays of pp (module docstring):
+    one evaluation per distinct pp, gathered."""
+    pp = np.asarray(pp, dtype=np.int64)
+    values, index = np.unique(pp, return_inverse=True)
+    table = np.array([_balanced_one(num_layers, layer_cost, head_cost, int(p)) for p in values], dtype=np.int64)
+    table = table.reshape(-1, 4)
+    return tuple(  # type: ignore[return-value]
+        (table[:, i][index].reshape(pp.shape) if i < 3 else table[:, i][index].reshape(pp.shape).astype(bool))
+        for i in range(4)
+    )
+
+
+def rule_stage_split(model, pp, vpp=1, rule: str = SPLIT_ENDS_LIGHTER) -> StageSplit:
+    """`stage_split` under an engine's split rule (EngineInfo.split): berth's, or nanotron's compute-balanced
+    one (which has no virtual stages: the engine refuses vpp > 1, and berth's rule answers for them)."""
+    if rule == SPLIT_COMPUTE_BALANCED and np.all(np.asarray(vpp) == 1):
+        layer_cost, head_cost = nanotron_costs(model)
+        return balanced_split(model.num_layers, layer_cost, head_cost, pp)
+    return stage_split(model.num_layers, pp, vpp)
+
+
+def rule_stage_layers(model, pp: int, vpp: int = 1, rule: str = SPLIT_ENDS_LIGHTER) -> list[int]:
+    """Decoder layers of each pipeline rank under an engine's split rule, rank 0 first."""
+    if rule == SPLIT_COMPUTE_BALANCED and vpp == 1:
+        return [r.count("layer") for r in balanced_blocks(model.num_layers, *nanotron_costs(model), pp)]
+    return stage_layers(model.num_layers, pp, vpp)
 
 
 def is_even(num_layers: int, pp: int, vpp: int = 1) -> bool:

@@ -30,8 +30,16 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 # The training engines berth plans for; each is described once, in specs/engines.py (what it runs,
 # its memory recipe, its compute stack, its launch format and version).
-Engine = Literal["executor", "torchtitan", "megatron", "deepspeed", "llmfoundry", "generic"]
-ENGINE_CHOICES: tuple[Engine, ...] = ("executor", "torchtitan", "megatron", "deepspeed", "llmfoundry", "generic")
+Engine = Literal["executor", "torchtitan", "megatron", "deepspeed", "llmfoundry", "nanotron", "generic"]
+ENGINE_CHOICES: tuple[Engine, ...] = (
+    "executor",
+    "torchtitan",
+    "megatron",
+    "deepspeed",
+    "llmfoundry",
+    "nanotron",
+    "generic",
+)
 # other names a user may give: the old --framework values and the stacks built on an engine
 ENGINE_ALIASES: dict[str, Engine] = {
     "pytorch": "executor",
@@ -939,8 +947,8 @@ class Plan(Spec):
     stage_layers: list[int] | None = Field(
         default=None,
         description="decoder layers on each pipeline stage (pp rank, its virtual stages summed), "
-        "first stage first: the split rule of specs/stages.py, uneven when pp x virtual_stages does not divide "
-        "the layers; null when the layout has no valid split",
+        "first stage first: the engine's split rule (specs/stages.py: berth's, uneven when pp x virtual_stages "
+        "does not divide the layers; nanotron's compute-balanced one); null when the layout has no valid split",
     )
     placement: Placement | None = Field(default=None, description="rank -> GPU mapping and process groups")
     fallback: Fallback | None = Field(default=None, description="the best layout with one node lost (when asked for)")

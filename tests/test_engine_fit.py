@@ -63,13 +63,39 @@ def test_each_engine_runs_what_its_code_runs():
     assert "torch.distributed.pipelining" in by["torchtitan"].infeasible_reason
     for e in ("megatron", "deepspeed", "generic"):
         assert by[e].prediction is not None and by[e].infeasible_reason is None, (e, by[e].infeasible_reason)
+    assert by["nanotron"].infeasible_reason.startswith("nanotron_1f1b_microbatches")  # 2 < pp - 1 = 3
     gpipe = Layout(pp=2, dp=4, micro_batch_size=1, num_microbatches=16, schedule="gpipe")
     refusal = engine_refusal(gpipe, SMALL, training("megatron"))
     assert refusal.startswith("Megatron-LM main @ d98e8a6") and "cannot run it" in refusal and "gpipe" in refusal
     assert engine_refusal(gpipe, SMALL, training("generic")) is None
 
 
-@pytest.mark.parametrize("engine", ["deepspeed", "torchtitan", "megatron"])
+def test_nanotron_refuses_what_its_code_cannot_run():
+    """nanotron e24d2483 (specs/engines.py NANOTRON_RULES): ZeRO 0/1 over all of dp, no context parallelism, no
+    interleaving, 1F1B with at least pp - 1 micro-batches; AFAB (gpipe) with any."""
+    t = training("nanotron")
+    for bad, word in [
+        (Layout(dp=8, zero_stage=2, shard=8, micro_batch_size=8), "ZeRO-1"),
+        (Layout(dp=8, zero_stage=1, shard=4, micro_batch_size=8), "whole dp group"),
+        (Layout(cp=2, dp=4, micro_batch_size=16), "cp 2"),
+        (
+            Layout(pp=2, dp=4, micro_batch_size=1, num_microbatches=16, schedule="interleaved_1f1b", virtual_stages=2),
+            "afab",
+        ),
+        (Layout(pp=8, micro_batch_size=16, num_microbatches=4, schedule="1f1b"), "pp - 1 = 7"),
+        (Layout(pp=2, dp=4, micro_batch_size=1, num_microbatches=16, recompute="selective"), "whole decoder layers"),
+    ]:
+        refusal = engine_refusal(bad, SMALL, t)
+        assert refusal is not None and refusal.startswith("nanotron e24d2483") and word in refusal, (bad, refusal)
+    for fine in [
+        Layout(pp=8, micro_batch_size=8, num_microbatches=8, schedule="1f1b"),  # 8 >= pp - 1
+        Layout(pp=8, micro_batch_size=16, num_microbatches=4, schedule="gpipe"),  # AFAB: any count
+        Layout(tp=2, dp=4, zero_stage=1, shard=4, micro_batch_size=16, sequence_parallel=True, recompute="full"),
+    ]:
+        assert engine_refusal(fine, SMALL, t) is None, fine
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "torchtitan", "megatron", "nanotron"])
 def test_the_search_returns_only_what_the_engine_runs(engine):
     cl = cluster_from_preset("dgx-h100", 2)
     result = plan(SMALL, training(engine), cl, make_search(top=10))

@@ -44,7 +44,19 @@ def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
         assert a["rho_median"] > b["rho_median"], size
         assert a["regret_median"] < b["regret_median"], size
         assert a["throughput_error_median"] < b["throughput_error_median"], size
-        assert a["refused"] == 0 and b["refused"] == 0  # the generic engine refuses no layout nanotron ran
+        assert a["refused"] == 0 and b["refused"] == 0  # berth's nanotron entry refuses no layout nanotron ran
+        g = result["generic"][size]  # the same loop from the generic engine
+        assert g["after"]["rho_median"] > g["before"]["rho_median"], size
+        assert g["before"]["refused"] == 0, size
+
+
+def test_the_nanotron_entry_ranks_better_than_the_generic_engine_after_calibration(result):
+    """Its split rule and recipe, read from nanotron's code, leave the fit less to learn: on the groups not probed
+    the calibrated nanotron entry picks better and predicts throughput closer than the calibrated generic engine."""
+    for size, r in result["models"].items():
+        a, g = r["after"], result["generic"][size]["after"]
+        assert a["regret_median"] < g["regret_median"], size
+        assert a["throughput_error_median"] < g["throughput_error_median"], size
 
 
 def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
@@ -63,7 +75,7 @@ def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
     model.write_text(json.dumps(group[64][0]["model"]))
     layouts = tmp_path / "layouts.txt"
     layouts.write_text("# the 8B layouts that ran on 64 GPUs\n" + "\n".join(r["layout"] for r in group[64]) + "\n")
-    common = ["--cluster", "aws-p5", "--seq-len", "4096", "--global-batch", "256", "--engine", "generic"]
+    common = ["--cluster", "aws-p5", "--seq-len", "4096", "--global-batch", "256", "--engine", "nanotron"]
 
     def run(*args):
         r = subprocess.run([*berth, *args], capture_output=True, text=True, timeout=600)
@@ -79,12 +91,13 @@ def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
     assert [r.layout.short() for r in engine_sweep.as_runs(recs)] == [p["layout"] for p in saved["probes"]]
     profile = tmp_path / "profile.json"
     said = run("calibrate", "--runs", str(example), "--out", str(profile))
-    # one probe's reserved peak reached the allocator's ceiling: read as a lower bound, its step left out
+    # a probe whose reserved peak reached the allocator's ceiling is read as a lower bound, its step left out
     runs = engine_sweep.as_runs(recs)
+    assert {r.training.engine for r in runs} == {"nanotron"}
     cap = allocator_capacity_bytes(runs[0].cluster.device, runs[0].cluster.world_size)
     at_cap = sum(r["peak_memory_gib"] * 2**30 >= CEILING * cap for r in recs)
-    assert at_cap == json.loads(profile.read_text())["fit"]["runs"]["at_ceiling"] == 1
-    assert "1 run(s) reached the allocator's ceiling" in " ".join(said.split())
+    assert at_cap == json.loads(profile.read_text())["fit"]["runs"]["at_ceiling"]
+    assert (f"{at_cap} run(s) reached the allocator's ceiling" in " ".join(said.split())) == (at_cap > 0)
     args = [x for r in group[128] for x in ("--layout", r["layout"])]
     answer = json.loads(
         run("compare", str(model), *common, "--nodes", "16", "--profile", str(profile), *args, "--json")

@@ -162,3 +162,62 @@ def test_long_candidate_arrays_are_answered_as_elementwise(layers):
             got, want = fast(layers, pp, vpp), direct(layers, pp, vpp)
             for g, w in zip(got, want, strict=True):
                 assert g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w)
+
+
+# nanotron's compute-balanced split (specs/stages.py; models/base.py build_model at e24d2483), on the sweep's shapes
+NANOTRON_1B = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, ffn_hidden_size=8192, vocab_size=131072)
+NANOTRON_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=14336, vocab_size=131072)
+
+
+@pytest.mark.parametrize("shape", [NANOTRON_1B, NANOTRON_8B])
+@pytest.mark.parametrize("pp", [2, 3, 4, 8, 16, 32])
+def test_nanotron_split_follows_build_models_walk(shape, pp):
+    """Each rank takes blocks in model order until the running cost passes (rank + 1) / pp of the total: the
+    block that passes it stays, the next opens the next rank; blocks keep their order and all are placed."""
+    layer, head = stages.nanotron_costs(type("M", (), shape))
+    ranks = stages.balanced_blocks(shape["num_layers"], layer, head, pp)
+    kinds = ["embedding", *["layer"] * shape["num_layers"], "norm", "head", "cast", "loss"]
+    assert [k for r in ranks for k in r] == kinds
+    cost = {"layer": layer, "head": head}
+    total, running = shape["num_layers"] * layer + head, 0
+    for r, blocks in enumerate(ranks):
+        for i, kind in enumerate(blocks):
+            running += cost.get(kind, 0)
+            passed = running > total * (r + 1) / pp
+            assert passed == (i == len(blocks) - 1) or (r == pp - 1 or not ranks[r + 1]), (r, i)
+    first, middle, last, _ = (int(a) for a in stages.rule_stage_split(type("M", (), shape), pp, 1, "compute_balanced"))
+    layers = [b.count("layer") for b in ranks]
+    at_head = next(i for i, b in enumerate(ranks) if "head" in b)
+    assert (first, last) == (layers[0], layers[at_head]) and middle == max(layers[1:at_head], default=0)
+
+
+def test_nanotron_split_gives_rank_0_more_and_the_head_its_own_rank():
+    """What the walk means for the sweep's models: rank 0 (the embedding costs nothing) holds more layers than the
+    even split, and at pp 32 the 8B model's head gets a rank to itself, the cast and the loss one each after it."""
+    one, eight = type("M", (), NANOTRON_1B), type("M", (), NANOTRON_8B)
+    assert stages.rule_stage_layers(one, 2, 1, "compute_balanced") == [11, 5]
+    assert stages.rule_stage_layers(one, 2, 1, "ends_lighter") == [8, 8] == stages.stage_layers(16, 2)
+    deep = stages.balanced_blocks(32, *stages.nanotron_costs(eight), 32)
+    assert [b.count("layer") for b in deep[:29]] == [2, *[1] * 13, 2, *[1] * 13, 2]
+    assert deep[29:] == [["norm", "head"], ["cast"], ["loss"]]
+
+
+def test_the_nanotron_engine_prices_its_own_split():
+    """The same layout under the nanotron engine and the generic one: the plan's stage_layers follow each engine's
+    rule, and the cost model prices the stages that rule builds: nanotron's rank 0 (11 layers and the embedding of
+    the 1B at pp 2) holds more than the even split's, its last rank (5 layers and the head) less."""
+    model = load_model("llama3-8b").model_copy(update=NANOTRON_1B | {"name": "nanotron-1b", "num_kv_heads": 32})
+    cluster = cluster_from_preset("dgx-h100", 1)
+    layout = Layout(tp=1, pp=2, dp=4, micro_batch_size=1, num_microbatches=8, zero_stage=1, shard=4)
+    c = Candidates.from_layouts([layout])
+    got, stage_bytes = {}, {}
+    for engine in ("nanotron", "generic"):
+        training = TrainingSpec(seq_len=4096, global_batch_size=32, engine=engine)
+        (got[engine],) = predict_layouts(model, training, cluster, [layout])
+        stage_bytes[engine] = [
+            sum(float(v[0]) for v in memory.stage_memory_breakdown(model, training, cluster.device, c, first).values())
+            for first in (True, False)
+        ]
+    assert got["nanotron"].stage_layers == [11, 5] and got["generic"].stage_layers == [8, 8]
+    assert stage_bytes["nanotron"][0] > stage_bytes["generic"][0]
+    assert stage_bytes["nanotron"][1] < stage_bytes["generic"][1]
