@@ -728,14 +728,16 @@ def tuned_breakdown(b: dict[str, np.ndarray], tuning: EngineTuning, tp=1) -> dic
 
 def peak_memory(
     model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
     """Peak bytes per GPU (the worse of the first, the last and, with uneven stages, the second
-    stage) and that stage's breakdown.
+    stage), that stage's breakdown, and the first stage's bytes (global rank 0's: the rank whose
+    peak an engine's log reports, MeasuredRun.memory_rank).
 
     With an even split the middle stages hold fewer in-flight micro-batches than the first and no
-    embedding or head, so they are never the peak. With an uneven one (specs/stages.py) a middle
-    stage holds more layers than the first or last: the second stage, the middle one with the most
-    micro-batches in flight, is taken too."""
+    embedding or head, so they are never the peak. With an uneven one (specs/stages.py: berth's
+    rule where pp x vpp does not divide the layers, nanotron's wherever its middle ranks hold more
+    layers than an end) a middle stage can: the second stage, the middle one with the most
+    micro-batches in flight, holding the most layers of any middle one, is taken too."""
     first = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=True), training.tuning, c.tp)
     last = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=False), training.tuning, c.tp)
     total_first = sum(first.values())
@@ -743,9 +745,8 @@ def peak_memory(
     use_first = total_first >= total_last
     breakdown = {k: np.where(use_first, first[k], last[k]) for k in first}
     peak = np.maximum(total_first, total_last)
-    uneven = (np.asarray(c.pp) > 2) & (
-        np.asarray(model.num_layers) % (np.asarray(c.pp) * np.asarray(c.virtual_stages)) != 0
-    )
+    n_first, n_middle, n_last, _ = stages.rule_stage_split(model, c.pp, c.virtual_stages, split_rule(training))
+    uneven = (np.asarray(c.pp) > 2) & ((n_middle > n_first) | (n_middle > n_last))
     if np.any(uneven):
         mid = tuned_breakdown(
             stage_memory_breakdown(model, training, device, c, first=False, middle=True), training.tuning, c.tp
@@ -753,4 +754,4 @@ def peak_memory(
         use_mid = uneven & (sum(mid.values()) > peak)
         breakdown = {k: np.where(use_mid, mid[k], breakdown[k]) for k in breakdown}
         peak = np.where(use_mid, sum(mid.values()), peak)
-    return peak, breakdown
+    return peak, breakdown, np.asarray(total_first, dtype=float)

@@ -86,6 +86,7 @@ class Evaluation:
     mfu: np.ndarray
     hfu: np.ndarray
     peak_memory_bytes: np.ndarray
+    first_stage_memory_bytes: np.ndarray  # global rank 0's (pipeline stage 0): what engines' logs report
     reason: np.ndarray  # 0 = feasible, else a code from berth.specs.validity
     time_breakdown_s: dict[str, np.ndarray]
     memory_breakdown_bytes: dict[str, np.ndarray]
@@ -515,7 +516,7 @@ def evaluate(
         "dp_comm": np.maximum(dp_total, dp),
     }
 
-    peak, mem = memory.peak_memory(model, training, device, c)
+    peak, mem, first_stage_bytes = memory.peak_memory(model, training, device, c)
     reason = structural_reasons(c, model, training, cluster)
     capacity = memory.allocator_capacity_bytes(device, cluster.world_size)
     reason = np.where((reason == VALID) & (peak > capacity), OUT_OF_MEMORY, reason)
@@ -532,6 +533,7 @@ def evaluate(
         mfu=model_flops / (step * peak_flops),
         hfu=hw_flops / (step * peak_flops),
         peak_memory_bytes=peak,
+        first_stage_memory_bytes=first_stage_bytes,
         reason=reason,
         time_breakdown_s=time,
         memory_breakdown_bytes=mem,

@@ -126,6 +126,9 @@ class MeasuredRun:
     step_time_s: float | None = None
     peak_memory_bytes: float | None = None
     memory_kind: Literal["reserved", "allocated"] = "reserved"
+    # whose peak it is: the highest over all ranks ("max"), or global rank 0's ("rank0": pipeline stage 0, the rank
+    # most engines' logs report; the cost model's first stage, Evaluation.first_stage_memory_bytes)
+    memory_rank: Literal["max", "rank0"] = "max"
 
     @cached_property
     def group(self) -> str:
@@ -173,11 +176,15 @@ def with_values(tuning: EngineTuning, values: dict[str, float]) -> EngineTuning:
 # ---- predicting runs ------------------------------------------------------------------------------
 
 
-def predict_runs(runs: list[MeasuredRun], tuning: EngineTuning) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(step time, peak memory, allocator capacity) of each run under `tuning`: one vectorized evaluation
-    (cost_models/step.py) per model, training and cluster; a layout the rules refuse now gets inf (what a plan
-    would carry, without building the plans: the fit evaluates its runs hundreds of times)."""
-    times, mems, caps = (np.full(len(runs), np.inf) for _ in range(3))
+def predict_runs(
+    runs: list[MeasuredRun], tuning: EngineTuning
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(step time, peak memory, allocator capacity, memory of the rank the run reports: the peak or rank 0's,
+    MeasuredRun.memory_rank) of each run under `tuning`: one vectorized evaluation (cost_models/step.py) per model,
+    training and cluster; a layout the rules refuse now gets inf (what a plan would carry, without building the
+    plans: the fit evaluates its runs hundreds of times). Whether a run fits is the peak's to say; how its measured
+    figure compares is the reported rank's."""
+    times, mems, caps, seen = (np.full(len(runs), np.inf) for _ in range(4))
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(runs):
         groups.setdefault(r.group, []).append(i)
@@ -191,7 +198,9 @@ def predict_runs(runs: list[MeasuredRun], tuning: EngineTuning) -> tuple[np.ndar
         caps[idx] = float(cap)
         times[idx] = np.where(runs_ok, ev.step_time_s, np.inf)
         mems[idx] = np.where(runs_ok, ev.peak_memory_bytes, np.inf)
-    return times, mems, caps
+        rank0 = np.array([runs[i].memory_rank == "rank0" for i in idx])
+        seen[idx] = np.where(runs_ok, np.where(rank0, ev.first_stage_memory_bytes, ev.peak_memory_bytes), np.inf)
+    return times, mems, caps, seen
 
 
 def _allocated(mem: np.ndarray, tuning: EngineTuning) -> np.ndarray:
@@ -210,6 +219,7 @@ class Data:
     ok: np.ndarray
     oom: np.ndarray
     ceiling: np.ndarray  # the reserved peak reached the allocator's ceiling: a lower bound, the time left out
+    rank0: np.ndarray  # the memory figure is rank 0's: the other ranks' peaks are bounded only by having run
 
     @classmethod
     def of(cls, runs: list[MeasuredRun]) -> Data:
@@ -229,19 +239,21 @@ class Data:
             np.array([r.status == "ok" for r in runs]),
             np.array([r.status == "oom" for r in runs]),
             ceiling,
+            np.array([r.memory_rank == "rank0" for r in runs]),
         )
 
     def residuals(self, tuning: EngineTuning) -> np.ndarray:
-        t, m, cap = predict_runs(self.runs, tuning)
+        t, m, cap, seen = predict_runs(self.runs, tuning)
         has_t, has_m = np.isfinite(self.time), np.isfinite(self.mem)
         with np.errstate(divide="ignore", invalid="ignore"):
             rt = np.where(np.isfinite(t[has_t]), np.log(t[has_t] / self.time[has_t]), MISS)
-            pm = np.where(self.allocated, _allocated(m, tuning), m)
+            pm = np.where(self.allocated, _allocated(seen, tuning), seen)
             rm = np.where(np.isfinite(pm[has_m]), np.log(pm[has_m] / self.mem[has_m]), MISS)
             rm = np.where(self.ceiling[has_m], np.minimum(rm, 0.0), rm)  # capped: only a prediction below counts
-            # one-sided: an out-of-memory run must not fit; a run that ran (no memory figure) must fit
+            # one-sided: an out-of-memory run must not fit; a run that ran must fit where its figure does not say
+            # so already (none, or rank 0's only)
             r_oom = np.maximum(np.log(cap[self.oom] / np.where(np.isfinite(m[self.oom]), m[self.oom], 1e30)), 0.0)
-            free = self.ok & ~has_m
+            free = self.ok & (~has_m | self.rank0)
             r_fit = np.maximum(np.log(np.where(np.isfinite(m[free]), m[free], 1e30) / cap[free]), 0.0)
         return np.concatenate([rt, rm, r_oom, r_fit])
 
@@ -268,14 +280,14 @@ def errors(runs: list[MeasuredRun], tuning: EngineTuning) -> dict[str, float]:
     if not runs:
         return {}
     d = Data.of(runs)
-    t, m, cap = predict_runs(runs, tuning)
+    t, m, cap, seen = predict_runs(runs, tuning)
     out: dict[str, float] = {"runs": float(len(runs))}
     has_t, has_m = np.isfinite(d.time), np.isfinite(d.mem)
     if has_t.any():
         e = np.abs(t[has_t] / d.time[has_t] - 1.0)
         out.update(step_time_median_error=float(np.median(e)), step_time_max_error=float(np.max(e)))
     if has_m.any():
-        pm = np.where(d.allocated, _allocated(m, tuning), m)
+        pm = np.where(d.allocated, _allocated(seen, tuning), seen)
         e = memory_errors(pm[has_m] / d.mem[has_m], d.ceiling[has_m])
         out.update(memory_median_error=float(np.median(e)), memory_max_error=float(np.max(e)))
     out["ran_predicted_not_to_fit"] = float(np.sum(d.ok & ~(m <= cap)))
@@ -504,10 +516,10 @@ def held_out(
             continue
         tuning, _, _ = _solve(Data.of(train), prior, names, cluster)
         idx = sorted(test)
-        t, m, _ = predict_runs([runs[i] for i in idx], tuning)
+        t, _, _, seen = predict_runs([runs[i] for i in idx], tuning)
         d = Data.of([runs[i] for i in idx])
         preds_t[idx] = t / d.time
-        preds_m[idx] = np.where(d.allocated, _allocated(m, tuning), m) / d.mem
+        preds_m[idx] = np.where(d.allocated, _allocated(seen, tuning), seen) / d.mem
         ceiling[idx] = d.ceiling
     out: dict[str, float] = {}
     for key, ratio in (("step_time", preds_t), ("memory", preds_m)):

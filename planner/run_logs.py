@@ -9,13 +9,17 @@ Three sources:
        "seq_len": 4096, "global_batch": 256, "layout": "tp=2,pp=2,dp=4,mbs=1,nmb=64,zero=1",
        "engine": "generic", "status": "ok" | "oom" | "error",
        "tokens_per_s": 123456.0 (the job's) or "tokens_per_s_per_gpu" or "step_time_s",
-       "peak_memory_gib": 61.2, "memory_kind": "reserved" | "allocated", "id": "optional name"}
+       "peak_memory_gib": 61.2, "memory_kind": "reserved" | "allocated",
+       "memory_rank": "max" | "rank0", "id": "optional name"}
 
-  Measurements may be missing; other fields are ignored.
+  Measurements may be missing; other fields are ignored. `memory_rank` says whose peak it is: the
+  highest over all ranks ("max", the default), or global rank 0's ("rank0": pipeline stage 0, the
+  rank an engine's log line usually comes from; with pp > 1 another stage can hold more).
 - torchtitan's training log (`torchtitan_log`): the metrics line torchtitan's MetricsProcessor.log
   prints each logged step (torchtitan 0.3.0 torchtitan/components/metrics.py: "step: N  loss: ...
   grad_norm: ...  memory: X.XXGiB(P%)  tps: N  tflops: ...  mfu: ...%"); `tps` is tokens per second per
-  GPU and `memory` the peak reserved memory (device_memory_monitor: max_reserved). The first logged step
+  GPU and `memory` the peak reserved memory (device_memory_monitor: max_reserved) of the rank that
+  logs, rank 0 (run_train.sh LOG_RANK=0 by default: memory_rank "rank0"). The first logged step
   (warm-up, compilation) is skipped.
 - Megatron-LM's training log (`megatron_log`): "elapsed time per iteration (ms): X" of each
   iteration line (megatron/training/training.py training_log) and the memory report after the first
@@ -123,6 +127,9 @@ def _measured(
     kind = rec.get("memory_kind", "reserved")
     if kind not in ("reserved", "allocated"):
         raise BerthError(f"{where}.memory_kind", kind, "reserved or allocated")
+    rank = rec.get("memory_rank", "max")
+    if rank not in ("max", "rank0"):
+        raise BerthError(f"{where}.memory_rank", rank, "max (the highest over all ranks) or rank0 (global rank 0's)")
     tokens = _number(rec, "tokens_per_s", where)
     per_gpu = _number(rec, "tokens_per_s_per_gpu", where)
     step = _number(rec, "step_time_s", where)
@@ -142,6 +149,7 @@ def _measured(
         step_time_s=step if status == "ok" else None,
         peak_memory_bytes=mem * GIB if mem is not None and status == "ok" else None,
         memory_kind=kind,
+        memory_rank=rank,
     )
 
 
@@ -202,6 +210,7 @@ def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> Mea
         batch_tokens / (tps * plan.cluster.world_size),
         mem * GIB,
         "reserved",
+        "rank0",
     )
 
 

@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from berth.planner.engine_fit import PARAMETERS, MeasuredRun, fit_engine, predict_runs
+from berth.cost_models.step import evaluate
+from berth.planner.engine_fit import PARAMETERS, Data, MeasuredRun, errors, fit_engine, predict_runs
 from berth.planner.inputs import make_search
 from berth.planner.planning import plan, plan_for_format
 from berth.planner.probe import MARGIN, probe
@@ -146,7 +147,7 @@ TRUTH = EngineTuning(
 def synthetic_runs(layouts, cl, truth=TRUTH, train=None):
     """The layouts run by an engine whose truth is `truth`: the cost model's own prediction under it."""
     runs = [MeasuredRun(f"r{i}", SMALL, train or training(), cl, x) for i, x in enumerate(layouts)]
-    t, m, _ = predict_runs(runs, truth)
+    t, m, _, _ = predict_runs(runs, truth)
     return [
         MeasuredRun(r.id, r.model, r.training, r.cluster, r.layout, "ok", float(ti), float(mi))
         for r, ti, mi in zip(runs, t, m, strict=True)
@@ -176,8 +177,8 @@ def test_the_fit_recovers_a_known_engine_and_predicts_runs_it_did_not_see():
     big = cluster_from_preset("dgx-h100", 8)
     others = [p.layout for p in plan(SMALL, training(), big, make_search(top=20)).plans]
     unseen = synthetic_runs(others, big)
-    t0, m0, _ = predict_runs(unseen, EngineTuning())
-    t1, m1, _ = predict_runs(unseen, fit.tuning)
+    t0, m0, _, _ = predict_runs(unseen, EngineTuning())
+    t1, m1, _, _ = predict_runs(unseen, fit.tuning)
     truth_t = np.array([r.step_time_s for r in unseen])
     truth_m = np.array([r.peak_memory_bytes for r in unseen])
     before, after = np.median(np.abs(t0 / truth_t - 1)), np.median(np.abs(t1 / truth_t - 1))
@@ -309,6 +310,11 @@ def test_the_cli_loop_probe_calibrate_plan(tmp_path):
             "engine",
         ),
         ('{"model": "llama3-8b", "cluster": "dgx-h100", "seq_len": 8, "global_batch": 8, "layout": "tp=8"}', "cluster"),
+        (
+            '{"model": "llama3-8b", "cluster": {"preset": "dgx-h100"}, "seq_len": 8, "global_batch": 8, '
+            '"layout": "tp=8", "memory_rank": "rank1"}',
+            "memory_rank",
+        ),
         ("not json", "line 1"),
     ],
 )
@@ -372,6 +378,7 @@ def test_torchtitan_and_megatron_logs_become_runs():
     run = torchtitan_log(tt, p)
     assert run.step_time_s == pytest.approx(64 * 2048 / (10_200 * 8))  # median of the steps after the first
     assert run.peak_memory_bytes == pytest.approx(34.5 * 2**30) and run.training.engine == "torchtitan"
+    assert run.memory_rank == "rank0"  # the rank that logs (torchtitan's run_train.sh LOG_RANK=0)
     # Megatron-LM megatron/training/training.py training_log and utils.py report_memory
     mg = "\n".join(
         [
@@ -654,3 +661,26 @@ def test_a_peak_at_the_allocators_ceiling_bounds_memory_from_below_and_its_step_
     naive = fit_engine([*runs, capped], folds=1)
     assert naive.counts["at_ceiling"] == 0
     assert naive.tuning.compute_efficiency < 0.97 * plain.tuning.compute_efficiency
+
+
+def test_a_peak_reported_by_rank_0_is_compared_with_the_first_stage():
+    """A run's memory figure can be global rank 0's (pipeline stage 0: nanotron's benchmark row, torchtitan's log),
+    not the highest of all ranks: the fit compares it with the first stage's prediction, while whether the run fits
+    stays the peak's; a run that ran with a rank-0 figure still bounds the peak from above."""
+    cl = cluster_from_preset("dgx-h100", 1)
+    layout = Layout(pp=2, dp=4, micro_batch_size=4, num_microbatches=4, schedule="gpipe")  # the last stage is larger
+    t = training("nanotron")
+    ev = evaluate(SMALL, t, cl, Candidates.from_layouts([layout]))
+    first, peak = float(ev.first_stage_memory_bytes[0]), float(ev.peak_memory_bytes[0])
+    assert first > 0 and first != peak
+    runs = [
+        MeasuredRun(str(i), SMALL, t, cl, layout, "ok", 1.0, 1.1 * first, memory_rank=rank)
+        for i, rank in enumerate(("rank0", "max"))
+    ]
+    _, m, _, seen = predict_runs(runs, EngineTuning())
+    assert seen[0] == pytest.approx(first) and seen[1] == pytest.approx(peak) and m[0] == m[1] == pytest.approx(peak)
+    err = [errors([r], EngineTuning())["memory_median_error"] for r in runs]
+    assert err[0] == pytest.approx(1 - 1 / 1.1) and err[1] == pytest.approx(abs(peak / (1.1 * first) - 1))
+    # the rank-0 run also says the peak fits: a prior whose peak does not fit is pushed back by that run alone
+    d = Data.of(runs[:1])
+    assert d.rank0[0] and len(d.residuals(EngineTuning())) == 3  # step time, memory, and the peak's bound

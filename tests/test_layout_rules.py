@@ -84,6 +84,7 @@ TRAININGS = [
     TrainingSpec(seq_len=8192, global_batch_size=16),
     TrainingSpec(seq_len=128, global_batch_size=16, engine="deepspeed"),
     TrainingSpec(seq_len=128, global_batch_size=16, precision="fp16", engine="torchtitan"),
+    TrainingSpec(seq_len=128, global_batch_size=16, engine="nanotron"),
 ]
 
 
