@@ -57,7 +57,7 @@ from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.pipeline import layers_in_flight, microbatches_in_flight
 from berth.specs import stages
 from berth.specs.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE, Candidates
-from berth.specs.engines import ddp_wrapped, megatron_memory, split_rule
+from berth.specs.engines import ddp_wrapped, engine_of, megatron_memory, split_rule
 from berth.specs.hardware import DeviceProfile
 from berth.specs.tree import EngineTuning, ModelSpec, TrainingSpec
 
@@ -564,7 +564,12 @@ def sharding_buffer_bytes(model: ModelSpec, training: TrainingSpec, tp, zero, ep
 def gradient_buckets(c, training: TrainingSpec) -> ArrayOrFloat:
     """1 where the data-parallel wrapper keeps a persistent unsharded gradient copy: PyTorch DDP
     with gradient_as_bucket_view, which the executor uses for zero <= 1 when dp is the only axis
-    (Megatron's persistent buffer is its `grad_buffer`, counted by the recipe)."""
+    (Megatron's persistent buffer is its `grad_buffer`, counted by the recipe), and nanotron's DDP
+    at ZeRO-0 with dp > 1, whatever tp and pp (trainer.py wraps the model in DDP unless it
+    accumulates in fp32 under ZeRO-1; its 16-bit buckets sit beside the fp32 accumulation buffer:
+    EngineInfo.ddp_beside_grad_buffer)."""
+    if engine_of(training).ddp_beside_grad_buffer:
+        return ((np.asarray(c.zero_stage) == 0) & (np.asarray(c.dp) > 1)).astype(float)
     return (ddp_wrapped(c) & (np.asarray(c.dp) > 1) & (not megatron_memory(training))).astype(float)
 
 
@@ -624,7 +629,10 @@ def stage_memory_breakdown(
     inflight = microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)
     accumulating = np.asarray(c.num_microbatches, dtype=float) > inflight + 1e-9
     accumulated = np.where(accumulating, np.where(np.asarray(c.zero_stage) >= 3, g, unsharded), 0.0)
-    persistent = gradient_buckets(c, training) * unsharded if buckets else np.zeros_like(p)
+    # the buckets hold gradients in the element the wrapper reduces: the recipe's, or 16-bit beside a
+    # Megatron-style fp32 buffer (whose grad_element is 0: its buffer is `grad_buffer`)
+    bucket_element = np.where(st["grad_element"] > 0, st["grad_element"], training.bytes_per_element)
+    persistent = gradient_buckets(c, training) * params * bucket_element if buckets else np.zeros_like(p)
     held_grads = persistent + accumulated + st["grad_buffer"]
     # one layer's gradients and its largest backward temporary (an MLP activation gradient)
     layer_grads = np.where(

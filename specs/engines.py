@@ -83,6 +83,9 @@ class EngineInfo:
     buckets_ddp_only: bool = False
     # how the engine splits the decoder layers over pipeline ranks (specs/stages.py: berth's rule or nanotron's)
     split: str = stages.SPLIT_ENDS_LIGHTER
+    # the engine wraps every stage in torch DDP at ZeRO-0 with dp > 1, whose 16-bit buckets persist beside its own
+    # fp32 gradient buffer (nanotron; cost_models/memory.py gradient_buckets)
+    ddp_beside_grad_buffer: bool = False
 
     @property
     def label(self) -> str:
@@ -488,13 +491,15 @@ ENGINES: dict[str, EngineInfo] = {
             "nanotron e24d2483: models/base.py build_model (the compute-balanced pipeline split, specs/stages.py), "
             "helpers.py and optim/gradient_accumulator.py (16-bit weights, a full fp32 gradient buffer, fp32 master "
             "and Adam state sharded by ZeRO-1), trainer.py (ZeRO-1: one all-reduce of the whole fp32 gradients after "
-            "the pipeline, then the updated shards all-gathered; ZeRO-0: DDP with 25 MB buckets). No launch files: "
+            "the pipeline, then the updated shards all-gathered; ZeRO-0: DDP with 25 MB buckets, 16-bit, kept beside "
+            "the fp32 buffer). No launch files: "
             "nanotron 0.4, the release on PyPI, does not import (a circular import between nanotron.config and "
             "nanotron.logging), so no config berth wrote could be loaded by nanotron's own code",
             param_gather_exposed=1.0,
             grad_reduce_exposed=1.0,
             bucket_bytes=TORCH_DDP_BUCKET_BYTES,
             split=stages.SPLIT_COMPUTE_BALANCED,
+            ddp_beside_grad_buffer=True,
         ),
         EngineInfo(
             "generic",
@@ -617,6 +622,7 @@ def engine_table() -> list[dict[str, object]]:
             "bucket_params_per_dp": e.bucket_params_per_dp,
             "bucket_bytes": e.bucket_bytes,
             "buckets_ddp_only": e.buckets_ddp_only,
+            "ddp_beside_grad_buffer": e.ddp_beside_grad_buffer,
             "pipeline_split": e.split,
             "source": e.source,
         }

@@ -684,3 +684,22 @@ def test_a_peak_reported_by_rank_0_is_compared_with_the_first_stage():
     # the rank-0 run also says the peak fits: a prior whose peak does not fit is pushed back by that run alone
     d = Data.of(runs[:1])
     assert d.rank0[0] and len(d.residuals(EngineTuning())) == 3  # step time, memory, and the peak's bound
+
+
+def test_nanotron_keeps_ddp_buckets_beside_its_fp32_buffer_at_zero_0():
+    """nanotron wraps the model in DDP at ZeRO-0 with dp > 1 (any tp, pp): 16-bit buckets, 2 bytes per parameter of
+    the stage, beside the fp32 gradient buffer; at ZeRO-1 (fp32 accumulation) there is no DDP, and the generic
+    engine's Megatron-style recipe keeps no such copy."""
+    from berth.cost_models import memory
+
+    cl = cluster_from_preset("dgx-h100", 1)
+    x0 = Layout(tp=2, pp=2, dp=2, micro_batch_size=1, num_microbatches=32, schedule="1f1b")
+    c = Candidates.from_layouts([x0, x0.model_copy(update={"zero_stage": 1, "shard": 2})])
+
+    def grads(engine):
+        b = memory.stage_memory_breakdown(SMALL, training(engine), cl.device, c, first=True)
+        return np.asarray(b["gradients"], dtype=float)
+
+    params = float(memory.stage_params(SMALL, 2, 2, True, rule="compute_balanced"))
+    nano, generic = grads("nanotron"), grads("generic")
+    assert nano[0] - nano[1] == pytest.approx(2.0 * params) and generic[0] == pytest.approx(generic[1])
