@@ -134,6 +134,17 @@ TEXTS = {
 }
 
 
+def _not_tp_dp_pp(c: Candidates, m: ModelSpec, t: TrainingSpec) -> np.ndarray:
+    """The axis order is not tp-dp-pp (tp innermost, pp outermost): the only one torchtitan, DeepSpeed and nanotron
+    build."""
+    return ~np.isin(c.axis_order, _order("tp-dp-pp"))
+
+
+def _selective(c: Candidates, m: ModelSpec, t: TrainingSpec) -> np.ndarray:
+    """Selective recomputation (an engine that checkpoints whole layers only refuses it)."""
+    return c.recompute == RECOMPUTE_SELECTIVE
+
+
 def _rule(name: str, reads: tuple[str, ...], broken, detail) -> EngineRule:
     return EngineRule(name, reads, broken, detail, TEXTS[name])
 
@@ -238,7 +249,7 @@ TORCHTITAN_RULES = (
     _rule(
         "torchtitan_axis_order",
         ("axis_order",),
-        lambda c, m, t: ~np.isin(c.axis_order, _order("tp-dp-pp")),
+        _not_tp_dp_pp,
         lambda x, m, t: f"axis_order {x.axis_order}: torchtitan's mesh is pp, dp, tp (tp-dp-pp)",
     ),
     _rule(
@@ -317,13 +328,13 @@ DEEPSPEED_RULES = (
     _rule(
         "deepspeed_selective_recompute",
         ("recompute",),
-        lambda c, m, t: c.recompute == RECOMPUTE_SELECTIVE,
+        _selective,
         lambda x, m, t: "recompute selective: DeepSpeed checkpoints whole layers",
     ),
     _rule(
         "deepspeed_axis_order",
         ("axis_order",),
-        lambda c, m, t: ~np.isin(c.axis_order, _order("tp-dp-pp")),
+        _not_tp_dp_pp,
         lambda x, m, t: f"axis_order {x.axis_order}: DeepSpeed's topology is pipe-data-model (tp-dp-pp)",
     ),
     _rule(
@@ -404,13 +415,13 @@ NANOTRON_RULES = (
     _rule(
         "nanotron_selective_recompute",
         ("recompute",),
-        lambda c, m, t: c.recompute == RECOMPUTE_SELECTIVE,
+        _selective,
         lambda x, m, t: "recompute selective: nanotron's recompute_layer checkpoints whole decoder layers",
     ),
     _rule(
         "nanotron_axis_order",
         ("axis_order",),
-        lambda c, m, t: ~np.isin(c.axis_order, _order("tp-dp-pp")),
+        _not_tp_dp_pp,
         lambda x, m, t: f"axis_order {x.axis_order}: nanotron's ranks are (ep, pp, dp, tp), i.e. tp-dp-pp",
     ),
 )
