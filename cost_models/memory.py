@@ -240,7 +240,7 @@ def expert_share(model: ModelSpec, c, rule: str = stages.SPLIT_ENDS_LIGHTER) -> 
     stage = np.asarray(largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep, etp, rule))
     if not model.is_moe:
         return stage, np.zeros_like(stage)
-    expert = stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert", etp=etp)
+    expert = stage_params(model, c.pp, c.tp, True, c.virtual_stages, ep=c.ep, part="expert", etp=etp, rule=rule)
     return stage, np.clip(expert / np.maximum(stage, 1.0), 0.0, 1.0)
 
 

@@ -407,9 +407,10 @@ def evaluate(
     tp, pp, vpp, nmb = c.tp.astype(float), c.pp.astype(float), c.virtual_stages, c.num_microbatches
     # tokens per rank: b s / cp (the compute and memory terms take b / cp as the micro-batch)
     b = c.micro_batch_size.astype(float) / c.cp
-    # decoder layers of the first, a middle and the last stage (specs/stages.py: L / pp each when even)
+    # decoder layers of the first, a middle and the last stage (the engine's split, specs/stages.py)
+    rule = split_rule(training)
     n_first, n_middle, n_last, _ = (
-        np.asarray(a, dtype=float) for a in stages.rule_stage_split(model, c.pp, c.virtual_stages, split_rule(training))
+        np.asarray(a, dtype=float) for a in stages.rule_stage_split(model, c.pp, c.virtual_stages, rule)
     )
     stride = c.strides()
 
@@ -474,7 +475,6 @@ def evaluate(
         model, training, cluster, c, (n_first, n_middle, n_last), fwd, bwd + recompute, stride["dp"], stride["cp"]
     )
     etp = memory.expert_tp_of(c)
-    rule = split_rule(training)
     local_params = memory.largest_stage_params(model, c.pp, c.tp, c.virtual_stages, c.ep, etp, rule) / np.where(
         c.zero_stage >= 1, c.shard * c.cp, 1
     )
