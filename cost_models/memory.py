@@ -745,7 +745,9 @@ def peak_memory(
     embedding or head, so they are never the peak. With an uneven one (specs/stages.py: berth's
     rule where pp x vpp does not divide the layers, nanotron's wherever its middle ranks hold more
     layers than an end) a middle stage can: the second stage, the middle one with the most
-    micro-batches in flight, holding the most layers of any middle one, is taken too."""
+    micro-batches in flight, is taken too, with as many layers as the fullest middle stage (under
+    nanotron's split that one may sit further down with fewer micro-batches in flight: an
+    over-estimate, never the peak there, since rank 0 holds at least as many layers)."""
     first = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=True), training.tuning, c.tp)
     last = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=False), training.tuning, c.tp)
     total_first = sum(first.values())

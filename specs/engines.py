@@ -384,8 +384,9 @@ NANOTRON_RULES = (
         ("zero_stage", "shard", "dp"),
         lambda c, m, t: (c.zero_stage >= 2) | ((c.zero_stage == 1) & (c.shard < c.dp)),
         lambda x, m, t: (
-            f"zero_stage {x.zero_stage}, shard {x.shard} of dp {x.dp}: nanotron's ZeRO-1 (optim/zero.py) shards the "
-            "optimizer state over the whole dp group and it has no ZeRO-2/3"
+            f"zero_stage {x.zero_stage}, shard {x.shard} of dp {x.dp}: nanotron's ZeRO (optim/zero.py) shards the "
+            "optimizer state only, over the whole dp group (a zero_stage above 1 runs as ZeRO-1, so it is refused "
+            "rather than predicted as ZeRO-2/3)"
         ),
     ),
     _rule(

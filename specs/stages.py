@@ -1,7 +1,7 @@
-"""Decoder layers per pipeline stage: the one rule berth applies, used by the cost model
-(cost_models/step.py, memory.py), the validity rules (specs/validity.py), the search
-(planner/search.py), the executor (executor/parallel.py, checks.py) and the launch artifacts
-(launch/writers.py).
+"""Decoder layers per pipeline stage: berth's rule, used by the cost model (cost_models/step.py,
+memory.py), the validity rules (specs/validity.py), the search (planner/search.py), the executor
+(executor/parallel.py, checks.py) and the launch artifacts (launch/writers.py) of every engine
+but one; nanotron's own rule, for plans predicted for nanotron, is at the end of this docstring.
 
 The rule. pp ranks with v virtual stages each cut the model into S = pp x v chunks, in model order
 (chunk c runs on pp rank c mod pp: the interleaved order of Megatron-LM and of
@@ -166,16 +166,21 @@ def balanced_split(num_layers: int, layer_cost: int, head_cost: int, pp) -> Stag
 
 def rule_stage_split(model, pp, vpp=1, rule: str = SPLIT_ENDS_LIGHTER) -> StageSplit:
     """`stage_split` under an engine's split rule (EngineInfo.split): berth's, or nanotron's compute-balanced
-    one (which has no virtual stages: the engine refuses vpp > 1, and berth's rule answers for them)."""
-    if rule == SPLIT_COMPUTE_BALANCED and np.all(np.asarray(vpp) == 1):
-        layer_cost, head_cost = nanotron_costs(model)
-        return balanced_split(model.num_layers, layer_cost, head_cost, pp)
-    return stage_split(model.num_layers, pp, vpp)
+    one, row by row (nanotron has no virtual stages: it refuses vpp > 1, and berth's rule answers for such rows)."""
+    ours = stage_split(model.num_layers, pp, vpp)
+    if rule != SPLIT_COMPUTE_BALANCED:
+        return ours
+    one_chunk = np.asarray(vpp) == 1
+    theirs = balanced_split(model.num_layers, *nanotron_costs(model), pp)
+    return tuple(np.where(one_chunk, t, o) for t, o in zip(theirs, ours, strict=True))  # type: ignore[return-value]
 
 
 def rule_stage_layers(model, pp: int, vpp: int = 1, rule: str = SPLIT_ENDS_LIGHTER) -> list[int]:
-    """Decoder layers of each pipeline rank under an engine's split rule, rank 0 first."""
+    """Decoder layers of each pipeline rank under an engine's split rule, rank 0 first; ValueError where the
+    layout has no valid split (the same `valid` as `rule_stage_split`)."""
     if rule == SPLIT_COMPUTE_BALANCED and vpp == 1:
+        if pp > model.num_layers:
+            raise ValueError(why_invalid(model.num_layers, pp, vpp))
         return [r.count("layer") for r in balanced_blocks(model.num_layers, *nanotron_costs(model), pp)]
     return stage_layers(model.num_layers, pp, vpp)
 

@@ -221,3 +221,15 @@ def test_the_nanotron_engine_prices_its_own_split():
     assert got["nanotron"].stage_layers == [11, 5] and got["generic"].stage_layers == [8, 8]
     assert stage_bytes["nanotron"][0] > stage_bytes["generic"][0]
     assert stage_bytes["nanotron"][1] < stage_bytes["generic"][1]
+
+
+def test_nanotron_split_is_chosen_row_by_row():
+    """A candidate array that mixes virtual stages (the probe's enumeration, a compare of several layouts): each
+    vpp = 1 row gets nanotron's split, whatever the other rows hold."""
+    one = type("M", (), NANOTRON_1B)
+    alone = stages.rule_stage_split(one, np.array([2]), np.array([1]), "compute_balanced")
+    mixed = stages.rule_stage_split(one, np.array([2, 2]), np.array([1, 2]), "compute_balanced")
+    assert [int(a[0]) for a in mixed] == [int(a[0]) for a in alone] == [11, 0, 5, 1]
+    assert [int(a[1]) for a in mixed[:3]] == [int(a) for a in stages.stage_split(16, 2, 2)[:3]]
+    with pytest.raises(ValueError):
+        stages.rule_stage_layers(one, 32, 1, "compute_balanced")  # more ranks than layers: no valid split
