@@ -247,7 +247,7 @@ class Data:
         has_t, has_m = np.isfinite(self.time), np.isfinite(self.mem)
         with np.errstate(divide="ignore", invalid="ignore"):
             rt = np.where(np.isfinite(t[has_t]), np.log(t[has_t] / self.time[has_t]), MISS)
-            pm = np.where(self.allocated, _allocated(seen, tuning), seen)
+            pm = self.as_measured(seen, tuning)
             rm = np.where(np.isfinite(pm[has_m]), np.log(pm[has_m] / self.mem[has_m]), MISS)
             rm = np.where(self.ceiling[has_m], np.minimum(rm, 0.0), rm)  # capped: only a prediction below counts
             # one-sided: an out-of-memory run must not fit; a run that ran must fit where its figure does not say
@@ -256,6 +256,11 @@ class Data:
             free = self.ok & (~has_m | self.rank0)
             r_fit = np.maximum(np.log(np.where(np.isfinite(m[free]), m[free], 1e30) / cap[free]), 0.0)
         return np.concatenate([rt, rm, r_oom, r_fit])
+
+    def as_measured(self, seen: np.ndarray, tuning: EngineTuning) -> np.ndarray:
+        """The predicted memory of the reported rank (`predict_runs`' last array) in each run's figure: the
+        allocated peak within the reserved one where the run measured allocated memory."""
+        return np.where(self.allocated, _allocated(seen, tuning), seen)
 
     def counts(self) -> dict[str, int]:
         return {
@@ -287,7 +292,7 @@ def errors(runs: list[MeasuredRun], tuning: EngineTuning) -> dict[str, float]:
         e = np.abs(t[has_t] / d.time[has_t] - 1.0)
         out.update(step_time_median_error=float(np.median(e)), step_time_max_error=float(np.max(e)))
     if has_m.any():
-        pm = np.where(d.allocated, _allocated(seen, tuning), seen)
+        pm = d.as_measured(seen, tuning)
         e = memory_errors(pm[has_m] / d.mem[has_m], d.ceiling[has_m])
         out.update(memory_median_error=float(np.median(e)), memory_max_error=float(np.max(e)))
     out["ran_predicted_not_to_fit"] = float(np.sum(d.ok & ~(m <= cap)))
@@ -519,7 +524,7 @@ def held_out(
         t, _, _, seen = predict_runs([runs[i] for i in idx], tuning)
         d = Data.of([runs[i] for i in idx])
         preds_t[idx] = t / d.time
-        preds_m[idx] = np.where(d.allocated, _allocated(seen, tuning), seen) / d.mem
+        preds_m[idx] = d.as_measured(seen, tuning) / d.mem
         ceiling[idx] = d.ceiling
     out: dict[str, float] = {}
     for key, ratio in (("step_time", preds_t), ("memory", preds_m)):

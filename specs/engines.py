@@ -140,6 +140,11 @@ def _not_tp_dp_pp(c: Candidates, m: ModelSpec, t: TrainingSpec) -> np.ndarray:
     return ~np.isin(c.axis_order, _order("tp-dp-pp"))
 
 
+def _context_parallel(c: Candidates, m: ModelSpec, t: TrainingSpec) -> np.ndarray:
+    """Context parallelism (cp > 1), which DeepSpeed and nanotron do not have."""
+    return c.cp > 1
+
+
 def _selective(c: Candidates, m: ModelSpec, t: TrainingSpec) -> np.ndarray:
     """Selective recomputation (an engine that checkpoints whole layers only refuses it)."""
     return c.recompute == RECOMPUTE_SELECTIVE
@@ -282,7 +287,7 @@ DEEPSPEED_RULES = (
     _rule(
         "deepspeed_cp",
         ("cp",),
-        lambda c, m, t: c.cp > 1,
+        _context_parallel,
         lambda x, m, t: f"cp {x.cp}: DeepSpeed has no ring-attention context parallelism (Ulysses splits heads)",
     ),
     # AutoEP (the config's expert_parallel section; deepspeed/module_inject/auto_ep_folding.py
@@ -392,7 +397,7 @@ NANOTRON_RULES = (
     _rule(
         "nanotron_cp",
         ("cp",),
-        lambda c, m, t: c.cp > 1,
+        _context_parallel,
         lambda x, m, t: f"cp {x.cp}: nanotron's ParallelismArgs has dp, pp, tp and expert_parallel_size only",
     ),
     _rule(
