@@ -1063,8 +1063,14 @@ def _write_probe_files(out: str, picks: list) -> None:
             for i in range(1, len(picks) + 1)
         ]
         (directory / "runs.jsonl").write_text("".join(json.dumps(t) + "\n" for t in template))
+        engine = ENGINES[picks[0].plan.training.engine] if picks else None
+        files = (
+            "and their engine's launch files"
+            if engine is None or engine.launch_formats
+            else f"no launch files: berth writes none for {engine.label}; set each layout in your config"
+        )
         console.print(
-            f"wrote {len(picks)} plans (and their engine's launch files) under {directory}/, and "
+            f"wrote {len(picks)} plans ({files}) under {directory}/, and "
             f"{directory}/runs.jsonl to fill in with what each run measured (or status oom/error)"
         )
     except OSError as err:

@@ -329,8 +329,9 @@ def layer_activation_bytes(
     linear_split = 1 if not megatron_memory(training) else hidden_split
     unsplit = (2 * e + masks) * sbh / hidden_split + 2 * e * sbh / linear_split
     # Q, K, V, attention output, and the MLP intermediates: split by tp.
-    mlp_tensors = 3 if model.mlp == "swiglu" else 2
-    split = e * (2 + 2 * g) * sbh + mlp_tensors * e * b * s * f
+    engine = engine_of(training)
+    mlp_tensors = (4 if engine.glu_unfused else 3) if model.mlp == "swiglu" else 2
+    split = e * (2 + 2 * g + _kept_qkv(model, engine)) * sbh + mlp_tensors * e * b * s * f
     if training.flash_attention:
         scores = FP32_BYTES * b * a * s  # log-sum-exp per row
     else:
@@ -354,6 +355,17 @@ def layer_activation_bytes(
         checkpoint,
         np.where(recompute == RECOMPUTE_NONE, full_layer, selective),
     ), full_layer
+
+
+def _kept_qkv(model: ModelSpec, engine) -> float:
+    """Hidden-sized tensors a layer keeps beyond Q, K, V and the attention output. nanotron's
+    attention (models/llama.py CausalSelfAttention at e24d2483) with as many kv heads as heads
+    permutes the QKV projection's output into one contiguous q/k/v block, concatenates and permutes
+    k and v into a second block for the rotary kernel, and hands flash-attn a view of the first as
+    q: flash-attn saves q, so the first block's k and v (2 g h) stay alive beside their copy. With
+    fewer kv heads it copies q, k and v apart and nothing extra stays."""
+    mha = model.num_kv_heads == model.num_attention_heads
+    return 2.0 * model.kv_ratio if engine.mha_qkv_kept and mha else 0.0
 
 
 def precision_recipe_of(training: TrainingSpec, tp) -> int:
@@ -530,7 +542,14 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
     the micro-batch in its loss backward (LOGITS_SAVED_BYTES comment)."""
     parallel_loss = np.where(np.asarray(tp) > 1, LOSS_PARALLEL_EXTRA_BYTES, 0)
     e = training.bytes_per_element
-    if training.cross_entropy == "fused":
+    if engine_of(training).sharded_loss and training.cross_entropy != "fused":
+        # nanotron's _ShardedCrossEntropy (parallel/tensor_parallel/functional.py at e24d2483), at any tp: at
+        # the forward's end the 16-bit head output, its fp32 cast (llama.py cast_to_fp32) and the max-shifted
+        # fp32 copy that becomes the saved softmax are alive together; the backward turns the softmax into the
+        # gradient in place and casts it to 16 bits (4 + e < e + 8). Every other micro-batch whose loss
+        # backward has not run keeps its softmax.
+        per_logit = e + 2 * FP32_BYTES + FP32_BYTES * (in_flight - 1.0) + 0.0 * parallel_loss
+    elif training.cross_entropy == "fused":
         # the 16-bit logits of each micro-batch in flight, saved by the kernel, which writes their
         # gradient into them (flash-attn's CrossEntropyLoss(inplace_backward=True), llm-foundry)
         per_logit = e * in_flight + 0.0 * parallel_loss
@@ -571,6 +590,22 @@ def gradient_buckets(c, training: TrainingSpec) -> ArrayOrFloat:
     if engine_of(training).ddp_beside_grad_buffer:
         return ((np.asarray(c.zero_stage) == 0) & (np.asarray(c.dp) > 1)).astype(float)
     return (ddp_wrapped(c) & (np.asarray(c.dp) > 1) & (not megatron_memory(training))).astype(float)
+
+
+def gather_block_bytes(c, training: TrainingSpec, params) -> np.ndarray:
+    """The block ZeRO-1's post-step parameter all-gather allocates where the engine does not gather in
+    place, reserved beside the segments the activations left cached (`params`: the stage's parameters).
+    nanotron (`optim/zero.py _all_gather_params` -> `distributed.py all_gather_coalesced` at e24d2483)
+    flattens its shard and the dp per-rank outputs, then calls `dist.all_gather` with a list of
+    equal-sized outputs, which torch's NCCL process group stacks into one whole-stage buffer
+    (`ProcessGroupNCCL::allgather`, `newLikeFlat`) before copying back: a 16-bit block the size of
+    the stage's parameters, larger than any activation or logits block the caching allocator keeps.
+    The input and the per-rank outputs (1/dp of it each) are carved from the cached segments.
+    EngineInfo.zero1_gather_blocks counts such blocks; 0 elsewhere (Megatron's distributed optimizer
+    and DeepSpeed gather into the parameter buffer itself)."""
+    blocks = engine_of(training).zero1_gather_blocks
+    on = (np.asarray(c.zero_stage) == 1) & (np.asarray(c.dp) > 1)
+    return np.where(on, blocks * params * training.bytes_per_element, 0.0)
 
 
 def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> float:
@@ -625,6 +660,9 @@ def stage_memory_breakdown(
     loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.num_microbatches, 1)
     logits = np.where(holds_head, logits_bytes(model, training, c.micro_batch_size, c.tp, loss_in_flight), 0.0)
     buffers = sharding_buffer_bytes(model, training, c.tp, c.zero_stage, c.ep, etp)
+    # reserved from the post-step gather on, and the pool only grows: every phase carries it
+    gather_block = gather_block_bytes(c, training, params)
+    buffers = buffers + gather_block
     receive = pipeline_buffer_bytes(model, training, c)
     inflight = microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)
     accumulating = np.asarray(c.num_microbatches, dtype=float) > inflight + 1e-9
@@ -673,7 +711,7 @@ def stage_memory_breakdown(
             "autocast_copies": zeros,
             "activations": zeros,
             "logits": zeros,
-            "sharding_buffers": zeros,
+            "sharding_buffers": gather_block,
             "pipeline_buffers": receive,
         },
     ]

@@ -86,6 +86,18 @@ class EngineInfo:
     # the engine wraps every stage in torch DDP at ZeRO-0 with dp > 1, whose 16-bit buckets persist beside its own
     # fp32 gradient buffer (nanotron; cost_models/memory.py gradient_buckets)
     ddp_beside_grad_buffer: bool = False
+    # whole-stage 16-bit parameter copies that ZeRO-1's post-step all-gather allocates in one block each, too large
+    # for any segment the activations left cached, so they reserve new ones (nanotron: torch NCCL's stacked output;
+    # cost_models/memory.py gather_block_bytes). 0: the engine gathers into its parameters in place
+    zero1_gather_blocks: float = 0.0
+    # the loss is Megatron-LM's hand-written vocabulary-parallel cross-entropy on an fp32 cast of the logits, which
+    # turns its saved softmax into the gradient in place (cost_models/memory.py logits_bytes); False: torch's
+    sharded_loss: bool = False
+    # a decoder layer saves more than Megatron's recipe (cost_models/memory.py layer_activation_bytes): SwiGLU run
+    # unfused keeps act(gate) too; with as many kv heads as heads, the permuted q/k/v block stays alive behind q
+    # while k and v are copied for the rotary kernel (nanotron models/llama.py)
+    glu_unfused: bool = False
+    mha_qkv_kept: bool = False
 
     @property
     def label(self) -> str:
@@ -517,6 +529,10 @@ ENGINES: dict[str, EngineInfo] = {
             bucket_bytes=TORCH_DDP_BUCKET_BYTES,
             split=stages.SPLIT_COMPUTE_BALANCED,
             ddp_beside_grad_buffer=True,
+            zero1_gather_blocks=1.0,
+            sharded_loss=True,
+            glu_unfused=True,
+            mha_qkv_kept=True,
         ),
         EngineInfo(
             "generic",

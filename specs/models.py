@@ -76,9 +76,21 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True, seq_len: int
     return model_from_dict(data, source="model", seq_len=seq_len)
 
 
+# Keys only a Hugging Face config carries: such a file without model_type is told what it misses.
+_HF_ONLY_KEYS = ("architectures", "num_hidden_layers", "n_layer", "intermediate_size", "transformers_version")
+
+
 def model_from_dict(data: dict[str, Any], source: str = "model", seq_len: int | None = None) -> ModelSpec:
     if "model_type" in data:
         return from_hf_config(data, source, seq_len)
+    hf_keys = [key for key in _HF_ONLY_KEYS if key in data]
+    if hf_keys:
+        raise BerthError(
+            f"{source}.model_type",
+            None,
+            f"missing: this looks like a Hugging Face config ({', '.join(hf_keys)}), which names its family in "
+            f"model_type (one of {', '.join(sorted(_HF_FAMILIES))}); add it, or write a berth model spec",
+        )
     try:
         return ModelSpec.model_validate(data, strict=True)  # no bool or text as a number
     except ValidationError as err:

@@ -371,3 +371,13 @@ def test_a_sliding_window_that_covers_the_sequence_is_planned(tmp_path):
     with pytest.raises(BerthError) as err:
         resolve(MISTRAL_7B_V01, ClusterInput("dgx-h100"), TrainingInput(4097, 64), allow_files=False)
     assert err.value.field == "model.sliding_window"
+
+
+def test_an_hf_config_without_model_type_is_told_what_it_misses(tmp_path):
+    """Found trying a hand-written config.json: without model_type it was read as a berth spec and
+    refused for a missing num_layers, a field such a file never has."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 28, "hidden_size": 3072}))
+    with pytest.raises(BerthError) as err:
+        load_model(str(path))
+    assert err.value.field == "model.model_type" and "Hugging Face" in str(err.value) and "llama" in str(err.value)
