@@ -360,12 +360,11 @@ def layer_activation_bytes(
 def _kept_qkv(model: ModelSpec, engine) -> float:
     """Hidden-sized tensors a layer keeps beyond Q, K, V and the attention output. nanotron's
     attention (models/llama.py CausalSelfAttention at e24d2483) with as many kv heads as heads
-    permutes the QKV projection's output into one contiguous q/k/v block, concatenates and permutes
-    k and v into a second block for the rotary kernel, and hands flash-attn a view of the first as
-    q: flash-attn saves q, so the first block's k and v (2 g h) stay alive beside their copy. With
-    fewer kv heads it copies q, k and v apart and nothing extra stays."""
-    mha = model.num_kv_heads == model.num_attention_heads
-    return 2.0 * model.kv_ratio if engine.mha_qkv_kept and mha else 0.0
+    permutes the QKV projection's output into one contiguous q/k/v block and concatenates k and v
+    into a second block for the rotary kernel; flash-attn's RotaryEmbedding rotates q in place, so
+    q stays a view of the first block, and flash-attn saves it: the first block's k and v (2 h)
+    stay alive beside their copy. With fewer kv heads it copies q, k and v apart: nothing stays."""
+    return 2.0 if engine.mha_qkv_kept and model.kv_heads == model.num_attention_heads else 0.0
 
 
 def precision_recipe_of(training: TrainingSpec, tp) -> int:
@@ -542,13 +541,16 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
     the micro-batch in its loss backward (LOGITS_SAVED_BYTES comment)."""
     parallel_loss = np.where(np.asarray(tp) > 1, LOSS_PARALLEL_EXTRA_BYTES, 0)
     e = training.bytes_per_element
-    if engine_of(training).sharded_loss and training.cross_entropy != "fused":
-        # nanotron's _ShardedCrossEntropy (parallel/tensor_parallel/functional.py at e24d2483), at any tp: at
-        # the forward's end the 16-bit head output, its fp32 cast (llama.py cast_to_fp32) and the max-shifted
-        # fp32 copy that becomes the saved softmax are alive together; the backward turns the softmax into the
-        # gradient in place and casts it to 16 bits (4 + e < e + 8). Every other micro-batch whose loss
-        # backward has not run keeps its softmax.
-        per_logit = e + 2 * FP32_BYTES + FP32_BYTES * (in_flight - 1.0) + 0.0 * parallel_loss
+    if engine_of(training).sharded_loss:
+        # the engine's own loss, whatever `cross_entropy` says: nanotron's _ShardedCrossEntropy
+        # (parallel/tensor_parallel/functional.py at e24d2483), at any tp, on the fp32 cast of the head's
+        # output (llama.py cast_to_fp32; the same tensor in fp32 training). The cast and the max-shifted copy
+        # that becomes the saved softmax are alive together; the 16-bit output is freed by then, but its
+        # segment cannot hold a 4-byte copy, so it stays reserved: e + 8 bytes per logit in 16-bit training.
+        # The backward turns the softmax into the gradient in place and casts it to 16 bits (4 + e, less).
+        # Every other micro-batch whose loss backward has not run keeps its softmax.
+        cast = FP32_BYTES if e != FP32_BYTES else 0
+        per_logit = e + cast + FP32_BYTES + FP32_BYTES * (in_flight - 1.0)
     elif training.cross_entropy == "fused":
         # the 16-bit logits of each micro-batch in flight, saved by the kernel, which writes their
         # gradient into them (flash-attn's CrossEntropyLoss(inplace_backward=True), llm-foundry)
@@ -592,20 +594,25 @@ def gradient_buckets(c, training: TrainingSpec) -> ArrayOrFloat:
     return (ddp_wrapped(c) & (np.asarray(c.dp) > 1) & (not megatron_memory(training))).astype(float)
 
 
-def gather_block_bytes(c, training: TrainingSpec, params) -> np.ndarray:
+def gather_block_bytes(model: ModelSpec, training: TrainingSpec, c, params, transient) -> np.ndarray:
     """The block ZeRO-1's post-step parameter all-gather allocates where the engine does not gather in
     place, reserved beside the segments the activations left cached (`params`: the stage's parameters).
     nanotron (`optim/zero.py _all_gather_params` -> `distributed.py all_gather_coalesced` at e24d2483)
     flattens its shard and the dp per-rank outputs, then calls `dist.all_gather` with a list of
     equal-sized outputs, which torch's NCCL process group stacks into one whole-stage buffer
     (`ProcessGroupNCCL::allgather`, `newLikeFlat`) before copying back: a 16-bit block the size of
-    the stage's parameters, larger than any activation or logits block the caching allocator keeps.
-    The input and the per-rank outputs (1/dp of it each) are carved from the cached segments.
+    the stage's parameters. What of it the step's largest cached block (`transient`, the fp32
+    logits of a micro-batch or an MLP tensor) cannot hold is new reserved memory; the input and the
+    per-rank outputs (1/dp of it each) are carved from the cached segments. The outputs are of equal
+    size where dp divides every parameter, i.e. the hidden size (each of nanotron's parameters is a
+    multiple of it; `_partition_parameters` gives the last ranks one element less otherwise, and
+    torch then broadcasts rank by rank into the outputs, stacking nothing).
     EngineInfo.zero1_gather_blocks counts such blocks; 0 elsewhere (Megatron's distributed optimizer
     and DeepSpeed gather into the parameter buffer itself)."""
     blocks = engine_of(training).zero1_gather_blocks
-    on = (np.asarray(c.zero_stage) == 1) & (np.asarray(c.dp) > 1)
-    return np.where(on, blocks * params * training.bytes_per_element, 0.0)
+    dp = np.asarray(c.dp)
+    on = (np.asarray(c.zero_stage) == 1) & (dp > 1) & (model.hidden_size % np.maximum(dp, 1) == 0)
+    return np.where(on, np.maximum(blocks * params * training.bytes_per_element - transient, 0.0), 0.0)
 
 
 def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> float:
@@ -661,7 +668,8 @@ def stage_memory_breakdown(
     logits = np.where(holds_head, logits_bytes(model, training, c.micro_batch_size, c.tp, loss_in_flight), 0.0)
     buffers = sharding_buffer_bytes(model, training, c.tp, c.zero_stage, c.ep, etp)
     # reserved from the post-step gather on, and the pool only grows: every phase carries it
-    gather_block = gather_block_bytes(c, training, params)
+    largest = largest_transient_bytes(act_model, training, c, holds_head)
+    gather_block = gather_block_bytes(model, training, c, params, largest)
     buffers = buffers + gather_block
     receive = pipeline_buffer_bytes(model, training, c)
     inflight = microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)

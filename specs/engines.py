@@ -90,8 +90,8 @@ class EngineInfo:
     # for any segment the activations left cached, so they reserve new ones (nanotron: torch NCCL's stacked output;
     # cost_models/memory.py gather_block_bytes). 0: the engine gathers into its parameters in place
     zero1_gather_blocks: float = 0.0
-    # the loss is Megatron-LM's hand-written vocabulary-parallel cross-entropy on an fp32 cast of the logits, which
-    # turns its saved softmax into the gradient in place (cost_models/memory.py logits_bytes); False: torch's
+    # the engine's own loss, nanotron's vocabulary-parallel cross-entropy on an fp32 cast of the logits, which turns
+    # its saved softmax into the gradient in place (cost_models/memory.py logits_bytes); False: the recipe's branches
     sharded_loss: bool = False
     # a decoder layer saves more than Megatron's recipe (cost_models/memory.py layer_activation_bytes): SwiGLU run
     # unfused keeps act(gate) too; with as many kv heads as heads, the permuted q/k/v block stays alive behind q

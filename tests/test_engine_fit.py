@@ -703,3 +703,46 @@ def test_nanotron_keeps_ddp_buckets_beside_its_fp32_buffer_at_zero_0():
     params = float(memory.stage_params(SMALL, 2, 2, True, rule="compute_balanced"))
     nano, generic = grads("nanotron"), grads("generic")
     assert nano[0] - nano[1] == pytest.approx(2.0 * params) and generic[0] == pytest.approx(generic[1])
+
+
+def test_nanotron_layer_keeps_its_mha_qkv_block_and_unfused_glu_only_where_its_code_does():
+    """nanotron's attention keeps the permuted q/k/v block only with as many kv heads as heads (an unset
+    num_kv_heads means as many: found in review, compared with the field first), and its unfused SwiGLU keeps
+    act(gate); other engines keep Megatron's recipe."""
+    from berth.cost_models import memory
+
+    def layer(engine, model, sp=1):
+        return float(memory.layer_activation_bytes(model, training(engine), 1, 2, sp, 0)[0])
+
+    unset = SMALL
+    mha = SMALL.model_copy(update={"num_kv_heads": 16})
+    gqa = SMALL.model_copy(update={"num_kv_heads": 4})
+    tokens, h, f, e = 2048, 2048, 8192, 2
+    assert layer("nanotron", unset) == layer("nanotron", mha)
+    kept, glu = 2 * e * tokens * h / 2, e * tokens * f / 2  # split by tp = 2
+    assert layer("nanotron", mha) - layer("generic", mha) == pytest.approx(kept + glu)
+    assert layer("nanotron", gqa) - layer("generic", gqa) == pytest.approx(glu)
+    assert layer("megatron", mha) == layer("generic", mha)
+
+
+def test_nanotron_zero1_gather_block_only_where_torch_stacks_the_outputs():
+    """ZeRO-1's post-step all-gather reserves a whole-stage 16-bit block beyond the largest cached one at ZeRO-1
+    with dp > 1 dividing the hidden size (equal per-rank outputs); none at ZeRO-0, where dp does not divide the
+    hidden size (torch broadcasts rank by rank), or for an engine that gathers in place."""
+    from berth.cost_models import memory
+
+    cl = cluster_from_preset("dgx-h100", 1)
+    base = Layout(tp=1, pp=2, dp=2, micro_batch_size=1, num_microbatches=8, schedule="1f1b")
+    z1 = base.model_copy(update={"zero_stage": 1, "shard": 2})
+    odd = Layout(tp=1, pp=2, dp=3, micro_batch_size=1, num_microbatches=8, schedule="1f1b", zero_stage=1, shard=3)
+    c = Candidates.from_layouts([base, z1, odd])
+
+    def buffers(engine):
+        b = memory.stage_memory_breakdown(SMALL, training(engine), cl.device, c, first=True)
+        return np.asarray(b["sharding_buffers"], dtype=float)
+
+    params = float(memory.stage_params(SMALL, 2, 1, True, rule="compute_balanced"))
+    largest = float(memory.largest_transient_bytes(SMALL, training("nanotron"), c, False)[0])
+    nano = buffers("nanotron")
+    assert nano[0] == 0 and nano[2] == 0 and nano[1] == pytest.approx(2.0 * params - largest)
+    assert not buffers("generic").any() and not buffers("megatron").any()
