@@ -17,7 +17,9 @@ framework "pytorch", keeps the gathered inputs: 2sbh of the 34 stay unsplit); se
 5as^2b score terms; full recompute keeps only the 2sbh layer input. Generalized here:
 K and V are g = kv/heads the size of Q (GQA); the MLP keeps 2 (GELU) or 3 (SwiGLU: gate, up,
 product) b x s x ffn tensors; dropout masks exist only when the model uses dropout;
-FlashAttention replaces the score terms by its fp32 log-sum-exp (Dao 2022).
+FlashAttention replaces the score terms by its fp32 log-sum-exp (Dao 2022). An engine's entry adds
+what its code keeps beyond this (specs/engines.py EngineInfo; nanotron: its unfused SwiGLU, the q/k/v
+block its MHA attention keeps, its own vocabulary-parallel loss, ZeRO-1's stacked gather block).
 
 What is alive at the peak is taken phase by phase, as the bundled executor's profiles show
 (CPU profiler, peak op of each layout; benchmarks/data/reference/torch-distributed-cpu.md): the sum of every

@@ -86,8 +86,8 @@ class EngineInfo:
     # the engine wraps every stage in torch DDP at ZeRO-0 with dp > 1, whose 16-bit buckets persist beside its own
     # fp32 gradient buffer (nanotron; cost_models/memory.py gradient_buckets)
     ddp_beside_grad_buffer: bool = False
-    # whole-stage 16-bit parameter copies that ZeRO-1's post-step all-gather allocates in one block each, too large
-    # for any segment the activations left cached, so they reserve new ones (nanotron: torch NCCL's stacked output;
+    # whole-stage 16-bit parameter copies that ZeRO-1's post-step all-gather allocates in one block each, reserved
+    # beyond what the largest segment the activations left cached holds (nanotron: torch NCCL's stacked output;
     # cost_models/memory.py gather_block_bytes). 0: the engine gathers into its parameters in place
     zero1_gather_blocks: float = 0.0
     # the engine's own loss, nanotron's vocabulary-parallel cross-entropy on an fp32 cast of the logits, which turns
