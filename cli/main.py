@@ -933,7 +933,7 @@ def engines_cmd(as_json: Json = False) -> None:
     (specs/engines.py)."""
     from rich.table import Table
 
-    from berth.specs.engines import ENGINES, engine_table
+    from berth.specs.engines import ENGINES, engine_table, memory_extras
 
     if as_json:
         print(json.dumps(engine_table()))
@@ -945,7 +945,7 @@ def engines_cmd(as_json: Json = False) -> None:
         t.add_row(
             name,
             e.version,
-            e.recipe,
+            "\n+".join((e.recipe, *memory_extras(e))),
             "\n".join(e.launch_formats) or "-",
             "\n".join(r.name.removeprefix(f"{name}_") for r in e.rules) or "-",
         )

@@ -520,8 +520,11 @@ ENGINES: dict[str, EngineInfo] = {
             "nanotron e24d2483: models/base.py build_model (the compute-balanced pipeline split, specs/stages.py), "
             "helpers.py and optim/gradient_accumulator.py (16-bit weights, a full fp32 gradient buffer, fp32 master "
             "and Adam state sharded by ZeRO-1), trainer.py (ZeRO-1: one all-reduce of the whole fp32 gradients after "
-            "the pipeline, then the updated shards all-gathered; ZeRO-0: DDP with 25 MB buckets, 16-bit, kept beside "
-            "the fp32 buffer). No launch files: "
+            "the pipeline, then the updated shards all-gathered through distributed.py all_gather_coalesced, whose "
+            "equal-sized outputs torch stacks into one whole-stage block; ZeRO-0: DDP with 25 MB buckets, 16-bit, "
+            "kept beside the fp32 buffer), models/llama.py (SwiGLU unfused; with as many kv heads as heads the "
+            "permuted q/k/v block kept behind q) and parallel/tensor_parallel/functional.py (its vocabulary-parallel "
+            "loss on an fp32 cast of the logits). No launch files: "
             "nanotron 0.4, the release on PyPI, does not import (a circular import between nanotron.config and "
             "nanotron.logging), so no config berth wrote could be loaded by nanotron's own code",
             param_gather_exposed=1.0,
@@ -638,6 +641,18 @@ def engine_refusal(layout: Layout, model: ModelSpec, training: TrainingSpec, eng
     return None
 
 
+def memory_extras(e: EngineInfo) -> tuple[str, ...]:
+    """What the engine holds beyond its memory recipe (the EngineInfo fields that add to it), by field name."""
+    flags = {
+        "ddp_beside_grad_buffer": e.ddp_beside_grad_buffer,
+        "zero1_gather_blocks": e.zero1_gather_blocks > 0,
+        "sharded_loss": e.sharded_loss,
+        "glu_unfused": e.glu_unfused,
+        "mha_qkv_kept": e.mha_qkv_kept,
+    }
+    return tuple(name for name, on in flags.items() if on)
+
+
 def engine_table() -> list[dict[str, object]]:
     """The engine table as data (`berth engines --json`, GET /v1/engines)."""
     return [
@@ -656,6 +671,11 @@ def engine_table() -> list[dict[str, object]]:
             "bucket_bytes": e.bucket_bytes,
             "buckets_ddp_only": e.buckets_ddp_only,
             "ddp_beside_grad_buffer": e.ddp_beside_grad_buffer,
+            "zero1_gather_blocks": e.zero1_gather_blocks,
+            "sharded_loss": e.sharded_loss,
+            "glu_unfused": e.glu_unfused,
+            "mha_qkv_kept": e.mha_qkv_kept,
+            "memory_beyond_recipe": list(memory_extras(e)),
             "pipeline_split": e.split,
             "source": e.source,
         }
