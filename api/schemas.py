@@ -91,6 +91,10 @@ class EngineDoc(BaseModel):
     bucket_params_per_dp: float = Field(description="bucket parameters per data-parallel rank (Megatron's max(..))")
     bucket_bytes: float = Field(description="gradient bytes per data-parallel bucket (0: by parameters or one bucket)")
     buckets_ddp_only: bool = Field(description="the buckets apply only where the engine wraps DDP (tp = pp = 1)")
+    pipeline_split: str = Field(description="how the engine splits the decoder layers over pipeline ranks")
+    memory_extras: list[str] = Field(
+        description="what the engine holds beyond its memory recipe, by EngineInfo field (specs/engines.py)"
+    )
     source: str = Field(description="where the entry was read")
 
 

@@ -59,7 +59,7 @@ from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.pipeline import layers_in_flight, microbatches_in_flight
 from berth.specs import stages
 from berth.specs.candidates import RECOMPUTE_FULL, RECOMPUTE_NONE, SCHEDULE_GPIPE, Candidates
-from berth.specs.engines import ddp_wrapped, engine_of, megatron_memory, split_rule
+from berth.specs.engines import EngineInfo, ddp_wrapped, engine_of, megatron_memory, split_rule
 from berth.specs.hardware import DeviceProfile
 from berth.specs.tree import EngineTuning, ModelSpec, TrainingSpec
 
@@ -330,7 +330,8 @@ def layer_activation_bytes(
     # QKV and MLP inputs stay gathered under DTensor sp (framework "pytorch")
     linear_split = 1 if not megatron_memory(training) else hidden_split
     unsplit = (2 * e + masks) * sbh / hidden_split + 2 * e * sbh / linear_split
-    # Q, K, V, attention output, and the MLP intermediates: split by tp.
+    # Q, K, V, attention output, and the MLP intermediates (and what the engine's code keeps beyond them:
+    # _kept_qkv, an unfused SwiGLU's act(gate)): split by tp.
     engine = engine_of(training)
     mlp_tensors = (4 if engine.glu_unfused else 3) if model.mlp == "swiglu" else 2
     split = e * (2 + 2 * g + _kept_qkv(model, engine)) * sbh + mlp_tensors * e * b * s * f
@@ -359,7 +360,7 @@ def layer_activation_bytes(
     ), full_layer
 
 
-def _kept_qkv(model: ModelSpec, engine) -> float:
+def _kept_qkv(model: ModelSpec, engine: EngineInfo) -> float:
     """Hidden-sized tensors a layer keeps beyond Q, K, V and the attention output. nanotron's
     attention (models/llama.py CausalSelfAttention at e24d2483) with as many kv heads as heads
     permutes the QKV projection's output into one contiguous q/k/v block and concatenates k and v
@@ -548,7 +549,7 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
         # (parallel/tensor_parallel/functional.py at e24d2483), at any tp, on the fp32 cast of the head's
         # output (llama.py cast_to_fp32; the same tensor in fp32 training). The cast and the max-shifted copy
         # that becomes the saved softmax are alive together; the 16-bit output is freed by then, but its
-        # segment cannot hold a 4-byte copy, so it stays reserved: e + 8 bytes per logit in 16-bit training.
+        # segment cannot hold a 4-byte copy, so it stays reserved: e + 8 bytes per logit in 16-bit training, 8 in fp32.
         # The backward turns the softmax into the gradient in place and casts it to 16 bits (4 + e, less).
         # Every other micro-batch whose loss backward has not run keeps its softmax.
         cast = FP32_BYTES if e != FP32_BYTES else 0
@@ -570,7 +571,8 @@ def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_h
     allocator keeps the segment such a tensor was carved from reserved beside the blocks the
     next peak allocates (`allocator_transient_blocks` in the device profile)."""
     tokens = np.asarray(c.micro_batch_size, dtype=float) * training.seq_len
-    logit_bytes = training.bytes_per_element if training.cross_entropy == "fused" else FP32_BYTES
+    fused = training.cross_entropy == "fused" and not engine_of(training).sharded_loss  # logits_bytes' rule
+    logit_bytes = training.bytes_per_element if fused else FP32_BYTES
     logits = np.where(holds_head, logit_bytes * tokens * padded_vocab(model, c.tp) / c.tp, 0.0)
     mlp = training.bytes_per_element * tokens * model.ffn_hidden_size / c.tp
     return np.maximum(logits, mlp)
@@ -596,14 +598,14 @@ def gradient_buckets(c, training: TrainingSpec) -> ArrayOrFloat:
     return (ddp_wrapped(c) & (np.asarray(c.dp) > 1) & (not megatron_memory(training))).astype(float)
 
 
-def gather_block_bytes(model: ModelSpec, training: TrainingSpec, c, params, transient) -> np.ndarray:
+def gather_block_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates, params, transient) -> np.ndarray:
     """The block ZeRO-1's post-step parameter all-gather allocates where the engine does not gather in
     place, reserved beside the segments the activations left cached (`params`: the stage's parameters).
     nanotron (`optim/zero.py _all_gather_params` -> `distributed.py all_gather_coalesced` at e24d2483)
     flattens its shard and the dp per-rank outputs, then calls `dist.all_gather` with a list of
     equal-sized outputs, which torch's NCCL process group stacks into one whole-stage buffer
-    (`ProcessGroupNCCL::allgather`, `newLikeFlat`) before copying back: a 16-bit block the size of
-    the stage's parameters. What of it the step's largest cached block (`transient`, the fp32
+    (`ProcessGroupNCCL::allgather`, `newLikeFlat`) before copying back: a block of the stage's
+    parameters in the compute precision. What of it the step's largest cached block (`transient`, the fp32
     logits of a micro-batch or an MLP tensor) cannot hold is new reserved memory; the input and the
     per-rank outputs (1/dp of it each) are carved from the cached segments. The outputs are of equal
     size where dp divides every parameter, i.e. the hidden size (each of nanotron's parameters is a
@@ -731,7 +733,7 @@ def stage_memory_breakdown(
     at_loss, at_layer = which == 0, which == 1  # np.where, not np.choose, which first stacks its choices
     chosen = {k: np.where(at_loss, loss[k], np.where(at_layer, layer[k], opt[k])) for k in loss}
     dynamic = chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"] + chosen["pipeline_buffers"]
-    transient = np.where(which < 2, largest_transient_bytes(act_model, training, c, holds_head), 0.0)
+    transient = np.where(which < 2, largest, 0.0)
     if model.is_moe:  # the dispatched tokens (top-k copies of the micro-batch's hidden states) and their gradient
         dispatched = (
             dispatch_share(c)

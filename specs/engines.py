@@ -86,7 +86,7 @@ class EngineInfo:
     # the engine wraps every stage in torch DDP at ZeRO-0 with dp > 1, whose 16-bit buckets persist beside its own
     # fp32 gradient buffer (nanotron; cost_models/memory.py gradient_buckets)
     ddp_beside_grad_buffer: bool = False
-    # whole-stage 16-bit parameter copies that ZeRO-1's post-step all-gather allocates in one block each, reserved
+    # whole-stage parameter copies that ZeRO-1's post-step all-gather allocates in one block each, reserved
     # beyond what the largest segment the activations left cached holds (nanotron: torch NCCL's stacked output;
     # cost_models/memory.py gather_block_bytes). 0: the engine gathers into its parameters in place
     zero1_gather_blocks: float = 0.0
@@ -641,16 +641,13 @@ def engine_refusal(layout: Layout, model: ModelSpec, training: TrainingSpec, eng
     return None
 
 
+# the EngineInfo fields that add to an engine's memory recipe (cost_models/memory.py reads each)
+MEMORY_EXTRA_FIELDS = ("ddp_beside_grad_buffer", "zero1_gather_blocks", "sharded_loss", "glu_unfused", "mha_qkv_kept")
+
+
 def memory_extras(e: EngineInfo) -> tuple[str, ...]:
-    """What the engine holds beyond its memory recipe (the EngineInfo fields that add to it), by field name."""
-    flags = {
-        "ddp_beside_grad_buffer": e.ddp_beside_grad_buffer,
-        "zero1_gather_blocks": e.zero1_gather_blocks > 0,
-        "sharded_loss": e.sharded_loss,
-        "glu_unfused": e.glu_unfused,
-        "mha_qkv_kept": e.mha_qkv_kept,
-    }
-    return tuple(name for name, on in flags.items() if on)
+    """What the engine holds beyond its memory recipe: the MEMORY_EXTRA_FIELDS it sets."""
+    return tuple(name for name in MEMORY_EXTRA_FIELDS if getattr(e, name))
 
 
 def engine_table() -> list[dict[str, object]]:
@@ -670,12 +667,8 @@ def engine_table() -> list[dict[str, object]]:
             "bucket_params_per_dp": e.bucket_params_per_dp,
             "bucket_bytes": e.bucket_bytes,
             "buckets_ddp_only": e.buckets_ddp_only,
-            "ddp_beside_grad_buffer": e.ddp_beside_grad_buffer,
-            "zero1_gather_blocks": e.zero1_gather_blocks,
-            "sharded_loss": e.sharded_loss,
-            "glu_unfused": e.glu_unfused,
-            "mha_qkv_kept": e.mha_qkv_kept,
-            "memory_beyond_recipe": list(memory_extras(e)),
+            **{name: getattr(e, name) for name in MEMORY_EXTRA_FIELDS},
+            "memory_extras": list(memory_extras(e)),
             "pipeline_split": e.split,
             "source": e.source,
         }

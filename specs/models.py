@@ -77,14 +77,23 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True, seq_len: int
 
 
 # Keys only a Hugging Face config carries: such a file without model_type is told what it misses.
-_HF_ONLY_KEYS = ("architectures", "num_hidden_layers", "n_layer", "intermediate_size", "transformers_version")
+_HF_ONLY_KEYS = (
+    "architectures",
+    "transformers_version",
+    "num_hidden_layers",
+    "n_layer",
+    "n_embd",
+    "n_head",
+    "intermediate_size",
+    "num_key_value_heads",
+)
 
 
 def model_from_dict(data: dict[str, Any], source: str = "model", seq_len: int | None = None) -> ModelSpec:
     if "model_type" in data:
         return from_hf_config(data, source, seq_len)
     hf_keys = [key for key in _HF_ONLY_KEYS if key in data]
-    if hf_keys:
+    if hf_keys and "num_layers" not in data:  # a berth spec with a stray key is told the key (extra="forbid")
         raise BerthError(
             f"{source}.model_type",
             None,

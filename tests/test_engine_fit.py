@@ -711,8 +711,8 @@ def test_nanotron_layer_keeps_its_mha_qkv_block_and_unfused_glu_only_where_its_c
     act(gate); other engines keep Megatron's recipe."""
     from berth.cost_models import memory
 
-    def layer(engine, model, sp=1):
-        return float(memory.layer_activation_bytes(model, training(engine), 1, 2, sp, 0)[0])
+    def layer(engine, model):
+        return float(memory.layer_activation_bytes(model, training(engine), 1, 2, 1, 0)[0])
 
     unset = SMALL
     mha = SMALL.model_copy(update={"num_kv_heads": 16})
@@ -746,3 +746,29 @@ def test_nanotron_zero1_gather_block_only_where_torch_stacks_the_outputs():
     nano = buffers("nanotron")
     assert nano[0] == 0 and nano[2] == 0 and nano[1] == pytest.approx(2.0 * params - largest)
     assert not buffers("generic").any() and not buffers("megatron").any()
+
+
+def test_nanotron_loss_holds_its_fp32_copies_at_any_tp():
+    """nanotron's vocabulary-parallel loss on an fp32 cast: e + 8 bytes per logit at any tp (8 in fp32 training),
+    against the recipe's e + 12 at tp = 1 and e + 20 at tp > 1 (torch's loss_parallel); the engine's loss whatever
+    cross_entropy says."""
+    from berth.cost_models import memory
+
+    def per_logit(engine, tp, **kw):
+        t = training(engine, **kw)
+        logits = t.seq_len * memory.padded_vocab(SMALL, tp) / tp
+        return float(memory.logits_bytes(SMALL, t, 1, tp)) / logits
+
+    for tp in (1, 4):
+        assert per_logit("nanotron", tp) == pytest.approx(10.0)
+        assert per_logit("nanotron", tp, cross_entropy="fused") == pytest.approx(10.0)
+    assert per_logit("nanotron", 4, precision="fp32") == pytest.approx(8.0)
+    assert per_logit("generic", 1) == pytest.approx(14.0) and per_logit("generic", 4) == pytest.approx(22.0)
+
+
+def test_the_engine_table_names_what_each_engine_holds_beyond_its_recipe():
+    from berth.specs.engines import MEMORY_EXTRA_FIELDS, engine_table, memory_extras
+
+    rows = {r["name"]: r for r in engine_table()}
+    assert rows["nanotron"]["memory_extras"] == list(MEMORY_EXTRA_FIELDS) == list(memory_extras(ENGINES["nanotron"]))
+    assert rows["megatron"]["memory_extras"] == [] and rows["generic"]["memory_extras"] == []

@@ -38,15 +38,12 @@ def test_the_saved_figures_are_what_the_code_computes(result):
 
 
 def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
-    """Ranking and throughput improve from either model's probes. The first choice does not always: from the 1B
-    model's probes the median regret is 9.8 % after against 6.3 % before (one group's first choice flips; the
-    nanotron entry's prior already picks within 6.3 %), so it is held to the generic engine's uncalibrated
-    17.2 %."""
+    """Ranking and throughput improve from either model's probes. The first choice is not asserted: from the 1B
+    model's probes the median regret is 9.8 % after against 6.3 % before (one group's first choice flips)."""
     for size, r in result["models"].items():
         b, a = r["before"], r["after"]
         assert len(r["probes"]) == 12 and r["fitted"]
         assert a["rho_median"] > b["rho_median"], size
-        assert a["regret_median"] < result["generic"][size]["before"]["regret_median"], size
         assert a["throughput_error_median"] < b["throughput_error_median"], size
         assert a["refused"] == 0 and b["refused"] == 0  # berth's nanotron entry refuses no layout nanotron ran
         g = result["generic"][size]  # the same loop from the generic engine
@@ -113,35 +110,49 @@ def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
     assert regret == pytest.approx(want["regret"], abs=1e-9)
 
 
-def test_nanotron_memory_read_from_its_code_predicts_the_sweep_uncalibrated():
+def test_nanotron_memory_read_from_its_code_predicts_the_sweep_uncalibrated(monkeypatch):
     """What nanotron holds, read from its code (specs/engines.py: the stacked block of ZeRO-1's post-step gather,
     its vocabulary-parallel loss on an fp32 cast, the unfused SwiGLU and MHA's kept q/k/v block), predicts rank 0's
-    reserved peak of the sweep's runs with no calibration: median |error| 26 % with Megatron's recipe alone, 11 %
-    with these; and ZeRO-1 runs are no longer under-predicted against ZeRO-0 ones (pp = 1: 0.77 against 0.87 of
-    the measured peak, 8B, before the gather's block)."""
+    reserved peak of the sweep's runs with no calibration: median |error| 26 % with Megatron's recipe alone (and
+    the DDP buckets), 11 % with these; and ZeRO-1 runs are no longer under-predicted against ZeRO-0 ones (pp = 1,
+    8B: 0.77 against 0.87 of the measured peak without them, 0.87 both with them)."""
+    import dataclasses
+
     import numpy as np
 
     from berth.cost_models.step import evaluate
     from berth.specs.candidates import Candidates
+    from berth.specs.engines import ENGINES, MEMORY_EXTRA_FIELDS
 
     ran, _ = engine_sweep.records("nanotron")
     groups: dict = {}
     for r in ran:
         groups.setdefault((r["size"], r["cluster"]["nodes"]), []).append(r)
-    ratio, zero, pp, size = [], [], [], []
-    for recs in groups.values():
-        runs = engine_sweep.as_runs(recs)
-        f = runs[0]
-        cap = CEILING * allocator_capacity_bytes(f.cluster.device, f.cluster.world_size) / 2**30
-        ev = evaluate(f.model, f.training, f.cluster, Candidates.from_layouts([r.layout for r in runs]))
-        for i, (rec, run) in enumerate(zip(recs, runs, strict=True)):
-            if rec["peak_memory_gib"] < cap:  # a peak at the allocator's cap is a lower bound
-                ratio.append(float(ev.first_stage_memory_bytes[i]) / 2**30 / rec["peak_memory_gib"])
-                zero.append(run.layout.zero_stage)
-                pp.append(run.layout.pp)
-                size.append(rec["size"])
-    ratio, zero, pp, size = map(np.asarray, (ratio, zero, pp, size))
+
+    def ratios():
+        ratio, zero, pp, size = [], [], [], []
+        for recs in groups.values():
+            runs = engine_sweep.as_runs(recs)
+            f = runs[0]
+            cap = CEILING * allocator_capacity_bytes(f.cluster.device, f.cluster.world_size) / 2**30
+            ev = evaluate(f.model, f.training, f.cluster, Candidates.from_layouts([r.layout for r in runs]))
+            for i, (rec, run) in enumerate(zip(recs, runs, strict=True)):
+                if rec["peak_memory_gib"] < cap:  # a peak at the allocator's cap is a lower bound
+                    ratio.append(float(ev.first_stage_memory_bytes[i]) / 2**30 / rec["peak_memory_gib"])
+                    zero.append(run.layout.zero_stage)
+                    pp.append(run.layout.pp)
+                    size.append(rec["size"])
+        return map(np.asarray, (ratio, zero, pp, size))
+
+    ratio, zero, pp, size = ratios()
     assert len(ratio) > 900
     assert np.median(np.abs(ratio - 1)) < 0.12
     flat = (pp == 1) & (size == "8B")
     assert abs(np.median(ratio[flat & (zero == 1)]) - np.median(ratio[flat & (zero == 0)])) < 0.05
+    # the same entry without what nanotron holds beyond Megatron's recipe (its DDP buckets kept)
+    off = {n: type(getattr(ENGINES["nanotron"], n))() for n in MEMORY_EXTRA_FIELDS if n != "ddp_beside_grad_buffer"}
+    monkeypatch.setitem(ENGINES, "nanotron", dataclasses.replace(ENGINES["nanotron"], **off))
+    ratio, zero, pp, size = ratios()
+    assert np.median(np.abs(ratio - 1)) > 0.2
+    flat = (pp == 1) & (size == "8B")
+    assert np.median(ratio[flat & (zero == 0)]) - np.median(ratio[flat & (zero == 1)]) > 0.08

@@ -381,3 +381,11 @@ def test_an_hf_config_without_model_type_is_told_what_it_misses(tmp_path):
     with pytest.raises(BerthError) as err:
         load_model(str(path))
     assert err.value.field == "model.model_type" and "Hugging Face" in str(err.value) and "llama" in str(err.value)
+
+
+def test_a_berth_spec_with_a_stray_hf_key_is_told_the_key():
+    """A berth spec (it has num_layers) that also carries an HF key is not taken for an HF config: the key is named."""
+    spec = {"name": "x", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128}
+    with pytest.raises(BerthError) as err:
+        load_model({**spec, "vocab_size": 100, "intermediate_size": 5})
+    assert err.value.field == "model.intermediate_size"
