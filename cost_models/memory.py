@@ -553,8 +553,8 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
         # The backward turns the softmax into the gradient in place and casts it to 16 bits (4 + e, less).
         # Every other micro-batch whose loss backward has not run keeps its softmax.
         cast = FP32_BYTES if e != FP32_BYTES else 0
-        per_logit = e + cast + FP32_BYTES + FP32_BYTES * (in_flight - 1.0)
-    elif training.cross_entropy == "fused":
+        per_logit = e + cast + FP32_BYTES * in_flight
+    elif fused_loss(training):
         # the 16-bit logits of each micro-batch in flight, saved by the kernel, which writes their
         # gradient into them (flash-attn's CrossEntropyLoss(inplace_backward=True), llm-foundry)
         per_logit = e * in_flight + 0.0 * parallel_loss
@@ -565,14 +565,19 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
     return per_logit * b * training.seq_len * padded_vocab(model, tp) / tp
 
 
+def fused_loss(training: TrainingSpec) -> bool:
+    """The loss is a fused 16-bit cross-entropy kernel (`cross_entropy` "fused"), unless the engine runs its own
+    (EngineInfo.sharded_loss)."""
+    return training.cross_entropy == "fused" and not engine_of(training).sharded_loss
+
+
 def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_head) -> ArrayOrFloat:
     """The largest short-lived tensor of a step: the fp32 logits (or their gradient) of one
     micro-batch on the stage with the LM head, else an MLP activation gradient. The caching
     allocator keeps the segment such a tensor was carved from reserved beside the blocks the
     next peak allocates (`allocator_transient_blocks` in the device profile)."""
     tokens = np.asarray(c.micro_batch_size, dtype=float) * training.seq_len
-    fused = training.cross_entropy == "fused" and not engine_of(training).sharded_loss  # logits_bytes' rule
-    logit_bytes = training.bytes_per_element if fused else FP32_BYTES
+    logit_bytes = training.bytes_per_element if fused_loss(training) else FP32_BYTES
     logits = np.where(holds_head, logit_bytes * tokens * padded_vocab(model, c.tp) / c.tp, 0.0)
     mlp = training.bytes_per_element * tokens * model.ffn_hidden_size / c.tp
     return np.maximum(logits, mlp)
@@ -615,7 +620,7 @@ def gather_block_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates, 
     and DeepSpeed gather into the parameter buffer itself)."""
     blocks = engine_of(training).zero1_gather_blocks
     dp = np.asarray(c.dp)
-    on = (np.asarray(c.zero_stage) == 1) & (dp > 1) & (model.hidden_size % np.maximum(dp, 1) == 0)
+    on = (np.asarray(c.zero_stage) == 1) & (dp > 1) & (model.hidden_size % dp == 0)
     return np.where(on, np.maximum(blocks * params * training.bytes_per_element - transient, 0.0), 0.0)
 
 
