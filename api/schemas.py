@@ -21,6 +21,7 @@ from berth.specs.tree import (
     MAX_NODES,
     MAX_SEQ_LEN,
     EngineTuning,
+    Fp8Recipe,
     ImageName,
     Plan,
     SearchSpec,
@@ -47,7 +48,15 @@ SpecText = Annotated[str, Field(min_length=1, max_length=512)]  # "tp=8,pp=2": a
 class TrainingRequest(Body):
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, examples=[8192], description="tokens per sequence")
     global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, examples=[256], description="sequences per step")
-    precision: Precision | None = Field(default=None, description="default: bf16 on GPUs, fp32 on CPU workers")
+    precision: Precision | Literal["fp8"] | None = Field(
+        default=None,
+        description="default: bf16 on GPUs, fp32 on CPU workers; fp8: bf16 with the engine's first FP8 recipe",
+    )
+    fp8: Fp8Recipe | None = Field(
+        default=None,
+        description="run the linear layers' GEMMs in FP8 with this recipe (GET /v1/engines lists each engine's "
+        "fp8_recipes); refused by name where the engine or the device has none",
+    )
     flash_attention: bool = Field(
         default=True, description="attention runs as a fused kernel that never stores the seq_len x seq_len scores"
     )

@@ -643,7 +643,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 RENAMES = {"norm_epsilon": "layernorm_epsilon", "num_experts": "num_moe_experts",
            "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
-           "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage"}
+           "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
+           "fp8_format": "fp8", "fp8_param_gather": "fp8_param"}
 
 
 def value(text):
@@ -748,6 +749,8 @@ def check(job):
         "lr_after_warmup": lr_after_warmup, "lr_at_end": lr_at_end,
         "inv_freq": [float(rope.inv_freq[1]), float(rope.inv_freq[-1])],
         "experts": config.num_moe_experts or 0,
+        "fp8": config.fp8, "fp8_recipe": config.fp8_recipe if config.fp8 else None, "fp8_param": config.fp8_param,
+        "fp8_amax": [config.fp8_amax_history_len, config.fp8_amax_compute_algo],
     }
 
 

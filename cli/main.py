@@ -120,7 +120,19 @@ Devices = Annotated[
 SeqLen = Annotated[int, typer.Option("--seq-len", help="sequence length (tokens)")]
 Batch = Annotated[int, typer.Option("--global-batch", help="global batch (sequences per step)")]
 Precision = Annotated[
-    str | None, typer.Option("--precision", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)")
+    str | None,
+    typer.Option(
+        "--precision",
+        help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU); fp8: bf16 with the engine's first FP8 recipe",
+    ),
+]
+Fp8 = Annotated[
+    str | None,
+    typer.Option(
+        "--fp8",
+        help="run the linear layers' GEMMs in FP8 with this recipe: delayed or tensorwise (Megatron, Transformer "
+        "Engine), rowwise or rowwise_with_gw_hp (torchtitan, torchao); `berth engines` lists each engine's",
+    ),
 ]
 Flash = Annotated[bool, typer.Option("--flash-attention/--no-flash-attention", help="FlashAttention kernels")]
 EngineOpt = Annotated[
@@ -169,6 +181,7 @@ def _inputs(
     operations: tuple = (None, None, None),
     token_budget: float | None = None,
     engine: str | None = None,
+    fp8: str | None = None,
 ) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
     """The options of `plan` and `compare` as berth.planner.inputs takes them (the service's
     bodies become the same values); the CLI may read files."""
@@ -178,7 +191,7 @@ def _inputs(
     return resolve(
         model,
         ClusterInput(cluster, nodes, devices, kind, per_leaf, oversubscription, profile=profile),
-        TrainingInput(seq_len, global_batch, precision, flash, engine, token_budget),
+        TrainingInput(seq_len, global_batch, precision, flash, engine, token_budget, fp8=fp8),
         OperationsInput(*operations),
         allow_files=True,
     )
@@ -213,6 +226,7 @@ def plan_cmd(
     precision: Precision = None,
     flash: Flash = True,
     engine: EngineOpt = None,
+    fp8: Fp8 = None,
     top: Annotated[int, typer.Option("--top", help="how many plans to show")] = 5,
     fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2 or tp=8,cp=16,pp=16")] = "",
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
@@ -261,6 +275,7 @@ def plan_cmd(
         (failures, storage_gbps, price),
         token_budget,
         engine,
+        fp8,
     )
     if spare_nodes:
         if not 0 < spare_nodes < cl.nodes:
@@ -288,7 +303,9 @@ def plan_cmd(
     head = (
         f"{spec.name} ({count(spec.num_params)} params{moe}) on {cl.nodes} x {cl.name} "
         f"({cl.world_size} {_unit(cl)}), seq {seq_len}, global batch {global_batch}, {training.precision}, "
-        f"engine {training.engine}" + (f" ({training.tuning.profile})" if training.tuning.profile else "")
+        f"engine {training.engine}"
+        + (f" ({training.tuning.profile})" if training.tuning.profile else "")
+        + (f", FP8 {training.fp8}" if training.fp8 else "")
     )
     console.print(plans_table(result.plans, head, width=console.width))
     print_layouts(console, result.plans)
@@ -338,6 +355,7 @@ def compare_cmd(
     precision: Precision = None,
     flash: Flash = True,
     engine: EngineOpt = None,
+    fp8: Fp8 = None,
     memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
     failures: Failures = None,
     storage_gbps: Storage = None,
@@ -374,6 +392,7 @@ def compare_cmd(
         (failures, storage_gbps, price),
         token_budget,
         engine,
+        fp8,
     )
     candidates, best = compare_with_best(spec, training, cl, layout, memory_headroom)
     out = compare_json(candidates, best)
@@ -387,7 +406,9 @@ def compare_cmd(
     console.print(
         plans_table(
             candidates,
-            f"{spec.name} on {cl.world_size} {_unit(cl)}, engine {training.engine}: candidates",
+            f"{spec.name} on {cl.world_size} {_unit(cl)}, engine {training.engine}"
+            + (f", FP8 {training.fp8}" if training.fp8 else "")
+            + ": candidates",
             ref,
             width=console.width,
         )
@@ -783,7 +804,7 @@ def profile_cmd(
         result = run_profile(quick=quick, max_procs=max_procs, progress=lambda msg: status.update(f"profiling: {msg}"))
     _write(out, json.dumps(result, indent=2))
     dev, link, checks = result["device"], result["server"]["intra_node"], result.get("checks", {})
-    peak = max(dev["peak_flops_per_s"].values())
+    peak = max(v for k, v in dev["peak_flops_per_s"].items() if k != "fp8")  # the precisions the profile measured
     console.print(
         f"{dev['display_name']}: peak {peak / 1e9:,.1f} GFLOP/s, best GEMM "
         f"{checks.get('best_gemm_flops_per_s', peak) / 1e9:,.1f} GFLOP/s, memory "
@@ -964,6 +985,7 @@ def probe_cmd(
     precision: Precision = None,
     flash: Flash = True,
     engine: EngineOpt = None,
+    fp8: Fp8 = None,
     runs: Annotated[int, typer.Option("--runs", help="how many trial runs to pick (1-64)")] = 8,
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
     layout: Annotated[
@@ -992,7 +1014,7 @@ def probe_cmd(
 
     _at_least("runs", runs, 1)
     spec, training, cl = _inputs(
-        model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile, engine=engine
+        model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile, engine=engine, fp8=fp8
     )
     given = list(layout or [])
     if layouts_file is not None:

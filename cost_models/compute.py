@@ -88,22 +88,46 @@ def gemm_time_s(device: DeviceProfile, training: TrainingSpec, m, n, k, batch=1.
     return np.maximum(compute, _stream_s(device, traffic))
 
 
-def _projection_s(device, training, rows, out, inp, count=1.0) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+def fp8_gemms(training: TrainingSpec, device: DeviceProfile) -> bool:
+    """The linear layers' GEMMs run in FP8 (TrainingSpec.fp8 on a device with FP8 tensor cores; the engine and
+    device checks refuse the rest before a prediction, planner/inputs.py)."""
+    return training.fp8 is not None and device.has_fp8
+
+
+def fp8_speedup(device: DeviceProfile, training: TrainingSpec) -> float:
+    """How much faster an FP8 GEMM runs than the same GEMM in the training precision, at every shape: the fp8
+    peak x DeviceProfile.fp8_gemm_speed over the training precision's peak (H100 SXM: 1979 x 0.883 / 989 = 1.77,
+    the measured best shapes' ratio 1402.6 / 794.5 TFLOPS). The knees of the shape model are kept: no FP8 GEMM
+    was measured by shape (an assumption; FP8's larger tiles would lower small shapes' gain)."""
+    return device.peak_flops_per_s["fp8"] * (device.fp8_gemm_speed or 0.0) / device.peak_flops(training.precision)
+
+
+def _projection_s(
+    device, training, rows, out, inp, count=1.0, linear: bool = True
+) -> tuple[ArrayOrFloat, ArrayOrFloat]:
     """(forward, backward) of `count` projections y = x W^T, x: rows x inp, y: rows x out.
 
     Backward = dgrad (m, n, k) = (rows, inp, out) + wgrad (inp, out, rows). The three GEMMs share
     their FLOPs and the bytes of the three matrices, so the roofline is evaluated once for them
-    (the same as three gemm_time_s calls, at a third of the array operations)."""
+    (the same as three gemm_time_s calls, at a third of the array operations).
+    `linear`: a decoder layer's linear, which TrainingSpec.fp8 runs in FP8 (`fp8_speedup`; operands of 1 byte,
+    the output in bf16); 'rowwise_with_gw_hp' keeps the wgrad in bf16. The LM head (linear=False) stays bf16 in
+    every engine's recipe (torchtitan's filter_fqns default ['output'], Megatron's output layer outside TE)."""
     shape = device.gemm_shape
+    fp8 = linear and fp8_gemms(training, device)
+    fwd_speed = fp8_speedup(device, training) if fp8 else 1.0
+    wgrad_speed = 1.0 if training.fp8 == "rowwise_with_gw_hp" else fwd_speed
     if shape is None:
         fwd = gemm_time_s(device, training, rows, out, inp)
-        return count * fwd, count * BACKWARD_TO_FORWARD * fwd
-    memory = _stream_s(device, training.bytes_per_element * (rows * inp + inp * out + rows * out))
+        return count * fwd / fwd_speed, count * (fwd / fwd_speed + (BACKWARD_TO_FORWARD - 1.0) * fwd / wgrad_speed)
+    e = training.bytes_per_element
+    operand = 1.0 if fp8 else e
+    memory = _stream_s(device, operand * (rows * inp + inp * out) + e * rows * out)
     base = 2.0 * rows * out * inp / (device.peak_flops(training.precision) * shape.max_fraction)
     r, o, i = shape.m_knee / rows, shape.n_knee / out, shape.k_knee / inp  # forward: m = rows, n = out, k = inp
-    fwd = np.maximum(base * (1.0 + r + o + i), memory)
-    dgrad = np.maximum(base * (1.0 + r + shape.n_knee / inp + shape.k_knee / out), memory)
-    wgrad = np.maximum(base * (1.0 + shape.m_knee / inp + o + shape.k_knee / rows), memory)
+    fwd = np.maximum(base / fwd_speed * (1.0 + r + o + i), memory)
+    dgrad = np.maximum(base / fwd_speed * (1.0 + r + shape.n_knee / inp + shape.k_knee / out), memory)
+    wgrad = np.maximum(base / wgrad_speed * (1.0 + shape.m_knee / inp + o + shape.k_knee / rows), memory)
     return count * fwd, count * (dgrad + wgrad)
 
 
@@ -199,6 +223,47 @@ def kernel_overhead_forward_s(device: DeviceProfile, tp=1) -> ArrayOrFloat:
     return device.kernels_per_layer_fwd * (device.kernel_overhead_s + extra)
 
 
+# FP8 casts (TrainingSpec.fp8), bytes moved per element cast, from the engines' kernels:
+# - Transformer Engine (Megatron): delayed scaling casts with the scale of the previous steps, so a cast is one fused
+#   cast-transpose (read 2, write the FP8 copy and its transpose: 4); the inputs of qkv and fc1 are cast inside the
+#   LayerNorm kernel (LayerNormLinear: it writes 1 + 1 bytes instead of 2, nothing extra). Current scaling
+#   (tensorwise) needs the amax first: one more read (6), the norm-fused inputs included. Weights are cast once per
+#   step (the FP8 workspace), not per micro-batch: left out.
+# - torchao's Float8Linear (torchtitan, generic): each cast is an amax pass and a scaled cast (read 2, read 2,
+#   write 1: 5), of the input and the weight on every call; the backward casts the output gradient twice (for dgrad
+#   and wgrad, along different axes in rowwise) and recasts the input and the weight (torchao/float8/float8_linear.py);
+#   rowwise_with_gw_hp keeps the wgrad in bf16 (the gradient cast once, no input recast). torch.compile fuses
+#   some of these into their neighbours; that is not counted.
+TE_CAST_BYTES = {"delayed": 4.0, "tensorwise": 6.0}
+TE_NORM_FUSED_CAST_BYTES = {"delayed": 0.0, "tensorwise": 6.0}
+TORCHAO_CAST_BYTES = 5.0
+
+
+def fp8_cast_bytes(model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp) -> tuple:
+    """(forward, backward) bytes one layer's FP8 casts move per micro-batch on one tp rank (TE_CAST_BYTES and
+    TORCHAO_CAST_BYTES above; 0 without FP8). Elements cast: the inputs of the four linears (qkv and fc1 on the
+    sequence shard under Megatron's sequence parallelism, whole under DTensor's), their output gradients, and for
+    torchao the layer's weights."""
+    if not fp8_gemms(training, device):
+        return 0.0, 0.0
+    s, h, f = training.seq_len, model.hidden_size, model.ffn_hidden_size
+    tokens = b * s
+    qkv_out = h + 2 * model.kv_heads * model.head_dim
+    grads = tokens * (qkv_out / tp + h + (model.mlp_matrices - 1) * f / tp + h)
+    unfused_inputs = tokens * (h + f) / tp  # the attention output into proj, the activation into fc2
+    engine, recipe = engine_of(training), str(training.fp8)
+    if engine.fp8_kernels == "te":
+        normed = 2 * tokens * h / np.where(sp > 0, tp, 1)  # qkv's and fc1's normed inputs
+        fwd = TE_NORM_FUSED_CAST_BYTES[recipe] * normed + TE_CAST_BYTES[recipe] * unfused_inputs
+        return fwd, TE_CAST_BYTES[recipe] * grads
+    inputs = unfused_inputs + 2 * tokens * h
+    weights = model.params_per_layer / tp
+    fwd = TORCHAO_CAST_BYTES * (inputs + weights)
+    if training.fp8 == "rowwise_with_gw_hp":
+        return fwd, TORCHAO_CAST_BYTES * (grads + weights)
+    return fwd, TORCHAO_CAST_BYTES * (2 * grads + inputs + weights)
+
+
 def layer_rest_s(
     model: ModelSpec, training: TrainingSpec, device: DeviceProfile, b, tp, sp
 ) -> tuple[tuple[ArrayOrFloat, ArrayOrFloat], tuple[ArrayOrFloat, ArrayOrFloat]]:
@@ -215,13 +280,16 @@ def layer_rest_s(
     plus dropout passes where the model has dropout. The dispatch is the entry's dispatch_s per
     pass plus, for a tensor-parallel layer, the device's tp_kernel_overhead_s per kernel (DTensor;
     0 unless calibrated).
-    Without an entry: the legacy elementwise passes, and kernel overhead as dispatch; backward 2x."""
+    Without an entry: the legacy elementwise passes, and kernel overhead as dispatch; backward 2x.
+    FP8 training adds its casts (`fp8_cast_bytes`) to the device bytes."""
     fw = _framework(device, training)
     tp_extra = kernel_overhead_forward_s(device, tp) - device.kernels_per_layer_fwd * device.kernel_overhead_s
+    cast_fwd, cast_bwd = fp8_cast_bytes(model, training, device, b, tp, sp)
     if fw is None:
         fwd = elementwise_forward_s(model, training, device, b, tp, sp)
         launch = kernel_overhead_forward_s(device, tp)
-        return (fwd, BACKWARD_TO_FORWARD * fwd), (launch, BACKWARD_TO_FORWARD * launch)
+        device_s = (fwd + _stream_s(device, cast_fwd), BACKWARD_TO_FORWARD * fwd + _stream_s(device, cast_bwd))
+        return device_s, (launch, BACKWARD_TO_FORWARD * launch)
     s, h, f = training.seq_len, model.hidden_size, model.ffn_hidden_size
     tokens = b * s
     hidden = tokens * h / np.where(sp > 0, tp, 1)
@@ -230,6 +298,7 @@ def layer_rest_s(
     dropout = (DROPOUT_PASSES * training.bytes_per_element * 2 * hidden) if model.dropout else 0.0
     fwd_bytes = fw.hidden_bytes_fwd * hidden + fw.ffn_bytes_fwd * ffn + fw.weight_bytes_fwd * weights + dropout
     bwd_bytes = fw.hidden_bytes_bwd * hidden + fw.ffn_bytes_bwd * ffn + fw.weight_bytes_bwd * weights + dropout
+    fwd_bytes, bwd_bytes = fwd_bytes + cast_fwd, bwd_bytes + cast_bwd
     device_s = (_stream_s(device, fwd_bytes), _stream_s(device, bwd_bytes))
     return device_s, (fw.dispatch_fwd_s + tp_extra, fw.dispatch_bwd_s + BACKWARD_TO_FORWARD * tp_extra)
 
@@ -288,7 +357,7 @@ def lm_head_compute_s(model: ModelSpec, training: TrainingSpec, device: DevicePr
         gemm = gemm_time_s(device, training, rows, v / tp, h)
         loss_bytes = 4.0 * 4 * rows * v / tp  # fp32 logits: upcast, softmax, grad write and read
         return (1.0 + BACKWARD_TO_FORWARD) * gemm + _stream_s(device, loss_bytes)
-    fwd, bwd = _projection_s(device, training, rows, v / tp, h)
+    fwd, bwd = _projection_s(device, training, rows, v / tp, h, linear=False)
     weights = v * h / tp
     nbytes = fw.loss_bytes_per_logit * rows * v / tp + (fw.weight_bytes_fwd + 2 * fw.weight_bytes_bwd) * weights
     return fwd + bwd + fw.head_dispatch_s + _stream_s(device, nbytes)

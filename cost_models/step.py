@@ -32,7 +32,13 @@ from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.pipeline import bubble_s, microbatches_in_flight
 from berth.specs import stages
 from berth.specs.candidates import RECOMPUTE_FULL, RECOMPUTE_SELECTIVE, Candidates
-from berth.specs.engines import grad_reduce_exposed, param_gather_exposed, reduction_buckets, split_rule
+from berth.specs.engines import (
+    engine_of,
+    grad_reduce_exposed,
+    param_gather_exposed,
+    reduction_buckets,
+    split_rule,
+)
 from berth.specs.hardware import LinkProfile
 from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, ClusterSpec, EngineTuning, Metrics, ModelSpec, Plan, TrainingSpec
 from berth.specs.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
@@ -419,7 +425,11 @@ def evaluate(
     fwd, bwd, attn, gemm_fwd = lt.forward, lt.backward, lt.attention_forward, lt.gemm_forward
     moe_fwd, moe_bwd, a2a = moe_layer_extra_s(model, training, cluster, c, b, tp, stride["dp"])
     fwd, bwd = fwd + moe_fwd, bwd + moe_bwd
-    act_bytes = e * b * s * h
+    # under sequence parallelism half of the collectives are all-gathers of a linear's input: in FP8 where the engine
+    # gathers it so (EngineInfo.fp8_gather_bytes), the other half (reduce-scatters) in the compute precision
+    gather = engine_of(training).fp8_gather_bytes if compute.fp8_gemms(training, device) else 0.0
+    element = np.where((c.sequence_parallel > 0) & (gather > 0), (e + gather) / 2.0, e)
+    act_bytes = element * b * s * h
     tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"]) * moe_tp_collective_share(model, c)
     if tuning.pipeline_latency_scale != 1.0:  # the host-synchronized pipeline's tp collectives (EngineTuning)
         synced = tuned_cluster(cluster, EngineTuning(latency_scale=tuning.pipeline_latency_scale))

@@ -39,7 +39,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from berth.specs.engines import ENGINES, engine_refusal, refusal_text
 from berth.specs.errors import BerthError
-from berth.specs.tree import ImageName, Plan
+from berth.specs.tree import ImageName, Layout, Plan, TrainingSpec
 
 DEFAULT_PORT = 29500
 # the Dockerfile built with --build-arg WITH_TORCH=1 (CPU torch); GPU clusters need an image whose
@@ -592,6 +592,21 @@ MEGATRON_MOE_SOURCES = {
 }
 
 
+def _megatron_fp8_args(t: TrainingSpec, x: Layout) -> list[tuple[str, Any]]:
+    """TrainingSpec.fp8 as Megatron-LM's flags (megatron/core/transformer/transformer_config.py fp8, fp8_recipe,
+    fp8_amax_*; Transformer Engine runs them): E4M3 forward and E5M2 gradients ('hybrid'), the recipe, NeMo's
+    amax history for delayed scaling, and FP8 parameters where the distributed optimizer runs
+    (--fp8-param-gather, EngineInfo.fp8_params_from_zero: the memory model counts no weight cache there)."""
+    if t.fp8 is None:
+        return []
+    args: list[tuple[str, Any]] = [("--fp8-format", "hybrid"), ("--fp8-recipe", t.fp8)]
+    if t.fp8 == "delayed":
+        args += [("--fp8-amax-history-len", 1024), ("--fp8-amax-compute-algo", "max")]
+    if x.zero_stage >= ENGINES["megatron"].fp8_params_from_zero:
+        args.append(("--fp8-param-gather", None))
+    return args
+
+
 def _megatron_moe_args(m, x) -> list[tuple[str, object]]:
     if not m.is_moe:
         return []
@@ -715,6 +730,7 @@ def megatron_args(plan: Plan, run: EngineTraining | None = None) -> dict[str, st
         args += [("--attention-dropout", 0), ("--hidden-dropout", 0)]
     if t.precision != "fp32":
         args.append((f"--{t.precision}", None))
+    args += _megatron_fp8_args(t, x)
     if m.kv_heads != m.num_attention_heads:
         args += [("--group-query-attention", None), ("--num-query-groups", m.kv_heads)]
     if m.mlp == "swiglu":
@@ -1027,7 +1043,7 @@ import os
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -1049,6 +1065,9 @@ TIED = {m.tied_embeddings!r}  # the output shares the input embedding
 OPTIMIZER = {optimizer!r}  # AdamW
 LR_SCHEDULE = {schedule!r}
 INPUTS = {TORCHTITAN_INPUTS!r}
+# TrainingSpec.fp8: torchao's Float8 recipe for the decoder's linears (None: bf16); the LM head stays bf16, as
+# berth predicts it, and torchtitan's Float8 runs compiled (its casts fused)
+FP8 = {t.fp8!r}
 
 
 def _required(name):
@@ -1074,6 +1093,10 @@ def model_spec():
         lm_head=Linear.Config(in_features=s["dim"], out_features=s["vocab_size"],
                               param_init=_output_linear_init(s["dim"])),
         layers=layers)
+    if FP8 is not None:  # what torchtitan's model_registry does with converters (it raises here without torchao)
+        from torchtitan.components.quantization.float8 import Float8LinearConverter
+        model = Float8LinearConverter.Config(recipe_name=FP8, filter_fqns=["lm_head"],
+                                             model_compile_enabled=True).build().convert(model)
     return ModelSpec(name="llama3", flavor="berth", model=model, parallelize_fn=parallelize_llama,
                      pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
                      state_dict_adapter=Llama3StateDictAdapter)
@@ -1096,6 +1119,7 @@ seq_len=SEQ_LEN, mixed_precision_param="{param}", steps={run.train_steps}, max_n
                                 disable_cuda_graphs={x.pp > 1}),
         parallelism=ParallelismConfig({", ".join(f"{k}={v!r}" for k, v in parallelism.items())}),
         activation_checkpoint={ac},
+        compile=CompileConfig(enable=FP8 is not None, components=["model", "loss"]),
     )
 '''
     c = plan.cluster

@@ -24,12 +24,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from berth.hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
+from berth.specs.engines import ENGINES, fp8_refusal
 from berth.specs.errors import BerthError, from_validation_error
 from berth.specs.hardware import DeviceProfile, ServerProfile
 from berth.specs.layouts import parse_spec
 from berth.specs.models import load_model
 from berth.specs.tree import (
     ENGINE_ALIASES,
+    FP8_DEFAULT_RECIPE,
     MAX_NODES,
     ClusterSpec,
     EngineTuning,
@@ -64,11 +66,12 @@ class TrainingInput:
 
     seq_len: int
     global_batch_size: int
-    precision: str | None = None
+    precision: str | None = None  # also "fp8": bf16 with the engine's first FP8 recipe
     flash_attention: bool = True
     engine: str | None = None  # None: the profile's engine, else "executor"
     token_budget: float | None = None
     tuning: EngineTuning | dict[str, Any] | None = None  # an engine profile's fitted parameters
+    fp8: str | None = None  # an FP8 recipe (TrainingSpec.fp8)
 
 
 @dataclass(frozen=True)
@@ -284,16 +287,29 @@ def default_precision(cluster: ClusterSpec) -> str:
 
 
 def training_spec(training: TrainingInput, cluster: ClusterSpec) -> TrainingSpec:
-    """The TrainingSpec of a TrainingInput on this cluster (its default precision filled in)."""
-    return make_training(
+    """The TrainingSpec of a TrainingInput on this cluster (its default precision filled in). Precision 'fp8' is
+    bf16 with FP8 linear GEMMs, the engine's first FP8 recipe unless `fp8` names one; an FP8 recipe the engine or
+    the device cannot run is refused here, naming both (specs/engines.py fp8_refusal)."""
+    precision, fp8 = training.precision or default_precision(cluster), training.fp8
+    engine = training.engine or "executor"
+    if precision == "fp8":
+        name = ENGINE_ALIASES.get(engine, engine)
+        recipes = ENGINES[name].fp8_recipes if name in ENGINES else ()  # an unknown engine is refused below
+        precision, fp8 = "bf16", fp8 or (recipes[0] if recipes else FP8_DEFAULT_RECIPE)
+    spec = make_training(
         seq_len=training.seq_len,
         global_batch_size=training.global_batch_size,
-        precision=training.precision or default_precision(cluster),
+        precision=precision,
         flash_attention=training.flash_attention,
-        engine=training.engine or "executor",
+        engine=engine,
         token_budget=training.token_budget,
+        fp8=fp8,
         **({} if training.tuning is None else {"tuning": training.tuning}),
     )
+    refusal = fp8_refusal(spec, cluster.device)
+    if refusal is not None:
+        raise BerthError("training.fp8", spec.fp8, refusal)
+    return spec
 
 
 def make_training(**fields: Any) -> TrainingSpec:

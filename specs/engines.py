@@ -37,6 +37,7 @@ from berth.specs.candidates import (
     SCHEDULE_INTERLEAVED,
     Candidates,
 )
+from berth.specs.hardware import DeviceProfile
 from berth.specs.tree import AXIS_ORDER_CHOICES, ENGINE_CHOICES, Engine, Layout, ModelSpec, TrainingSpec
 
 MEMORY_PYTORCH = "pytorch"
@@ -98,6 +99,23 @@ class EngineInfo:
     # while k and v are copied for the rotary kernel (nanotron models/llama.py)
     glu_unfused: bool = False
     mha_qkv_kept: bool = False
+    # FP8 (TrainingSpec.fp8): the recipes the engine runs (none: it refuses FP8), whose kernels cast ("te":
+    # Transformer Engine, casts fused into its norms and cast-transpose kernels, weights cast once per step; "torchao":
+    # dynamic casts of every operand on every call, cost_models/compute.py fp8_cast_bytes), the bytes per element a
+    # linear layer saves its input in for the backward (0: as in bf16) and the persistent FP8 weight copies per linear
+    # parameter (cost_models/memory.py)
+    fp8_recipes: tuple[str, ...] = ()
+    fp8_kernels: str = ""
+    fp8_saved_input_bytes: float = 0.0
+    fp8_weight_cache_bytes: float = 0.0
+    # from this ZeRO stage on, the engine keeps the linear weights themselves in FP8 (Megatron's --fp8-param-gather,
+    # which needs the distributed optimizer: the FP8 weight and its transpose replace the 16-bit one, no cache beside
+    # it, and the post-step all-gather moves 1 byte per parameter); 0: never
+    fp8_params_from_zero: int = 0
+    # bytes per element of the sequence-parallel all-gathers of a linear's input under FP8 (0: the compute precision's):
+    # Transformer Engine casts the sequence shard and gathers it in FP8, forward and again for the backward's wgrad
+    # (module/linear.py, tensor/float8_tensor.py: its Float8 quantizer gathers row-wise FP8); reduce-scatters: 16-bit
+    fp8_gather_bytes: float = 0.0
 
     @property
     def label(self) -> str:
@@ -468,7 +486,11 @@ ENGINES: dict[str, EngineInfo] = {
             ("torchtitan", "pytorch"),
             ("torchtitan",),
             TORCHTITAN_RULES,
-            "torchtitan 0.3.0: torchtitan/distributed/parallel_dims.py, torchtitan/models/llama3/infra/parallelize.py",
+            "torchtitan 0.3.0: torchtitan/distributed/parallel_dims.py, torchtitan/models/llama3/infra/parallelize.py; "
+            "FP8: components/quantization/float8.py Float8LinearConverter (recipe_name rowwise | rowwise_with_gw_hp, "
+            "torchao's Float8Linear: saves the bf16 input and weight, casts both on every call; no FP8 all-gather)",
+            fp8_recipes=("rowwise", "rowwise_with_gw_hp"),
+            fp8_kernels="torchao",
         ),
         EngineInfo(
             "megatron",
@@ -483,6 +505,19 @@ ENGINES: dict[str, EngineInfo] = {
             "(bucket_size = max(40000000, 1000000 * dp) parameters)",
             bucket_params=40e6,
             bucket_params_per_dp=1e6,
+            # --fp8-recipe delayed | tensorwise (megatron/core/fp8_utils.py get_fp8_recipe: TE DelayedScaling,
+            # Float8CurrentScaling) with Transformer Engine's linears (qkv, proj, fc1, fc2; the output layer is
+            # Megatron's own ColumnParallelLinear, bf16); TE saves each linear's input as one FP8 copy (module/linear.py
+            # update_usage: the transpose kept on Hopper) and keeps a persistent FP8 weight workspace, row-wise plus
+            # transpose (module/base.py _fp8_workspaces, refreshed when Megatron sets is_first_microbatch), unless the
+            # weights are FP8 parameters (--fp8-param-gather with the distributed optimizer, megatron/core/fp8_utils.py
+            # quantize_param_shard)
+            fp8_recipes=("delayed", "tensorwise"),
+            fp8_kernels="te",
+            fp8_saved_input_bytes=1.0,
+            fp8_weight_cache_bytes=2.0,
+            fp8_params_from_zero=1,
+            fp8_gather_bytes=1.0,
         ),
         EngineInfo(
             "deepspeed",
@@ -549,6 +584,8 @@ ENGINES: dict[str, EngineInfo] = {
             "Narayanan et al. 2021 (1F1B with any micro-batch count); torch DDP's default buckets (bucket_cap_mb=25)",
             param_gather_exposed=1.0,
             bucket_bytes=TORCH_DDP_BUCKET_BYTES,
+            fp8_recipes=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+            fp8_kernels="torchao",
         ),
     )
 }
@@ -650,6 +687,23 @@ def memory_extras(e: EngineInfo) -> tuple[str, ...]:
     return tuple(name for name in MEMORY_EXTRA_FIELDS if getattr(e, name))
 
 
+def fp8_refusal(training: TrainingSpec, device: DeviceProfile) -> str | None:
+    """Why this training's FP8 recipe cannot run (None: it can, or the training is bf16): the engine must run the
+    recipe (EngineInfo.fp8_recipes, from its code) and the device must have FP8 tensor cores with a measured speed."""
+    if training.fp8 is None:
+        return None
+    e = engine_of(training)
+    if training.fp8 not in e.fp8_recipes:
+        if e.fp8_recipes:
+            return f"{e.version} runs the FP8 recipes {', '.join(e.fp8_recipes)}, not '{training.fp8}'"
+        others = ", ".join(f"{x.name} ({'/'.join(x.fp8_recipes)})" for x in ENGINES.values() if x.fp8_recipes)
+        return f"{e.version} has no FP8 training; engines berth plans FP8 for: {others}"
+    if not device.has_fp8:
+        why = "no FP8 tensor cores" if not device.peak_flops_per_s.get("fp8") else "no measured FP8 GEMM speed"
+        return f"{device.display_name} has {why} (hardware_profiles/devices/{device.name}.json)"
+    return None
+
+
 def engine_table() -> list[dict[str, object]]:
     """The engine table as data (`berth engines --json`, GET /v1/engines)."""
     return [
@@ -669,6 +723,7 @@ def engine_table() -> list[dict[str, object]]:
             "buckets_ddp_only": e.buckets_ddp_only,
             **{name: getattr(e, name) for name in MEMORY_EXTRA_FIELDS},
             "memory_extras": list(memory_extras(e)),
+            "fp8_recipes": list(e.fp8_recipes),
             "pipeline_split": e.split,
             "source": e.source,
         }

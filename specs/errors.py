@@ -35,4 +35,5 @@ def from_validation_error(err: ValidationError, prefix: str = "") -> BerthError:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first.get("loc", ()))
     field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or "input")
-    return BerthError(field, first.get("input"), first.get("msg", "invalid"))
+    msg = first.get("msg", "invalid")
+    return BerthError(field, first.get("input"), msg.removeprefix("Value error, "))

@@ -11,6 +11,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Precision = Literal["bf16", "fp16", "fp32"]
+# the precisions a device's tensor cores have a peak for: the training precisions and FP8 (E4M3/E5M2, Hopper and
+# later; TrainingSpec.fp8 runs the linear layers' GEMMs in it)
+PeakPrecision = Literal["bf16", "fp16", "fp32", "fp8"]
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
 LinkKind = Literal["nvlink", "nvswitch", "pcie", "infiniband", "ethernet", "loopback"]
 
@@ -123,7 +126,14 @@ class DeviceProfile(_Frozen):
     name: str
     display_name: str
     kind: Literal["gpu", "cpu"] = "gpu"
-    peak_flops_per_s: dict[Precision, float]
+    peak_flops_per_s: dict[PeakPrecision, float]
+    fp8_gemm_speed: float | None = Field(
+        default=None,
+        gt=0,
+        le=1.5,
+        description="an FP8 GEMM's fraction of the fp8 peak as a multiple of a bf16 GEMM's fraction of the bf16 peak "
+        "at the same shape (measured best shapes: fp8 MAMF fraction / bf16 MAMF fraction); None: no FP8 tensor cores",
+    )
     memory_bytes: float = Field(gt=0)
     memory_bandwidth_bytes_per_s: float = Field(gt=0)
     memory_bandwidth_fraction: float = Field(gt=0, le=1)
@@ -186,6 +196,11 @@ class DeviceProfile(_Frozen):
 
     def peak_flops(self, precision: Precision) -> float:
         return self.peak_flops_per_s.get(precision) or self.peak_flops_per_s["fp32"]
+
+    @property
+    def has_fp8(self) -> bool:
+        """FP8 tensor cores: a stated fp8 peak and a measured FP8 GEMM speed."""
+        return bool(self.peak_flops_per_s.get("fp8")) and self.fp8_gemm_speed is not None
 
     def attention_kernel_scale(self, kernel: str) -> float:
         """Multiple of the measured attention efficiency that `kernel` (TrainingSpec.attention_kernel) reaches."""

@@ -17,6 +17,7 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -40,6 +41,10 @@ ENGINE_CHOICES: tuple[Engine, ...] = (
     "nanotron",
     "generic",
 )
+# FP8 recipes for the linear layers' GEMMs (TrainingSpec.fp8); which engine runs which: EngineInfo.fp8_recipes
+Fp8Recipe = Literal["delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
+FP8_RECIPES: tuple[Fp8Recipe, ...] = ("delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+FP8_DEFAULT_RECIPE: Fp8Recipe = "tensorwise"  # `precision: fp8` for an engine without FP8 (then refused by name)
 # other names a user may give: the old --framework values and the stacks built on an engine
 ENGINE_ALIASES: dict[str, Engine] = {
     "pytorch": "executor",
@@ -515,6 +520,27 @@ class TrainingSpec(Spec):
             "MosaicML llm-foundry's fused_crossentropy)"
         ),
     )
+
+    fp8: Fp8Recipe | None = Field(
+        default=None,
+        description=(
+            "run the decoder layers' linear GEMMs (QKV, attention output, MLP; forward, dgrad and wgrad) in FP8 with "
+            "this scaling recipe, as the engine does it (specs/engines.py fp8_recipes): 'delayed' (Transformer "
+            "Engine's DelayedScaling, amax history), 'tensorwise' (one scale per tensor from the current amax: TE's "
+            "Float8CurrentScaling, torchao's tensorwise), 'rowwise' (torchao, a scale per row) or "
+            "'rowwise_with_gw_hp' (torchao rowwise, the weight gradient in bf16). Attention, norms, the LM head, the "
+            "master weights, gradients and optimizer states stay bf16/fp32. None: bf16 GEMMs. A plan request's "
+            "`precision: fp8` is bf16 with the engine's first recipe"
+        ),
+    )
+
+    @field_validator("fp8")
+    @classmethod
+    def _fp8_needs_bf16(cls, value: Any, info: ValidationInfo) -> Any:
+        precision = info.data.get("precision")
+        if value is not None and precision != "bf16":
+            raise ValueError(f"FP8 recipes train the rest of the model in bf16, not precision {precision}")
+        return value
 
     @property
     def bytes_per_element(self) -> int:
