@@ -104,6 +104,7 @@ class EngineDoc(BaseModel):
     memory_extras: list[str] = Field(
         description="what the engine holds beyond its memory recipe, by EngineInfo field (specs/engines.py)"
     )
+    fp8_recipes: list[str] = Field(description="the FP8 recipes the engine runs (training.fp8); empty: it refuses FP8")
     source: str = Field(description="where the entry was read")
 
 

@@ -960,7 +960,7 @@ def engines_cmd(as_json: Json = False) -> None:
         print(json.dumps(engine_table()))
         return
     t = Table(title="engines (--engine)")
-    for col in ("engine", "version", "memory", "launch", "refuses"):
+    for col in ("engine", "version", "memory", "launch", "fp8", "refuses"):
         t.add_column(col, overflow="fold", no_wrap=col in ("engine", "refuses"))
     for name, e in ENGINES.items():
         t.add_row(
@@ -968,6 +968,7 @@ def engines_cmd(as_json: Json = False) -> None:
             e.version,
             "\n+".join((e.recipe, *memory_extras(e))),
             "\n".join(e.launch_formats) or "-",
+            "\n".join(e.fp8_recipes) or "-",
             "\n".join(r.name.removeprefix(f"{name}_") for r in e.rules) or "-",
         )
     console.print(t)
