@@ -111,8 +111,9 @@ def _projection_s(
     their FLOPs and the bytes of the three matrices, so the roofline is evaluated once for them
     (the same as three gemm_time_s calls, at a third of the array operations).
     `linear`: a decoder layer's linear, which TrainingSpec.fp8 runs in FP8 (`fp8_speedup`; operands of 1 byte,
-    the output in bf16); 'rowwise_with_gw_hp' keeps the wgrad in bf16. The LM head (linear=False) stays bf16 in
-    every engine's recipe (torchtitan's filter_fqns default ['output'], Megatron's output layer outside TE)."""
+    the output in bf16); 'rowwise_with_gw_hp' keeps the wgrad in bf16. The LM head (linear=False) stays bf16:
+    Megatron's output layer is its own ColumnParallelLinear, outside Transformer Engine, and berth's torchtitan
+    file filters it out of the Float8 converter (filter_fqns=['lm_head'])."""
     shape = device.gemm_shape
     fp8 = linear and fp8_gemms(training, device)
     fwd_speed = fp8_speedup(device, training) if fp8 else 1.0
