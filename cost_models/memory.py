@@ -145,11 +145,16 @@ def dp_collective_bytes(training: TrainingSpec, c) -> tuple[np.ndarray, np.ndarr
     (FSDP2's param_dtype, Megatron's 16-bit parameters; fp32 where the optimizer updates fp32
     parameters and hands them back, ZeroRedundancyOptimizer), gradients reduced as the recipe holds
     them (FSDP2's reduce_dtype fp32, Megatron's fp32 grad buffer with bf16, the executor's fp32
-    gradients; 16-bit only in Megatron's fp16 recipe)."""
+    gradients; 16-bit only in Megatron's fp16 recipe). Under FP8 an engine that keeps FP8 parameters from some ZeRO
+    stage on (EngineInfo.fp8_params_from_zero: Megatron's --fp8-param-gather) gathers 1 byte a parameter there (the
+    embedding, norms and head, 16-bit in its code, are counted at 1 byte too: a small share of a stage)."""
     recipe = precision_recipe(training, c)
     e = float(training.bytes_per_element)
     megatron = recipe == RECIPE_MEGATRON
     gathered = np.where((recipe == RECIPE_FSDP2) | megatron, e, float(FP32_BYTES))
+    from_zero = engine_of(training).fp8_params_from_zero
+    if training.fp8 is not None and from_zero:
+        gathered = np.where(np.asarray(c.zero_stage) >= from_zero, 1.0, gathered)
     reduced = np.where(megatron & (training.precision == "fp16"), e, float(FP32_BYTES))
     return gathered, reduced
 
