@@ -2,9 +2,9 @@
 memory become, the launch files the engines' own code reads, and published FP8 runs as golden cases.
 
 Golden runs: benchmarks/data/reference/published_runs_fp8.json (NeMo 24.07, Megatron-Bridge 25.11, NVIDIA
-dgxc-benchmarking v25.02 on H100, and Megatron-Bridge 25.11 on B200; each record names its source). Nothing in the FP8 model was fitted to them: the
-FP8 GEMM speed is the measured best-shape ratio (ml-engineering's MAMF table), the casts and memory are counted from
-Transformer Engine's and torchao's code.
+dgxc-benchmarking v25.02 on H100, and Megatron-Bridge 25.11 on B200; each record names its source). Nothing in the
+FP8 model was fitted to them: the FP8 GEMM speed is the measured best-shape ratio (ml-engineering's MAMF table), the
+casts and memory are counted from Transformer Engine's and torchao's code.
 """
 
 import json
