@@ -139,6 +139,12 @@ def precision_recipe(training: TrainingSpec, c) -> np.ndarray:
     return np.where(fsdp2, RECIPE_FSDP2, RECIPE_AUTOCAST)
 
 
+def bf16_gradients(training: TrainingSpec) -> bool:
+    """The engine's FP8 recipe keeps Megatron's gradient buffer and its reduction in bf16
+    (EngineInfo.fp8_grads_bf16)."""
+    return training.fp8 is not None and engine_of(training).fp8_grads_bf16
+
+
 def dp_collective_bytes(training: TrainingSpec, c) -> tuple[np.ndarray, np.ndarray]:
     """(gathered, reduced) bytes per parameter of each candidate's data-parallel collectives, by its
     precision recipe (constants above): parameters are gathered as the recipe computes with them
@@ -155,7 +161,7 @@ def dp_collective_bytes(training: TrainingSpec, c) -> tuple[np.ndarray, np.ndarr
     from_zero = engine_of(training).fp8_params_from_zero
     if training.fp8 is not None and from_zero:
         gathered = np.where(np.asarray(c.zero_stage) >= from_zero, 1.0, gathered)
-    reduced = np.where(megatron & (training.precision == "fp16"), e, float(FP32_BYTES))
+    reduced = np.where(megatron & ((training.precision == "fp16") | bf16_gradients(training)), e, float(FP32_BYTES))
     return gathered, reduced
 
 
@@ -300,7 +306,7 @@ def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray
     gathered = np.where(fsdp2 & (zero < 3), params * e, 0.0)
     grad_element = np.where(recipe == RECIPE_FSDP2, e, np.where(megatron, 0.0, FP32_BYTES))
     g = params * np.where(megatron, 0.0, FP32_BYTES) / np.where((zero >= 2) | fsdp2, shard, 1.0)
-    buffer_element = np.where(training.precision == "bf16", FP32_BYTES, e)
+    buffer_element = np.where((training.precision == "bf16") & ~bf16_gradients(training), FP32_BYTES, e)
     grad_buffer = np.where(megatron, params * buffer_element / np.where(zero >= 2, shard, 1.0), 0.0)
     opt_div = np.where(zero >= 1, shard, 1.0)
     adam = ADAM_STATES * FP32_BYTES

@@ -594,12 +594,13 @@ MEGATRON_MOE_SOURCES = {
 
 def _megatron_fp8_args(t: TrainingSpec, x: Layout) -> list[tuple[str, Any]]:
     """TrainingSpec.fp8 as Megatron-LM's flags (megatron/core/transformer/transformer_config.py fp8, fp8_recipe,
-    fp8_amax_*; Transformer Engine runs them): E4M3 forward and E5M2 gradients ('hybrid'), the recipe, NeMo's
-    amax history for delayed scaling, and FP8 parameters where the distributed optimizer runs
+    fp8_amax_*; Transformer Engine runs them): E4M3 forward and E5M2 gradients ('hybrid'), the recipe, bf16 gradient
+    reduction and NeMo's amax history for delayed scaling as NeMo's FP8 performance recipes run them
+    (EngineInfo.fp8_grads_bf16), and FP8 parameters where the distributed optimizer runs
     (--fp8-param-gather, EngineInfo.fp8_params_from_zero: the memory model counts no weight cache there)."""
     if t.fp8 is None:
         return []
-    args: list[tuple[str, Any]] = [("--fp8-format", "hybrid"), ("--fp8-recipe", t.fp8)]
+    args: list[tuple[str, Any]] = [("--fp8-format", "hybrid"), ("--fp8-recipe", t.fp8), ("--grad-reduce-in-bf16", None)]
     if t.fp8 == "delayed":
         args += [("--fp8-amax-history-len", 1024), ("--fp8-amax-compute-algo", "max")]
     if x.zero_stage >= ENGINES["megatron"].fp8_params_from_zero:

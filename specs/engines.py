@@ -116,6 +116,10 @@ class EngineInfo:
     # Transformer Engine casts the sequence shard and gathers it in FP8, forward and again for the backward's wgrad
     # (module/linear.py, tensor/float8_tensor.py: its Float8 quantizer gathers row-wise FP8); reduce-scatters: 16-bit
     fp8_gather_bytes: float = 0.0
+    # under FP8 the engine's recipe accumulates and reduces the gradients in bf16, not fp32: NeMo's and
+    # Megatron-Bridge's FP8 performance recipes (NeMo scripts/performance/helpers.py set_precision_configs:
+    # grad_reduce_in_fp32 = False), which berth's Megatron files follow (--grad-reduce-in-bf16)
+    fp8_grads_bf16: bool = False
 
     @property
     def label(self) -> str:
@@ -518,6 +522,7 @@ ENGINES: dict[str, EngineInfo] = {
             fp8_weight_cache_bytes=2.0,
             fp8_params_from_zero=1,
             fp8_gather_bytes=1.0,
+            fp8_grads_bf16=True,
         ),
         EngineInfo(
             "deepspeed",
