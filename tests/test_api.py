@@ -440,15 +440,15 @@ def test_expert_tp_in_compare_over_http(server):
     assert r.status_code == 422 and "expert_tp" in r.text, r.text
 
 
-def test_fp8_plans_over_http_and_refusals_name_the_field(shared_server):
+def test_fp8_plans_over_http_and_refusals_name_the_field(server):
     """`precision: fp8` plans with the engine's first FP8 recipe, the plan carries it; an engine without FP8 is
     refused with 422 naming the field training.fp8 and the engine (nothing stored)."""
     body = {**PLAN_BODY, "training": {**PLAN_BODY["training"], "precision": "fp8", "engine": "megatron"}}
-    r = httpx.post(shared_server.url + "/v1/plans", json=body, timeout=60)
+    r = httpx.post(server.url + "/v1/plans", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert all(p["training"]["fp8"] == "delayed" and p["training"]["precision"] == "bf16" for p in r.json()["plans"])
     bad = {**PLAN_BODY, "training": {**PLAN_BODY["training"], "fp8": "delayed", "engine": "deepspeed"}}
-    r = httpx.post(shared_server.url + "/v1/plans", json=bad, timeout=30)
+    r = httpx.post(server.url + "/v1/plans", json=bad, timeout=30)
     assert r.status_code == 422, r.text
     (detail,) = r.json()["detail"]
     assert detail["loc"][-2:] == ["training", "fp8"] and "DeepSpeed 0.19.8 has no FP8" in detail["msg"], detail
