@@ -7,7 +7,8 @@ Three sources:
       {"model": <preset | HF config object | model spec object>,
        "cluster": {"preset": "dgx-h100", "nodes": 2} or {"graph": <node-link graph>},
        "seq_len": 4096, "global_batch": 256, "layout": "tp=2,pp=2,dp=4,mbs=1,nmb=64,zero=1",
-       "engine": "generic", "status": "ok" | "oom" | "error",
+       "engine": "generic", "precision": "bf16" (or "fp8"), "fp8": "delayed" (an FP8 recipe, optional),
+       "status": "ok" | "oom" | "error",
        "tokens_per_s": 123456.0 (the job's) or "tokens_per_s_per_gpu" or "step_time_s",
        "peak_memory_gib": 61.2, "memory_kind": "reserved" | "allocated",
        "memory_rank": "max" | "rank0", "id": "optional name"}
@@ -99,14 +100,24 @@ def run_from_record(
     nodes = cl.get("nodes", 1)
     if isinstance(nodes, bool) or not isinstance(nodes, int) or not 0 < nodes < 2**31:
         raise BerthError(f"{where}.cluster.nodes", nodes, "a positive integer")
-    key = json.dumps([rec["model"], cl, rec["seq_len"], rec["global_batch"], rec.get("engine")], sort_keys=True)
+    for key in ("precision", "fp8"):
+        if rec.get(key) is not None and not isinstance(rec[key], str):
+            raise BerthError(f"{where}.{key}", rec[key], "a string (precision: bf16, fp16, fp32 or fp8; fp8: a recipe)")
+    given = [rec.get(k) for k in ("model", "seq_len", "global_batch", "engine", "precision", "fp8")]
+    key = json.dumps([cl, *given], sort_keys=True)
     if key not in cache:
         cluster = (
             ClusterInput(graph=cl["graph"])
             if "graph" in cl
             else ClusterInput(preset=str(cl.get("preset", "dgx-h100")), nodes=nodes)
         )
-        training = TrainingInput(rec["seq_len"], rec["global_batch"], engine=str(rec.get("engine", "generic")))
+        training = TrainingInput(
+            rec["seq_len"],
+            rec["global_batch"],
+            precision=rec.get("precision"),
+            engine=str(rec.get("engine", "generic")),
+            fp8=rec.get("fp8"),
+        )
         try:
             cache[key] = resolve(rec["model"], cluster, training, allow_files=allow_files)
         except BerthError as err:  # name the line: "runs line 3: training.engine"

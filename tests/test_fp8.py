@@ -226,3 +226,24 @@ def test_every_published_fp8_layout_fits():
     """Each FP8 run ran, so none may be predicted not to fit (with NeMo's bf16 gradient buffer, which their BF16
     twins, predicted with Megatron-LM's fp32 one, do not have: the 8B twin at tp 1, cp 2 is predicted 3.6 GiB over)."""
     assert all(_golden(r)[0].prediction.fits for r in GOLDEN if r["fp8"])
+
+
+def test_measured_fp8_runs_carry_their_recipe_into_calibration():
+    """A runs file's "precision": "fp8" (or "fp8": recipe) reaches the run's training, so `berth calibrate` fits an
+    FP8 engine on FP8 predictions; a non-string value is refused naming the line and the field."""
+    from berth.planner.run_logs import read_runs
+
+    base = {
+        "model": "llama3-8b",
+        "cluster": {"preset": "dgx-h100", "nodes": 1},
+        "seq_len": 8192,
+        "global_batch": 128,
+        "layout": "tp=1,pp=1,cp=2,dp=4,mbs=1,zero=1",
+        "engine": "megatron",
+        "tokens_per_s_per_gpu": 13882,
+    }
+    lines = [{**base, "precision": "fp8"}, {**base, "fp8": "tensorwise"}, base]
+    runs = read_runs("\n".join(json.dumps(x) for x in lines))
+    assert [r.training.fp8 for r in runs] == ["delayed", "tensorwise", None]
+    with pytest.raises(BerthError, match="line 1.fp8"):
+        read_runs(json.dumps({**base, "fp8": 8}))
