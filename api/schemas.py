@@ -52,6 +52,11 @@ class TrainingRequest(Body):
         default=None,
         description="default: bf16 on GPUs, fp32 on CPU workers; fp8: bf16 with the engine's first FP8 recipe",
     )
+    attention_kernel: Literal["sdpa", "flash2", "flash1"] | None = Field(
+        default=None,
+        description="the fused attention kernel the stack runs: sdpa (today's PyTorch, the default), flash2 "
+        "(FlashAttention-2 class: PyTorch and Transformer Engine of 2024) or flash1",
+    )
     fp8: Fp8Recipe | None = Field(
         default=None,
         description="run the linear layers' GEMMs in FP8 with this recipe (GET /v1/engines lists each engine's "

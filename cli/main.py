@@ -126,6 +126,14 @@ Precision = Annotated[
         help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU); fp8: bf16 with the engine's first FP8 recipe",
     ),
 ]
+AttentionKernel = Annotated[
+    str | None,
+    typer.Option(
+        "--attention-kernel",
+        help="the fused attention kernel the stack runs: sdpa (today's PyTorch, the default), flash2 "
+        "(FlashAttention-2 class: PyTorch and Transformer Engine of 2024) or flash1",
+    ),
+]
 Fp8 = Annotated[
     str | None,
     typer.Option(
@@ -182,6 +190,7 @@ def _inputs(
     token_budget: float | None = None,
     engine: str | None = None,
     fp8: str | None = None,
+    attention_kernel: str | None = None,
 ) -> tuple[ModelSpec, TrainingSpec, ClusterSpec]:
     """The options of `plan` and `compare` as berth.planner.inputs takes them (the service's
     bodies become the same values); the CLI may read files."""
@@ -191,7 +200,9 @@ def _inputs(
     return resolve(
         model,
         ClusterInput(cluster, nodes, devices, kind, per_leaf, oversubscription, profile=profile),
-        TrainingInput(seq_len, global_batch, precision, flash, engine, token_budget, fp8=fp8),
+        TrainingInput(
+            seq_len, global_batch, precision, flash, engine, token_budget, fp8=fp8, attention_kernel=attention_kernel
+        ),
         OperationsInput(*operations),
         allow_files=True,
     )
@@ -227,6 +238,7 @@ def plan_cmd(
     flash: Flash = True,
     engine: EngineOpt = None,
     fp8: Fp8 = None,
+    attention_kernel: AttentionKernel = None,
     top: Annotated[int, typer.Option("--top", help="how many plans to show")] = 5,
     fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2 or tp=8,cp=16,pp=16")] = "",
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
@@ -276,6 +288,7 @@ def plan_cmd(
         token_budget,
         engine,
         fp8,
+        attention_kernel,
     )
     if spare_nodes:
         if not 0 < spare_nodes < cl.nodes:
@@ -356,6 +369,7 @@ def compare_cmd(
     flash: Flash = True,
     engine: EngineOpt = None,
     fp8: Fp8 = None,
+    attention_kernel: AttentionKernel = None,
     memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
     failures: Failures = None,
     storage_gbps: Storage = None,
@@ -393,6 +407,7 @@ def compare_cmd(
         token_budget,
         engine,
         fp8,
+        attention_kernel,
     )
     candidates, best = compare_with_best(spec, training, cl, layout, memory_headroom)
     out = compare_json(candidates, best)
@@ -987,6 +1002,7 @@ def probe_cmd(
     flash: Flash = True,
     engine: EngineOpt = None,
     fp8: Fp8 = None,
+    attention_kernel: AttentionKernel = None,
     runs: Annotated[int, typer.Option("--runs", help="how many trial runs to pick (1-64)")] = 8,
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
     layout: Annotated[
@@ -1015,7 +1031,18 @@ def probe_cmd(
 
     _at_least("runs", runs, 1)
     spec, training, cl = _inputs(
-        model, cluster, nodes, devices, seq_len, global_batch, precision, flash, profile, engine=engine, fp8=fp8
+        model,
+        cluster,
+        nodes,
+        devices,
+        seq_len,
+        global_batch,
+        precision,
+        flash,
+        profile,
+        engine=engine,
+        fp8=fp8,
+        attention_kernel=attention_kernel,
     )
     given = list(layout or [])
     if layouts_file is not None:

@@ -72,6 +72,7 @@ class TrainingInput:
     token_budget: float | None = None
     tuning: EngineTuning | dict[str, Any] | None = None  # an engine profile's fitted parameters
     fp8: str | None = None  # an FP8 recipe (TrainingSpec.fp8)
+    attention_kernel: str | None = None  # None: "sdpa" (TrainingSpec.attention_kernel)
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,7 @@ def training_spec(training: TrainingInput, cluster: ClusterSpec) -> TrainingSpec
         engine=engine,
         token_budget=training.token_budget,
         fp8=fp8,
+        **({} if training.attention_kernel is None else {"attention_kernel": training.attention_kernel}),
         **({} if training.tuning is None else {"tuning": training.tuning}),
     )
     refusal = fp8_refusal(spec, cluster.device)
