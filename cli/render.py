@@ -178,12 +178,14 @@ CSV_PREDICTION = ("step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_byte
 
 
 def csv_header() -> list[str]:
-    """The CSV's columns, the same whatever the plans: the engine, every Layout field, the prediction, each time term
-    (seconds), each communication term's traffic hidden or not (seconds), each memory term (bytes).
+    """The CSV's columns, the same whatever the plans: the engine, its FP8 recipe (empty for bf16), every Layout field,
+    the prediction, each time term (seconds), each communication term's traffic hidden or not (seconds), each memory
+    term (bytes).
     expert_tp is the degree that runs (tp where the layout leaves it out)."""
     return [
         "rank",
         "engine",
+        "fp8",
         *LAYOUT_FIELDS,
         "stage_layers",
         *CSV_PREDICTION,
@@ -223,7 +225,8 @@ def plans_csv(plans: list[Plan], best_tokens_per_s: float | None = None) -> str:
             vals += [pr.memory_breakdown_bytes.get(m.name, 0.0) for m in terms.MEMORY]
         gap = gap_to_best(p, best_tokens_per_s)
         stages = " ".join(map(str, p.stage_layers)) if p.stage_layers else ""
-        w.writerow([i, p.training.engine, *lay, stages, *vals, "" if gap is None else gap, p.infeasible_reason or ""])
+        row = [i, p.training.engine, p.training.fp8 or "", *lay, stages, *vals]
+        w.writerow([*row, "" if gap is None else gap, p.infeasible_reason or ""])
     return buf.getvalue()
 
 
