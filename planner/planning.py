@@ -338,7 +338,7 @@ def plan_for_format(plan: Plan, fmt: str | None) -> tuple[Plan, str, str | None]
     """(the plan to launch, the format, a note): the plan's engine's own format when `fmt` is None; a format of
     another engine re-predicts the layout for that engine (the note says so and gives both predictions), and is
     refused, naming both engines and the reason, when that engine cannot run the layout."""
-    from berth.specs.engines import ENGINES, engine_of_format
+    from berth.specs.engines import ENGINES, engine_of_format, fp8_refusal
 
     engine = ENGINES[plan.training.engine]
     if fmt is None:
@@ -354,6 +354,11 @@ def plan_for_format(plan: Plan, fmt: str | None) -> tuple[Plan, str, str | None]
     if target is None or target.name == engine.name:
         return plan, fmt, None
     training = plan.training.model_copy(update={"engine": target.name, "tuning": EngineTuning()})
+    refusal = fp8_refusal(training, plan.cluster.device)
+    if refusal is not None:  # the FP8 recipe is the plan's, the target engine may not run it
+        raise BerthError(
+            "format", fmt, f"the plan was made for engine {engine.name}; format {fmt} starts {target.name}: {refusal}"
+        )
     again = predict_layouts(plan.model, training, plan.cluster, [plan.layout])[0]
     if again.prediction is None or again.infeasible_reason:
         raise BerthError(

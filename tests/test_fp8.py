@@ -251,3 +251,14 @@ def test_measured_fp8_runs_carry_their_recipe_into_calibration():
     assert [r.training.fp8 for r in runs] == ["delayed", "tensorwise", None]
     with pytest.raises(BerthError, match="line 1.fp8"):
         read_runs(json.dumps({**base, "fp8": 8}))
+
+
+def test_launching_an_fp8_plan_in_another_engines_format_is_refused_when_it_cannot_run_the_recipe():
+    from berth.planner.planning import plan_for_format
+
+    plan = _plan("torchtitan", "rowwise", "tp=1,pp=1,dp=8,zero=3,shard=8,mbs=1")
+    with pytest.raises(BerthError, match="format megatron starts megatron: Megatron-LM .* not 'rowwise'"):
+        plan_for_format(plan, "megatron")
+    plan = _plan("megatron", "tensorwise", "tp=2,pp=4,dp=1,mbs=1")
+    with pytest.raises(BerthError, match="format deepspeed starts deepspeed: DeepSpeed 0.19.8 has no FP8 training"):
+        plan_for_format(plan, "deepspeed")
