@@ -10,7 +10,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, 
 from berth.hardware_profiles import server_names
 from berth.launch.writers import FORMATS
 from berth.planner.inputs import ClusterInput, OperationsInput, TrainingInput
-from berth.specs.hardware import LinkProfile, Precision
+from berth.specs.hardware import LinkProfile
 from berth.specs.tree import (
     DEFAULT_MEMORY_HEADROOM,
     ENGINE_ALIASES,
@@ -24,6 +24,7 @@ from berth.specs.tree import (
     Fp8Recipe,
     ImageName,
     Plan,
+    PrecisionChoice,
     SearchSpec,
     ValidationReport,
 )
@@ -48,7 +49,7 @@ SpecText = Annotated[str, Field(min_length=1, max_length=512)]  # "tp=8,pp=2": a
 class TrainingRequest(Body):
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, examples=[8192], description="tokens per sequence")
     global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, examples=[256], description="sequences per step")
-    precision: Precision | Literal["fp8"] | None = Field(
+    precision: PrecisionChoice | None = Field(
         default=None,
         description="default: bf16 on GPUs, fp32 on CPU workers; fp8: bf16 with the engine's first FP8 recipe",
     )

@@ -43,6 +43,9 @@ ENGINE_CHOICES: tuple[Engine, ...] = (
 )
 # FP8 recipes for the linear layers' GEMMs (TrainingSpec.fp8); which engine runs which: EngineInfo.fp8_recipes
 Fp8Recipe = Literal["delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
+# what a plan request's precision takes (planner/inputs.py training_spec): a training precision, or fp8 (bf16 with FP8
+# linears, the engine's first recipe)
+PrecisionChoice = Literal["bf16", "fp16", "fp32", "fp8"]
 FP8_DEFAULT_RECIPE: Fp8Recipe = "tensorwise"  # `precision: fp8` for an engine without FP8 (then refused by name)
 # other names a user may give: the old --framework values and the stacks built on an engine
 ENGINE_ALIASES: dict[str, Engine] = {
