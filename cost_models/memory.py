@@ -341,14 +341,18 @@ def layer_activation_bytes(
     # QKV and MLP inputs stay gathered under DTensor sp (framework "pytorch")
     linear_split = 1 if not megatron_memory(training) else hidden_split
     # FP8 (TrainingSpec.fp8) where the engine saves a linear's input as one FP8 copy (EngineInfo.fp8_saved_input_bytes,
-    # Transformer Engine): the QKV and MLP inputs, the attention output and the activation into fc2 at that size
+    # Transformer Engine): the QKV and MLP inputs (normed) and the activation into fc2 at that size; the attention
+    # output stays 16-bit (the attention kernel keeps it for its own backward) and the output projection saves an FP8
+    # copy of it beside (`copy`)
     engine = engine_of(training)
-    saved = engine.fp8_saved_input_bytes if training.fp8 is not None and engine.fp8_saved_input_bytes else e
+    fp8_inputs = training.fp8 is not None and engine.fp8_saved_input_bytes > 0
+    saved = engine.fp8_saved_input_bytes if fp8_inputs else e
+    copy = saved if fp8_inputs else 0.0
     unsplit = (2 * e + masks) * sbh / hidden_split + 2 * saved * sbh / linear_split
     # Q, K, V, attention output, and the MLP intermediates (and what the engine's code keeps beyond them:
     # _kept_qkv, an unfused SwiGLU's act(gate)): split by tp.
     mlp_tensors = (4 if engine.glu_unfused else 3) if model.mlp == "swiglu" else 2
-    split = (e * (1 + 2 * g + _kept_qkv(model, engine)) + saved) * sbh + ((mlp_tensors - 1) * e + saved) * b * s * f
+    split = (e * (2 + 2 * g + _kept_qkv(model, engine)) + copy) * sbh + ((mlp_tensors - 1) * e + saved) * b * s * f
     if training.flash_attention:
         scores = FP32_BYTES * b * a * s  # log-sum-exp per row
     else:
@@ -651,19 +655,21 @@ def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> floa
 
 
 def fp8_weight_cache_bytes(
-    model: ModelSpec, training: TrainingSpec, c, first: bool, middle: bool, rule: str
+    model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c, first: bool, middle: bool, rule: str
 ) -> ArrayOrFloat:
     """The persistent FP8 copies of the stage's decoder-layer weights an engine keeps under FP8 training
-    (EngineInfo.fp8_weight_cache_bytes per parameter: Transformer Engine's workspace, the FP8 weight and its
-    transpose on Hopper, module/base.py _fp8_workspaces); 0 without FP8, and from the ZeRO stage on which the engine
-    keeps FP8 parameters instead (EngineInfo.fp8_params_from_zero). Counted with the parameters."""
+    (EngineInfo.fp8_weight_cache_bytes per parameter: Transformer Engine's workspace, module/base.py
+    _fp8_workspaces; twice that where the device needs transposed copies, DeviceProfile.fp8_transposed_copies);
+    0 without FP8, and from the ZeRO stage on which the engine keeps FP8 parameters instead
+    (EngineInfo.fp8_params_from_zero). Counted with the parameters."""
     engine = engine_of(training)
     if training.fp8 is None or not engine.fp8_weight_cache_bytes:
         return 0.0
     first_layers, middle_layers, last_layers, _ = stages.rule_stage_split(model, c.pp, c.virtual_stages, rule)
     layers = middle_layers if middle else first_layers if first else last_layers
     cached = engine.fp8_params_from_zero == 0 or (np.asarray(c.zero_stage) < engine.fp8_params_from_zero)
-    per_param = np.where(cached, engine.fp8_weight_cache_bytes, 0.0)
+    copies = 2.0 if device.fp8_transposed_copies else 1.0
+    per_param = np.where(cached, engine.fp8_weight_cache_bytes * copies, 0.0)
     return per_param * np.asarray(layers, dtype=float) * local_layer_params(model, c.tp, c.ep, expert_tp_of(c))
 
 
@@ -699,7 +705,7 @@ def stage_memory_breakdown(
     # logit and buffer term below sees a micro-batch of mbs / cp (parameters are not divided by cp)
     c = replace(c, micro_batch_size=np.asarray(c.micro_batch_size) / _cp(c)) if np.any(_cp(c) > 1) else c
     p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
-    p = p + fp8_weight_cache_bytes(model, training, c, first, middle, rule)
+    p = p + fp8_weight_cache_bytes(model, training, device, c, first, middle, rule)
     unsharded = params * st["grad_element"]
     layers = stages.rule_stage_split(model, c.pp, c.virtual_stages, rule)[1] if middle else None
     stored, working = activation_bytes(act_model, training, c, stage, first, layers, moe_model=model)

@@ -380,12 +380,15 @@ def moe_layer_extra_s(
     folded = etp != c.tp
     routed = memory.dispatch_share(c)  # the share of the micro-batch's tokens this rank dispatches
 
-    def mlp_s(r, width, count, split) -> tuple[ArrayOrFloat, ArrayOrFloat]:
-        up = compute._projection_s(device, training, r, width / split, h, count * (m - 1))
-        down = compute._projection_s(device, training, r, h, width / split, count)
+    def mlp_s(r, width, count, split, linear=True) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+        up = compute._projection_s(device, training, r, width / split, h, count * (m - 1), linear=linear)
+        down = compute._projection_s(device, training, r, h, width / split, count, linear=linear)
         return up[0] + down[0], up[1] + down[1]
 
-    real_f, real_b = mlp_s(rows * routed * k * ep / model.num_experts, fe, model.num_experts / ep, etp)
+    # the experts in FP8 only where the engine runs them so (EngineInfo.fp8_experts); the dense view the layer's time
+    # counted (compute_view, a linear like the others) is taken off as it was counted
+    fp8_experts = engine_of(training).fp8_experts
+    real_f, real_b = mlp_s(rows * routed * k * ep / model.num_experts, fe, model.num_experts / ep, etp, fp8_experts)
     view_f, view_b = mlp_s(rows, k * fe, 1.0, tp)
     share = model.num_moe_layers / model.num_layers
     own = np.where(folded, 1.0 / np.asarray(c.tp, dtype=float), 1.0)  # the tokens a rank sends: its own seq / tp
@@ -425,16 +428,19 @@ def evaluate(
     fwd, bwd, attn, gemm_fwd = lt.forward, lt.backward, lt.attention_forward, lt.gemm_forward
     moe_fwd, moe_bwd, a2a = moe_layer_extra_s(model, training, cluster, c, b, tp, stride["dp"])
     fwd, bwd = fwd + moe_fwd, bwd + moe_bwd
-    # under sequence parallelism half of the collectives are all-gathers of a linear's input: in FP8 where the engine
-    # gathers it so (EngineInfo.fp8_gather_bytes), the other half (reduce-scatters) in the compute precision
+    act_bytes = e * b * s * h
+    # under sequence parallelism half of the forward's collectives are all-gathers of a linear's input: in FP8 where
+    # the engine gathers it so (EngineInfo.fp8_gather_bytes); the reduce-scatters and the backward's collectives (of
+    # gradients) stay in the compute precision
     gather = engine_of(training).fp8_gather_bytes if compute.fp8_gemms(training, device) else 0.0
-    element = np.where((c.sequence_parallel > 0) & (gather > 0), (e + gather) / 2.0, e)
-    act_bytes = element * b * s * h
-    tp_fwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"]) * moe_tp_collective_share(model, c)
+    fwd_element = np.where((c.sequence_parallel > 0) & (gather > 0), (e + gather) / 2.0, e)
+    share = moe_tp_collective_share(model, c)
+    tp_fwd = _tp_layer_s(cluster, fwd_element * b * s * h, tp, stride["tp"]) * share
+    tp_bwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"]) * share
     if tuning.pipeline_latency_scale != 1.0:  # the host-synchronized pipeline's tp collectives (EngineTuning)
         synced = tuned_cluster(cluster, EngineTuning(latency_scale=tuning.pipeline_latency_scale))
-        tp_sync = _tp_layer_s(synced, act_bytes, tp, stride["tp"]) * moe_tp_collective_share(model, c)
-        tp_fwd = np.where(pp > 1, tp_sync, tp_fwd)
+        tp_fwd = np.where(pp > 1, _tp_layer_s(synced, fwd_element * b * s * h, tp, stride["tp"]) * share, tp_fwd)
+        tp_bwd = np.where(pp > 1, _tp_layer_s(synced, act_bytes, tp, stride["tp"]) * share, tp_bwd)
     cp_fwd, cp_bwd = cp_exchange_s(
         model, training, cluster, b, tp, c.cp, stride["cp"], lt.attention_forward, lt.attention_backward
     )
@@ -449,7 +455,7 @@ def evaluate(
             0.0,
         ),
     )
-    tp_layer = 2.0 * tp_fwd  # forward + backward
+    tp_layer = tp_fwd + tp_bwd  # forward + backward
     cp_layer = cp_fwd + cp_bwd
     ep_layer = A2A_PER_MOE_LAYER * a2a
     # Embedding (vocab-parallel: one all-reduce) and LM head (one in backward).

@@ -95,6 +95,13 @@ def preflight(plan: Plan, oversubscribe: bool = False) -> None:
     """Refuse, before launching anything, a plan this machine cannot run or that cannot run."""
     if plan.infeasible_reason:
         raise BerthError("plan.infeasible_reason", plan.infeasible_reason, "the plan is not feasible; pick another")
+    if plan.training.fp8 is not None:
+        raise BerthError(
+            "plan.training.fp8",
+            plan.training.fp8,
+            "the bundled executor trains in bf16, fp16 or fp32 (no FP8 linears): validate a bf16 plan, or measure the "
+            "FP8 run on its engine and give it to `berth calibrate --runs`",
+        )
     try:
         check_layout(plan.model, plan.training, plan.layout, plan.layout.world_size)
     except UnsupportedLayout as err:
@@ -412,6 +419,13 @@ def validate_proxy(
         raise BerthError("steps" if steps < 1 else "warmup", steps if steps < 1 else warmup, "out of range")
     if plan.infeasible_reason:
         raise BerthError("plan.infeasible_reason", plan.infeasible_reason, "the plan is not feasible; pick another")
+    if plan.training.fp8 is not None:
+        raise BerthError(
+            "plan.training.fp8",
+            plan.training.fp8,
+            "the bundled executor trains in bf16, fp16 or fp32 (no FP8 linears): validate a bf16 plan, or measure the "
+            "FP8 run on its engine and give it to `berth calibrate --runs`",
+        )
     if x.cp > 1:
         raise BerthError(
             "plan.layout.cp",

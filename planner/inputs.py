@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from berth.hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
-from berth.specs.engines import ENGINES, fp8_refusal
+from berth.specs.engines import ENGINES, check_fp8, fp8_refusal
 from berth.specs.errors import BerthError, from_validation_error
 from berth.specs.hardware import DeviceProfile, ServerProfile
 from berth.specs.layouts import parse_spec
@@ -308,9 +308,11 @@ def training_spec(training: TrainingInput, cluster: ClusterSpec) -> TrainingSpec
         **({} if training.attention_kernel is None else {"attention_kernel": training.attention_kernel}),
         **({} if training.tuning is None else {"tuning": training.tuning}),
     )
-    refusal = fp8_refusal(spec, cluster.device)
-    if refusal is not None:
-        raise BerthError("training.fp8", spec.fp8, refusal)
+    if training.precision == "fp8" and training.fp8 is None:  # the user named the precision, not a recipe
+        refusal = fp8_refusal(spec, cluster.device)
+        if refusal is not None:
+            raise BerthError("training.precision", "fp8", refusal)
+    check_fp8(spec, cluster.device)
     return spec
 
 

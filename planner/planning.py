@@ -338,9 +338,10 @@ def plan_for_format(plan: Plan, fmt: str | None) -> tuple[Plan, str, str | None]
     """(the plan to launch, the format, a note): the plan's engine's own format when `fmt` is None; a format of
     another engine re-predicts the layout for that engine (the note says so and gives both predictions), and is
     refused, naming both engines and the reason, when that engine cannot run the layout."""
-    from berth.specs.engines import ENGINES, engine_of_format, fp8_refusal
+    from berth.specs.engines import ENGINES, check_fp8, engine_of_format, fp8_refusal
 
     engine = ENGINES[plan.training.engine]
+    check_fp8(plan.training, plan.cluster.device, "plan.training.fp8")  # a plan file may name any recipe
     if fmt is None:
         if not engine.launch_formats:
             raise BerthError(

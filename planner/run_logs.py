@@ -42,6 +42,7 @@ from pydantic import ValidationError
 
 from berth.planner.engine_fit import MeasuredRun
 from berth.planner.inputs import ClusterInput, TrainingInput, resolve
+from berth.specs.engines import check_fp8
 from berth.specs.errors import BerthError, from_validation_error
 from berth.specs.layouts import complete_layout, parse_spec
 from berth.specs.tree import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
@@ -132,6 +133,7 @@ def run_from_record(
 def _measured(
     rec: dict[str, Any], where: str, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, layout: Layout
 ) -> MeasuredRun:
+    check_fp8(training, cluster.device, f"{where}.fp8")
     status = rec.get("status", "ok")
     if status not in STATUSES:
         raise BerthError(f"{where}.status", status, f"one of {', '.join(STATUSES)}")
@@ -214,7 +216,7 @@ def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> Mea
     return MeasuredRun(
         run_id,
         plan.model,
-        plan.training.model_copy(update={"engine": "torchtitan"}),
+        _as_engine(plan, "torchtitan", run_id),
         plan.cluster,
         plan.layout,
         "ok",
@@ -223,6 +225,13 @@ def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> Mea
         "reserved",
         "rank0",
     )
+
+
+def _as_engine(plan: Plan, engine: str, run_id: str) -> TrainingSpec:
+    """The plan's training as the engine whose log it is; an FP8 recipe that engine cannot run is refused."""
+    training = plan.training.model_copy(update={"engine": engine})
+    check_fp8(training, plan.cluster.device, f"{run_id}: plan.training.fp8")
+    return training
 
 
 def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> MeasuredRun:
@@ -236,7 +245,7 @@ def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> Measure
     return MeasuredRun(
         run_id,
         plan.model,
-        plan.training.model_copy(update={"engine": "megatron"}),
+        _as_engine(plan, "megatron", run_id),
         plan.cluster,
         plan.layout,
         "ok",

@@ -37,6 +37,7 @@ from berth.specs.candidates import (
     SCHEDULE_INTERLEAVED,
     Candidates,
 )
+from berth.specs.errors import BerthError
 from berth.specs.hardware import DeviceProfile
 from berth.specs.tree import AXIS_ORDER_CHOICES, ENGINE_CHOICES, Engine, Layout, ModelSpec, TrainingSpec
 
@@ -102,8 +103,9 @@ class EngineInfo:
     # FP8 (TrainingSpec.fp8): the recipes the engine runs (none: it refuses FP8), whose kernels cast ("te":
     # Transformer Engine, casts fused into its norms and cast-transpose kernels, weights cast once per step; "torchao":
     # dynamic casts of every operand on every call, cost_models/compute.py fp8_cast_bytes), the bytes per element a
-    # linear layer saves its input in for the backward (0: as in bf16) and the persistent FP8 weight copies per linear
-    # parameter (cost_models/memory.py)
+    # linear layer saves its input in for the backward (0: as in bf16) and the persistent FP8 weight copy per linear
+    # parameter (doubled by its transpose where the device needs one, DeviceProfile.fp8_transposed_copies;
+    # cost_models/memory.py)
     fp8_recipes: tuple[str, ...] = ()
     fp8_kernels: str = ""
     fp8_saved_input_bytes: float = 0.0
@@ -120,6 +122,9 @@ class EngineInfo:
     # Megatron-Bridge's FP8 performance recipes (NeMo scripts/performance/helpers.py set_precision_configs:
     # grad_reduce_in_fp32 = False), which berth's Megatron files follow (--grad-reduce-in-bf16)
     fp8_grads_bf16: bool = False
+    # the routed experts' GEMMs run in FP8 too (Megatron: Transformer Engine's grouped linears, megatron-core
+    # transformer_config.py needs TE >= 1.7 for MoE FP8); False: torchao's Float8Linear converts nn.Linear only
+    fp8_experts: bool = False
 
     @property
     def label(self) -> str:
@@ -511,18 +516,19 @@ ENGINES: dict[str, EngineInfo] = {
             bucket_params_per_dp=1e6,
             # --fp8-recipe delayed | tensorwise (megatron/core/fp8_utils.py get_fp8_recipe: TE DelayedScaling,
             # Float8CurrentScaling) with Transformer Engine's linears (qkv, proj, fc1, fc2; the output layer is
-            # Megatron's own ColumnParallelLinear, bf16); TE saves each linear's input as one FP8 copy (module/linear.py
-            # update_usage: the transpose kept on Hopper) and keeps a persistent FP8 weight workspace, row-wise plus
-            # transpose (module/base.py _fp8_workspaces, refreshed when Megatron sets is_first_microbatch), unless the
-            # weights are FP8 parameters (--fp8-param-gather with the distributed optimizer, megatron/core/fp8_utils.py
-            # quantize_param_shard)
+            # Megatron's own ColumnParallelLinear, bf16); TE saves each linear's input as one FP8 copy
+            # (module/linear.py update_usage: the transpose kept on Hopper) and keeps a persistent FP8 weight
+            # workspace (module/base.py _fp8_workspaces, refreshed when Megatron sets is_first_microbatch), unless
+            # the weights are FP8 parameters (--fp8-param-gather with the distributed optimizer,
+            # megatron/core/fp8_utils.py quantize_param_shard)
             fp8_recipes=("delayed", "tensorwise"),
             fp8_kernels="te",
             fp8_saved_input_bytes=1.0,
-            fp8_weight_cache_bytes=2.0,
+            fp8_weight_cache_bytes=1.0,
             fp8_params_from_zero=1,
             fp8_gather_bytes=1.0,
             fp8_grads_bf16=True,
+            fp8_experts=True,
         ),
         EngineInfo(
             "deepspeed",
@@ -707,6 +713,14 @@ def fp8_refusal(training: TrainingSpec, device: DeviceProfile) -> str | None:
         why = "no FP8 tensor cores" if not device.peak_flops_per_s.get("fp8") else "no measured FP8 GEMM speed"
         return f"{device.display_name} has {why} (hardware_profiles/devices/{device.name}.json)"
     return None
+
+
+def check_fp8(training: TrainingSpec, device: DeviceProfile, field: str = "training.fp8") -> None:
+    """Refuse (BerthError naming `field`) an FP8 recipe the engine or the device cannot run: every path that turns a
+    request, a plan file or a run record into a prediction or a launch file calls this."""
+    refusal = fp8_refusal(training, device)
+    if refusal is not None:
+        raise BerthError(field, training.fp8, refusal)
 
 
 def engine_table() -> list[dict[str, object]]:

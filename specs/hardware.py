@@ -134,6 +134,12 @@ class DeviceProfile(_Frozen):
         description="an FP8 GEMM's fraction of the fp8 peak as a multiple of a bf16 GEMM's fraction of the bf16 peak "
         "at the same shape (measured best shapes: fp8 MAMF fraction / bf16 MAMF fraction); None: no FP8 tensor cores",
     )
+    fp8_transposed_copies: bool = Field(
+        default=True,
+        description="an FP8 GEMM needs its operands in one layout, so Transformer Engine keeps a transposed copy "
+        "beside each FP8 tensor a later GEMM reads the other way (Hopper, Ada); False from Blackwell on "
+        "(transformer_engine/common/transformer_engine.cpp nvte_is_non_tn_fp8_gemm_supported: SM 10.x and later)",
+    )
     memory_bytes: float = Field(gt=0)
     memory_bandwidth_bytes_per_s: float = Field(gt=0)
     memory_bandwidth_fraction: float = Field(gt=0, le=1)

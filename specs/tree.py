@@ -539,8 +539,8 @@ class TrainingSpec(Spec):
     @field_validator("fp8")
     @classmethod
     def _fp8_needs_bf16(cls, value: Any, info: ValidationInfo) -> Any:
-        precision = info.data.get("precision")
-        if value is not None and precision != "bf16":
+        precision = info.data.get("precision")  # absent when it was refused itself: that error is the one to show
+        if value is not None and precision is not None and precision != "bf16":
             raise ValueError(f"FP8 recipes train the rest of the model in bf16, not precision {precision}")
         return value
 

@@ -106,17 +106,21 @@ def test_transformer_engine_saves_fp8_inputs_and_keeps_an_fp8_weight_cache():
     b, s, h, f = 1, bf16.seq_len, model.hidden_size, model.ffn_hidden_size
     kept16 = memory.layer_activation_bytes(model, bf16, b, 1, 0, "none")[0]
     kept8 = memory.layer_activation_bytes(model, fp8, b, 1, 0, "none")[0]
-    # QKV and MLP inputs, the attention output and fc2's input: 1 byte instead of 2 (Transformer Engine)
-    assert float(kept16 - kept8) == pytest.approx(b * s * (3 * h + f))
+    # QKV and MLP inputs and fc2's input at 1 byte instead of 2 (Transformer Engine), the attention output kept at 2
+    # by the attention kernel with an FP8 copy beside for the output projection: h + f bytes less per token
+    assert float(kept16 - kept8) == pytest.approx(b * s * (h + f))
     titan = [t.model_copy(update={"engine": "torchtitan"}) for t in (bf16, fp8.model_copy(update={"fp8": "rowwise"}))]
     a, z = (memory.layer_activation_bytes(model, t, b, 1, 0, "none")[0] for t in titan)
     assert float(a) == float(z)  # torchao saves the bf16 input and weight
     cand = Candidates.from_layouts([Layout(tp=1, pp=2, dp=4, micro_batch_size=1, num_microbatches=8)])
     rule = ENGINES["megatron"].split
-    cache = memory.fp8_weight_cache_bytes(model, fp8, cand, True, False, rule)
+    cache = memory.fp8_weight_cache_bytes(model, fp8, c.device, cand, True, False, rule)
     assert float(np.asarray(cache)[0]) == pytest.approx(2.0 * 16 * model.params_per_layer)  # 16 layers, fp8 + transpose
+    blackwell = c.device.model_copy(update={"fp8_transposed_copies": False})  # no transposes on Blackwell
+    cache = memory.fp8_weight_cache_bytes(model, fp8, blackwell, cand, True, False, rule)
+    assert float(np.asarray(cache)[0]) == pytest.approx(16 * model.params_per_layer)
     sharded = replace(cand, zero_stage=np.array([1]))  # --fp8-param-gather: the FP8 weights replace the 16-bit ones
-    assert float(np.asarray(memory.fp8_weight_cache_bytes(model, fp8, sharded, True, False, rule))[0]) == 0.0
+    assert float(np.asarray(memory.fp8_weight_cache_bytes(model, fp8, c.device, sharded, True, False, rule))[0]) == 0.0
     # ... and the distributed optimizer's post-step all-gather moves them at 1 byte (2 in bf16, and at ZeRO-0 none);
     # the gradients are reduced in bf16 as NeMo's FP8 recipes run them (fp32 in Megatron-LM's bf16 default)
     assert [float(x[0]) for x in memory.dp_collective_bytes(fp8, sharded)] == [1.0, 2.0]
@@ -262,3 +266,26 @@ def test_launching_an_fp8_plan_in_another_engines_format_is_refused_when_it_cann
     plan = _plan("megatron", "tensorwise", "tp=2,pp=4,dp=1,mbs=1")
     with pytest.raises(BerthError, match="format deepspeed starts deepspeed: DeepSpeed 0.19.8 has no FP8 training"):
         plan_for_format(plan, "deepspeed")
+
+
+def test_every_path_to_a_prediction_or_a_launch_checks_the_recipe():
+    """A plan file, a training log read with a plan, `berth validate` and `precision: fp8` each refuse an FP8
+    recipe that cannot run, naming the field the user gave."""
+    from berth.executor.validate import preflight
+    from berth.planner.planning import plan_for_format
+    from berth.planner.run_logs import megatron_log
+
+    titan = _plan("torchtitan", "rowwise", "tp=1,pp=1,dp=8,zero=3,shard=8,mbs=1")
+    edited = titan.model_copy(update={"training": titan.training.model_copy(update={"engine": "megatron"})})
+    with pytest.raises(BerthError, match="not 'rowwise'") as err:
+        plan_for_format(edited, None)  # a plan file naming megatron with torchao's recipe
+    assert err.value.field == "plan.training.fp8"
+    log = "\n".join(f"iteration {i}/10 | elapsed time per iteration (ms): 900.0 |" for i in (2, 3))
+    with pytest.raises(BerthError, match="not 'rowwise'"):
+        megatron_log(log, titan)
+    with pytest.raises(BerthError, match="the bundled executor trains in bf16") as err:
+        preflight(_plan("megatron", "delayed", "tp=2,pp=2,dp=2,mbs=1,zero=1,sp=1"))
+    assert err.value.field == "plan.training.fp8"
+    with pytest.raises(BerthError, match="DeepSpeed 0.19.8 has no FP8") as err:
+        _resolve(precision="fp8", engine="deepspeed")
+    assert (err.value.field, err.value.value) == ("training.precision", "fp8")
