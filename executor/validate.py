@@ -91,8 +91,8 @@ def require_torch(what: str = "a validation") -> None:
         )
 
 
-def preflight(plan: Plan, oversubscribe: bool = False) -> None:
-    """Refuse, before launching anything, a plan this machine cannot run or that cannot run."""
+def _runnable(plan: Plan) -> None:
+    """Refuse a plan the bundled executor cannot run at all: an infeasible one, or one with FP8 linears."""
     if plan.infeasible_reason:
         raise BerthError("plan.infeasible_reason", plan.infeasible_reason, "the plan is not feasible; pick another")
     if plan.training.fp8 is not None:
@@ -102,6 +102,11 @@ def preflight(plan: Plan, oversubscribe: bool = False) -> None:
             "the bundled executor trains in bf16, fp16 or fp32 (no FP8 linears): validate a bf16 plan, or measure the "
             "FP8 run on its engine and give it to `berth calibrate --runs`",
         )
+
+
+def preflight(plan: Plan, oversubscribe: bool = False) -> None:
+    """Refuse, before launching anything, a plan this machine cannot run or that cannot run."""
+    _runnable(plan)
     try:
         check_layout(plan.model, plan.training, plan.layout, plan.layout.world_size)
     except UnsupportedLayout as err:
@@ -417,15 +422,7 @@ def validate_proxy(
         raise BerthError("layers", layers, f"must be a multiple of virtual_stages={x.virtual_stages}")
     if steps < 1 or warmup < 0:
         raise BerthError("steps" if steps < 1 else "warmup", steps if steps < 1 else warmup, "out of range")
-    if plan.infeasible_reason:
-        raise BerthError("plan.infeasible_reason", plan.infeasible_reason, "the plan is not feasible; pick another")
-    if plan.training.fp8 is not None:
-        raise BerthError(
-            "plan.training.fp8",
-            plan.training.fp8,
-            "the bundled executor trains in bf16, fp16 or fp32 (no FP8 linears): validate a bf16 plan, or measure the "
-            "FP8 run on its engine and give it to `berth calibrate --runs`",
-        )
+    _runnable(plan)
     if x.cp > 1:
         raise BerthError(
             "plan.layout.cp",
