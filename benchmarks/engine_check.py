@@ -515,6 +515,11 @@ import torch, torch._utils
 torch._utils._get_available_device_type = lambda: "cpu"
 from benchmarks import engine_check as ec
 ec._torchtitan_importable()
+try:  # Float8: the converter asks the local GPU for SM 8.9+; the plan's H100 answers yes (stand-in)
+    import torchtitan.components.quantization.float8 as F8
+    F8.has_cuda_capability = lambda *a: True
+except ImportError:
+    F8 = None
 import torchtitan.components.metrics as M
 class Monitor:
     device_name = "cpu (stand-in for the GPU)"
@@ -565,6 +570,8 @@ for job in jobs:
             "rope_theta": rope.theta, "rope_scaling": rope.scaling, "norm_eps": norm.eps,
             "tied": trainer.model_config.enable_weight_tying,
             "accumulation": trainer.gradient_accumulation_steps, "lr_scheduler": type(lrs).__name__,
+            "float8_linears": sum(type(x).__name__ == "Float8Linear" for m in trainer.model_parts for x in m.modules()),
+            "compiled": c.compile.enable,
         })
         trainer.close()
     except BaseException as e:

@@ -179,6 +179,20 @@ def test_torchtitan_fp8_config_converts_the_decoder_linears(tmp_path, monkeypatc
     assert cfg.compile.enable and "model" in cfg.compile.components
 
 
+@pytest.mark.skipif(ec.available("torchtitan") is not None, reason=str(ec.available("torchtitan")))
+def test_torchtitan_fp8_trainer_builds_in_dry_run(tmp_path):
+    """torchtitan's Trainer built from an FP8 berth_torchtitan.py in its dry-run mode (--comm.mode fake_backend) at
+    the plan's world size, tp 2 x FSDP 4, the model made small (benchmarks/engine_check.py; stand-in: the Float8
+    converter's GPU-capability query answers yes): every decoder linear (fused QKV, output, SwiGLU's three) is a
+    Float8Linear, the LM head is not, and the model is compiled."""
+    pytest.importorskip("torchao")
+    plan = ec.small_model_plan(_plan("torchtitan", "rowwise", "tp=2,pp=1,dp=4,zero=3,shard=4,mbs=1,sp=1"))
+    (got,) = ec.build_torchtitan_trainers([(plan, artifacts(plan, "torchtitan"))], tmp_path)
+    assert "error" not in got, got
+    assert (got["world"], got["tp"], got["dp_shard"]) == (8, 2, 4)
+    assert got["float8_linears"] == 5 * plan.model.num_layers and got["compiled"]
+
+
 def _golden(r):
     m, t, c = _resolve(
         model=r["model"],
