@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from berth.hardware_profiles import UnknownProfileError, load_profile_file, load_server, server_names
-from berth.specs.engines import ENGINES, check_fp8, fp8_refusal
+from berth.specs.engines import ENGINES, fp8_refusal
 from berth.specs.errors import BerthError, from_validation_error
 from berth.specs.hardware import DeviceProfile, ServerProfile
 from berth.specs.layouts import parse_spec
@@ -308,11 +308,10 @@ def training_spec(training: TrainingInput, cluster: ClusterSpec) -> TrainingSpec
         **({} if training.attention_kernel is None else {"attention_kernel": training.attention_kernel}),
         **({} if training.tuning is None else {"tuning": training.tuning}),
     )
-    if training.precision == "fp8" and training.fp8 is None:  # the user named the precision, not a recipe
-        refusal = fp8_refusal(spec, cluster.device)
-        if refusal is not None:
-            raise BerthError("training.precision", "fp8", refusal)
-    check_fp8(spec, cluster.device)
+    refusal = fp8_refusal(spec, cluster.device)
+    if refusal is not None:  # named on what the user gave: the precision 'fp8', or the recipe
+        given = ("training.precision", "fp8") if training.fp8 is None else ("training.fp8", spec.fp8)
+        raise BerthError(*given, refusal)
     return spec
 
 
