@@ -310,8 +310,8 @@ def training_spec(training: TrainingInput, cluster: ClusterSpec) -> TrainingSpec
     )
     refusal = fp8_refusal(spec, cluster.device)
     if refusal is not None:  # named on what the user gave: the precision 'fp8', or the recipe
-        given = ("training.precision", "fp8") if training.fp8 is None else ("training.fp8", spec.fp8)
-        raise BerthError(*given, refusal)
+        field, value = ("training.precision", "fp8") if training.fp8 is None else ("training.fp8", spec.fp8)
+        raise BerthError(field, value, refusal)
     return spec
 
 
