@@ -642,6 +642,27 @@ def gather_block_bytes(model: ModelSpec, training: TrainingSpec, c: Candidates, 
     return np.where(on, np.maximum(blocks * params * training.bytes_per_element - transient, 0.0), 0.0)
 
 
+def unsynced_collective_bytes(model: ModelSpec, training: TrainingSpec, c) -> np.ndarray:
+    """Blocks freed by the host but still reserved at the loss: the full-width outputs the forward hands to a
+    sequence-parallel reduce-scatter (EngineInfo.unsynced_rs_blocks per decoder layer, and the embedding's).
+    nanotron at e24d2483 (`parallel/tensor_parallel/functional.py` `_RowLinearAsyncCommunication.forward`, `nn.py`
+    `TensorParallelEmbedding.forward`) computes the row-parallel linear's partial sums at full width, reduce-scatters
+    them into a new sequence shard and drops them; torch's NCCL process group records such an input on its stream
+    and the caching allocator does not hand the block out again until the GPU has run the collective. With pp = 1
+    nothing syncs the host between the forward and the backward, so it runs ahead of the GPU and every such block
+    of the forward is still reserved when the backward begins. With pp > 1 each send between stages syncs the host
+    (`pipeline_parallel/p2p.py` `_send_meta` copies its metadata from host memory and asserts on the device copy),
+    so none are left at the peak. On the Ultra-Scale Playbook's nanotron sweep (benchmarks/engine_sweep.py) the
+    reserved peak at pp = 1, tp = 4-32 sat 1.8-2.0 GiB (8B model, 32 layers) and 0.6-0.9 GiB (1B, 16 layers) per
+    sequence above the recipe whatever tp, and not at pp > 1: 2 blocks of 4,096 x 4,096 bf16 per layer are 2.0 GiB,
+    of 4,096 x 2,048 0.5 GiB."""
+    blocks = engine_of(training).unsynced_rs_blocks
+    on = (np.asarray(c.pp) == 1) & (np.asarray(c.tp) > 1) & (np.asarray(c.sequence_parallel) > 0)
+    tokens = np.asarray(c.micro_batch_size, dtype=float) * training.seq_len
+    block = training.bytes_per_element * tokens * model.hidden_size
+    return np.where(on & (blocks > 0), block * (blocks * model.num_layers + 1.0), 0.0)
+
+
 def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> float:
     """What the caching allocator can reserve on one device: the memory nvidia-smi reports less
     what the driver keeps back (torch's "total capacity" is this much smaller), the CUDA context and
@@ -770,7 +791,9 @@ def stage_memory_breakdown(
             "pipeline_buffers": receive,
         },
     ]
-    totals = np.stack([sum(ph.values()) for ph in phases])
+    # reserved from the forward's end through the backward, beside the first two phases
+    unsynced = unsynced_collective_bytes(act_model, training, c)
+    totals = np.stack([sum(ph.values()) for ph in phases]) + np.stack([unsynced, unsynced, zeros])
     which = np.argmax(totals, axis=0)
     loss, layer, opt = phases
     at_loss, at_layer = which == 0, which == 1  # np.where, not np.choose, which first stacks its choices
@@ -797,7 +820,8 @@ def stage_memory_breakdown(
         "sharding_buffers": chosen["sharding_buffers"],
         "pipeline_buffers": chosen["pipeline_buffers"],
         "fragmentation": device.allocator_fragmentation_fraction * dynamic
-        + device.allocator_transient_blocks * transient,
+        + device.allocator_transient_blocks * transient
+        + np.where(which < 2, unsynced, 0.0),
         "framework": np.full_like(p, device.framework_overhead_bytes),
     }
 

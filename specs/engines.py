@@ -100,6 +100,12 @@ class EngineInfo:
     # while k and v are copied for the rotary kernel (nanotron models/llama.py)
     glu_unfused: bool = False
     mha_qkv_kept: bool = False
+    # full-width [tokens, hidden] blocks per decoder layer (and one for the embedding) that the forward hands to a
+    # sequence-parallel reduce-scatter and then frees: torch's NCCL process group records each on its stream, so the
+    # caching allocator cannot reuse it until the GPU has run the collective, and where nothing syncs the host between
+    # the forward and the backward (pp = 1) the host runs ahead and they are all reserved at once at the loss
+    # (nanotron: RowLinear's and the embedding's reduce_scatter_tensor; cost_models/memory.py unsynced_collective_bytes)
+    unsynced_rs_blocks: float = 0.0
     # FP8 (TrainingSpec.fp8): the recipes the engine runs (none: it refuses FP8), whose kernels cast ("te":
     # Transformer Engine, casts fused into its norms and cast-transpose kernels, weights cast once per step; "torchao":
     # dynamic casts of every operand on every call, cost_models/compute.py fp8_cast_bytes), the bytes per element a
@@ -582,6 +588,7 @@ ENGINES: dict[str, EngineInfo] = {
             sharded_loss=True,
             glu_unfused=True,
             mha_qkv_kept=True,
+            unsynced_rs_blocks=2.0,
         ),
         EngineInfo(
             "generic",
@@ -690,7 +697,14 @@ def engine_refusal(layout: Layout, model: ModelSpec, training: TrainingSpec, eng
 
 
 # the EngineInfo fields that add to an engine's memory recipe (cost_models/memory.py reads each)
-MEMORY_EXTRA_FIELDS = ("ddp_beside_grad_buffer", "zero1_gather_blocks", "sharded_loss", "glu_unfused", "mha_qkv_kept")
+MEMORY_EXTRA_FIELDS = (
+    "ddp_beside_grad_buffer",
+    "zero1_gather_blocks",
+    "sharded_loss",
+    "glu_unfused",
+    "mha_qkv_kept",
+    "unsynced_rs_blocks",
+)
 
 
 def memory_extras(e: EngineInfo) -> tuple[str, ...]:

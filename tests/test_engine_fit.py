@@ -6,6 +6,7 @@ EngineTuning (synthetic timings, the only place the truth is exact); the real ch
 measured sweep is benchmarks/engine_sweep.py (its figures in benchmarks/results/engine_sweep.json, scored
 by tests/test_engine_sweep.py)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -746,6 +747,35 @@ def test_nanotron_zero1_gather_block_only_where_torch_stacks_the_outputs():
     nano = buffers("nanotron")
     assert nano[0] == 0 and nano[2] == 0 and nano[1] == pytest.approx(2.0 * params - largest)
     assert not buffers("generic").any() and not buffers("megatron").any()
+
+
+def test_nanotron_reduce_scatter_inputs_stay_reserved_only_where_the_host_runs_ahead(monkeypatch):
+    """nanotron's forward hands each row-parallel output (2 per layer) and the embedding's at full width to a
+    sequence-parallel reduce-scatter and drops it; at pp = 1 nothing syncs the host before the backward, so they are
+    all still reserved there: (2 L + 1) x mbs x s x h x 2 bytes in the fragmentation term. None at pp > 1 (each
+    stage's send syncs the host), at tp = 1 (no reduce-scatter) or without sequence parallelism, nor for an engine
+    whose code has no such blocks."""
+    from berth.cost_models import memory
+
+    cl = cluster_from_preset("dgx-h100", 1)
+    sp = Layout(tp=4, pp=1, dp=2, micro_batch_size=2, num_microbatches=16, sequence_parallel=True)
+    no_sp = sp.model_copy(update={"sequence_parallel": False})
+    one = Layout(tp=1, pp=1, dp=8, micro_batch_size=2, num_microbatches=4)
+    piped = Layout(tp=4, pp=2, dp=1, micro_batch_size=2, num_microbatches=32, sequence_parallel=True, schedule="1f1b")
+    c = Candidates.from_layouts([sp, no_sp, one, piped])
+    t = training("nanotron")
+    held = np.asarray(memory.unsynced_collective_bytes(SMALL, t, c), dtype=float)
+    block = 2 * 2 * t.seq_len * SMALL.hidden_size
+    assert held.tolist() == pytest.approx([block * (2 * SMALL.num_layers + 1), 0.0, 0.0, 0.0])
+    assert not np.asarray(memory.unsynced_collective_bytes(SMALL, training("megatron"), c)).any()
+
+    def fragmentation():
+        b = memory.stage_memory_breakdown(SMALL, t, cl.device, c, first=True)
+        return np.asarray(b["fragmentation"], dtype=float)
+
+    with_blocks = fragmentation()
+    monkeypatch.setitem(ENGINES, "nanotron", dataclasses.replace(ENGINES["nanotron"], unsynced_rs_blocks=0.0))
+    assert (with_blocks - fragmentation()).tolist() == pytest.approx(held.tolist())
 
 
 def test_nanotron_loss_holds_its_fp32_copies_at_any_tp():

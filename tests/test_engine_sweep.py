@@ -38,7 +38,7 @@ def test_the_saved_figures_are_what_the_code_computes(result):
 
 
 def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
-    """Ranking and throughput improve from either model's probes. The first choice is not asserted: from the 1B
+    """Ranking and throughput improve from either model's probes. The first choice is not asserted: from the 8B
     model's probes the median regret is 9.8 % after against 6.3 % before (one group's first choice flips)."""
     for size, r in result["models"].items():
         b, a = r["before"], r["after"]
@@ -51,14 +51,17 @@ def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
         assert g["before"]["refused"] == 0, size
 
 
-def test_the_nanotron_entry_ranks_better_than_the_generic_engine_after_calibration(result):
+def test_the_nanotron_entry_predicts_better_than_the_generic_engine(result):
     """Its split rule and recipe, read from nanotron's code, leave the fit less to learn: on the groups not probed
-    the calibrated nanotron entry ranks and predicts throughput closer than the calibrated generic engine. Its
-    first choice is not better on every loop (1B probes: 9.8 % against 5.6 %; 8B probes: 5.6 % both)."""
+    the nanotron entry predicts memory far closer before calibration (9 % against 37 %) and throughput closer after
+    it than the calibrated generic engine. Its ranking is not better on every loop (median rho after calibration,
+    8B / 1B probes: 0.85 / 0.82 against 0.82 / 0.83), nor its first choice (regret 9.8 / 3.7 % against 5.6 / 5.6 %)."""
     for size, r in result["models"].items():
         a, g = r["after"], result["generic"][size]["after"]
-        assert a["rho_median"] > g["rho_median"], size
         assert a["throughput_error_median"] < g["throughput_error_median"], size
+        assert (
+            r["before"]["memory_abs_error_median"] < 0.5 * result["generic"][size]["before"]["memory_abs_error_median"]
+        )
 
 
 def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
@@ -156,3 +159,46 @@ def test_nanotron_memory_read_from_its_code_predicts_the_sweep_uncalibrated(monk
     assert np.median(np.abs(ratio - 1)) > 0.2
     flat = (pp == 1) & (size == "8B")
     assert np.median(ratio[flat & (zero == 0)]) - np.median(ratio[flat & (zero == 1)]) > 0.08
+
+
+def test_reduce_scatter_blocks_the_host_runs_ahead_of_are_the_sweeps_memory_at_pp_1(monkeypatch):
+    """At pp = 1 with tensor parallelism the sweep's reserved peak sat above nanotron's recipe by about 2 GiB (8B) and
+    0.8 GiB (1B) per sequence whatever tp; the forward's row-parallel outputs handed to reduce-scatters and still
+    reserved while the host runs ahead (specs/engines.py unsynced_rs_blocks, cost_models/memory.py) close it: the
+    median predicted / measured over those runs is 0.86-0.87 without them and within 4 % of 1 with them, for both
+    models; at pp > 1 nothing changes."""
+    import dataclasses
+
+    import numpy as np
+
+    from berth.cost_models.step import evaluate
+    from berth.specs.candidates import Candidates
+    from berth.specs.engines import ENGINES
+
+    ran, _ = engine_sweep.records("nanotron")
+    groups: dict = {}
+    for r in ran:
+        groups.setdefault((r["size"], r["cluster"]["nodes"]), []).append(r)
+
+    def ratios():
+        out: dict = {}
+        for (size, _), recs in groups.items():
+            runs = engine_sweep.as_runs(recs)
+            f = runs[0]
+            cap = CEILING * allocator_capacity_bytes(f.cluster.device, f.cluster.world_size) / 2**30
+            ev = evaluate(f.model, f.training, f.cluster, Candidates.from_layouts([r.layout for r in runs]))
+            for i, (rec, run) in enumerate(zip(recs, runs, strict=True)):
+                if rec["peak_memory_gib"] < cap and run.layout.tp > 1:
+                    key = (size, run.layout.pp == 1)
+                    out.setdefault(key, []).append(
+                        float(ev.first_stage_memory_bytes[i]) / 2**30 / rec["peak_memory_gib"]
+                    )
+        return {k: float(np.median(v)) for k, v in out.items()}
+
+    held = ratios()
+    monkeypatch.setitem(ENGINES, "nanotron", dataclasses.replace(ENGINES["nanotron"], unsynced_rs_blocks=0.0))
+    without = ratios()
+    for size in ("1B", "8B"):
+        assert abs(held[(size, True)] - 1.0) < 0.04, (size, held)
+        assert without[(size, True)] < 0.9, (size, without)
+        assert held[(size, False)] == pytest.approx(without[(size, False)])
