@@ -184,8 +184,8 @@ MEMORY: tuple[MemoryTerm, ...] = (
     MemoryTerm(
         "fragmentation",
         "fragmentation",
-        "what the caching allocator reserves beyond "
-        "the allocated peak (a share of the dynamic terms and transient blocks)",
+        "what the caching allocator reserves beyond the allocated peak (a share of the dynamic terms, transient "
+        "blocks, and freed blocks a collective still holds where the engine's host runs ahead)",
     ),
     MemoryTerm(
         "framework",
