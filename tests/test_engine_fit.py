@@ -522,7 +522,6 @@ def test_the_allocator_reserve_is_fitted_only_from_runs_with_both_peaks():
 
 
 def test_gradient_buckets_follow_each_engines_code(monkeypatch):
-    import dataclasses
     import math
 
     from berth.specs import engines
