@@ -437,10 +437,14 @@ def evaluate(
     share = moe_tp_collective_share(model, c)
     tp_fwd = _tp_layer_s(cluster, fwd_element * b * s * h, tp, stride["tp"]) * share
     tp_bwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"]) * share
+    # a pipeline whose sends cross nodes: where an engine's host-synchronized sends cost time (EngineTuning
+    # pipeline_latency_scale and pipeline_microbatch_overhead_s); inside a node the sweep's pipelines show neither
+    # (benchmarks/engine_sweep.py: nanotron, 1B and 8B, tp 2-4 within a node, 0-11 ms per micro-batch)
+    crosses = (pp > 1) & (comm.members_per_block(c.pp, stride["pp"], cluster.gpus_per_node) < pp)
     if tuning.pipeline_latency_scale != 1.0:  # the host-synchronized pipeline's tp collectives (EngineTuning)
         synced = tuned_cluster(cluster, EngineTuning(latency_scale=tuning.pipeline_latency_scale))
-        tp_fwd = np.where(pp > 1, _tp_layer_s(synced, fwd_element * b * s * h, tp, stride["tp"]) * share, tp_fwd)
-        tp_bwd = np.where(pp > 1, _tp_layer_s(synced, act_bytes, tp, stride["tp"]) * share, tp_bwd)
+        tp_fwd = np.where(crosses, _tp_layer_s(synced, fwd_element * b * s * h, tp, stride["tp"]) * share, tp_fwd)
+        tp_bwd = np.where(crosses, _tp_layer_s(synced, act_bytes, tp, stride["tp"]) * share, tp_bwd)
     cp_fwd, cp_bwd = cp_exchange_s(
         model, training, cluster, b, tp, c.cp, stride["cp"], lt.attention_forward, lt.attention_backward
     )
@@ -465,8 +469,7 @@ def evaluate(
         pp > 1,
         2.0 * vpp * comm.p2p_s(cluster, act_bytes / tp, c.pp, stride["pp"])
         # the engine's send handshake, where the pipeline's sends cross nodes (EngineTuning)
-        + tuning.pipeline_microbatch_overhead_s
-        * (comm.members_per_block(c.pp, stride["pp"], cluster.gpus_per_node) < pp),
+        + tuning.pipeline_microbatch_overhead_s * crosses,
         0.0,
     )
 

@@ -88,7 +88,7 @@ PARAMETERS: dict[str, Parameter] = {
     "overlap": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with dp > 1 whose gradient traffic is not hidden"),
     "param_gather_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
     "grad_reduce_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
-    "pipeline_latency_scale": Parameter(1.0, 1000.0, "log", 1.0, "time", "runs with tp > 1 and pp > 1"),
+    "pipeline_latency_scale": Parameter(1.0, 1000.0, "log", 1.0, "time", "runs with tp > 1 and pp > 1 across nodes"),
     "fixed_bytes": Parameter(0.0, 32 * GIB, "lin", GIB, "memory", "runs with a measured peak memory"),
     "state_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs whose parameter share differs"),
     "optimizer_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs with and without ZeRO sharding"),

@@ -617,6 +617,23 @@ def test_the_pipeline_handshake_is_charged_where_sends_cross_nodes():
     assert tuned[1].predicted().step_time_s == pytest.approx(base[1].predicted().step_time_s)
 
 
+def test_the_synchronized_pipelines_tp_latency_is_charged_where_sends_cross_nodes():
+    """pipeline_latency_scale multiplies the tensor-parallel collectives' latency of a pipeline whose sends cross
+    nodes; inside a node (the sweep's single-node pipelines: no such cost) nothing changes, nor without a pipeline."""
+    cl = cluster_from_preset("dgx-h100", 2)
+    # tp-dp-pp: the two stages 8 ranks apart, one node each; tp-pp-dp: both stages in one node
+    across = Layout(tp=2, pp=2, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True)
+    within = across.model_copy(update={"axis_order": "tp-pp-dp"})
+    flat = Layout(tp=2, pp=1, dp=8, micro_batch_size=1, num_microbatches=8, sequence_parallel=True)
+    tuned = EngineTuning(pipeline_latency_scale=50.0)
+    base, slow = (
+        [p.predicted().time_breakdown_s["tp_comm"] for p in predict_layouts(SMALL, training(tuning=t), cl, ls)]
+        for t, ls in ((EngineTuning(), [across, within, flat]), (tuned, [across, within, flat]))
+    )
+    assert slow[0] > 1.5 * base[0]
+    assert slow[1] == pytest.approx(base[1]) and slow[2] == pytest.approx(base[2])
+
+
 def test_probe_among_given_layouts_the_prior_thinks_too_big():
     cl = cluster_from_preset("dgx-h100", 1)
     big = SMALL.model_copy(update={"num_layers": 48, "hidden_size": 6144, "num_attention_heads": 48})
