@@ -439,7 +439,7 @@ def evaluate(
     tp_bwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"]) * share
     # a pipeline whose sends cross nodes: where an engine's host-synchronized sends cost time (EngineTuning
     # pipeline_latency_scale and pipeline_microbatch_overhead_s); inside a node the sweep's pipelines show neither
-    # (benchmarks/engine_sweep.py: nanotron, 1B and 8B, tp 2-4 within a node, 0-11 ms per micro-batch)
+    # (benchmarks/engine_sweep.py: nanotron, 1B and 8B, tp 2-4 within a node, -15 to 11 ms per micro-batch)
     crosses = (pp > 1) & (comm.members_per_block(c.pp, stride["pp"], cluster.gpus_per_node) < pp)
     if tuning.pipeline_latency_scale != 1.0:  # the host-synchronized pipeline's tp collectives (EngineTuning)
         synced = tuned_cluster(cluster, EngineTuning(latency_scale=tuning.pipeline_latency_scale))
