@@ -435,16 +435,22 @@ def evaluate(
     gather = engine_of(training).fp8_gather_bytes if compute.fp8_gemms(training, device) else 0.0
     fwd_element = np.where((c.sequence_parallel > 0) & (gather > 0), (e + gather) / 2.0, e)
     share = moe_tp_collective_share(model, c)
-    tp_fwd = _tp_layer_s(cluster, fwd_element * b * s * h, tp, stride["tp"]) * share
-    tp_bwd = _tp_layer_s(cluster, act_bytes, tp, stride["tp"]) * share
+
+    def tp_collectives(cl: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) tensor-parallel collectives of one layer on `cl`."""
+        fwd_s = _tp_layer_s(cl, fwd_element * b * s * h, tp, stride["tp"]) * share
+        return fwd_s, _tp_layer_s(cl, act_bytes, tp, stride["tp"]) * share
+
+    tp_fwd, tp_bwd = tp_collectives(cluster)
     # a pipeline whose sends cross nodes: where an engine's host-synchronized sends cost time (EngineTuning
     # pipeline_latency_scale and pipeline_microbatch_overhead_s); inside a node the sweep's pipelines show neither
     # (benchmarks/engine_sweep.py: nanotron, 1B and 8B, tp 2-4 within a node, -15 to 11 ms per micro-batch)
     crosses = (pp > 1) & (comm.members_per_block(c.pp, stride["pp"], cluster.gpus_per_node) < pp)
     if tuning.pipeline_latency_scale != 1.0:  # the host-synchronized pipeline's tp collectives (EngineTuning)
-        synced = tuned_cluster(cluster, EngineTuning(latency_scale=tuning.pipeline_latency_scale))
-        tp_fwd = np.where(crosses, _tp_layer_s(synced, fwd_element * b * s * h, tp, stride["tp"]) * share, tp_fwd)
-        tp_bwd = np.where(crosses, _tp_layer_s(synced, act_bytes, tp, stride["tp"]) * share, tp_bwd)
+        sync_fwd, sync_bwd = tp_collectives(
+            tuned_cluster(cluster, EngineTuning(latency_scale=tuning.pipeline_latency_scale))
+        )
+        tp_fwd, tp_bwd = np.where(crosses, sync_fwd, tp_fwd), np.where(crosses, sync_bwd, tp_bwd)
     cp_fwd, cp_bwd = cp_exchange_s(
         model, training, cluster, b, tp, c.cp, stride["cp"], lt.attention_forward, lt.attention_backward
     )
