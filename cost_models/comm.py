@@ -12,6 +12,14 @@ once (`topology/hierarchy.py`), which is how shared NICs and oversubscribed upli
 
 A group of `size` ranks with `stride` between members (from the layout's axis order) has
 min(size, D / stride) members in a block of D consecutive GPUs.
+
+All-reduce across nodes also has NCCL's tree (NCCL >= 2.4: a chain inside each node, a double binary
+tree between nodes), and NCCL runs whichever of ring and tree its tuning model says is faster
+(`src/graph/tuning.cc` ncclTopoTuneModel): the ring takes 2 (n - 1) latency steps, the tree
+2 (ranks per node - 1) inside the node plus 2 log2(nodes) between them, at 0.92 of the ring's bus
+bandwidth and without the ring's (n - 1) / n saving. Over tens of nodes the ring's latency is
+what a torch DDP bucket of 25 MiB waits on, and the tree is what runs; reduce-scatter and
+all-gather are ring only.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from berth.specs.tree import ClusterSpec
 
 ALL_REDUCE_PASSES = 2.0  # reduce-scatter + all-gather
 HALF_PASSES = 1.0  # all-gather or reduce-scatter alone
+TREE_BANDWIDTH_SHARE = 0.92  # NCCL tuning.cc: a tree all-reduce's bus bandwidth, busBw * .92 of the ring's
 
 
 def members_per_block(size, stride, block_gpus: int) -> ArrayOrFloat:
@@ -43,6 +52,13 @@ def collective_time_s(
     (unsharded) buffer size. Each link's measured `op_time_scale` (from `berth profile`) scales
     the bandwidth term of that operation (1.0 unless measured).
     """
+    return _hierarchical_s(cluster, nbytes, size, stride, passes, op, tree=False)
+
+
+def _hierarchical_s(cluster: ClusterSpec, nbytes, size, stride, passes, op: CollectiveOp, tree: bool) -> np.ndarray:
+    """The levels' bandwidth and latency terms, summed; with `tree`, the levels between nodes run NCCL's
+    double binary tree (floor(log2 c) latency steps, every byte of the level's share crossing, at
+    TREE_BANDWIDTH_SHARE of the bandwidth) instead of a ring."""
     size = np.asarray(size, dtype=float)
     below = np.ones_like(size)  # members per block of the level below
     bandwidth_term = np.zeros_like(size)
@@ -52,15 +68,23 @@ def collective_time_s(
         rings = members / below  # sub-groups joined at this level
         link = level.link
         bw = link.bandwidth_bytes_per_s * link.collective_efficiency
-        bandwidth_term = bandwidth_term + link.scale(op) * (rings - 1.0) / rings * (nbytes / below) / bw
-        latency_term = latency_term + (rings - 1.0) * link.hop_latency_s
+        if tree and level.gpus > cluster.gpus_per_node:
+            share = np.where(rings > 1.0, 1.0 / TREE_BANDWIDTH_SHARE, 0.0)
+            steps = np.floor(np.log2(np.maximum(rings, 1.0)))
+        else:
+            share, steps = (rings - 1.0) / rings, rings - 1.0
+        bandwidth_term = bandwidth_term + link.scale(op) * share * (nbytes / below) / bw
+        latency_term = latency_term + steps * link.hop_latency_s
         below = members
     base = np.where(size > 1, cluster.collective_base_latency_s, 0.0)
     return np.where(size > 1, passes * (bandwidth_term + latency_term) + base, 0.0)
 
 
 def all_reduce_s(cluster: ClusterSpec, nbytes, size, stride) -> np.ndarray:
-    return collective_time_s(cluster, nbytes, size, stride, ALL_REDUCE_PASSES)
+    """The faster of the ring and, where the group spans nodes, NCCL's tree (module docstring)."""
+    ring = collective_time_s(cluster, nbytes, size, stride, ALL_REDUCE_PASSES)
+    tree = _hierarchical_s(cluster, nbytes, size, stride, ALL_REDUCE_PASSES, "all_reduce", tree=True)
+    return np.minimum(ring, tree)
 
 
 def all_gather_s(cluster: ClusterSpec, nbytes, size, stride) -> np.ndarray:

@@ -602,14 +602,16 @@ def tuned_cluster(cluster: ClusterSpec, tuning: EngineTuning) -> ClusterSpec:
 
 
 def tuned_layer_times(lt: compute.LayerTimes, tuning: EngineTuning) -> compute.LayerTimes:
-    """A layer's compute at the engine's fitted speed (x 1 / compute_efficiency) plus its host overhead per
-    micro-batch (layer_overhead_s, a third in the forward, two thirds in the backward, as the work splits)."""
+    """A layer's compute at the engine's fitted speed (x 1 / compute_efficiency), and the engine's host time
+    per micro-batch (layer_overhead_s, a third in the forward, two thirds in the backward, as the work splits):
+    the host issues a layer's kernels while the GPU runs the ones before, so a pass takes the longer of the two
+    (host-bound where the layer's compute is short: small micro-batches split by wide tensor parallelism)."""
     if tuning.neutral:
         return lt
     k, oh = 1.0 / tuning.compute_efficiency, tuning.layer_overhead_s
     return lt._replace(
-        forward=lt.forward * k + oh / 3.0,
-        backward=lt.backward * k + 2.0 * oh / 3.0,
+        forward=np.maximum(lt.forward * k, oh / 3.0),
+        backward=np.maximum(lt.backward * k, 2.0 * oh / 3.0),
         attention_forward=lt.attention_forward * k,
         attention_backward=lt.attention_backward * k,
         gemm_forward=lt.gemm_forward * k,

@@ -74,14 +74,30 @@ class Parameter:
     unit: float
     quantity: str  # "time" or "memory"
     needs: str  # the runs that determine it
+    # a threshold (the host time a layer takes the longer of): below every run's layer time it changes nothing and
+    # its derivative is 0, so the fit starts it no lower than this, where the runs can say whether it binds
+    start: float | None = None
 
 
+# layer_overhead_s's start: 3 ms a layer and micro-batch, about twice the host dispatch the H100 profiles measured per
+# decoder layer for torch stacks (1.3-1.7 ms forward and backward, hardware_profiles/devices/h100-sxm.json frameworks)
+HOST_START_S = 0.003
 PARAMETERS: dict[str, Parameter] = {
     # at most 15 % faster than the device profile's measured kernels, at most 20 % above its links' bandwidth: an
     # engine cannot beat the hardware, and a fit that wants to is absorbing something else
     "compute_efficiency": Parameter(0.2, 1.15, "log", 1.0, "time", "runs with a step time"),
-    "layer_overhead_s": Parameter(0.0, 0.05, "lin", 1e-3, "time", "runs at two or more micro-batch sizes"),
-    "intra_node_bandwidth_scale": Parameter(0.02, 1.2, "log", 1.0, "time", "runs with tp or dp inside a node"),
+    "layer_overhead_s": Parameter(
+        0.0,
+        0.05,
+        "lin",
+        1e-3,
+        "time",
+        "runs whose layers are short enough to wait on the host (small micro-batches, wide tp)",
+        start=HOST_START_S,
+    ),
+    # inside a node an engine's collectives are the same library's as the profile's measured bus bandwidth: at most
+    # 4x slower (small messages are latency_scale's); a fit that wants NVLink slower is absorbing its host or compute
+    "intra_node_bandwidth_scale": Parameter(0.25, 1.2, "log", 1.0, "time", "runs with tp or dp inside a node"),
     "inter_node_bandwidth_scale": Parameter(0.005, 1.2, "log", 1.0, "time", "runs with a group across nodes"),
     "latency_scale": Parameter(0.1, 1000.0, "log", 1.0, "time", "runs with many small collectives (tp, small mbs)"),
     "pipeline_microbatch_overhead_s": Parameter(0.0, 2.0, "lin", 1e-2, "time", "runs with pp > 1 across nodes"),
@@ -392,10 +408,13 @@ def identifiable(
 
 def start(prior: EngineTuning, names: Iterable[str], cluster: ClusterSpec, engine: str) -> np.ndarray:
     """The prior in the fit's coordinates, moved INTERIOR of the way inside its bounds (a start on a bound,
-    e.g. an overhead of 0, stalls the trust-region solver's bound scaling at its first step)."""
+    e.g. an overhead of 0, stalls the trust-region solver's bound scaling at its first step), a threshold
+    parameter no lower than its Parameter.start."""
     names = list(names)
     lo, hi = bounds(names)
-    x = np.array([encode(n, prior_value(prior, n, cluster, engine)) for n in names])
+    x = np.array(
+        [encode(n, max(prior_value(prior, n, cluster, engine), PARAMETERS[n].start or -math.inf)) for n in names]
+    )
     pad = INTERIOR * (hi - lo)
     return np.clip(x, lo + pad, hi - pad)
 

@@ -387,7 +387,8 @@ class EngineTuning(Spec):
         default=0.0,
         ge=0,
         le=1.0,
-        description="host time a decoder layer's forward and backward wait for, per micro-batch, beyond the profile",
+        description="host time the engine takes to issue a decoder layer's forward and backward, per micro-batch: "
+        "where it is longer than the layer's compute, the layer takes it instead (host-bound)",
     )
     intra_node_bandwidth_scale: float = Field(
         default=1.0, gt=0, le=10, description="x the achieved bandwidth of the innermost fabric level (in a node)"

@@ -59,3 +59,25 @@ def test_preset_cluster_is_derived_from_its_graph():
     assert (c.world_size, c.intra_node.bandwidth_bytes_per_s, c.inter_node.bandwidth_bytes_per_s) == (24, 300e9, 25e9)
     assert [(lv.gpus, lv.link.kind) for lv in c.levels] == [(8, "nvswitch"), (24, "infiniband")]
     assert c.hosts == ("n0", "n1", "n2")
+
+
+def test_all_reduce_across_many_nodes_runs_nccls_tree_where_it_is_faster():
+    """NCCL's tuning model (src/graph/tuning.cc): a ring all-reduce takes 2 (n - 1) latency steps, the tree 2 log2
+    of the nodes between them, at 0.92 of the bus bandwidth and without the ring's (n - 1) / n. A small buffer over
+    64 nodes runs the tree; a large one over 2 nodes the ring; reduce-scatter is ring only."""
+    c = cluster_from_preset("aws-p5", 64)
+    hop, base = c.inter_node.hop_latency_s, c.collective_base_latency_s
+    # one GPU per node (stride 8): only the inter-node level
+    small = float(comm.all_reduce_s(c, 0.0, 64, 8))
+    assert small == pytest.approx(2 * 6 * hop + base)  # tree: log2(64) = 6 steps each way, against 63 for the ring
+    assert float(comm.reduce_scatter_s(c, 0.0, 64, 8)) == pytest.approx(63 * hop + base)
+    two = cluster_from_preset("aws-p5", 2)
+    nic = two.inter_node.bandwidth_bytes_per_s * two.inter_node.collective_efficiency
+    big = float(comm.all_reduce_s(two, 1e9, 2, 8))
+    assert big == pytest.approx(2 * (0.5 * 1e9 / nic + hop) + base)  # the ring: half the buffer each way
+    # a whole-node group over 64 nodes: the node's ring, then the tree over the nodes with 1/8 of the buffer each
+    bw8 = c.intra_node.bandwidth_bytes_per_s * c.intra_node.collective_efficiency
+    whole = float(comm.all_reduce_s(c, 8e9, 512, 1))
+    tree = 2 * (7 / 8 * 8e9 / bw8 + 7 * c.intra_node.hop_latency_s + 1e9 / (0.92 * nic) + 6 * hop) + base
+    ring = 2 * (7 / 8 * 8e9 / bw8 + 7 * c.intra_node.hop_latency_s + 63 / 64 * 1e9 / nic + 63 * hop) + base
+    assert whole == pytest.approx(min(tree, ring))

@@ -465,19 +465,20 @@ def test_the_budget_goes_to_what_the_runs_disagree_with_the_prior_about():
     assert order[:2] == [2, 0] and sorted(order) == [0, 1, 2]
     # nothing to explain: PARAMETERS order
     assert explaining_order(jac, np.zeros(4)) == [0, 1, 2]
-    # an engine whose only change is a host overhead per layer and micro-batch: with a budget of one time parameter
-    # (two timed runs), the fit takes it, not the first in PARAMETERS order (compute_efficiency, which would scale
-    # both runs alike where the truth slows the one with eight micro-batches most)
+    # an engine whose only change is a slower host, 8 ms per layer and micro-batch: with a budget of one time
+    # parameter (two timed runs), the fit takes it, not the first in PARAMETERS order (compute_efficiency, which
+    # would scale both runs alike where the truth slows only the run whose layers are shorter than its host time:
+    # tp = 2 with one sequence a micro-batch, under 2 ms a layer, against eight sequences)
     cl = cluster_from_preset("dgx-h100", 1)
     layouts = [
-        Layout(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=8),
-        Layout(tp=1, pp=1, dp=8, micro_batch_size=8, num_microbatches=1),
+        Layout(tp=2, pp=1, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True),
+        Layout(tp=2, pp=1, dp=4, micro_batch_size=8, num_microbatches=2, sequence_parallel=True),
     ]
-    runs = synthetic_runs(layouts, cl, truth=EngineTuning(layer_overhead_s=0.004))
+    runs = synthetic_runs(layouts, cl, truth=EngineTuning(layer_overhead_s=0.008))
     runs = [MeasuredRun(r.id, r.model, r.training, r.cluster, r.layout, "ok", r.step_time_s) for r in runs]
     fit = fit_engine(runs, folds=1)
     assert fit.fitted == ["layer_overhead_s"], fit.fitted
-    assert fit.tuning.layer_overhead_s == pytest.approx(0.004, rel=0.1)
+    assert fit.tuning.layer_overhead_s == pytest.approx(0.008, rel=0.1)
 
 
 def test_zero1_gradients_reduced_after_the_backward_cost_more():
@@ -818,3 +819,14 @@ def test_the_engine_table_names_what_each_engine_holds_beyond_its_recipe():
     rows = {r["name"]: r for r in engine_table()}
     assert rows["nanotron"]["memory_extras"] == list(MEMORY_EXTRA_FIELDS) == list(memory_extras(ENGINES["nanotron"]))
     assert rows["megatron"]["memory_extras"] == [] and rows["generic"]["memory_extras"] == []
+
+
+def test_a_layer_waits_on_a_slower_host_only_where_its_compute_is_shorter():
+    """layer_overhead_s is the engine's host time per layer and micro-batch: a pass takes the longer of it and the
+    layer's compute (a third forward, two thirds backward), not their sum."""
+    from berth.cost_models.compute import LayerTimes
+    from berth.cost_models.step import tuned_layer_times
+
+    lt = LayerTimes(np.array([0.001, 0.010]), np.array([0.002, 0.020]), 0.0, 0.0, np.array([0.001, 0.010]))
+    t = tuned_layer_times(lt, EngineTuning(layer_overhead_s=0.006))
+    assert t.forward.tolist() == pytest.approx([0.002, 0.010]) and t.backward.tolist() == pytest.approx([0.004, 0.020])

@@ -38,14 +38,20 @@ def test_the_saved_figures_are_what_the_code_computes(result):
 
 
 def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
-    """Ranking and throughput improve from either model's probes. The first choice is not asserted: from the 8B
-    model's probes the median regret is 9.8 % after against 6.3 % before (one group's first choice flips)."""
+    """Ranking and throughput improve from either model's probes, and over the three probe counts saved (32, 64 and
+    128 GPUs) the median rho rises by 0.06 or more on average. The first choice is not asserted: before calibration
+    it is already the best or within 3.2 % of it in most groups (median regret 0.2 / 3.2 %), and a fit of 12 probes
+    moves it both ways (docs/accuracy.md)."""
     for size, r in result["models"].items():
         b, a = r["before"], r["after"]
         assert len(r["probes"]) == 12 and r["fitted"]
         assert a["rho_median"] > b["rho_median"], size
         assert a["throughput_error_median"] < b["throughput_error_median"], size
         assert a["refused"] == 0 and b["refused"] == 0  # berth's nanotron entry refuses no layout nanotron ran
+        loops = [r] + [o[size] for o in result["other_probe_gpus"].values()]
+        before = sum(x["before"]["rho_median"] for x in loops) / len(loops)
+        after = sum(x["after"]["rho_median"] for x in loops) / len(loops)
+        assert after > before + 0.05, (size, before, after)
         g = result["generic"][size]  # the same loop from the generic engine
         assert g["after"]["rho_median"] > g["before"]["rho_median"], size
         assert g["before"]["refused"] == 0, size
@@ -53,15 +59,17 @@ def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
 
 def test_the_nanotron_entry_predicts_better_than_the_generic_engine(result):
     """Its split rule and recipe, read from nanotron's code, leave the fit less to learn: on the groups not probed
-    the nanotron entry predicts memory far closer before calibration (9 % against 37 %) and throughput closer after
-    it than the calibrated generic engine. Its ranking is not better on every loop (median rho after calibration,
-    8B / 1B probes: 0.85 / 0.82 against 0.82 / 0.83), nor its first choice (regret 9.8 / 3.7 % against 5.6 / 5.6 %)."""
+    the nanotron entry predicts memory far closer before calibration (9 % against 37 %) and ranks better after it
+    than the calibrated generic engine (median rho, 8B / 1B probes: 0.86 / 0.73 against 0.83 / 0.70). Its
+    throughput is closer from the 8B model's probes (20 % against 26 %), not from the 1B model's (42 % against 38 %:
+    that fit puts the slowness of the 1B's tp = 8 probes into NVLink, intra_node_bandwidth_scale at its bound 0.25),
+    nor is its first choice better (docs/accuracy.md)."""
     for size, r in result["models"].items():
-        a, g = r["after"], result["generic"][size]["after"]
-        assert a["throughput_error_median"] < g["throughput_error_median"], size
-        assert (
-            r["before"]["memory_abs_error_median"] < 0.5 * result["generic"][size]["before"]["memory_abs_error_median"]
-        )
+        g = result["generic"][size]
+        assert r["before"]["memory_abs_error_median"] < 0.5 * g["before"]["memory_abs_error_median"], size
+        assert r["after"]["rho_median"] > g["after"]["rho_median"], size
+    a, g = result["models"]["8B"]["after"], result["generic"]["8B"]["after"]
+    assert a["throughput_error_median"] < g["throughput_error_median"]
 
 
 def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
@@ -202,3 +210,39 @@ def test_reduce_scatter_blocks_the_host_runs_ahead_of_are_the_sweeps_memory_at_p
         assert abs(held[(size, True)] - 1.0) < 0.04, (size, held)
         assert without[(size, True)] < 0.9, (size, without)
         assert held[(size, False)] == pytest.approx(without[(size, False)])
+
+
+def test_ddp_buckets_over_16_to_32_nodes_wait_on_nccls_tree_not_a_ring(monkeypatch):
+    """nanotron's ZeRO-0 reduces its gradients through torch DDP in 25 MiB buckets, one all-reduce each. Over 16-32
+    nodes a ring's 2 (n - 1) latency steps per bucket add up to a second and more; NCCL runs its tree there
+    (cost_models/comm.py). Uncalibrated, the 8B model's ZeRO-0 runs without a pipeline (tp <= 8) at 128 and 256
+    GPUs: measured / predicted step time within 10 % of 1 at the median with the tree; with the ring alone the
+    256-GPU runs were predicted 1.3x slower than they ran."""
+    import numpy as np
+
+    from berth.cost_models import comm
+    from berth.planner.engine_fit import predict_runs
+    from berth.specs.tree import EngineTuning
+
+    ran, _ = engine_sweep.records("nanotron")
+
+    def ratio(gpus: int) -> float:
+        recs = [
+            r
+            for r in ran
+            if r["size"] == "8B"
+            and r["cluster"]["nodes"] * 8 == gpus
+            and ",pp=1," in r["layout"]
+            and "zero=0" in r["layout"]
+            and int(r["layout"].split(",")[0][3:]) <= 8
+        ]
+        runs = engine_sweep.as_runs(recs)
+        t, _, _, _ = predict_runs(runs, EngineTuning())
+        measured = np.array([r.step_time_s for r in runs])
+        return float(np.median(measured / t))
+
+    assert abs(ratio(128) - 1.0) < 0.1 and abs(ratio(256) - 1.0) < 0.1, (ratio(128), ratio(256))
+    monkeypatch.setattr(
+        comm, "all_reduce_s", lambda c, n, s, st: comm.collective_time_s(c, n, s, st, comm.ALL_REDUCE_PASSES)
+    )
+    assert ratio(256) < 0.85
