@@ -39,9 +39,9 @@ def test_the_saved_figures_are_what_the_code_computes(result):
 
 def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
     """Ranking and throughput improve from either model's probes, and over the three probe counts saved (32, 64 and
-    128 GPUs) the median rho rises by more than 0.05 on average (0.09 from the 1B probes, 0.14 from the 8B's). The first choice is not asserted: before calibration
-    it is already the best or within 3.2 % of it in most groups (median regret 0.2 / 3.2 %), and a fit of 12 probes
-    moves it both ways (docs/accuracy.md)."""
+    128 GPUs) the median rho rises by more than 0.05 on average (0.09 from the 1B probes, 0.14 from the 8B's). The
+    first choice is not asserted: before calibration it is already the best or within 3.2 % of it in most groups
+    (median regret 0.2 / 3.2 %), and a fit of 12 probes moves it both ways (docs/accuracy.md)."""
     for size, r in result["models"].items():
         b, a = r["before"], r["after"]
         assert len(r["probes"]) == 12 and r["fitted"]
