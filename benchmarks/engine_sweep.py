@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from berth.planner.engine_fit import CEILING, MeasuredRun, fit_engine, predict_runs
+from berth.planner.engine_fit import CEILING, FOLDS, MeasuredRun, fit_engine, predict_runs
 from berth.planner.probe import probe
 from berth.planner.run_logs import read_runs
 from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, EngineTuning
@@ -239,7 +239,7 @@ def loaded(engine: str = ENGINE) -> tuple[dict, dict, dict]:
     return by_group, runs, crashed_runs
 
 
-def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int, folds: int = 4) -> dict:
+def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int, folds: int = FOLDS) -> dict:
     """Probe `probes` layouts of `size` on `probe_gpus` GPUs, calibrate on their measured values, and score every
     other group before (the prior) and after."""
     by_group, runs, crashed_runs = data
@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--probe-gpus", type=int, default=PROBE_GPUS)
     ap.add_argument("--probes", type=int, default=PROBES)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument(
+        "--folds", type=int, default=FOLDS, help="k of the fits' k-fold held-out errors (1: none; the fits are the same)"
+    )
     ap.add_argument("--engine", default=ENGINE, choices=(ENGINE, GENERIC))
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -290,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
         "models": {},
     }
     for size in sizes:
-        r = loop(data, size, args.probe_gpus, args.probes)
+        r = loop(data, size, args.probe_gpus, args.probes, args.folds)
         chosen_records = r.pop("probe_records")
         if size == "8B" and not args.no_write and args.probe_gpus == PROBE_GPUS and args.probes == PROBES:
             lines = (
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
         generic = loaded(GENERIC)
         result["generic"] = {}
         for size in sizes:
-            r = loop(generic, size, args.probe_gpus, args.probes)
+            r = loop(generic, size, args.probe_gpus, args.probes, folds=1)  # its held-out errors are not kept
             result["generic"][size] = {"fitted": r["fitted"], "before": r["before"], "after": r["after"]}
     # the same loop with the probes on another GPU count: how much the figures hang on which runs were probed
     result["other_probe_gpus"] = {}

@@ -2,7 +2,9 @@
 same seed (fp32 on CPU). Tolerance: 1e-5 relative, where reordered floating-point sums differ by
 about 1e-7 (measured: every layout below matches to 1e-7).
 
-Launches are grouped because each torchrun costs seconds (reference: 4-10 s to start). Four and
+Launches are grouped because each torchrun costs seconds (reference: 4-10 s to start): one for every
+two-process layout of every model here (`two`), one for the four-process ones (`four`); the memory
+comparison runs apart, so that no other plan's tensors sit in the peaks it compares. Four and
 eight processes on this 2-core machine are oversubscribed: functional checks only. Three parallel
 axes of size >= 2 need eight processes (4 = 2 x 2 holds two), so the 3-D layouts run on eight.
 """
@@ -64,12 +66,18 @@ EIGHT = [
 
 
 def launch(tmp_path, layouts, nproc, model=MODEL, training=TRAINING):
+    return launch_groups(tmp_path, {"": (model, layouts)}, nproc, training)[""]
+
+
+def launch_groups(tmp_path, groups, nproc, training=TRAINING):
+    """One torchrun for several models' layouts ({name: (model, layouts)}): each name's results."""
     cluster = cluster_from_preset("dgx-a100-80g", 1)
+    wanted = [(m, x) for m, xs in groups.values() for x in xs]
     plans = [
         Plan(
-            berth_version=__version__, model=model, training=training, cluster=cluster, layout=x, prediction=None
+            berth_version=__version__, model=m, training=training, cluster=cluster, layout=x, prediction=None
         ).model_dump(mode="json")
-        for x in layouts
+        for m, x in wanted
     ]
     (tmp_path / "plans.json").write_text(json.dumps(plans))
     out = tmp_path / "out.json"
@@ -91,8 +99,12 @@ def launch(tmp_path, layouts, nproc, model=MODEL, training=TRAINING):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert out.is_file(), r.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
-    assert [Layout(**r["layout"]) for r in results] == layouts
-    return results
+    assert [Layout(**r["layout"]) for r in results] == [x for _, x in wanted]
+    by_name, start = {}, 0
+    for name, (_, xs) in groups.items():
+        by_name[name] = results[start : start + len(xs)]
+        start += len(xs)
+    return by_name
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +125,27 @@ def check(results, reference, nproc):
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("two"), TWO, 2)
+    """Every two-process layout of this module, in one torchrun."""
+    groups = {
+        "tiny-gpt": (MODEL, TWO),
+        "cp": (MODEL, CP_TWO),
+        "uneven": (SEVEN_LAYERS, UNEVEN),
+        "odd_vocab": (ODD_VOCAB, ODD_VOCAB_LAYOUTS),
+    }
+    groups.update({m.name: (m, MOE_TWO) for m in (MOE, MOE_SHARED)})
+    return launch_groups(tmp_path_factory.mktemp("two"), groups, 2)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """Every four-process layout of this module, in one torchrun."""
+    groups = {"tiny-gpt": (MODEL, FOUR), "cp": (MODEL, CP_FOUR)}
+    groups.update({m.name: (m, MOE_FOUR) for m in (MOE, MOE_SHARED)})
+    return launch_groups(tmp_path_factory.mktemp("four"), groups, 4)
 
 
 def test_dp_tp_pp_layouts_on_two_processes_match_single_process(two, reference):
-    check(two, reference, 2)
+    check(two["tiny-gpt"], reference, 2)
 
 
 def test_sharding_lowers_measured_memory(tmp_path):
@@ -144,60 +172,64 @@ def test_sharding_lowers_measured_memory(tmp_path):
     assert zero3 < 0.95 * zero1
 
 
-def test_2d_layouts_on_four_processes_match_single_process(tmp_path, reference):
-    check(launch(tmp_path, FOUR, 4), reference, 4)
+def test_2d_layouts_on_four_processes_match_single_process(four, reference):
+    check(four["tiny-gpt"], reference, 4)
 
 
 def test_3d_layouts_on_eight_processes_match_single_process(tmp_path, reference):
     check(launch(tmp_path, EIGHT, 8), reference, 8)
 
 
-def test_uneven_pipeline_stages_match_single_process(tmp_path):
+SEVEN_LAYERS = MODEL.model_copy(update={"name": "tiny-gpt-7-layers", "num_layers": 7})
+UNEVEN = [
+    Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b"),
+    Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="gpipe", recompute="full"),
+    Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2),
+]
+
+
+def test_uneven_pipeline_stages_match_single_process(two):
     """Stages of unequal depth (specs/stages.py): a 7-layer tiny-gpt on pp = 2 holds 4 and 3 layers
     (1F1B and GPipe), and with 2 virtual stages chunks of 2, 2, 2 and 1; each reproduces the
     single-process losses of the same 7-layer model."""
     from berth.executor.model import build_model
     from berth.executor.parallel import pipeline_chunk
 
-    model = MODEL.model_copy(update={"num_layers": 7})
-    whole = build_model(model, 0)
+    whole = build_model(SEVEN_LAYERS, 0)
     held = [sorted(int(k) for k in pipeline_chunk(whole, i, 2, 2).layers) for i in range(4)]
     assert held == [[0, 1], [2, 3], [4, 5], [6]]
     assert [len(pipeline_chunk(whole, i, 2).layers) for i in range(2)] == [4, 3]
-    layouts = [
-        Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b"),
-        Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="gpipe", recompute="full"),
-        Layout(pp=2, micro_batch_size=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2),
-    ]
-    reference = run_steps(model, TRAINING, Layout(micro_batch_size=8), STEPS).losses
-    check(launch(tmp_path, layouts, 2, model=model), reference, 2)
+    reference = run_steps(SEVEN_LAYERS, TRAINING, Layout(micro_batch_size=8), STEPS).losses
+    check(two["uneven"], reference, 2)
 
 
-def test_cp_layouts_match_single_process(tmp_path, reference):
+CP_TWO = [
+    Layout(cp=2, micro_batch_size=4, num_microbatches=2),
+    Layout(cp=2, micro_batch_size=8, recompute="selective"),
+]
+CP_FOUR = [
+    Layout(cp=4, micro_batch_size=4, num_microbatches=2),
+    Layout(cp=2, tp=2, sequence_parallel=True, micro_batch_size=4, num_microbatches=2),
+    Layout(cp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2),
+    Layout(cp=2, pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b"),
+]
+
+
+def test_cp_layouts_match_single_process(two, reference):
     """Context parallelism on PyTorch's context-parallel API (executor/context_parallel.py: the head-tail
     load balancer's chunks r and 2cp-1-r of every sequence, rotary at global positions, the API's ring
     attention with the CPU stand-in for the fused flash kernel): cp = 2 alone (DDP over dp x cp) and with
     selective recompute (the ring re-run in backward) reproduce the single-process losses."""
-    two = [
-        Layout(cp=2, micro_batch_size=4, num_microbatches=2),
-        Layout(cp=2, micro_batch_size=8, recompute="selective"),
-    ]
-    results = launch(tmp_path, two, 2)
+    results = two["cp"]
     check(results, reference, 2)
     assert all("CPU stand-in" in " ".join(r["executed_as"]) for r in results)
 
 
-def test_cp_with_tp_and_dp_match_single_process(tmp_path, reference):
+def test_cp_with_tp_and_dp_match_single_process(four, reference):
     """cp = 4 alone (the ring's four steps, each rank's two chunks meeting three other ranks'); cp = 2 with
     tp = 2 (sequence parallel inside the cp chunk), with dp = 2 (ZeRO-3: FSDP2 over dp, the gradients then
     averaged over cp) and with pp = 2 (1F1B: stages send the s/cp-token chunks), on four processes."""
-    four = [
-        Layout(cp=4, micro_batch_size=4, num_microbatches=2),
-        Layout(cp=2, tp=2, sequence_parallel=True, micro_batch_size=4, num_microbatches=2),
-        Layout(cp=2, dp=2, zero_stage=3, shard=2, micro_batch_size=2, num_microbatches=2),
-        Layout(cp=2, pp=2, micro_batch_size=2, num_microbatches=4, schedule="1f1b"),
-    ]
-    check(launch(tmp_path, four, 4), reference, 4)
+    check(four["cp"], reference, 4)
 
 
 # A small mixture of experts: 4 experts top-2 (one shared expert in the second case), 2 layers, h 64.
@@ -216,11 +248,18 @@ MOE = MODEL.model_copy(
         "moe_ffn_hidden_size": 96,
     }
 )
-MOE_SHARED = MOE.model_copy(update={"num_shared_experts": 1, "first_k_dense": 1})
+MOE_SHARED = MOE.model_copy(update={"name": "tiny-moe-shared", "num_shared_experts": 1, "first_k_dense": 1})
+# validators run on the copies
+MOE, MOE_SHARED = (ModelSpec.model_validate(m.model_dump()) for m in (MOE, MOE_SHARED))
+MOE_TWO = [
+    Layout(dp=2, ep=2, micro_batch_size=2, num_microbatches=2),
+    Layout(dp=2, micro_batch_size=4, num_microbatches=1),
+]
+MOE_FOUR = [Layout(dp=4, ep=2, micro_batch_size=2, num_microbatches=1)]
 
 
 @pytest.mark.parametrize("model", [MOE, MOE_SHARED], ids=["moe", "moe_shared_first_dense"])
-def test_moe_expert_parallel_matches_single_process(tmp_path, model):
+def test_moe_expert_parallel_matches_single_process(two, four, model):
     """Expert parallelism (executor/model.py MoE, executor/parallel.py apply_ep): ep = 2 on 2 and on 4
     gloo ranks (2 ep groups, expert gradients reduced over the expert-data-parallel pairs) and ep = 1
     with dp = 2 reproduce the single-process losses of the same seed. The router has no capacity limit
@@ -228,26 +267,25 @@ def test_moe_expert_parallel_matches_single_process(tmp_path, model):
     ModelSpec.num_params."""
     from berth.executor.model import build_model
 
-    model = ModelSpec.model_validate(model.model_dump())  # validators run on the copy
     assert sum(p.numel() for p in build_model(model).parameters()) == model.num_params
     reference = run_steps(model, TRAINING, Layout(micro_batch_size=8), STEPS).losses
     assert reference[-1] < reference[0]
-    two = [
-        Layout(dp=2, ep=2, micro_batch_size=2, num_microbatches=2),
-        Layout(dp=2, micro_batch_size=4, num_microbatches=1),
-    ]
-    (tmp_path / "two").mkdir()
-    (tmp_path / "four").mkdir()
-    check(launch(tmp_path / "two", two, 2, model=model), reference, 2)
-    four = [Layout(dp=4, ep=2, micro_batch_size=2, num_microbatches=1)]
-    check(launch(tmp_path / "four", four, 4, model=model), reference, 4)
+    check(two[model.name], reference, 2)
+    check(four[model.name], reference, 4)
 
 
 # An odd vocabulary (1,001 tokens; GPT-2's 50,257 is odd too): tp = 2 does not divide it.
-ODD_VOCAB = MODEL.model_copy(update={"name": "tiny-gpt-v1001", "vocab_size": 1001})
+ODD_VOCAB = ModelSpec.model_validate(
+    MODEL.model_copy(update={"name": "tiny-gpt-v1001", "vocab_size": 1001}).model_dump()
+)
+ODD_VOCAB_LAYOUTS = [
+    Layout(tp=2, micro_batch_size=4, num_microbatches=2),
+    Layout(tp=2, sequence_parallel=True, micro_batch_size=8, recompute="selective"),
+    Layout(tp=2, micro_batch_size=2, num_microbatches=4, recompute="full"),
+]
 
 
-def test_odd_vocabulary_at_tp2_pads_and_matches_single_process(tmp_path):
+def test_odd_vocabulary_at_tp2_pads_and_matches_single_process(two):
     """The executor pads the vocabulary to a multiple of tp (executor/model.py padded_vocab, as Megatron-LM
     and torchtitan run any vocabulary) and masks the padded logits out of the softmax: tp = 2 on 2 gloo
     ranks (with sequence parallelism, selective and full recomputation) runs a 1,001-token vocabulary and reproduces the
@@ -257,7 +295,7 @@ def test_odd_vocabulary_at_tp2_pads_and_matches_single_process(tmp_path):
     from berth.executor.model import build_model, padded_vocab
     from berth.specs.validity import EXECUTOR, Facts, violations
 
-    model = ModelSpec.model_validate(ODD_VOCAB.model_dump())
+    model = ODD_VOCAB
     assert padded_vocab(model, 2) == 1002 and padded_vocab(model, 1) == 1001
     assert float(memory.vocab_rows(model, 2)) == 501
     # the cost model's embedding, head and logits count the padded vocabulary: as if it had 1,002 tokens
@@ -268,13 +306,9 @@ def test_odd_vocabulary_at_tp2_pads_and_matches_single_process(tmp_path):
     assert padded.output.weight.shape[0] == 1002 and padded.output.bias[-1].item() == float("-inf")
     # the real rows are the unpadded model's (the same draws), the padded row zeros
     assert torch.equal(padded.tok_embeddings.weight[:1001], build_model(model).tok_embeddings.weight)
-    layouts = [
-        Layout(tp=2, micro_batch_size=4, num_microbatches=2),
-        Layout(tp=2, sequence_parallel=True, micro_batch_size=8, recompute="selective"),
-        Layout(tp=2, micro_batch_size=2, num_microbatches=4, recompute="full"),
-    ]
+    layouts = ODD_VOCAB_LAYOUTS
     facts = Facts(model, TRAINING, 2)
     assert all(not violations(x, facts, who=EXECUTOR) for x in layouts)
     reference = run_steps(model, TRAINING, Layout(micro_batch_size=8), STEPS).losses
     assert reference[-1] < reference[0]
-    check(launch(tmp_path, layouts, 2, model=model), reference, 2)
+    check(two["odd_vocab"], reference, 2)
