@@ -44,9 +44,11 @@ gradient copy for the whole run on top of that; Megatron-LM's gradient buffer ex
 
 The peak is what `torch.cuda.max_memory_reserved` measures: the terms above plus the allocator's
 slack ("fragmentation": blocks the size of the step's largest short-lived tensor held reserved,
-`largest_transient_bytes`) and framework tensors. The capacity it must fit in
-(`allocator_capacity_bytes`) is the device memory less what the driver keeps, the CUDA context
-outside the allocator and NCCL's buffers. Checked on one H100 by benchmarks/memory_fidelity.py.
+`largest_transient_bytes`), freed blocks a collective still holds while the host runs ahead
+("collective_blocks", `unsynced_collective_bytes`) and framework tensors. The capacity what it
+needs must fit in (`allocator_capacity_bytes`; `required_bytes`: all but the collective blocks, which
+the allocator reclaims before it fails) is the device memory less what the driver keeps, the CUDA
+context outside the allocator and NCCL's buffers. Checked on one H100 by benchmarks/memory_fidelity.py.
 """
 
 from __future__ import annotations
@@ -820,8 +822,8 @@ def stage_memory_breakdown(
         "sharding_buffers": chosen["sharding_buffers"],
         "pipeline_buffers": chosen["pipeline_buffers"],
         "fragmentation": device.allocator_fragmentation_fraction * dynamic
-        + device.allocator_transient_blocks * transient
-        + np.where(which < 2, unsynced, 0.0),
+        + device.allocator_transient_blocks * transient,
+        "collective_blocks": np.where(which < 2, unsynced, 0.0),
         "framework": np.full_like(p, device.framework_overhead_bytes),
     }
 
@@ -849,6 +851,17 @@ def tuned_breakdown(b: dict[str, np.ndarray], tuning: EngineTuning, tp=1) -> dic
     out["framework"] = b["framework"] + tuning.fixed_bytes
     out["fragmentation"] = b["fragmentation"] + tuning.reserve_fraction * sum(out.values())
     return out
+
+
+def required_bytes(peak: np.ndarray, breakdown: dict[str, np.ndarray]) -> np.ndarray:
+    """What of a predicted reserved peak must fit in the allocator's capacity: all of it but the collective blocks
+    (`unsynced_collective_bytes`). When a cudaMalloc fails, PyTorch's caching allocator first waits for the
+    events of blocks freed while a stream still used them and returns them to its pool, then frees its cached
+    segments and retries (c10/cuda/CUDACachingAllocator.cpp `release_cached_blocks`: `synchronize_and_free_events`,
+    then `release_blocks`): those blocks inflate the reserved figure where memory is to spare and cost a device
+    synchronization where it is not, but never make a run fail. A layout whose reserved peak passes the capacity
+    (less the headroom) while this fits is memory_tight, not out of memory (cost_models/step.py)."""
+    return peak - breakdown["collective_blocks"]
 
 
 def peak_memory(

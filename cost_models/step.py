@@ -92,6 +92,7 @@ class Evaluation:
     mfu: np.ndarray
     hfu: np.ndarray
     peak_memory_bytes: np.ndarray
+    required_memory_bytes: np.ndarray  # of the peak, what must fit (memory.required_bytes)
     first_stage_memory_bytes: np.ndarray  # global rank 0's (pipeline stage 0): what engines' logs report
     reason: np.ndarray  # 0 = feasible, else a code from berth.specs.validity
     time_breakdown_s: dict[str, np.ndarray]
@@ -542,9 +543,10 @@ def evaluate(
     }
 
     peak, mem, first_stage_bytes = memory.peak_memory(model, training, device, c)
+    required = memory.required_bytes(peak, mem)
     reason = structural_reasons(c, model, training, cluster)
     capacity = memory.allocator_capacity_bytes(device, cluster.world_size)
-    reason = np.where((reason == VALID) & (peak > capacity), OUT_OF_MEMORY, reason)
+    reason = np.where((reason == VALID) & (required > capacity), OUT_OF_MEMORY, reason)
     reason = np.where((reason == VALID) & (peak > capacity * (1.0 - memory_headroom)), MEMORY_TIGHT, reason)
 
     model_flops = flops.model_flops_per_step(model, training)
@@ -558,6 +560,7 @@ def evaluate(
         mfu=model_flops / (step * peak_flops),
         hfu=hw_flops / (step * peak_flops),
         peak_memory_bytes=peak,
+        required_memory_bytes=required,
         first_stage_memory_bytes=first_stage_bytes,
         reason=reason,
         time_breakdown_s=time,

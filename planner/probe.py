@@ -114,7 +114,7 @@ def probe(
         # gave (it knows what runs), the rest too: a run the prior thinks too big corrects the memory model
         tiers = [
             runnable & (ev.peak_memory_bytes <= (1.0 - MARGIN) * capacity),
-            runnable & (ev.peak_memory_bytes <= capacity),
+            runnable & (ev.required_memory_bytes <= capacity),
         ]
         if layouts is not None:
             tiers.append(runnable)

@@ -185,7 +185,13 @@ MEMORY: tuple[MemoryTerm, ...] = (
         "fragmentation",
         "fragmentation",
         "what the caching allocator reserves beyond the allocated peak (a share of the dynamic terms, transient "
-        "blocks, and freed blocks a collective still holds where the engine's host runs ahead)",
+        "blocks)",
+    ),
+    MemoryTerm(
+        "collective_blocks",
+        "collective_blocks",
+        "freed blocks a collective still holds where the engine's host runs ahead of the GPU: reserved while "
+        "memory allows, reclaimed by the allocator (synchronizing) before it fails, so not needed to fit",
     ),
     MemoryTerm(
         "framework",

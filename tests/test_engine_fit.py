@@ -148,7 +148,7 @@ TRUTH = EngineTuning(
 def synthetic_runs(layouts, cl, truth=TRUTH, train=None):
     """The layouts run by an engine whose truth is `truth`: the cost model's own prediction under it."""
     runs = [MeasuredRun(f"r{i}", SMALL, train or training(), cl, x) for i, x in enumerate(layouts)]
-    t, m, _, _ = predict_runs(runs, truth)
+    t, m, _, _, _ = predict_runs(runs, truth)
     return [
         MeasuredRun(r.id, r.model, r.training, r.cluster, r.layout, "ok", float(ti), float(mi))
         for r, ti, mi in zip(runs, t, m, strict=True)
@@ -178,8 +178,8 @@ def test_the_fit_recovers_a_known_engine_and_predicts_runs_it_did_not_see():
     big = cluster_from_preset("dgx-h100", 8)
     others = [p.layout for p in plan(SMALL, training(), big, make_search(top=20)).plans]
     unseen = synthetic_runs(others, big)
-    t0, m0, _, _ = predict_runs(unseen, EngineTuning())
-    t1, m1, _, _ = predict_runs(unseen, fit.tuning)
+    t0, m0, _, _, _ = predict_runs(unseen, EngineTuning())
+    t1, m1, _, _, _ = predict_runs(unseen, fit.tuning)
     truth_t = np.array([r.step_time_s for r in unseen])
     truth_m = np.array([r.peak_memory_bytes for r in unseen])
     before, after = np.median(np.abs(t0 / truth_t - 1)), np.median(np.abs(t1 / truth_t - 1))
@@ -695,7 +695,7 @@ def test_a_peak_reported_by_rank_0_is_compared_with_the_first_stage():
         MeasuredRun(str(i), SMALL, t, cl, layout, "ok", 1.0, 1.1 * first, memory_rank=rank)
         for i, rank in enumerate(("rank0", "max"))
     ]
-    _, m, _, seen = predict_runs(runs, EngineTuning())
+    _, m, _, seen, _ = predict_runs(runs, EngineTuning())
     assert seen[0] == pytest.approx(first) and seen[1] == pytest.approx(peak) and m[0] == m[1] == pytest.approx(peak)
     err = [errors([r], EngineTuning())["memory_median_error"] for r in runs]
     assert err[0] == pytest.approx(1 - 1 / 1.1) and err[1] == pytest.approx(abs(peak / (1.1 * first) - 1))
@@ -769,10 +769,14 @@ def test_nanotron_zero1_gather_block_only_where_torch_stacks_the_outputs():
 def test_nanotron_reduce_scatter_inputs_stay_reserved_only_where_the_host_runs_ahead(monkeypatch):
     """nanotron's forward hands each row-parallel output (2 per layer) and the embedding's at full width to a
     sequence-parallel reduce-scatter and drops it; at pp = 1 nothing syncs the host before the backward, so they are
-    all still reserved there: (2 L + 1) x mbs x s x h x 2 bytes in the fragmentation term. None at pp > 1 (each
+    all still reserved there: (2 L + 1) x mbs x s x h x 2 bytes, the `collective_blocks` term. None at pp > 1 (each
     stage's send syncs the host), at tp = 1 (no reduce-scatter) or without sequence parallelism, nor for an engine
-    whose code has no such blocks."""
+    whose code has no such blocks. The caching allocator waits for and reclaims them before a cudaMalloc fails, so
+    they count in the reserved peak and not in what must fit: a layout that fits only without them is memory_tight,
+    not out of memory."""
     from berth.cost_models import memory
+    from berth.cost_models.step import evaluate
+    from berth.specs.validity import MEMORY_TIGHT, OUT_OF_MEMORY
 
     cl = cluster_from_preset("dgx-h100", 1)
     sp = Layout(tp=4, pp=1, dp=2, micro_batch_size=2, num_microbatches=16, sequence_parallel=True)
@@ -785,14 +789,27 @@ def test_nanotron_reduce_scatter_inputs_stay_reserved_only_where_the_host_runs_a
     block = 2 * 2 * t.seq_len * SMALL.hidden_size
     assert held.tolist() == pytest.approx([block * (2 * SMALL.num_layers + 1), 0.0, 0.0, 0.0])
     assert not np.asarray(memory.unsynced_collective_bytes(SMALL, training("megatron"), c)).any()
+    b = memory.stage_memory_breakdown(SMALL, t, cl.device, c, first=True)
+    assert np.asarray(b["collective_blocks"], dtype=float).tolist() == pytest.approx(held.tolist())
+    ev = evaluate(SMALL, t, cl, c)
+    assert (ev.peak_memory_bytes - ev.required_memory_bytes).tolist() == pytest.approx(held.tolist())
 
-    def fragmentation():
-        b = memory.stage_memory_breakdown(SMALL, t, cl.device, c, first=True)
-        return np.asarray(b["fragmentation"], dtype=float)
+    # a device just big enough for the sp layout's peak without the blocks: tight, not out of memory; the prediction
+    # fits; with a little less memory it is out of memory
+    cap = memory.allocator_capacity_bytes(cl.device, cl.world_size)
+    for spare, want in ((1.01, MEMORY_TIGHT), (0.99, OUT_OF_MEMORY)):
+        need = float(ev.required_memory_bytes[0]) * spare
+        small = cl.model_copy(
+            update={"device": cl.device.model_copy(update={"memory_bytes": cl.device.memory_bytes - cap + need})}
+        )
+        got = evaluate(SMALL, t, small, c.take(np.array([0])))
+        assert float(got.peak_memory_bytes[0]) > memory.allocator_capacity_bytes(small.device, small.world_size)
+        assert int(got.reason[0]) == want
 
-    with_blocks = fragmentation()
     monkeypatch.setitem(ENGINES, "nanotron", dataclasses.replace(ENGINES["nanotron"], unsynced_rs_blocks=0.0))
-    assert (with_blocks - fragmentation()).tolist() == pytest.approx(held.tolist())
+    gone = memory.stage_memory_breakdown(SMALL, t, cl.device, c, first=True)
+    assert not np.asarray(gone["collective_blocks"]).any()
+    assert float(sum(b.values())[0] - sum(gone.values())[0]) == pytest.approx(held[0])
 
 
 def test_nanotron_loss_holds_its_fp32_copies_at_any_tp():
