@@ -151,7 +151,7 @@ def as_runs(recs: list[dict]) -> list[MeasuredRun]:
 
 def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning) -> dict:
     """The scores of one group (one model on one GPU count) under `tuning`."""
-    t, m, cap, seen, peak = predict_runs(runs, tuning)
+    t, m, cap, seen, _ = predict_runs(runs, tuning)
     tok = np.array([r["tokens_per_s_per_gpu"] for r in recs])
     mem = np.array([r["peak_memory_gib"] for r in recs]) * 2**30
     g = runs[0].cluster.world_size
@@ -160,7 +160,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
     fits = np.isfinite(m) & (m <= cap)
     # the search ranks only what fits with the memory headroom (a 'memory_tight' layout is not ranked): berth's
     # first choice is the fastest of those
-    ranked = np.isfinite(m) & (peak <= cap * (1.0 - DEFAULT_MEMORY_HEADROOM))
+    ranked = np.isfinite(m) & (m <= cap * (1.0 - DEFAULT_MEMORY_HEADROOM))
     pred = np.where(refused, 0.0, pred)
     ok = ~refused
     rho = float(spearmanr(pred[ok], tok[ok]).statistic) if ok.sum() >= 3 else float("nan")

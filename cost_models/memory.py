@@ -859,8 +859,9 @@ def required_bytes(peak: np.ndarray, breakdown: dict[str, np.ndarray]) -> np.nda
     events of blocks freed while a stream still used them and returns them to its pool, then frees its cached
     segments and retries (c10/cuda/CUDACachingAllocator.cpp `release_cached_blocks`: `synchronize_and_free_events`,
     then `release_blocks`): those blocks inflate the reserved figure where memory is to spare and cost a device
-    synchronization where it is not, but never make a run fail. A layout whose reserved peak passes the capacity
-    (less the headroom) while this fits is memory_tight, not out of memory (cost_models/step.py)."""
+    synchronization where it is not, but never make a run fail. The search's memory headroom applies to this too
+    (cost_models/step.py): on the Ultra-Scale Playbook's sweep the fastest 8B layouts on 128 and 256 GPUs (tp 8,
+    8 sequences a micro-batch, pp 1) held 16 GiB of such blocks and reserved 63-67 GiB, where a fit predicted 75."""
     return peak - breakdown["collective_blocks"]
 
 

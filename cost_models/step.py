@@ -547,7 +547,7 @@ def evaluate(
     reason = structural_reasons(c, model, training, cluster)
     capacity = memory.allocator_capacity_bytes(device, cluster.world_size)
     reason = np.where((reason == VALID) & (required > capacity), OUT_OF_MEMORY, reason)
-    reason = np.where((reason == VALID) & (peak > capacity * (1.0 - memory_headroom)), MEMORY_TIGHT, reason)
+    reason = np.where((reason == VALID) & (required > capacity * (1.0 - memory_headroom)), MEMORY_TIGHT, reason)
 
     model_flops = flops.model_flops_per_step(model, training)
     hw_flops = model_flops + flops.recompute_flops_per_step(cm, training, c.recompute)

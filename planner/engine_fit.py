@@ -199,8 +199,8 @@ def predict_runs(
     rank 0's, MeasuredRun.memory_rank, the reserved peak) of each run under `tuning`: one vectorized evaluation
     (cost_models/step.py) per model, training and cluster; a layout the rules refuse now gets inf (what a plan would
     carry, without building the plans: the fit evaluates its runs hundreds of times). Whether a run fits is the
-    second's to say (cost_models/memory.py required_bytes); how its measured figure compares is the reported
-    rank's; whether the search ranks it is the peak's (memory_tight)."""
+    second's to say (cost_models/memory.py required_bytes), and whether the search ranks it (memory_tight); how its
+    measured figure compares is the reported rank's."""
     times, mems, caps, seen, peaks = (np.full(len(runs), np.inf) for _ in range(5))
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(runs):

@@ -491,21 +491,14 @@ def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str
         return None
     name, text = REASONS[code]
     if name in ("out_of_memory", "memory_tight"):
-        need = ev.peak_memory_bytes[i] / 2**30
-        must = ev.required_memory_bytes[i] / 2**30
+        need = ev.required_memory_bytes[i] / 2**30  # what must fit (memory.required_bytes)
         have = allocator_capacity_bytes(cluster.device, cluster.world_size) / 2**30
         if name == "memory_tight":
-            if need > have:  # it fits only by the allocator waiting for collectives' blocks (memory.required_bytes)
-                return (
-                    f"{name}: reserves {need:.1f} GiB per GPU where its collectives' freed blocks stay cached, more "
-                    f"than the {have:.1f} GiB the allocator can use; it fits ({must:.1f} GiB) only by the allocator "
-                    "synchronizing to reclaim them, which slows every step"
-                )
             return (
                 f"{name}: needs {need:.1f} GiB per GPU of the {have:.1f} GiB the allocator can use, less than the "
                 f"memory headroom ({1 - need / have:.1%} left); it may run out of memory"
             )
-        return f"{name}: needs {must:.1f} GiB per GPU, the allocator can use {have:.1f} GiB"
+        return f"{name}: needs {need:.1f} GiB per GPU, the allocator can use {have:.1f} GiB"
     return f"{name}: {text}"
 
 
