@@ -151,7 +151,7 @@ def as_runs(recs: list[dict]) -> list[MeasuredRun]:
 
 def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning) -> dict:
     """The scores of one group (one model on one GPU count) under `tuning`."""
-    t, m, cap, seen, _ = predict_runs(runs, tuning)
+    t, m, cap, seen = predict_runs(runs, tuning)
     tok = np.array([r["tokens_per_s_per_gpu"] for r in recs])
     mem = np.array([r["peak_memory_gib"] for r in recs]) * 2**30
     g = runs[0].cluster.world_size
@@ -199,7 +199,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
 def crashed_predicted_to_fit(runs: list[MeasuredRun], tuning: EngineTuning) -> int:
     if not runs:
         return 0
-    _, m, cap, _, _ = predict_runs(runs, tuning)
+    _, m, cap, _ = predict_runs(runs, tuning)
     return int(np.sum(np.isfinite(m) & (m <= cap)))
 
 

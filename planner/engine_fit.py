@@ -194,14 +194,14 @@ def with_values(tuning: EngineTuning, values: dict[str, float]) -> EngineTuning:
 
 def predict_runs(
     runs: list[MeasuredRun], tuning: EngineTuning
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(step time, the memory that must fit, allocator capacity, memory of the rank the run reports: the peak or
-    rank 0's, MeasuredRun.memory_rank, the reserved peak) of each run under `tuning`: one vectorized evaluation
-    (cost_models/step.py) per model, training and cluster; a layout the rules refuse now gets inf (what a plan would
-    carry, without building the plans: the fit evaluates its runs hundreds of times). Whether a run fits is the
-    second's to say (cost_models/memory.py required_bytes), and whether the search ranks it (memory_tight); how its
-    measured figure compares is the reported rank's."""
-    times, mems, caps, seen, peaks = (np.full(len(runs), np.inf) for _ in range(5))
+    rank 0's, MeasuredRun.memory_rank) of each run under `tuning`: one vectorized evaluation (cost_models/step.py)
+    per model, training and cluster; a layout the rules refuse now gets inf (what a plan would carry, without
+    building the plans: the fit evaluates its runs hundreds of times). Whether a run fits, and whether the search
+    ranks it (memory_tight), is the second's to say (cost_models/memory.py required_bytes); how its measured figure
+    compares is the reported rank's."""
+    times, mems, caps, seen = (np.full(len(runs), np.inf) for _ in range(4))
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(runs):
         groups.setdefault(r.group, []).append(i)
@@ -217,8 +217,7 @@ def predict_runs(
         mems[idx] = np.where(runs_ok, ev.required_memory_bytes, np.inf)
         rank0 = np.array([runs[i].memory_rank == "rank0" for i in idx])
         seen[idx] = np.where(runs_ok, np.where(rank0, ev.first_stage_memory_bytes, ev.peak_memory_bytes), np.inf)
-        peaks[idx] = np.where(runs_ok, ev.peak_memory_bytes, np.inf)
-    return times, mems, caps, seen, peaks
+    return times, mems, caps, seen
 
 
 def _allocated(mem: np.ndarray, tuning: EngineTuning) -> np.ndarray:
@@ -261,7 +260,7 @@ class Data:
         )
 
     def residuals(self, tuning: EngineTuning) -> np.ndarray:
-        t, m, cap, seen, _ = predict_runs(self.runs, tuning)
+        t, m, cap, seen = predict_runs(self.runs, tuning)
         has_t, has_m = np.isfinite(self.time), np.isfinite(self.mem)
         with np.errstate(divide="ignore", invalid="ignore"):
             rt = np.where(np.isfinite(t[has_t]), np.log(t[has_t] / self.time[has_t]), MISS)
@@ -303,7 +302,7 @@ def errors(runs: list[MeasuredRun], tuning: EngineTuning) -> dict[str, float]:
     if not runs:
         return {}
     d = Data.of(runs)
-    t, m, cap, seen, _ = predict_runs(runs, tuning)
+    t, m, cap, seen = predict_runs(runs, tuning)
     out: dict[str, float] = {"runs": float(len(runs))}
     has_t, has_m = np.isfinite(d.time), np.isfinite(d.mem)
     if has_t.any():
@@ -542,7 +541,7 @@ def held_out(
             continue
         tuning, _, _ = _solve(Data.of(train), prior, names, cluster)
         idx = sorted(test)
-        t, _, _, seen, _ = predict_runs([runs[i] for i in idx], tuning)
+        t, _, _, seen = predict_runs([runs[i] for i in idx], tuning)
         d = Data.of([runs[i] for i in idx])
         preds_t[idx] = t / d.time
         preds_m[idx] = d.as_measured(seen, tuning) / d.mem

@@ -148,7 +148,7 @@ TRUTH = EngineTuning(
 def synthetic_runs(layouts, cl, truth=TRUTH, train=None):
     """The layouts run by an engine whose truth is `truth`: the cost model's own prediction under it."""
     runs = [MeasuredRun(f"r{i}", SMALL, train or training(), cl, x) for i, x in enumerate(layouts)]
-    t, m, _, _, _ = predict_runs(runs, truth)
+    t, m, _, _ = predict_runs(runs, truth)
     return [
         MeasuredRun(r.id, r.model, r.training, r.cluster, r.layout, "ok", float(ti), float(mi))
         for r, ti, mi in zip(runs, t, m, strict=True)
@@ -178,8 +178,8 @@ def test_the_fit_recovers_a_known_engine_and_predicts_runs_it_did_not_see():
     big = cluster_from_preset("dgx-h100", 8)
     others = [p.layout for p in plan(SMALL, training(), big, make_search(top=20)).plans]
     unseen = synthetic_runs(others, big)
-    t0, m0, _, _, _ = predict_runs(unseen, EngineTuning())
-    t1, m1, _, _, _ = predict_runs(unseen, fit.tuning)
+    t0, m0, _, _ = predict_runs(unseen, EngineTuning())
+    t1, m1, _, _ = predict_runs(unseen, fit.tuning)
     truth_t = np.array([r.step_time_s for r in unseen])
     truth_m = np.array([r.peak_memory_bytes for r in unseen])
     before, after = np.median(np.abs(t0 / truth_t - 1)), np.median(np.abs(t1 / truth_t - 1))
@@ -695,7 +695,7 @@ def test_a_peak_reported_by_rank_0_is_compared_with_the_first_stage():
         MeasuredRun(str(i), SMALL, t, cl, layout, "ok", 1.0, 1.1 * first, memory_rank=rank)
         for i, rank in enumerate(("rank0", "max"))
     ]
-    _, m, _, seen, _ = predict_runs(runs, EngineTuning())
+    _, m, _, seen = predict_runs(runs, EngineTuning())
     assert seen[0] == pytest.approx(first) and seen[1] == pytest.approx(peak) and m[0] == m[1] == pytest.approx(peak)
     err = [errors([r], EngineTuning())["memory_median_error"] for r in runs]
     assert err[0] == pytest.approx(1 - 1 / 1.1) and err[1] == pytest.approx(abs(peak / (1.1 * first) - 1))

@@ -237,7 +237,7 @@ def test_ddp_buckets_over_16_to_32_nodes_wait_on_nccls_tree_not_a_ring(monkeypat
             and int(r["layout"].split(",")[0][3:]) <= 8
         ]
         runs = engine_sweep.as_runs(recs)
-        t, _, _, _, _ = predict_runs(runs, EngineTuning())
+        t, _, _, _ = predict_runs(runs, EngineTuning())
         measured = np.array([r.step_time_s for r in runs])
         return float(np.median(measured / t))
 
