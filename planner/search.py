@@ -409,14 +409,15 @@ def search(
 
 
 def prediction_at(ev: Evaluation, cluster: ClusterSpec, i: int) -> Prediction:
+    capacity = allocator_capacity_bytes(cluster.device, cluster.world_size)
     return Prediction(
         step_time_s=float(ev.step_time_s[i]),
         tokens_per_s=float(ev.tokens_per_s[i]),
         mfu=float(ev.mfu[i]),
         hfu=float(ev.hfu[i]),
         peak_memory_bytes=float(ev.peak_memory_bytes[i]),
-        memory_capacity_bytes=allocator_capacity_bytes(cluster.device, cluster.world_size),
-        fits=bool(ev.required_memory_bytes[i] <= allocator_capacity_bytes(cluster.device, cluster.world_size)),
+        memory_capacity_bytes=capacity,
+        fits=bool(ev.required_memory_bytes[i] <= capacity),
         bottleneck=BOTTLENECK_NAMES[int(ev.bottleneck[i])],
         time_breakdown_s={k: float(v[i]) for k, v in ev.time_breakdown_s.items()},
         comm_total_s={k: float(v[i]) for k, v in ev.comm_total_s.items()},
