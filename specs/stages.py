@@ -48,8 +48,9 @@ passes (rank + 1) / pp of the total. Rank 0 thus holds more layers than the othe
 and the cast and the loss the last ones (its 8B at pp 32: 2, 1 x 13, 2, 1 x 13, 2 layers, then the
 head, the cast, the loss). Its (first, middle, last) are the layers of rank 0, of the fullest rank
 between it and the head's, and of the head's rank. A trailing rank can be left without a block
-(the 1B at pp 16); nanotron ran one such layout of the sweep, so it is not refused: `valid` is
-berth's rule's (a first or last chunk without a layer, pp > L).
+(the 1B at pp 16); nanotron ran one such layout of the sweep, so it is not refused: its `valid` is pp <= L
+(the sweep's layouts with more stages than layers all crashed). The validity rule `stage_without_layers` reads
+the engine's own split: 28 layers over 16 stages, or 80 over 32, leave berth's ends empty and run under nanotron.
 """
 
 from __future__ import annotations

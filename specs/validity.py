@@ -109,9 +109,15 @@ def _cp_chunks(x: Layout, f: Facts) -> str:
     )
 
 
+def _split_valid(pp, vpp, f: Facts) -> np.ndarray:
+    """Where the engine's own split (EngineInfo.split: berth's, or nanotron's compute-balanced one) gives every
+    pipeline stage a decoder layer (specs/stages.py)."""
+    return np.asarray(stages.rule_stage_split(f.model, pp, vpp, ENGINES[f.training.engine].split)[3])
+
+
 def _stages(x: Layout, f: Facts) -> str:
     L = f.model.num_layers
-    valid = [d for d in divisors(f.world // (x.tp * x.cp)) if stages.split(L, d, x.virtual_stages)[3]]
+    valid = [d for d in divisors(f.world // (x.tp * x.cp)) if _split_valid(d, x.virtual_stages, f)]
     return f"{stages.why_invalid(L, x.pp, x.virtual_stages)}; valid pp (vpp={x.virtual_stages}): {listing(valid)}"
 
 
@@ -207,8 +213,8 @@ _RULES_BEFORE_MEMORY: tuple[Rule, ...] = (
     Rule(
         "stage_without_layers",
         ("pp", "virtual_stages"),
-        lambda c, f: ~stages.split(f.model.num_layers, c.pp, c.virtual_stages)[3],
-        "the layer split over pp x virtual_stages leaves a pipeline stage without a layer (specs/stages.py)",
+        lambda c, f: ~_split_valid(c.pp, c.virtual_stages, f),
+        "the engine's layer split over pp x virtual_stages leaves a pipeline stage without a layer (specs/stages.py)",
         _stages,
     ),
     Rule(

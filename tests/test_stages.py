@@ -233,3 +233,29 @@ def test_nanotron_split_is_chosen_row_by_row():
     assert [int(a[1]) for a in mixed[:3]] == [int(a) for a in stages.stage_split(16, 2, 2)[:3]]
     with pytest.raises(ValueError):
         stages.rule_stage_layers(one, 32, 1, "compute_balanced")  # more ranks than layers: no valid split
+
+
+@pytest.mark.parametrize(("layers", "pp"), [(28, 16), (80, 32)])
+def test_which_pipelines_leave_a_stage_empty_is_the_engines_own_split(layers, pp):
+    """28 layers over 16 stages or 80 over 32 leave berth's ends empty (ceil(L / pp) to every middle stage), but
+    nanotron's walk gives every rank a block (a rank past the layers holds the head): the same layout is refused
+    under berth's rule and runs, priced on nanotron's stages, under nanotron; more stages than layers is refused
+    under both (the sweep: 1B at pp 32 and 8B at pp 64 all crashed)."""
+    shape = NANOTRON_8B | {"num_layers": layers}
+    model = load_model("llama3-8b").model_copy(update=shape | {"name": "deep", "num_kv_heads": 32})
+    cluster = cluster_from_preset("dgx-h100", 16)
+    layout = Layout(tp=2, pp=pp, dp=64 // pp, micro_batch_size=1, num_microbatches=pp, sequence_parallel=True)
+    deeper = 2 ** layers.bit_length()  # the fewest stages, a power of 2, beyond the layers
+    too_deep = Layout(pp=deeper, dp=128 // deeper, micro_batch_size=1, num_microbatches=64 // (128 // deeper))
+    walk = stages.balanced_blocks(layers, *stages.nanotron_costs(type("M", (), shape)), pp)
+    assert all(walk) and not stages.split(layers, pp)[3]
+    for engine in ("nanotron", "generic", "megatron"):
+        training = TrainingSpec(seq_len=4096, global_batch_size=layout.dp * layout.num_microbatches, engine=engine)
+        if engine == "nanotron":
+            (p,) = predict_layouts(model, training, cluster, [layout])
+            assert p.stage_layers == [b.count("layer") for b in walk] and p.prediction.step_time_s > 0
+        else:
+            with pytest.raises(BerthError, match=rf"layout.pp.*{layers} layers over pp x virtual_stages = {pp}"):
+                check_layout(layout.model_dump(), model, training, cluster)
+        with pytest.raises(BerthError, match=rf"{too_deep.pp} chunks for {layers} layers"):
+            check_layout(too_deep.model_dump(), model, training.model_copy(update={"global_batch_size": 64}), cluster)
