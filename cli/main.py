@@ -352,10 +352,30 @@ def _no_fit(result, cluster, quiet: bool) -> None:
     raise typer.Exit(EXIT_NO_FIT)
 
 
+LayoutsFile = Annotated[
+    str | None, typer.Option("--layouts", help="a file of layouts, one per line ('#' starts a comment)")
+]
+
+
+def _given_layouts(layout: list[str] | None, layouts_file: str | None) -> list[str]:
+    """The --layout options, then the lines of the --layouts file."""
+    given = list(layout or [])
+    if layouts_file is not None:
+        text = _read_text(layouts_file, "layouts", "one layout a line")
+        given += [x for x in (line.split("#", 1)[0].strip() for line in text.splitlines()) if x]
+        if not given:
+            raise BerthError("layouts", layouts_file, "no layout in it")
+    return given
+
+
 @app.command("compare")
 def compare_cmd(
     model: Model,
-    layout: Annotated[list[str], typer.Option("--layout", help="tp=8,pp=4,dp=2,zero=1,recompute=selective,...")],
+    layout: Annotated[
+        list[str] | None,
+        typer.Option("--layout", help="tp=8,pp=4,dp=2,zero=1,recompute=selective,... (repeat it)"),
+    ] = None,
+    layouts_file: LayoutsFile = None,
     cluster: Cluster = "dgx-h100",
     nodes: Nodes = 1,
     devices: Devices = None,
@@ -409,7 +429,10 @@ def compare_cmd(
         fp8,
         attention_kernel,
     )
-    candidates, best = compare_with_best(spec, training, cl, layout, memory_headroom)
+    given = _given_layouts(layout, layouts_file)
+    if not given:
+        raise BerthError("layout", None, "the layouts to compare: --layout tp=..,pp=.. (repeat it), --layouts FILE")
+    candidates, best = compare_with_best(spec, training, cl, given, memory_headroom)
     out = compare_json(candidates, best)
     if as_json:
         print(json.dumps(out))
@@ -1013,10 +1036,7 @@ def probe_cmd(
             "layout the search enumerates",
         ),
     ] = None,
-    layouts_file: Annotated[
-        str | None,
-        typer.Option("--layouts", help="a file of layouts to pick among, one per line ('#' starts a comment)"),
-    ] = None,
+    layouts_file: LayoutsFile = None,
     out: Annotated[
         str | None, typer.Option("--out", help="write each pick's plan (and its engine's launch files) here")
     ] = None,
@@ -1044,12 +1064,7 @@ def probe_cmd(
         fp8=fp8,
         attention_kernel=attention_kernel,
     )
-    given = list(layout or [])
-    if layouts_file is not None:
-        text = _read_text(layouts_file, "layouts", "one layout a line")
-        given += [x for x in (line.split("#", 1)[0].strip() for line in text.splitlines()) if x]
-        if not given:
-            raise BerthError("layouts", layouts_file, "no layout in it")
+    given = _given_layouts(layout, layouts_file)
     candidates = parse_layouts(spec, training, cl, given) if given else None
     picks = probe(spec, training, cl, runs, layouts=candidates, search=make_search(max_micro_batch_size=max_mbs))
     if as_json:

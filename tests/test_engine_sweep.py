@@ -111,10 +111,14 @@ def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
     at_cap = sum(r["peak_memory_gib"] * 2**30 >= CEILING * cap for r in recs)
     assert at_cap == json.loads(profile.read_text())["fit"]["runs"]["at_ceiling"]
     assert (f"{at_cap} run(s) reached the allocator's ceiling" in " ".join(said.split())) == (at_cap > 0)
-    args = [x for r in group[128] for x in ("--layout", r["layout"])]
+    # the group's layouts as a user passes them: the first by --layout, the rest in a --layouts file
+    rest = tmp_path / "layouts128.txt"
+    rest.write_text("\n".join(r["layout"] for r in group[128][1:]) + "  # the rest\n")
+    args = ["--layout", group[128][0]["layout"], "--layouts", str(rest)]
     answer = json.loads(
         run("compare", str(model), *common, "--nodes", "16", "--profile", str(profile), *args, "--json")
     )
+    assert len(answer["candidates"]) == len(group[128])
     tok = [r["tokens_per_s_per_gpu"] for r in group[128]]
     regret = 1.0 - tok[answer["choice"]] / max(tok)
     want = next(g for g in saved["groups_after"] if g["model"] == "8B" and g["gpus"] == 128)
