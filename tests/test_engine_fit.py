@@ -575,6 +575,29 @@ def test_probe_picks_among_given_layouts_and_names_a_bad_one(tmp_path):
     assert r.returncode == 2 and "layouts" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_compare_reads_layouts_from_a_file_as_probe_does(tmp_path):
+    common = ["--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "2048", "--global-batch", "64"]
+    model = tmp_path / "small.json"
+    model.write_text(SMALL.model_dump_json())
+    f = tmp_path / "layouts.txt"
+    f.write_text("tp=1,pp=1,dp=16,mbs=1,nmb=4  # pure dp\ntp=2,pp=1,dp=8,mbs=2,nmb=4,sp=1\n")
+    args = [*BERTH, "compare", str(model), *common]
+    r = subprocess.run(
+        [*args, "--layouts", str(f), "--layout", "tp=8,pp=2,dp=1,mbs=1,nmb=64,sp=1", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    got = [Layout.model_validate(p["layout"]).short() for p in json.loads(r.stdout)["candidates"]]
+    want = [
+        parse(x)
+        for x in ("tp=8,pp=2,dp=1,mbs=1,nmb=64,sp=1", "tp=1,pp=1,dp=16,mbs=1,nmb=4", "tp=2,pp=1,dp=8,mbs=2,nmb=4,sp=1")
+    ]
+    assert got == [Layout.model_validate(w).short() for w in want]  # --layout first, then the file's, in order
+    r = subprocess.run(args, capture_output=True, text=True)
+    assert r.returncode == 2 and "--layouts FILE" in r.stderr and "Traceback" not in r.stderr
+
+
 def parse(text):
     from berth.specs.layouts import check_layout, parse_spec
 
