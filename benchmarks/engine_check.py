@@ -383,7 +383,11 @@ for job in json.load(open(sys.argv[1])):
     })
     engine.destroy() if hasattr(engine, "destroy") else None
 if rank == 0:
-    print("BERTH_RESULT " + json.dumps(out))
+    print("BERTH_RESULT " + json.dumps(out), flush=True)
+# every rank leaves the group together: a rank that exits while another's gloo threads still talk to it
+# aborts that one at exit ("terminate called without an active exception", seen under load)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 """
 
 
