@@ -239,9 +239,10 @@ def loaded(engine: str = ENGINE) -> tuple[dict, dict, dict]:
     return by_group, runs, crashed_runs
 
 
-def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int, folds: int = FOLDS) -> dict:
-    """Probe `probes` layouts of `size` on `probe_gpus` GPUs, calibrate on their measured values, and score every
-    other group before (the prior) and after."""
+def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int) -> dict:
+    """Probe `probes` layouts of `size` on `probe_gpus` GPUs, calibrate on their measured values (as `berth
+    calibrate` does: with its k-fold held-out check, which keeps the prior's memory parameters where the fitted
+    ones hold out worse), and score every other group before (the prior) and after."""
     by_group, runs, crashed_runs = data
     prior = EngineTuning()
     key = (size, probe_gpus)
@@ -249,7 +250,7 @@ def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int,
     first = pool[0]
     picks = probe(first.model, first.training, first.cluster, probes, layouts=[r.layout for r in pool])
     index = [next(i for i, r in enumerate(pool) if r.layout == p.plan.layout) for p in picks]
-    fit = fit_engine([pool[i] for i in index], prior, folds=folds)
+    fit = fit_engine([pool[i] for i in index], prior, folds=FOLDS)
     scored: dict[str, list[dict]] = {"before": [], "after": []}
     for gk, recs in sorted(by_group.items()):
         if gk == key:
@@ -277,9 +278,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--probe-gpus", type=int, default=PROBE_GPUS)
     ap.add_argument("--probes", type=int, default=PROBES)
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument(
-        "--folds", type=int, default=FOLDS, help="k of the fits' k-fold held-out errors (1: none; same fits)"
-    )
     ap.add_argument("--engine", default=ENGINE, choices=(ENGINE, GENERIC))
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -293,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         "models": {},
     }
     for size in sizes:
-        r = loop(data, size, args.probe_gpus, args.probes, args.folds)
+        r = loop(data, size, args.probe_gpus, args.probes)
         chosen_records = r.pop("probe_records")
         if size == "8B" and not args.no_write and args.probe_gpus == PROBE_GPUS and args.probes == PROBES:
             lines = (
@@ -306,13 +304,13 @@ def main(argv: list[str] | None = None) -> dict:
         generic = loaded(GENERIC)
         result["generic"] = {}
         for size in sizes:
-            r = loop(generic, size, args.probe_gpus, args.probes, folds=1)  # its held-out errors are not kept
+            r = loop(generic, size, args.probe_gpus, args.probes)
             result["generic"][size] = {"fitted": r["fitted"], "before": r["before"], "after": r["after"]}
     # the same loop with the probes on another GPU count: how much the figures hang on which runs were probed
     result["other_probe_gpus"] = {}
     for g in OTHER_PROBE_GPUS:
         if g != args.probe_gpus:
-            runs_at = {size: loop(data, size, g, args.probes, folds=1) for size in sizes}
+            runs_at = {size: loop(data, size, g, args.probes) for size in sizes}
             result["other_probe_gpus"][str(g)] = {
                 size: {"before": r["before"], "after": r["after"]} for size, r in runs_at.items()
             }

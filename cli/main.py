@@ -1220,7 +1220,11 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
             if worse:
                 console.print(
                     f"[yellow]warning[/yellow]: on runs it did not see, the fit predicts {label} worse than the "
-                    "prior: these runs do not pin its parameters down (measure more, or more varied, runs)",
+                    + (
+                        "prior: the prior's memory parameters are kept"
+                        if q == "memory"
+                        else "prior: these runs do not pin its parameters down (measure more, or more varied, runs)"
+                    ),
                     highlight=False,
                 )
     if out:

@@ -190,6 +190,31 @@ def test_the_fit_recovers_a_known_engine_and_predicts_runs_it_did_not_see():
     )
 
 
+def test_a_memory_fit_that_holds_out_worse_than_the_prior_gives_way_to_it():
+    """Runs whose step time a slower engine sets and whose peak memory is the recipe's, up to 15 % off at random:
+    the memory fit chases the noise and predicts the runs it did not see worse than the prior, so the prior's
+    memory parameters are kept and the time fit stands; with only memory measured nothing is left: refused."""
+    cl = cluster_from_preset("dgx-h100", 2)
+    layouts = [p.plan.layout for p in probe(SMALL, training(), cl, 12)]
+    runs = synthetic_runs(layouts, cl, truth=EngineTuning(compute_efficiency=0.8, layer_overhead_s=0.002))
+    rng = np.random.default_rng(0)
+    noisy = [
+        dataclasses.replace(r, peak_memory_bytes=r.peak_memory_bytes * float(rng.uniform(0.85, 1.15))) for r in runs
+    ]
+    fit = fit_engine(noisy)
+    e = fit.errors
+    assert e["held_out_after"]["memory_median_error"] > e["held_out_before"]["memory_median_error"]
+    memory = [n for n, p in PARAMETERS.items() if p.quantity == "memory"]
+    assert "compute_efficiency" in fit.fitted and not set(fit.fitted) & set(memory)
+    assert all(getattr(fit.tuning, n) == getattr(EngineTuning(), n) for n in memory)
+    assert "the prior is kept" in fit.not_fitted["state_bytes_scale"] and "state_bytes_scale" not in fit.uncertainty
+    assert e["fit_after"]["memory_median_error"] == e["fit_before"]["memory_median_error"]
+    assert e["fit_after"]["step_time_median_error"] < 0.01 < e["fit_before"]["step_time_median_error"]
+    memory_only = [dataclasses.replace(r, step_time_s=None) for r in noisy]
+    with pytest.raises(BerthError, match="did not see.*the prior is kept"):
+        fit_engine(memory_only)
+
+
 def test_out_of_memory_runs_push_the_memory_up():
     cl = cluster_from_preset("dgx-h100", 1)
     x = Layout(dp=8, micro_batch_size=4, num_microbatches=2)
