@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -273,6 +275,28 @@ def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int)
     }
 
 
+_LOADED: dict[str, tuple[dict, dict, dict]] = {}  # the data per engine, read before the workers fork
+
+
+def _one_loop(job: tuple[str, str, int, int]) -> dict:
+    engine, size, gpus, probes = job
+    return loop(_LOADED[engine], size, gpus, probes)
+
+
+def _run_loops(jobs: list[tuple[str, str, int]], probes: int, data: dict[str, tuple[dict, dict, dict]]) -> list[dict]:
+    """`loop` for each (engine, model, probe GPU count), in order: on two forked processes where the platform forks
+    and has two cores (each loop is deterministic, so the figures are the same as one after the other)."""
+    _LOADED.update(data)
+    for engine in {j[0] for j in jobs} - set(_LOADED):
+        _LOADED[engine] = loaded(engine)
+    work = [(e, s, g, probes) for e, s, g in jobs]
+    workers = min(2, os.cpu_count() or 1, len(work))
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return pool.map(_one_loop, work, chunksize=1)
+    return [_one_loop(w) for w in work]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--probe-gpus", type=int, default=PROBE_GPUS)
@@ -290,8 +314,15 @@ def main(argv: list[str] | None = None) -> dict:
         "engine": args.engine,
         "models": {},
     }
+    # every loop is independent: (engine, model, probe GPU count), run on up to two processes
+    jobs = [(args.engine, size, args.probe_gpus) for size in sizes]
+    if args.engine != GENERIC:  # the same loop from the generic engine: what the nanotron entry adds
+        jobs += [(GENERIC, size, args.probe_gpus) for size in sizes]
+    # the same loop with the probes on another GPU count: how much the figures hang on which runs were probed
+    jobs += [(args.engine, size, g) for g in OTHER_PROBE_GPUS if g != args.probe_gpus for size in sizes]
+    done = dict(zip(jobs, _run_loops(jobs, args.probes, {args.engine: data}), strict=True))
     for size in sizes:
-        r = loop(data, size, args.probe_gpus, args.probes)
+        r = done[(args.engine, size, args.probe_gpus)]
         chosen_records = r.pop("probe_records")
         if size == "8B" and not args.no_write and args.probe_gpus == PROBE_GPUS and args.probes == PROBES:
             lines = (
@@ -300,19 +331,17 @@ def main(argv: list[str] | None = None) -> dict:
             )
             EXAMPLE.write_text(EXAMPLE_HEADER + "".join(line + "\n" for line in lines))
         result["models"][size] = r
-    if args.engine != GENERIC:  # the same loop from the generic engine: what the nanotron entry adds
-        generic = loaded(GENERIC)
+    if args.engine != GENERIC:
         result["generic"] = {}
         for size in sizes:
-            r = loop(generic, size, args.probe_gpus, args.probes)
+            r = done[(GENERIC, size, args.probe_gpus)]
             result["generic"][size] = {"fitted": r["fitted"], "before": r["before"], "after": r["after"]}
-    # the same loop with the probes on another GPU count: how much the figures hang on which runs were probed
     result["other_probe_gpus"] = {}
     for g in OTHER_PROBE_GPUS:
         if g != args.probe_gpus:
-            runs_at = {size: loop(data, size, g, args.probes) for size in sizes}
             result["other_probe_gpus"][str(g)] = {
-                size: {"before": r["before"], "after": r["after"]} for size, r in runs_at.items()
+                size: {"before": done[(args.engine, size, g)]["before"], "after": done[(args.engine, size, g)]["after"]}
+                for size in sizes
             }
     result["seconds"] = round(time.time() - t0, 1)
     print_result(result)
