@@ -339,9 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
     result["other_probe_gpus"] = {}
     for g in OTHER_PROBE_GPUS:
         if g != args.probe_gpus:
+            at = {size: done[(args.engine, size, g)] for size in sizes}
             result["other_probe_gpus"][str(g)] = {
-                size: {"before": done[(args.engine, size, g)]["before"], "after": done[(args.engine, size, g)]["after"]}
-                for size in sizes
+                size: {"before": r["before"], "after": r["after"]} for size, r in at.items()
             }
     result["seconds"] = round(time.time() - t0, 1)
     print_result(result)

@@ -29,7 +29,7 @@ import numpy as np
 
 from berth.specs import stages
 from berth.specs.candidates import SCHEDULE_INTERLEAVED, Candidates
-from berth.specs.engines import ENGINE_RULE_NAMES, ENGINES, RULE_BY_NAME, refusal_text, rule_broken
+from berth.specs.engines import ENGINE_RULE_NAMES, ENGINES, RULE_BY_NAME, refusal_text, rule_broken, split_rule
 from berth.specs.tree import AXIS_ORDER_CHOICES, LAYOUT_FIELDS, ClusterSpec, Layout, ModelSpec, TrainingSpec
 
 VALID = 0
@@ -112,7 +112,7 @@ def _cp_chunks(x: Layout, f: Facts) -> str:
 def _split_valid(pp, vpp, f: Facts) -> np.ndarray:
     """Where the engine's own split (EngineInfo.split: berth's, or nanotron's compute-balanced one) gives every
     pipeline stage a decoder layer (specs/stages.py)."""
-    return np.asarray(stages.rule_stage_split(f.model, pp, vpp, ENGINES[f.training.engine].split)[3])
+    return np.asarray(stages.rule_stage_split(f.model, pp, vpp, split_rule(f.training))[3])
 
 
 def _stages(x: Layout, f: Facts) -> str:
