@@ -131,6 +131,24 @@ def test_cuda_event_clock_attributes_gpu_time():
     assert not timer.active and timing.span("forward").__enter__() is None  # no active timer: a no-op
 
 
+def test_instrument_wraps_what_this_torch_has_and_leaves_the_rest(monkeypatch):
+    """A CUDA build of torch 2.11 (the H200 of benchmarks/results/gpu-h200) has no
+    torch.distributed.all_gather_single / reduce_scatter_single: every full run failed with an
+    AttributeError on entering `instrument`. Now such a name is skipped and restored as it was."""
+    import torch.distributed as dist
+
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        monkeypatch.delattr(dist, name, raising=False)
+    before = {name: getattr(dist, name) for name in timing.DIST_KINDS if hasattr(dist, name)}
+    assert "all_reduce" in before and "all_gather_single" not in before
+    timer = timing.StepTimer(timing.WallClock())
+    with timing.instrument(timer, None, []):
+        assert all(getattr(dist, name) is not fn for name, fn in before.items())  # wrapped
+        assert not hasattr(dist, "all_gather_single") and not hasattr(dist, "reduce_scatter_single")
+    assert {name: getattr(dist, name) for name in before} == before  # restored
+    assert not hasattr(dist, "all_gather_single")
+
+
 class _Prediction:
     time_breakdown_s = {
         "compute": 1.0,
