@@ -233,6 +233,38 @@ def local_layer_params(model: ModelSpec, tp, ep=1, etp=None, part: str = "all") 
     return dense + routed + 0.0 * ep
 
 
+def largest_tensor_params(model: ModelSpec, tp, first: bool, last) -> ArrayOrFloat:
+    """Elements of the largest single parameter tensor one tensor-parallel rank of a stage holds, in the
+    bundled executor's shapes (executor/model.py): the embedding on the first stage and the untied LM head
+    on the last (vocab_rows x hidden each), else a decoder layer's largest matrix (the MLP's hidden x
+    ffn / tp, or attention's hidden x heads x head_dim / tp). `last`: a bool or an array of them."""
+    tp = np.asarray(tp, dtype=float)
+    h = float(model.hidden_size)
+    layer = np.maximum(h * model.ffn_hidden_size, h * model.num_attention_heads * model.head_dim) / tp
+    holds = np.asarray(first) | (np.asarray(last) & (not model.tied_embeddings))
+    return np.maximum(layer, np.where(holds, vocab_rows(model, tp) * h, 0.0))
+
+
+def whole_tensor_share(params, largest, shard) -> ArrayOrFloat:
+    """Parameters of the most loaded rank when ZeRO-1 hands out whole tensors rather than an even slice of
+    a flat buffer: torch's ZeroRedundancyOptimizer (torch/distributed/optim/zero_redundancy_optimizer.py
+    `_partition_parameters`: tensors sorted largest first, each to the rank holding the fewest elements so
+    far) and the rank-slice proxy, which shards so (executor/proxy.py `shard_parameters`). The rank that
+    takes the largest tensor takes more only once every other rank holds more than it does, so it holds
+    max(largest, params / shard), the second within one of the small tensors that fill the ranks evenly.
+    For an embedding larger than params / shard (a 4-layer slice of llama3-8b over 8: 525 M against
+    1.9 B / 8) its optimizer state is the embedding's.
+
+    Only the proxy's prediction uses it. The bundled executor's own ZeRO-1 under DDP is a
+    ZeroRedundancyOptimizer too, and on CPU its ranks' peaks differ by exactly the whole tensors' Adam state
+    (2 ranks, tied 32k x 256 embedding: 283.1 and 233.6 MiB); its even-share prediction is nevertheless
+    within 1 % of the larger rank, and with this share 8.5 % above it, so another term over-counts there
+    (DDP's buckets beside gradients that are their views is the suspect) and the full run keeps the even
+    share until a GPU measurement separates the two."""
+    shard = np.asarray(shard, dtype=float)
+    return np.where(shard > 1, np.maximum(largest, np.asarray(params, dtype=float) / shard), params)
+
+
 def largest_stage_params(
     model: ModelSpec, pp, tp, vpp=1, ep=1, etp=None, rule: str = stages.SPLIT_ENDS_LIGHTER
 ) -> ArrayOrFloat:
@@ -704,12 +736,14 @@ def stage_memory_breakdown(
     first: bool,
     buckets: bool = True,
     middle: bool = False,
+    whole_tensors: bool = False,
 ) -> dict[str, np.ndarray]:
     """Breakdown (dict of arrays, bytes) of the first or the last pipeline stage at its peak
     phase (module docstring); `middle`: the second stage (pp rank 1, the middle stage with the most
     micro-batches in flight; its layers only). `buckets=False` leaves out the data-parallel gradient
-    buckets (a single-process proxy of one rank has none). Every term is inside the caching
-    allocator: their sum is the reserved peak."""
+    buckets (a single-process proxy of one rank has none). `whole_tensors`: ZeRO-1 shards the optimizer
+    state by whole tensors (`whole_tensor_share`: the rank-slice proxy); the default, an even share.
+    Every term is inside the caching allocator: their sum is the reserved peak."""
     first = first and not middle
     stage = 0.0 if first else 1.0 if middle else np.asarray(c.pp, dtype=float) - 1.0
     etp = expert_tp_of(c)
@@ -727,6 +761,11 @@ def stage_memory_breakdown(
     # context parallelism: each rank holds s / cp tokens of every sequence, so every activation,
     # logit and buffer term below sees a micro-batch of mbs / cp (parameters are not divided by cp)
     c = replace(c, micro_batch_size=np.asarray(c.micro_batch_size) / _cp(c)) if np.any(_cp(c) > 1) else c
+    if whole_tensors:  # the optimizer state of the rank that holds the stage's largest tensor
+        shard = np.maximum(np.asarray(c.shard, dtype=float) * _cp(c), 1.0)
+        largest = largest_tensor_params(model, c.tp, first, ~np.asarray(first) | (np.asarray(c.pp) == 1))
+        whole = st["optimizer_state"] * whole_tensor_share(params, largest, shard) / (params / shard)
+        st = {**st, "optimizer_state": np.where(np.asarray(c.zero_stage) == 1, whole, st["optimizer_state"])}
     p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
     p = p + fp8_weight_cache_bytes(model, training, device, c, first, middle, rule)
     unsharded = params * st["grad_element"]

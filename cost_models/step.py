@@ -675,7 +675,7 @@ def proxy_prediction(plan: Plan, layers: int, first: bool) -> tuple[Metrics, dic
         mem = {
             k: float(v[0])
             for k, v in memory.stage_memory_breakdown(
-                model, plan.training, plan.cluster.device, c, first, buckets=False
+                model, plan.training, plan.cluster.device, c, first, buckets=False, whole_tensors=True
             ).items()
         }
         stage = 0 if first else x.pp - 1

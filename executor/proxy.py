@@ -14,8 +14,12 @@ What the rank holds and does, built directly at its size (no collectives):
   forwards of warm-up, then one forward one backward; interleaved_1f1b: as 1f1b with the number of
   micro-batches in flight the cost model gives for it);
 - the optimizer over the rank's shard: for zero >= 1 AdamW steps over a 1/shard share of the
-  parameters (the partition ZeroRedundancyOptimizer makes), so the state and the step time are
-  those of the shard.
+  parameters (the partition ZeroRedundancyOptimizer makes: whole tensors, so rank 0's share is at
+  least the largest, the embedding; cost_models/memory.py whole_tensor_share predicts it), so the
+  state and the step time are those of the shard;
+- the last stage's loss is the executor's (fp32 cross-entropy over the rank's vocabulary rows, on
+  random targets): the logits' memory is the one the full run holds. A first stage of a pipeline
+  backpropagates a scalar of its output instead of the gradient the next stage would send.
 
 It cannot reproduce the tp/sp collectives, pipeline sends, the bubble, data-parallel traffic or
 FSDP's parameter and gradient sharding (it holds the full tp-slice of parameters and gradients,
@@ -36,7 +40,7 @@ from torch import nn
 from berth.cost_models.memory import vocab_rows
 from berth.executor.checks import PROGRESS_PREFIX
 from berth.executor.device import rank_device
-from berth.executor.model import INIT_STD, Block, norm_layer
+from berth.executor.model import INIT_STD, Block, loss_fn, norm_layer
 from berth.executor.parallel import apply_recompute
 from berth.executor.train import PeakMemory
 from berth.executor.worker import machine
@@ -164,6 +168,13 @@ def main() -> None:
                 torch.randn(x.micro_batch_size, s_in, spec.hidden_size, generator=g) for _ in range(x.num_microbatches)
             ]
         inputs = [t.to(device) for t in inputs]
+        # the last stage's loss is the executor's own (fp32 cross-entropy over the rank's vocabulary rows), whose
+        # logits the cost model's memory counts; a first stage of a pipeline hands its output on
+        rows = int(vocab_rows(spec, x.tp))
+        targets = [
+            torch.randint(0, rows, (x.micro_batch_size, training.seq_len), generator=g).to(device)
+            for _ in range(x.num_microbatches if last else 0)
+        ]
         order = schedule_order(x.schedule, x.pp, stage, x.num_microbatches, args.in_flight)
         dtype = torch.bfloat16 if training.precision == "bf16" else torch.float16
         autocast = training.precision != "fp32"
@@ -183,8 +194,9 @@ def main() -> None:
                     outs[mb] = out
                 else:
                     out = outs.pop(mb)
-                    # a loss-shaped scalar (its cost is negligible next to the stage's compute)
-                    (out.float().square().mean() / x.num_microbatches).backward()
+                    # the first stage of a pipeline: a scalar standing in for the gradient the next stage sends
+                    loss = loss_fn(out, targets[mb]) if last else out.float().square().mean()
+                    (loss / x.num_microbatches).backward()
                 sync()
                 dt = time.perf_counter() - t0
                 if op == "F":
