@@ -249,18 +249,14 @@ def whole_tensor_share(params, largest, shard) -> ArrayOrFloat:
     """Parameters of the most loaded rank when ZeRO-1 hands out whole tensors rather than an even slice of
     a flat buffer: torch's ZeroRedundancyOptimizer (torch/distributed/optim/zero_redundancy_optimizer.py
     `_partition_parameters`: tensors sorted largest first, each to the rank holding the fewest elements so
-    far) and the rank-slice proxy, which shards so (executor/proxy.py `shard_parameters`). The rank that
-    takes the largest tensor takes more only once every other rank holds more than it does, so it holds
-    max(largest, params / shard), the second within one of the small tensors that fill the ranks evenly.
-    For an embedding larger than params / shard (a 4-layer slice of llama3-8b over 8: 525 M against
-    1.9 B / 8) its optimizer state is the embedding's.
-
-    Only the proxy's prediction uses it. The bundled executor's own ZeRO-1 under DDP is a
-    ZeroRedundancyOptimizer too, and on CPU its ranks' peaks differ by exactly the whole tensors' Adam state
-    (2 ranks, tied 32k x 256 embedding: 283.1 and 233.6 MiB); its even-share prediction is nevertheless
-    within 1 % of the larger rank, and with this share 8.5 % above it, so another term over-counts there
-    (DDP's buckets beside gradients that are their views is the suspect) and the full run keeps the even
-    share until a GPU measurement separates the two."""
+    far: the bundled executor's ZeRO-1 under DDP, executor/parallel.py) and the rank-slice proxy, which
+    shards so (executor/proxy.py `shard_parameters`). The rank that takes the largest tensor takes more
+    only once every other rank holds more than it does, so it holds max(largest, params / shard), the
+    second within one of the small tensors that fill the ranks evenly. For an embedding larger than
+    params / shard (a 4-layer slice of llama3-8b over 8: 525 M against 1.9 B / 8) its optimizer state is
+    the embedding's. Measured on CPU (2 gloo ranks, a tied 32,000 x 256 embedding of 9.9 M parameters):
+    the ranks peak 49.5 MiB apart, the embedding's Adam state less the layers', and ZeRO-1 lowers the
+    larger rank's peak by 13.0 MiB from ZeRO-0's, as this share predicts (an even share: 37.7)."""
     shard = np.asarray(shard, dtype=float)
     return np.where(shard > 1, np.maximum(largest, np.asarray(params, dtype=float) / shard), params)
 
@@ -742,8 +738,9 @@ def stage_memory_breakdown(
     phase (module docstring); `middle`: the second stage (pp rank 1, the middle stage with the most
     micro-batches in flight; its layers only). `buckets=False` leaves out the data-parallel gradient
     buckets (a single-process proxy of one rank has none). `whole_tensors`: ZeRO-1 shards the optimizer
-    state by whole tensors (`whole_tensor_share`: the rank-slice proxy); the default, an even share.
-    Every term is inside the caching allocator: their sum is the reserved peak."""
+    state by whole tensors at every layout (`whole_tensor_share`: the rank-slice proxy), not only where the
+    engine's DDP does (EngineInfo.zero1_whole_tensors). Every term is inside the caching allocator: their
+    sum is the reserved peak."""
     first = first and not middle
     stage = 0.0 if first else 1.0 if middle else np.asarray(c.pp, dtype=float) - 1.0
     etp = expert_tp_of(c)
@@ -761,11 +758,15 @@ def stage_memory_breakdown(
     # context parallelism: each rank holds s / cp tokens of every sequence, so every activation,
     # logit and buffer term below sees a micro-batch of mbs / cp (parameters are not divided by cp)
     c = replace(c, micro_batch_size=np.asarray(c.micro_batch_size) / _cp(c)) if np.any(_cp(c) > 1) else c
-    if whole_tensors:  # the optimizer state of the rank that holds the stage's largest tensor
-        shard = np.maximum(np.asarray(c.shard, dtype=float) * _cp(c), 1.0)
+    zero1 = np.asarray(c.zero_stage) == 1
+    whole = zero1 & (whole_tensors | (ddp_wrapped(c) & engine_of(training).zero1_whole_tensors))
+    if np.any(whole):  # the optimizer state of the rank that holds the stage's largest tensor
+        o, shard = st["optimizer_state"], np.maximum(np.asarray(c.shard, dtype=float) * _cp(c), 1.0)
         largest = largest_tensor_params(model, c.tp, first, ~np.asarray(first) | (np.asarray(c.pp) == 1))
-        whole = st["optimizer_state"] * whole_tensor_share(params, largest, shard) / (params / shard)
-        st = {**st, "optimizer_state": np.where(np.asarray(c.zero_stage) == 1, whole, st["optimizer_state"])}
+        st = {
+            **st,
+            "optimizer_state": np.where(whole, o * whole_tensor_share(params, largest, shard) / (params / shard), o),
+        }
     p, g, o = st["parameters"], st["gradients"], st["optimizer_state"]
     p = p + fp8_weight_cache_bytes(model, training, device, c, first, middle, rule)
     unsharded = params * st["grad_element"]
