@@ -131,10 +131,8 @@ class EngineInfo:
     # the routed experts' GEMMs run in FP8 too (Megatron: Transformer Engine's grouped linears, megatron-core
     # transformer_config.py needs TE >= 1.7 for MoE FP8); False: torchao's Float8Linear converts nn.Linear only
     fp8_experts: bool = False
-    # ZeRO-1 under DDP (tp = pp = 1) hands whole tensors to ranks, torch's ZeroRedundancyOptimizer (the executor,
-    # executor/parallel.py): one rank's optimizer state is at least the largest tensor's (cost_models/memory.py
-    # whole_tensor_share); False: an even slice of a flat buffer (DeepSpeed, Megatron's distributed optimizer,
-    # nanotron) or FSDP2's even shards
+    # ZeRO-1 under DDP (tp = pp = 1) hands out whole tensors (torch's ZeroRedundancyOptimizer: the executor;
+    # cost_models/memory.py whole_tensor_share); False: even slices (flat buffers, FSDP2)
     zero1_whole_tensors: bool = False
 
     @property
