@@ -4,6 +4,7 @@ the planner accepts; `berth calibrate` fits the named parameters and recovers kn
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,8 @@ from berth.specs.tree import Layout, Metrics, TrainingSpec, ValidationReport
 
 BERTH = [sys.executable, "-m", "berth.cli.main"]
 DEVICES = ("a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x", "l40s", "l4")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_gpu_device_lists_its_nvidia_smi_names_and_each_resolves_to_it():
@@ -126,6 +129,22 @@ def test_plan_accepts_the_profile(quick_profile):
     assert cluster["device"]["name"].endswith("-profiled") and cluster["intra_node"]["op_time_scale"]
     r = subprocess.run([*BERTH, "plan", "tiny-gpt", "--profile", "/nonexistent.json"], capture_output=True, text=True)
     assert r.returncode == 2 and "profile" in r.stderr
+
+
+def test_a_gpu_profile_read_without_a_gpu_keeps_its_device_memory(monkeypatch):
+    """`--cluster local --profile` with the H200 profile of benchmarks/results/gpu-h200 on a machine without a GPU
+    (re-predicting the GPU's runs, as that folder's README does): the plan is the profiled machine's, with the H200's
+    memory (the profile's 140 GiB), not this host's RAM shared by CPU workers, which capped it at a few GiB before."""
+    from berth.topology import clusters
+
+    monkeypatch.setattr(clusters, "local_gpus", lambda: [])
+    path = ROOT / "benchmarks" / "results" / "gpu-h200" / "profile.json"
+    profile = load_profile_file(path)
+    device = profile[0]
+    cluster = clusters.local_cluster(1, profile)
+    assert cluster.device.kind == "gpu" and cluster.device.memory_bytes == device.memory_bytes > 140 * 2**30
+    cpu = clusters.local_cluster(2)  # without a profile: this host's CPU workers and its RAM
+    assert cpu.device.kind == "cpu" and cpu.device.memory_bytes < device.memory_bytes
 
 
 def _synthetic_reports(truth: dict[str, float], n_noise: float = 0.0):

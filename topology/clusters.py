@@ -184,7 +184,10 @@ def local_cluster(
 ) -> ClusterSpec:
     """This machine as a one-node cluster: its GPUs, or with none, `devices_per_node` CPU worker
     processes (default: one per core) sharing the host's RAM, on the host CPU profile, or on the
-    measured `profile` (from `berth profile`) when one is given."""
+    measured `profile` (from `berth profile`) when one is given. A profile of another kind of device
+    (a GPU's, read on a machine without one, to re-predict its runs) describes the machine it was
+    measured on: its device memory too, not this host's RAM; such a plan cannot run here (validate
+    says so)."""
     if devices_per_node is not None and not 1 <= devices_per_node <= MAX_GPUS_PER_NODE:
         raise BerthError("cluster.devices_per_node", devices_per_node, f"must be in 1..{MAX_GPUS_PER_NODE}")
     gpus = local_gpus()
@@ -212,7 +215,8 @@ def local_cluster(
         server = load_server("local-cpu")
         device = load_device(server.device).model_copy(update={"memory_bytes": host_memory_bytes() / count})
     if profile is not None:
-        device = profile[0].model_copy(update={"memory_bytes": device.memory_bytes})
+        same_kind = profile[0].kind == device.kind
+        device = profile[0].model_copy(update={"memory_bytes": device.memory_bytes}) if same_kind else profile[0]
         server = profile[1]
     return ClusterSpec(
         name=LOCAL if profile is None else f"{LOCAL} (profiled)",
