@@ -273,18 +273,16 @@ DIST_KINDS = {
 
 class _Patches:
     """Wrappers set on torch's functions for one run, restored afterwards. A name this torch does
-    not have is left alone (`missing`): the tables name functions of several torch versions (the
+    not have is left alone: the tables name functions of several torch versions (the
     `*_single` collectives of torch.distributed are 2.13's; a CUDA build of 2.11 has none), and the
     private pipelining hooks move between versions. Work issued through a missing name is then
     timed as the region around it (`other` at worst), never a failed run."""
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, str, bool, Any]] = []
-        self.missing: list[str] = []
 
     def set(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         if not hasattr(owner, name):
-            self.missing.append(f"{getattr(owner, '__name__', owner)}.{name}")
             return
         original = getattr(owner, name)
         own = name in vars(owner) if isinstance(owner, type) else True
