@@ -762,7 +762,8 @@ def stage_memory_breakdown(
     whole = zero1 & (whole_tensors | (ddp_wrapped(c) & engine_of(training).zero1_whole_tensors))
     if np.any(whole):  # the optimizer state of the rank that holds the stage's largest tensor
         o, shard = st["optimizer_state"], np.maximum(np.asarray(c.shard, dtype=float) * _cp(c), 1.0)
-        largest = largest_tensor_params(model, c.tp, first, ~np.asarray(first) | (np.asarray(c.pp) == 1))
+        last = (not first and not middle) | (np.asarray(c.pp) == 1)
+        largest = largest_tensor_params(model, c.tp, first, last)
         st = {
             **st,
             "optimizer_state": np.where(whole, o * whole_tensor_share(params, largest, shard) / (params / shard), o),
