@@ -158,9 +158,10 @@ def main() -> None:
         opt = torch.optim.AdamW(opt_params, lr=1e-4, foreach=False)
         s_in = training.seq_len // (x.tp if x.sequence_parallel and x.tp > 1 and not first else 1)
         g = torch.Generator(device="cpu").manual_seed(args.seed)
+        rows = int(vocab_rows(spec, x.tp))  # the padded vocabulary's rows on one tp rank: token ids and targets
         if first:
             inputs = [
-                torch.randint(0, int(vocab_rows(spec, x.tp)), (x.micro_batch_size, training.seq_len), generator=g)
+                torch.randint(0, rows, (x.micro_batch_size, training.seq_len), generator=g)
                 for _ in range(x.num_microbatches)
             ]
         else:
@@ -170,7 +171,6 @@ def main() -> None:
         inputs = [t.to(device) for t in inputs]
         # the last stage's loss is the executor's own (fp32 cross-entropy over the rank's vocabulary rows), whose
         # logits the cost model's memory counts; a first stage of a pipeline hands its output on
-        rows = int(vocab_rows(spec, x.tp))
         targets = [
             torch.randint(0, rows, (x.micro_batch_size, training.seq_len), generator=g).to(device)
             for _ in range(x.num_microbatches if last else 0)
