@@ -447,11 +447,17 @@ def evaluate(
     # pipeline_latency_scale and pipeline_microbatch_overhead_s); inside a node the sweep's pipelines show neither
     # (benchmarks/engine_sweep.py: nanotron, 1B and 8B, tp 2-4 within a node, -15 to 11 ms per micro-batch)
     crosses = (pp > 1) & (comm.members_per_block(c.pp, stride["pp"], cluster.gpus_per_node) < pp)
-    if tuning.pipeline_latency_scale != 1.0:  # the host-synchronized pipeline's tp collectives (EngineTuning)
+    # the host-synchronized pipeline's tp collectives (EngineTuning.pipeline_latency_scale) are a floor under each
+    # micro-batch's layers, not a cost beside their work: across nodes the sweep's pipelines with tp 2-32 take as
+    # long per micro-batch at 1 as at 8-16 sequences (1B, tp 8, pp 2 on 32 GPUs: 216-222 ms at 1-16, 400 at 32;
+    # 8B, tp 16, pp 2 on 64 GPUs: 832-980 ms at 1-16), and only past that grow with the work
+    floor_layer: ArrayOrFloat = 0.0
+    if tuning.pipeline_latency_scale != 1.0:
         sync_fwd, sync_bwd = tp_collectives(
             tuned_cluster(cluster, EngineTuning(latency_scale=tuning.pipeline_latency_scale))
         )
-        tp_fwd, tp_bwd = np.where(crosses, sync_fwd, tp_fwd), np.where(crosses, sync_bwd, tp_bwd)
+        full = np.where(c.recompute == RECOMPUTE_FULL, 2.0, 1.0)  # full recompute runs the forward's again
+        floor_layer = np.where(crosses, full * sync_fwd + sync_bwd, 0.0)
     cp_fwd, cp_bwd = cp_exchange_s(
         model, training, cluster, b, tp, c.cp, stride["cp"], lt.attention_forward, lt.attention_backward
     )
@@ -482,8 +488,12 @@ def evaluate(
 
     def body(layers) -> tuple[ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat, ArrayOrFloat]:
         """(compute, recompute, tp collectives, cp KV exchange, ep all-to-alls) of `layers` decoder layers
-        for one micro-batch."""
-        return layers * (fwd + bwd), layers * recompute, layers * tp_layer, layers * cp_layer, layers * ep_layer
+        for one micro-batch. Where the pipeline's host-synchronized collectives set a floor (`floor_layer`), what
+        of it the layers' work does not cover is the tp collectives' (the host issues them while the GPU runs:
+        a floor under the micro-batch, not a cost beside its work)."""
+        work = layers * (fwd + bwd), layers * recompute, layers * tp_layer, layers * cp_layer, layers * ep_layer
+        gap = np.maximum(layers * floor_layer - sum(work), 0.0)
+        return work[0], work[1], work[2] + gap, work[3], work[4]
 
     first_body, last_body, middle_body = body(n_first), body(n_last), body(n_middle)
     first = sum(first_body) + edge_tp + p2p + np.where(pp == 1, head + edge_tp, 0.0)

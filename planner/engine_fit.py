@@ -83,6 +83,9 @@ class Parameter:
 # layer_overhead_s's start: 3 ms a layer and micro-batch, about twice the host dispatch the H100 profiles measured per
 # decoder layer for torch stacks (1.3-1.7 ms forward and backward, hardware_profiles/devices/h100-sxm.json frameworks)
 HOST_START_S = 0.003
+# pipeline_latency_scale's start: the geometric middle of its range. Nothing before the runs says where a pipeline's
+# host-synchronized collectives start to bind (cost_models/step.py: a floor under each micro-batch's layers)
+PIPELINE_LATENCY_START = math.sqrt(1000.0)
 PARAMETERS: dict[str, Parameter] = {
     # at most 15 % faster than the device profile's measured kernels, at most 20 % above its links' bandwidth: an
     # engine cannot beat the hardware, and a fit that wants to is absorbing something else
@@ -105,7 +108,9 @@ PARAMETERS: dict[str, Parameter] = {
     "overlap": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with dp > 1 whose gradient traffic is not hidden"),
     "param_gather_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
     "grad_reduce_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
-    "pipeline_latency_scale": Parameter(1.0, 1000.0, "log", 1.0, "time", "runs with tp > 1 and pp > 1 across nodes"),
+    "pipeline_latency_scale": Parameter(
+        1.0, 1000.0, "log", 1.0, "time", "runs with tp > 1 and pp > 1 across nodes", start=PIPELINE_LATENCY_START
+    ),
     "fixed_bytes": Parameter(0.0, 32 * GIB, "lin", GIB, "memory", "runs with a measured peak memory"),
     "state_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs whose parameter share differs"),
     "optimizer_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs with and without ZeRO sharding"),
@@ -375,17 +380,25 @@ def explaining_order(jacobian: np.ndarray, residual: np.ndarray) -> list[int]:
 
 
 def identifiable(
-    jacobian: np.ndarray, names: tuple[str, ...], counts: dict[str, int], residual: np.ndarray | None = None
+    jacobian: np.ndarray,
+    names: tuple[str, ...],
+    counts: dict[str, int],
+    residual: np.ndarray | None = None,
+    first: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """(the parameters the runs determine, {parameter: why not} for the others), in PARAMETERS order. With the
     runs' `residual` at the prior, the budget goes first to the parameters that explain it (`explaining_order`);
-    without, in PARAMETERS order."""
+    without, in PARAMETERS order. `first`: parameters whose mechanism the engine's code has (EngineInfo.fit_first),
+    offered the budget before the others where the runs depend on them: a threshold's effect is not linear, and
+    the selection's linear view at one point gives it to the parameters that mimic it there."""
     keep: list[int] = []
     why: dict[str, str] = {}
     norms = np.linalg.norm(jacobian, axis=0)
     budget = {q: max(counts[q] // RUNS_PER_PARAMETER, 1 if counts[q] >= 2 else 0) for q in ("time", "memory")}
     budget["memory"] += 1 if counts["oom"] >= 2 and counts["memory"] else 0
-    order = explaining_order(jacobian, residual) if residual is not None else range(len(names))
+    order = explaining_order(jacobian, residual) if residual is not None else list(range(len(names)))
+    ahead = [names.index(n) for n in first]
+    order = ahead + [j for j in order if j not in ahead]
     for j in order:
         name = names[j]
         p = PARAMETERS[name]
@@ -468,7 +481,8 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
     def fun_all(x: np.ndarray) -> np.ndarray:
         return data.residuals(with_values(prior, {n: decode(n, xi) for n, xi in zip(names, x, strict=True)}))
 
-    chosen, not_fitted = identifiable(jacobian(fun_all, x0, lo, hi), names, counts, data.residuals(prior))
+    first = ENGINES[engines[0]].fit_first
+    chosen, not_fitted = identifiable(jacobian(fun_all, x0, lo, hi), names, counts, data.residuals(prior), first)
     if not chosen:
         raise BerthError(
             "runs",

@@ -50,18 +50,25 @@ def sensitivities(
     model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, c: Candidates
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(J: candidates x 2 x parameters, d log step time and d log peak memory per fitted coordinate;
-    predicted step time; predicted peak) at the training's tuning."""
+    predicted step time; predicted peak) at the training's tuning, the slopes with its threshold parameters at their
+    start at least."""
     names = DESIGNED
     base = evaluate(model, training, cluster, c)
-    t0, m0 = np.log(base.step_time_s), np.log(base.peak_memory_bytes)
+    # a threshold parameter below its start changes nothing and has no slope there: its slope is taken where the
+    # fit starts it (planner/engine_fit.py start), so the design can pick the runs that say whether it binds
+    prior = {n: prior_value(training.tuning, n, cluster, training.engine) for n in names}
+    raised = {n: p.start for n in names if (p := PARAMETERS[n]).start is not None and prior[n] < p.start}
+    ref = training.model_copy(update={"tuning": with_values(training.tuning, raised)}) if raised else training
+    at = evaluate(model, ref, cluster, c) if raised else base
+    t0, m0 = np.log(at.step_time_s), np.log(at.peak_memory_bytes)
     jac = np.zeros((len(c), 2, len(names)))
     for j, n in enumerate(names):
-        x = encode(n, prior_value(training.tuning, n, cluster, training.engine))
+        x = encode(n, prior_value(ref.tuning, n, cluster, training.engine))
         lo, hi = PARAMETERS[n].lo, PARAMETERS[n].hi
         h = STEP if decode(n, x + STEP) <= hi else -STEP
         if decode(n, x + h) < lo:
             continue
-        moved = training.model_copy(update={"tuning": with_values(training.tuning, {n: decode(n, x + h)})})
+        moved = ref.model_copy(update={"tuning": with_values(ref.tuning, {n: decode(n, x + h)})})
         ev = evaluate(model, moved, cluster, c)
         jac[:, 0, j] = (np.log(ev.step_time_s) - t0) / h
         jac[:, 1, j] = (np.log(ev.peak_memory_bytes) - m0) / h

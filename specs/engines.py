@@ -10,10 +10,8 @@ An engine decides three things a layout's prediction depends on, and the files t
   keeps the gathered inputs; torch.distributed.pipelining receive buffers) or "megatron" (16-bit
   parameters, a persistent fp32 gradient buffer, fp32 main parameters and Adam state sharded by the
   distributed optimizer; sequence parallelism keeps the inputs sharded);
-- its compute stack (`compute_stacks`): the DeviceProfile.frameworks entry, fitted to measured
-  layers, that prices the non-GEMM work of a layer (the first one the device has);
-- its launch formats (`launch_formats`: launch/writers.py writes them), and the version all of this
-  was read from.
+- its compute stack (`compute_stacks`: the DeviceProfile.frameworks entry pricing a layer's non-GEMM work);
+- its launch formats (`launch_formats`: launch/writers.py), and the version all of this was read from.
 
 What no table can know (this team's kernels, its network's achieved bandwidth, its allocator) an
 engine learns from measured runs: `berth calibrate --runs` fits EngineTuning (planner/engine_fit.py).
@@ -134,6 +132,8 @@ class EngineInfo:
     # ZeRO-1 under DDP (tp = pp = 1) hands out whole tensors (torch's ZeroRedundancyOptimizer: the executor;
     # cost_models/memory.py whole_tensor_share); False: even slices (flat buffers, FSDP2)
     zero1_whole_tensors: bool = False
+    # fitted parameters whose mechanism the engine's code has, offered a fit's budget first (engine_fit.identifiable)
+    fit_first: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -593,6 +593,7 @@ ENGINES: dict[str, EngineInfo] = {
             glu_unfused=True,
             mha_qkv_kept=True,
             unsynced_rs_blocks=2.0,
+            fit_first=("pipeline_latency_scale",),  # p2p.py _send_meta syncs the host at every pipeline send
         ),
         EngineInfo(
             "generic",

@@ -433,9 +433,9 @@ class EngineTuning(Spec):
         default=1.0,
         gt=0,
         le=1000,
-        description="x the latency of tensor-parallel collectives where the pipeline's sends cross nodes: an engine "
-        "that synchronizes host and device at each pipeline send (metadata exchanged on the host) stops hiding their "
-        "launch cost (inside a node it is negligible)",
+        description="x the latency of tensor-parallel collectives where the pipeline's sends cross nodes, a floor "
+        "under each micro-batch's layers: an engine that syncs host and device at each pipeline send (metadata on the "
+        "host) hides their launch cost only behind longer GPU work (inside a node it is negligible)",
     )
     fixed_bytes: float = Field(
         default=0.0, ge=-(2.0**40), le=2.0**40, description="bytes per GPU the engine holds beyond its recipe"

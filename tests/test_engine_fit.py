@@ -683,6 +683,77 @@ def test_the_synchronized_pipelines_tp_latency_is_charged_where_sends_cross_node
     assert slow[1] == pytest.approx(base[1]) and slow[2] == pytest.approx(base[2])
 
 
+def test_the_synchronized_pipelines_collectives_are_a_floor_under_each_micro_batch():
+    """Across nodes, the sweep's tp > 1 pipelines take as long per micro-batch at 1 as at 8-16 sequences and only
+    then grow with the work (cost_models/step.py): the host-synchronized collectives are the larger of the two,
+    not a cost beside the work. Where the floor binds, a second sequence adds only its bytes' share of the
+    collectives to a micro-batch, not its work."""
+    cl = cluster_from_preset("dgx-h100", 2)
+    per_mb = {}
+    for scale in (1.0, 100.0):
+        layouts = [
+            Layout(tp=2, pp=2, dp=4, micro_batch_size=m, num_microbatches=16 // m, sequence_parallel=True)
+            for m in (1, 2)
+        ]
+        plans = predict_layouts(SMALL, training(tuning=EngineTuning(pipeline_latency_scale=scale)), cl, layouts)
+        per_mb[scale] = [
+            (p.predicted().time_breakdown_s["compute"] + p.predicted().time_breakdown_s["tp_comm"])
+            / p.layout.num_microbatches
+            for p in plans
+        ]
+    work = per_mb[1.0][1] - per_mb[1.0][0]  # no floor: what the second sequence's work adds
+    assert work > 0.3 * per_mb[1.0][0]
+    assert per_mb[100.0][0] > 2 * per_mb[1.0][0]  # the floor binds at 1 sequence
+    assert per_mb[100.0][1] - per_mb[100.0][0] < 0.5 * work  # summed, the second sequence would add all its work
+
+
+def test_nanotron_fit_takes_the_pipeline_floor_first(monkeypatch):
+    """nanotron syncs the host at every pipeline send (specs/engines.py fit_first): a fit of its runs offers
+    pipeline_latency_scale the budget first, where the runs depend on it, and recovers it from runs whose truth
+    has it; the selection's linear view alone gives the budget to parameters that mimic the floor at its start."""
+    from berth.specs import engines
+
+    cl = cluster_from_preset("dgx-h100", 2)
+    nano = training("nanotron")
+    truth = EngineTuning(compute_efficiency=0.85, pipeline_latency_scale=150.0, latency_scale=2.0)
+    layouts = [
+        Layout(
+            tp=tp,
+            pp=pp,
+            dp=16 // (tp * pp),
+            micro_batch_size=m,
+            num_microbatches=64 // (16 // (tp * pp) * m),
+            sequence_parallel=tp > 1,
+            schedule="1f1b" if pp > 1 else "1f1b",
+        )
+        for tp, pp, m in [(2, 2, 1), (2, 2, 4), (4, 2, 1), (4, 2, 2), (1, 2, 1), (2, 1, 1), (4, 1, 2), (1, 1, 1)]
+    ]
+    runs = synthetic_runs(layouts, cl, truth, train=nano)
+    fit = fit_engine(runs, folds=0)
+    assert "pipeline_latency_scale" in fit.fitted
+    # the floor is the collectives' latency x both scales (latency_scale moves every collective)
+    floor = fit.tuning.pipeline_latency_scale * fit.tuning.latency_scale
+    assert floor == pytest.approx(150.0 * 2.0, rel=0.2)
+    monkeypatch.setitem(engines.ENGINES, "nanotron", dataclasses.replace(ENGINES["nanotron"], fit_first=()))
+    assert "pipeline_latency_scale" not in fit_engine(runs, folds=0).fitted
+
+
+def test_probe_sees_a_threshold_parameter_where_the_fit_starts_it():
+    """At the prior (pipeline_latency_scale 1) the floor binds nowhere and has no slope; the design takes its slopes
+    where the fit starts it (Parameter.start), so a pipeline across nodes with tp > 1 is seen to inform it and a
+    layout without one is not."""
+    from berth.planner.probe import DESIGNED, sensitivities
+
+    cl = cluster_from_preset("dgx-h100", 2)
+    across = Layout(tp=4, pp=2, dp=2, micro_batch_size=1, num_microbatches=32, sequence_parallel=True)
+    flat = Layout(tp=4, pp=1, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True)
+    jac, t, _ = sensitivities(SMALL, training(), cl, Candidates.from_layouts([across, flat]))
+    j = DESIGNED.index("pipeline_latency_scale")
+    assert jac[0, 0, j] > 0.1 and jac[1, 0, j] == 0.0
+    # the predicted step time it returns is the prior's, not the start's
+    assert t[0] == pytest.approx(predict_layouts(SMALL, training(), cl, [across])[0].predicted().step_time_s)
+
+
 def test_probe_among_given_layouts_the_prior_thinks_too_big():
     cl = cluster_from_preset("dgx-h100", 1)
     big = SMALL.model_copy(update={"num_layers": 48, "hidden_size": 6144, "num_attention_heads": 48})
