@@ -716,17 +716,19 @@ def test_nanotron_fit_takes_the_pipeline_floor_first(monkeypatch):
     cl = cluster_from_preset("dgx-h100", 2)
     nano = training("nanotron")
     truth = EngineTuning(compute_efficiency=0.85, pipeline_latency_scale=150.0, latency_scale=2.0)
+    shapes = [
+        (2, 2, 4, 1),
+        (2, 2, 4, 4),
+        (4, 2, 2, 1),
+        (4, 2, 2, 2),
+        (1, 2, 8, 1),
+        (2, 1, 8, 1),
+        (4, 1, 4, 2),
+        (1, 1, 16, 1),
+    ]
     layouts = [
-        Layout(
-            tp=tp,
-            pp=pp,
-            dp=16 // (tp * pp),
-            micro_batch_size=m,
-            num_microbatches=64 // (16 // (tp * pp) * m),
-            sequence_parallel=tp > 1,
-            schedule="1f1b" if pp > 1 else "1f1b",
-        )
-        for tp, pp, m in [(2, 2, 1), (2, 2, 4), (4, 2, 1), (4, 2, 2), (1, 2, 1), (2, 1, 1), (4, 1, 2), (1, 1, 1)]
+        Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=m, num_microbatches=64 // (dp * m), sequence_parallel=tp > 1)
+        for tp, pp, dp, m in shapes  # 16 GPUs: the pp > 1 ones cross the two nodes
     ]
     runs = synthetic_runs(layouts, cl, truth, train=nano)
     fit = fit_engine(runs, folds=0)
