@@ -22,6 +22,7 @@ from berth.specs import __version__  # noqa: E402
 from berth.specs.models import presets  # noqa: E402
 from berth.specs.tree import Layout, ModelSpec, Plan, TrainingSpec  # noqa: E402
 from berth.topology.clusters import cluster_from_preset  # noqa: E402
+from tests.conftest import rerun_if_aborted  # noqa: E402
 
 STEPS = 3
 MODEL = presets()["tiny-gpt"]
@@ -96,7 +97,7 @@ def launch_groups(tmp_path, groups, nproc, training=TRAINING):
         "--out",
         str(out),
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    r = rerun_if_aborted(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=400))
     assert out.is_file(), r.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert [Layout(**r["layout"]) for r in results] == [x for _, x in wanted]
