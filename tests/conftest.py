@@ -26,10 +26,10 @@ def require_reference(path: Path) -> Path:
 
 def rerun_if_aborted(run: Callable[[], subprocess.CompletedProcess]) -> subprocess.CompletedProcess:
     """`run()` (a torchrun of berth's executor on gloo), once more where a rank died of SIGABRT: torch 2.13 on CPU
-    has aborted a rank mid-run or at its end ("terminate called without an active exception", a C++ thread left
-    joinable; the executor's CPU memory profiler had just stopped), twice in four full test runs on 2 cores and in
-    none of 18 lone launches of the same runs. A second abort, or any other failure, is the test's to report; the
-    warning says it happened."""
+    has aborted a rank twice in four full test runs on 2 cores (once "terminate called without an active
+    exception" just after the executor's CPU memory profiler stopped, once before any result was written) and in
+    none of 18 lone launches of the same runs (docs/accuracy.md, What is still off). A second abort, or any other
+    failure, is the test's to report; the warning says it happened."""
     r = run()
     if r.returncode != 0 and "(SIGABRT)" in (r.stderr or ""):
         warnings.warn(f"a torchrun rank was aborted (SIGABRT), run once more: {(r.stderr or '')[-600:]}", stacklevel=2)
