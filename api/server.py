@@ -14,8 +14,8 @@ Connections (BoundedProtocol, one place for each rule):
 - an answer the client does not read within BERTH_WRITE_TIMEOUT_S (the socket's send buffer stays
   full) is dropped with its connection: an unread answer pins no memory;
 - idle keep-alive connections are closed after BERTH_TIMEOUT_KEEP_ALIVE_S;
-- a request head over BERTH_MAX_HEADER_BYTES is refused: h11 refuses an incomplete one,
-  api/common.py HeadLimit a complete one (431).
+- a request head over BERTH_MAX_HEADER_BYTES is refused 431: h11 refuses one still incomplete at that size
+  (BoundedProtocol.send_400_response), api/common.py HeadLimit one that arrived complete.
 
 Several worker processes (`--workers N`) serve one SQLite store: the protocol class is importable
 (each worker process loads it), and each worker reads the same BERTH_* settings.
@@ -88,6 +88,19 @@ class BoundedProtocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         self._received += len(data)
         super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn answers 400 to every request h11 refuses. One refused because its head outgrew
+        h11_max_incomplete_event_size before it was complete (h11's "Receive buffer too long", hint 431) is
+        answered 431 like a complete one (api/common.py HeadLimit): which of the two sees an oversized head
+        depends only on how its bytes were split into reads."""
+        if len(self.conn.trailing_data[0]) <= self.settings.max_header_bytes:
+            return super().send_400_response(msg)
+        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
+        detail = f"request head over this server's {self.settings.max_header_bytes} bytes".encode()
+        for event in (h11.Response(status_code=431, headers=headers), h11.Data(data=detail), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _make_room(self) -> bool:
         """Keep the connection limits with this connection counted: close the longest-reading

@@ -125,6 +125,23 @@ def test_over_the_per_client_cap_a_new_connection_gets_a_clean_503_or_an_old_slo
         s.stop()
 
 
+def test_header_limit_is_kept_when_the_head_arrives_in_pieces(tmp_path):
+    """A head that outgrows the limit before it is complete is refused by h11 (uvicorn's 400), one read at once
+    by HeadLimit (431): either way the answer is 431."""
+    s = Server(tmp_path / "s.sqlite")
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
+            c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40_000)
+            time.sleep(0.3)  # the server reads this much before the rest exists
+            with contextlib.suppress(OSError):  # refused and closed before the rest was sent
+                c.sendall(b"a" * 60_000 + b"\r\n\r\n")
+            head = c.recv(65536).split(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 431"), head
+        assert b"connection: close" in head
+    finally:
+        s.stop()
+
+
 def test_header_limit_is_kept_when_the_head_arrives_at_once(tmp_path):
     s = Server(tmp_path / "s.sqlite")
     try:

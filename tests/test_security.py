@@ -98,7 +98,10 @@ def test_request_never_opens_a_server_file(tmp_path, monkeypatch):
     fifo = tmp_path / "pipe.json"
     os.mkfifo(fifo)
     srv = InProcessServer(tmp_path / "store.sqlite")
-    allowed = [ROOT / "hardware_profiles", ROOT / "planner", Path(sys.prefix), Path(sys.base_prefix)]
+    # the service's own data: its hardware profiles and model presets (read at the first request that needs them
+    # when no earlier test in this process has), and the interpreter's
+    presets = ROOT / "specs" / "model_presets.json"
+    allowed = [ROOT / "hardware_profiles", ROOT / "planner", presets, Path(sys.prefix), Path(sys.base_prefix)]
     opened: list[str] = []
 
     def check(path):
