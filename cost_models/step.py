@@ -451,7 +451,7 @@ def evaluate(
     # micro-batch's layers, not a cost beside their work: across nodes the sweep's pipelines with tp 2-32 take as
     # long per micro-batch at 1 as at 8-16 sequences (1B, tp 8, pp 2 on 32 GPUs: 216-222 ms at 1-16, 400 at 32;
     # 8B, tp 16, pp 2 on 64 GPUs: 832-980 ms at 1-16), and only past that grow with the work
-    floor_layer: ArrayOrFloat = 0.0
+    floor_layer: ArrayOrFloat | None = None  # None: no floor (the engine's prior), nothing to compare per stage
     if tuning.pipeline_latency_scale != 1.0:
         sync_fwd, sync_bwd = tp_collectives(
             tuned_cluster(cluster, EngineTuning(latency_scale=tuning.pipeline_latency_scale))
@@ -492,6 +492,8 @@ def evaluate(
         of it the layers' work does not cover is the tp collectives' (the host issues them while the GPU runs:
         a floor under the micro-batch, not a cost beside its work)."""
         work = layers * (fwd + bwd), layers * recompute, layers * tp_layer, layers * cp_layer, layers * ep_layer
+        if floor_layer is None:
+            return work
         gap = np.maximum(layers * floor_layer - sum(work), 0.0)
         return work[0], work[1], work[2] + gap, work[3], work[4]
 
