@@ -12,7 +12,6 @@ from berth.launch.writers import FORMATS
 from berth.planner.inputs import ClusterInput, OperationsInput, TrainingInput
 from berth.specs.hardware import LinkProfile
 from berth.specs.tree import (
-    DEFAULT_MEMORY_HEADROOM,
     ENGINE_ALIASES,
     ENGINE_CHOICES,
     MAX_GLOBAL_BATCH,
@@ -182,8 +181,8 @@ class SearchRequest(Body):
         description="rank by tokens/s, by useful tokens/s after checkpoints and failures, or by cost per useful token",
     )
     fallback: bool = Field(default=False, description="also plan the best layout with one node lost")
-    memory_headroom: float = Field(
-        default=DEFAULT_MEMORY_HEADROOM,
+    memory_headroom: float | None = Field(
+        default=None,
         ge=0,
         le=MAX_MEMORY_HEADROOM,
         description=SearchSpec.model_fields["memory_headroom"].description,
@@ -227,8 +226,8 @@ class CompareRequest(Body):
         examples=[["tp=8,pp=2", {"tp": 8, "zero_stage": 3}]],
         description="the layouts to predict, each 'tp=8,pp=2' (the CLI's syntax) or an object of Layout field names",
     )
-    memory_headroom: float = Field(
-        default=DEFAULT_MEMORY_HEADROOM,
+    memory_headroom: float | None = Field(
+        default=None,
         ge=0,
         le=MAX_MEMORY_HEADROOM,
         description=SearchSpec.model_fields["memory_headroom"].description,

@@ -47,7 +47,8 @@ from scipy.stats import spearmanr
 from berth.planner.engine_fit import CEILING, FOLDS, MeasuredRun, fit_engine, predict_runs
 from berth.planner.probe import probe
 from berth.planner.run_logs import read_runs
-from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, EngineTuning
+from berth.specs.engines import engine_of
+from berth.specs.tree import EngineTuning
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data" / "reference" / "ultrascale-playbook"
@@ -162,7 +163,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
     fits = np.isfinite(m) & (m <= cap)
     # the search ranks only what fits with the memory headroom (a 'memory_tight' layout is not ranked): berth's
     # first choice is the fastest of those
-    ranked = np.isfinite(m) & (m <= cap * (1.0 - DEFAULT_MEMORY_HEADROOM))
+    ranked = np.isfinite(m) & (m <= cap * (1.0 - engine_of(runs[0].training).memory_headroom))
     pred = np.where(refused, 0.0, pred)
     ok = ~refused
     rho = float(spearmanr(pred[ok], tok[ok]).statistic) if ok.sum() >= 3 else float("nan")

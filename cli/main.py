@@ -14,7 +14,7 @@ from rich.console import Console
 from berth.launch.writers import formats_text
 from berth.specs import __version__
 from berth.specs.errors import BerthError
-from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, ClusterSpec, ModelSpec, Plan, TrainingSpec
+from berth.specs.tree import ClusterSpec, ModelSpec, Plan, TrainingSpec
 
 # Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
 # (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m berth.cli.main plan ...`;
@@ -155,11 +155,12 @@ EngineOpt = Annotated[
 ]
 Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
 Headroom = Annotated[
-    float,
+    float | None,
     typer.Option(
         "--memory-headroom",
-        help=f"share of the device memory a plan must leave free to be ranked as fitting "
-        f"(default {DEFAULT_MEMORY_HEADROOM}); closer to the capacity it is 'memory_tight' and not ranked",
+        help="share of the device memory a plan must leave free to be ranked as fitting (default: the engine's, "
+        "0.05; nanotron and generic 0.10); closer to the capacity it is 'memory_tight' and not ranked",
+        show_default=False,
     ),
 ]
 Csv = Annotated[bool, typer.Option("--csv", help="print the plans as CSV (SI units) instead of tables")]
@@ -242,7 +243,7 @@ def plan_cmd(
     top: Annotated[int, typer.Option("--top", help="how many plans to show")] = 5,
     fix: Annotated[str, typer.Option("--fix", help="restrict the search, e.g. tp=8,pp=2 or tp=8,cp=16,pp=16")] = "",
     max_mbs: Annotated[int | None, typer.Option("--max-mbs", help="largest micro-batch to try")] = None,
-    memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
+    memory_headroom: Headroom = None,
     objective: Objective = "throughput",
     failures: Failures = None,
     storage_gbps: Storage = None,
@@ -390,7 +391,7 @@ def compare_cmd(
     engine: EngineOpt = None,
     fp8: Fp8 = None,
     attention_kernel: AttentionKernel = None,
-    memory_headroom: Headroom = DEFAULT_MEMORY_HEADROOM,
+    memory_headroom: Headroom = None,
     failures: Failures = None,
     storage_gbps: Storage = None,
     price: Price = None,

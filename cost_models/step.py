@@ -40,7 +40,7 @@ from berth.specs.engines import (
     split_rule,
 )
 from berth.specs.hardware import LinkProfile
-from berth.specs.tree import DEFAULT_MEMORY_HEADROOM, ClusterSpec, EngineTuning, Metrics, ModelSpec, Plan, TrainingSpec
+from berth.specs.tree import ClusterSpec, EngineTuning, Metrics, ModelSpec, Plan, TrainingSpec
 from berth.specs.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
 
 TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Shoeybi 2019, Fig. 4)
@@ -406,10 +406,11 @@ def evaluate(
     training: TrainingSpec,
     cluster: ClusterSpec,
     c: Candidates,
-    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+    memory_headroom: float | None = None,
 ) -> Evaluation:
     """`memory_headroom`: a layout whose predicted peak is above (1 - headroom) of what the
-    allocator can reserve is "tight" (MEMORY_TIGHT), above all of it out of memory."""
+    allocator can reserve is "tight" (MEMORY_TIGHT), above all of it out of memory; None: the
+    engine's (EngineInfo.memory_headroom)."""
     tuning = training.tuning
     cluster = tuned_cluster(cluster, tuning)
     device = cluster.device
@@ -559,7 +560,8 @@ def evaluate(
     reason = structural_reasons(c, model, training, cluster)
     capacity = memory.allocator_capacity_bytes(device, cluster.world_size)
     reason = np.where((reason == VALID) & (required > capacity), OUT_OF_MEMORY, reason)
-    reason = np.where((reason == VALID) & (required > capacity * (1.0 - memory_headroom)), MEMORY_TIGHT, reason)
+    headroom = engine_of(training).memory_headroom if memory_headroom is None else memory_headroom
+    reason = np.where((reason == VALID) & (required > capacity * (1.0 - headroom)), MEMORY_TIGHT, reason)
 
     model_flops = flops.model_flops_per_step(model, training)
     hw_flops = model_flops + flops.recompute_flops_per_step(cm, training, c.recompute)

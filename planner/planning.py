@@ -28,7 +28,6 @@ from berth.planner.search import SearchResult, predict_layouts, search
 from berth.specs.errors import BerthError
 from berth.specs.layouts import check_layout, parse_spec
 from berth.specs.tree import (
-    DEFAULT_MEMORY_HEADROOM,
     MAX_MEMORY_HEADROOM,
     ClusterSpec,
     EngineTuning,
@@ -132,10 +131,10 @@ def compare(
     training: TrainingSpec,
     cluster: ClusterSpec,
     layouts: Sequence[str | dict[str, Any]],
-    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+    memory_headroom: float | None = None,
 ) -> list[Plan]:
     specs = parse_layouts(model, training, cluster, layouts)
-    if not 0 <= memory_headroom <= MAX_MEMORY_HEADROOM:
+    if memory_headroom is not None and not 0 <= memory_headroom <= MAX_MEMORY_HEADROOM:
         raise BerthError("memory_headroom", memory_headroom, f"must be in 0..{MAX_MEMORY_HEADROOM}")
     return predict_layouts(model, training, cluster, specs, memory_headroom)
 
@@ -145,7 +144,7 @@ def compare_with_best(
     training: TrainingSpec,
     cluster: ClusterSpec,
     layouts: Sequence[str | dict[str, Any]],
-    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+    memory_headroom: float | None = None,
     max_candidates: int | None = None,
     deadline: float | None = None,
     cancel: threading.Event | None = None,

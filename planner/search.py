@@ -27,7 +27,6 @@ from berth.specs.errors import BerthError
 from berth.specs.layouts import check_values, refuse_fix
 from berth.specs.tree import (
     AXIS_ORDER_CHOICES,
-    DEFAULT_MEMORY_HEADROOM,
     RECOMPUTE_CHOICES,
     SCHEDULE_CHOICES,
     ClusterSpec,
@@ -508,7 +507,7 @@ def predict_layouts(
     training: TrainingSpec,
     cluster: ClusterSpec,
     layouts: list[Layout],
-    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+    memory_headroom: float | None = None,
 ) -> list[Plan]:
     """Score given layouts (invalid ones keep their reason and no prediction)."""
     c = Candidates.from_layouts(layouts)

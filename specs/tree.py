@@ -29,8 +29,7 @@ from berth.specs.hardware import DeviceProfile, LinkProfile, Precision
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-# The training engines berth plans for; each is described once, in specs/engines.py (what it runs,
-# its memory recipe, its compute stack, its launch format and version).
+# The training engines berth plans for; each described once in specs/engines.py (what it runs, recipe, stack, launch)
 Engine = Literal["executor", "torchtitan", "megatron", "deepspeed", "llmfoundry", "nanotron", "generic"]
 ENGINE_CHOICES: tuple[Engine, ...] = (
     "executor",
@@ -43,8 +42,7 @@ ENGINE_CHOICES: tuple[Engine, ...] = (
 )
 # FP8 recipes for the linear layers' GEMMs (TrainingSpec.fp8); which engine runs which: EngineInfo.fp8_recipes
 Fp8Recipe = Literal["delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
-# what a plan request's precision takes (planner/inputs.py training_spec): a training precision, or fp8 (bf16 with FP8
-# linears, the engine's first recipe)
+# a plan request's precision (planner/inputs.py): a training precision, or fp8 (bf16, FP8 linears: the engine's first)
 PrecisionChoice = Literal["bf16", "fp16", "fp32", "fp8"]
 FP8_DEFAULT_RECIPE: Fp8Recipe = "tensorwise"  # `precision: fp8` for an engine without FP8 (then refused by name)
 # other names a user may give: the old --framework values and the stacks built on an engine
@@ -65,8 +63,7 @@ SCHEDULE_CHOICES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 AXIS_ORDER_CHOICES: tuple[AxisOrder, ...] = ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp")
 
 
-# Sanity bounds on user input: far beyond any real model or cluster, small enough that a
-# request can never make the planner allocate or loop without bound.
+# Sanity bounds on user input: far beyond any real model or cluster, small enough never to make the planner loop
 MAX_LAYERS = 4096
 MAX_HIDDEN = 1 << 20
 MAX_HEADS = 1 << 14
@@ -787,25 +784,23 @@ LAYOUT_FIELDS: tuple[str, ...] = tuple(Layout.model_fields)
 Objective = Literal["throughput", "goodput", "cost"]
 
 
-# Share of the allocator's capacity a plan must leave free to be ranked as fitting. The memory
-# model's error on the single-H100 steps it is scored on (benchmarks/memory_fidelity.py:
-# full-step-runs.json and mem_detail.json) spans about -2 % to +3 % of the measured reserved peak,
-# and the allocator's own slack varies by about as much between runs of one layout (reserved less
-# allocated: 0.5-1.4x a logits tensor, i.e. up to ~5 % of the peak); 5 % covers both, so a plan
-# ranked as fitting runs out of memory only if the prediction is off by more than any run seen.
+# Share of the allocator's capacity a plan must leave free to be ranked as fitting, unless the engine's entry says
+# more (EngineInfo.memory_headroom). The memory model's error on the single-H100 steps (benchmarks/memory_fidelity.py)
+# spans about -2 % to +3 % of the measured reserved peak, the allocator's slack between runs of one layout up to ~5 %
+# of the peak: 5 % covers both, so a plan ranked as fitting runs out of memory only past any miss seen.
 DEFAULT_MEMORY_HEADROOM = 0.05
 MAX_MEMORY_HEADROOM = 0.5
 
 
 class SearchSpec(Spec):
     top: int = Field(default=5, gt=0, le=1000, description="how many plans to return, best first")
-    memory_headroom: float = Field(
-        default=DEFAULT_MEMORY_HEADROOM,
+    memory_headroom: float | None = Field(
+        default=None,
         ge=0,
         le=MAX_MEMORY_HEADROOM,
         description="share of the device memory (what the caching allocator can reserve) a plan must leave free "
         "to be ranked as fitting; a plan whose predicted peak is above capacity x (1 - headroom) is 'tight' "
-        "(reason memory_tight) and is not ranked",
+        "(reason memory_tight) and is not ranked. Default (null): the engine's, 0.05 (nanotron and generic: 0.10)",
     )
     objective: Objective = Field(
         default="throughput",

@@ -351,6 +351,34 @@ def test_a_tight_plan_is_never_ranked_and_says_why():
     assert all(p.prediction.peak_memory_bytes <= capacity * (1 - headroom) for p in result.plans)
 
 
+def test_the_default_headroom_is_the_engines():
+    """Without a headroom asked for, a layout is tight by its engine's (EngineInfo.memory_headroom): 5 % for the
+    executor, 10 % for nanotron, whose recipe misses its measured peaks by more; one asked for overrides both."""
+    from berth.planner.planning import compare
+    from berth.specs.engines import ENGINES
+    from berth.topology.clusters import cluster_from_preset
+
+    assert ENGINES["executor"].memory_headroom == 0.05 and ENGINES["nanotron"].memory_headroom == 0.10
+    m = gpt(layers=14, hidden=2048, heads=16, vocab=50257).model_copy(
+        update={"mlp": "swiglu", "norm": "rmsnorm", "ffn_hidden_size": 5632, "dropout": False}
+    )
+    cluster = cluster_from_preset("dgx-h100", 1)
+    layouts = [f"tp=2,dp=4,mbs={b},nmb={16 // b}" for b in (1, 2, 4, 8, 16)]
+    seen = set()
+    for engine in ("executor", "nanotron"):
+        t = TrainingSpec(seq_len=4096, global_batch_size=64, precision="bf16", engine=engine)
+        exact = compare(m, t, cluster, layouts, memory_headroom=0.0)
+        share = [p.prediction.peak_memory_bytes / p.prediction.memory_capacity_bytes for p in exact]
+        default = compare(m, t, cluster, layouts)
+        wide = compare(m, t, cluster, layouts, memory_headroom=0.10)
+        for x, d, w in zip(share, default, wide, strict=True):
+            tight = (d.infeasible_reason or "").startswith("memory_tight")
+            assert tight == (1 - ENGINES[engine].memory_headroom < x <= 1), (engine, x, d.infeasible_reason)
+            assert (w.infeasible_reason or "").startswith("memory_tight") == (0.9 < x <= 1)
+            seen.add((engine, tight))
+    assert {("nanotron", True), ("executor", True)} <= seen, "no layout inside a headroom: the test checks nothing"
+
+
 def test_memory_headroom_is_validated_where_it_enters():
     """A headroom outside 0..0.5 is a clear error naming the field (CLI exit 2, API 422)."""
     from berth.api.schemas import SearchRequest
