@@ -456,10 +456,13 @@ def compare_cmd(
     print_reasons(console, candidates)
     console.print(BOTTLENECK_LEGEND, highlight=False)
     pick = first_choice(candidates)
+    from berth.specs.engines import engine_of
+
+    headroom = engine_of(training).memory_headroom if memory_headroom is None else memory_headroom
     console.print(
-        f"berth's pick among these: #{pick + 1}, the fastest predicted to fit with the memory headroom"
+        f"berth's pick among these: #{pick + 1}, the fastest predicted to fit with the memory headroom ({headroom:.0%})"
         if pick is not None
-        else "berth's pick among these: none is predicted to fit with the memory headroom",
+        else f"berth's pick among these: none is predicted to fit with the memory headroom ({headroom:.0%})",
         highlight=False,
     )
     if best and best.plans:

@@ -214,6 +214,14 @@ def test_compare_keeps_misfits_with_reasons_and_refuses_impossible_layouts():
         assert r.returncode == 2 and field in r.stderr and why in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout
     assert out["best_searched"]["prediction"]["tokens_per_s"] >= cands[0]["prediction"]["tokens_per_s"]
+    # the table names the headroom its pick used: the engine's (megatron's 5 %) or the one asked for
+    r = berth(*args)
+    text = " ".join(r.stdout.split())  # the terminal's width wraps it
+    assert (
+        r.returncode == 0 and "pick among these: #1, the fastest predicted to fit with the memory headroom (5%)" in text
+    )
+    r = berth(*args, "--memory-headroom", "0.2")
+    assert r.returncode == 0 and "memory headroom (20%)" in " ".join(r.stdout.split()), r.stdout
 
 
 def test_plan_table_output():
