@@ -410,6 +410,7 @@ def compare_cmd(
         print_reasons,
     )
     from berth.planner.planning import compare_json, compare_with_best, first_choice
+    from berth.specs.engines import engine_of
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -456,8 +457,6 @@ def compare_cmd(
     print_reasons(console, candidates)
     console.print(BOTTLENECK_LEGEND, highlight=False)
     pick = first_choice(candidates)
-    from berth.specs.engines import engine_of
-
     headroom = engine_of(training).memory_headroom if memory_headroom is None else memory_headroom
     console.print(
         f"berth's pick among these: #{pick + 1}, the fastest predicted to fit with the memory headroom ({headroom:.0%})"
