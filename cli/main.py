@@ -457,7 +457,7 @@ def compare_cmd(
     print_reasons(console, candidates)
     console.print(BOTTLENECK_LEGEND, highlight=False)
     pick = first_choice(candidates)
-    headroom = engine_of(training).memory_headroom if memory_headroom is None else memory_headroom
+    headroom = engine_of(training).headroom(memory_headroom)
     console.print(
         f"berth's pick among these: #{pick + 1}, the fastest predicted to fit with the memory headroom ({headroom:.0%})"
         if pick is not None

@@ -560,7 +560,7 @@ def evaluate(
     reason = structural_reasons(c, model, training, cluster)
     capacity = memory.allocator_capacity_bytes(device, cluster.world_size)
     reason = np.where((reason == VALID) & (required > capacity), OUT_OF_MEMORY, reason)
-    headroom = engine_of(training).memory_headroom if memory_headroom is None else memory_headroom
+    headroom = engine_of(training).headroom(memory_headroom)
     reason = np.where((reason == VALID) & (required > capacity * (1.0 - headroom)), MEMORY_TIGHT, reason)
 
     model_flops = flops.model_flops_per_step(model, training)

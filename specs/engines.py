@@ -104,12 +104,11 @@ class EngineInfo:
     # the forward and the backward (pp = 1) the host runs ahead and they are all reserved at once at the loss
     # (nanotron: RowLinear's and the embedding's reduce_scatter_tensor; cost_models/memory.py unsynced_collective_bytes)
     unsynced_rs_blocks: float = 0.0
-    # FP8 (TrainingSpec.fp8): the recipes the engine runs (none: it refuses FP8), whose kernels cast ("te":
-    # Transformer Engine, casts fused into its norms and cast-transpose kernels, weights cast once per step; "torchao":
-    # dynamic casts of every operand on every call, cost_models/compute.py fp8_cast_bytes), the bytes per element a
-    # linear layer saves its input in for the backward (0: as in bf16) and the persistent FP8 weight copy per linear
-    # parameter (doubled by its transpose where the device needs one, DeviceProfile.fp8_transposed_copies;
-    # cost_models/memory.py)
+    # FP8 (TrainingSpec.fp8): the recipes the engine runs (none: it refuses FP8), whose kernels cast ("te": Transformer
+    # Engine, casts fused into its norms and cast-transpose kernels, weights cast once per step; "torchao": dynamic
+    # casts of every operand on every call, cost_models/compute.py fp8_cast_bytes), the bytes per element a linear layer
+    # saves its input in for the backward (0: as in bf16) and the persistent FP8 weight copy per linear parameter
+    # (doubled by its transpose where the device needs one, DeviceProfile.fp8_transposed_copies; cost_models/memory.py)
     fp8_recipes: tuple[str, ...] = ()
     fp8_kernels: str = ""
     fp8_saved_input_bytes: float = 0.0
@@ -134,8 +133,11 @@ class EngineInfo:
     zero1_whole_tensors: bool = False
     # fitted parameters whose mechanism the engine's code has, offered a fit's budget first (engine_fit.identifiable)
     fit_first: tuple[str, ...] = ()
-    # the search's default memory headroom (SearchSpec.memory_headroom): wider where the recipe is known to miss more
-    memory_headroom: float = tree.DEFAULT_MEMORY_HEADROOM
+    memory_headroom: float = tree.DEFAULT_MEMORY_HEADROOM  # the search's default; wider where the recipe misses more
+
+    def headroom(self, asked: float | None) -> float:
+        """The search's memory headroom: the one asked for, else the engine's."""
+        return self.memory_headroom if asked is None else asked
 
     @property
     def label(self) -> str:
@@ -216,8 +218,7 @@ TORCH_PIPELINE_MICROBATCHES = _rule(
     ),
 )
 # Megatron-LM's interleaved schedule (megatron/core/pipeline_parallel/schedules.py,
-# forward_backward_pipelining_with_interleaving) and torch's interleaved schedule take micro-batches in
-# groups of pp
+# forward_backward_pipelining_with_interleaving) and torch's interleaved schedule take micro-batches in groups of pp
 INTERLEAVED_GROUPS = _rule(
     "microbatches_not_multiple_of_pp",
     ("num_microbatches", "pp", "schedule"),
@@ -528,11 +529,10 @@ ENGINES: dict[str, EngineInfo] = {
             bucket_params_per_dp=1e6,
             # --fp8-recipe delayed | tensorwise (megatron/core/fp8_utils.py get_fp8_recipe: TE DelayedScaling,
             # Float8CurrentScaling) with Transformer Engine's linears (qkv, proj, fc1, fc2; the output layer is
-            # Megatron's own ColumnParallelLinear, bf16); TE saves each linear's input as one FP8 copy
-            # (module/linear.py update_usage: the transpose kept on Hopper) and keeps a persistent FP8 weight
-            # workspace (module/base.py _fp8_workspaces, refreshed when Megatron sets is_first_microbatch), unless
-            # the weights are FP8 parameters (--fp8-param-gather with the distributed optimizer,
-            # megatron/core/fp8_utils.py quantize_param_shard)
+            # Megatron's own ColumnParallelLinear, bf16); TE saves each linear's input as one FP8 copy (module/linear.py
+            # update_usage: the transpose kept on Hopper) and keeps a persistent FP8 weight workspace (module/base.py
+            # _fp8_workspaces, refreshed when Megatron sets is_first_microbatch), unless the weights are FP8 parameters
+            # (--fp8-param-gather with the distributed optimizer, megatron/core/fp8_utils.py quantize_param_shard)
             fp8_recipes=("delayed", "tensorwise"),
             fp8_kernels="te",
             fp8_saved_input_bytes=1.0,
