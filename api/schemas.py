@@ -241,6 +241,9 @@ class PlanResponse(BaseModel):
     searched: int = Field(description="layouts evaluated")
     feasible: int = Field(description="layouts that can run and fit")
     rejected: dict[str, int] = Field(description="layouts rejected, counted by reason code")
+    memory_headroom: float | None = Field(
+        default=None, description="the memory headroom the search ranked with: the one asked for, else the engine's"
+    )
     why_none: str | None = Field(
         default=None,
         description="when no layout fits (plans empty): why, the text `berth plan` prints (the smallest predicted "
@@ -257,6 +260,9 @@ class CompareResponse(BaseModel):
         default=None,
         description="index into candidates of the one berth picks: the fastest predicted to fit with the memory "
         "headroom (null: none does)",
+    )
+    memory_headroom: float | None = Field(
+        default=None, description="the memory headroom the choice used: the one asked for, else the engine's"
     )
     best_searched: Plan | None = Field(
         description="the best plan a search finds for the same inputs (null when none fits)"

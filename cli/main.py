@@ -435,7 +435,8 @@ def compare_cmd(
     if not given:
         raise BerthError("layout", None, "the layouts to compare: --layout tp=..,pp=.. (repeat it), --layouts FILE")
     candidates, best = compare_with_best(spec, training, cl, given, memory_headroom)
-    out = compare_json(candidates, best)
+    headroom = engine_of(training).headroom(memory_headroom)
+    out = compare_json(candidates, best, headroom)
     if as_json:
         print(json.dumps(out))
         return
@@ -457,7 +458,6 @@ def compare_cmd(
     print_reasons(console, candidates)
     console.print(BOTTLENECK_LEGEND, highlight=False)
     pick = first_choice(candidates)
-    headroom = engine_of(training).headroom(memory_headroom)
     console.print(
         f"berth's pick among these: #{pick + 1}, the fastest predicted to fit with the memory headroom ({headroom:.0%})"
         if pick is not None

@@ -273,6 +273,7 @@ def plans_json(result: SearchResult, cluster: ClusterSpec | None = None) -> dict
         "searched": result.searched,
         "feasible": result.feasible,
         "rejected": result.rejected,
+        "memory_headroom": result.memory_headroom,
         "why_none": why_none(result, cluster) if not result.plans and cluster is not None else None,
     }
 
@@ -323,10 +324,12 @@ def first_choice(candidates: list[Plan]) -> int | None:
     return max(ranked)[1] if ranked else None
 
 
-def compare_json(candidates: list[Plan], best: SearchResult | None) -> dict[str, Any]:
+def compare_json(candidates: list[Plan], best: SearchResult | None, memory_headroom: float | None) -> dict[str, Any]:
+    """The compare JSON contract (CLI --json, POST /v1/compare); `memory_headroom` is the one the choice used."""
     best_plan = best.plans[0] if best and best.plans else None
     out: dict[str, Any] = {"candidates": [p.model_dump(mode="json") for p in candidates]}
     out["choice"] = first_choice(candidates)
+    out["memory_headroom"] = memory_headroom
     out["best_searched"] = best_plan.model_dump(mode="json") if best_plan else None
     if best_plan and best_plan.prediction:
         out["gap_to_best"] = [gap_to_best(p, best_plan.prediction.tokens_per_s) for p in candidates]

@@ -65,6 +65,7 @@ class SearchResult:
     rejected: dict[str, int]
     serialized: list[str] = field(default_factory=list, compare=False, repr=False)  # memo of its JSON text
     closest: tuple[str, float] | None = field(default=None, compare=False)  # misfit with the smallest peak
+    memory_headroom: float | None = None  # the headroom the search ranked with (EngineInfo.headroom)
 
 
 def axis_orders(tp: int, pp: int, dp: int) -> list[int]:
@@ -403,7 +404,12 @@ def search(
             plans.append(make_plan(model, training, cluster, best[k][0], best[k][1], i, not plans, inner[k]))
     rejected = {REASONS[code][0]: n for code, n in sorted(reasons.items()) if code != VALID}
     return SearchResult(
-        plans=plans, searched=total, feasible=feasible, rejected=rejected, closest=closest if not plans else None
+        plans=plans,
+        searched=total,
+        feasible=feasible,
+        rejected=rejected,
+        closest=closest if not plans else None,
+        memory_headroom=engines.engine_of(training).headroom(spec.memory_headroom),
     )
 
 

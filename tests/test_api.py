@@ -140,6 +140,16 @@ def test_catalog_compare_and_health(server):
     cands = r.json()["candidates"]
     assert cands[0]["prediction"] and cands[1]["infeasible_reason"]
     assert c.get(f"/v1/plans/{r.json()['id']}").json()["candidates"] == cands
+    assert r.json()["memory_headroom"] == 0.05  # the executor's, none asked for
+    r = c.post(
+        "/v1/compare",
+        json={
+            **{k: PLAN_BODY[k] for k in ("model", "training", "cluster")},
+            "layouts": ["tp=8,pp=2"],
+            "memory_headroom": 0.2,
+        },
+    )
+    assert r.status_code == 200 and r.json()["memory_headroom"] == 0.2, r.text
     assert c.get("/docs").status_code == 200 and "/v1/plans" in c.get("/openapi.json").json()["paths"]
 
 

@@ -53,6 +53,10 @@ def test_plan_json_contract_and_tp_inside_node():
         assert lay["dp"] * lay["micro_batch_size"] * lay["num_microbatches"] == 256
     times = [p["prediction"]["step_time_s"] for p in out["plans"]]
     assert times == sorted(times)
+    assert out["memory_headroom"] == 0.05  # the executor's: the plans leave it free
+    assert all(
+        p["prediction"]["peak_memory_bytes"] <= 0.95 * p["prediction"]["memory_capacity_bytes"] for p in out["plans"]
+    )
 
 
 # `berth plan` starts in well under a second (benchmarks/search_speed.py times it): these never load
@@ -204,6 +208,7 @@ def test_compare_keeps_misfits_with_reasons_and_refuses_impossible_layouts():
     assert cands[1]["infeasible_reason"].startswith("out_of_memory")
     assert cands[1]["prediction"]["fits"] is False
     assert out["gap_to_best"][0] <= 0.0 and out["gap_to_best"][1] is None
+    assert out["memory_headroom"] == 0.05  # megatron's
     # a layout no cluster of 32 GPUs can run is refused before anything is predicted
     for bad, field, why in (
         ("tp=16", "layout[2].tp", "8 kv heads"),

@@ -644,7 +644,7 @@ def test_compare_names_the_layout_berth_picks_among_those_given():
         ],
     )
     fastest = max(range(2), key=lambda i: plans[i].predicted().tokens_per_s)
-    assert first_choice(plans) == fastest and compare_json(plans, None)["choice"] == fastest
+    assert first_choice(plans) == fastest and compare_json(plans, None, 0.05)["choice"] == fastest
     # memory_tight (bottleneck 'memory' while it fits) is not ranked, as in the search
     tight = plans[fastest].model_copy(
         update={"prediction": plans[fastest].prediction.model_copy(update={"bottleneck": "memory"})}
