@@ -24,7 +24,6 @@ from berth.planner.planning import (
     plans_text,
     with_fallback,
 )
-from berth.specs.engines import engine_of
 from berth.specs.tree import pick_plan, plan_listing
 
 router = APIRouter(route_class=StrictRoute)
@@ -82,7 +81,7 @@ async def create_compare(req: CompareRequest, service: ServiceDep) -> Response:
                 deadline,
                 cancel,
             )
-            return json_text(compare_json(candidates, best, engine_of(training).headroom(req.memory_headroom)))
+            return json_text(compare_json(candidates, best, req.memory_headroom))
 
         return await service.answered(await service.searches.run(score, cancel), "compare")
 

@@ -410,7 +410,6 @@ def compare_cmd(
         print_reasons,
     )
     from berth.planner.planning import compare_json, compare_with_best, first_choice
-    from berth.specs.engines import engine_of
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -435,8 +434,8 @@ def compare_cmd(
     if not given:
         raise BerthError("layout", None, "the layouts to compare: --layout tp=..,pp=.. (repeat it), --layouts FILE")
     candidates, best = compare_with_best(spec, training, cl, given, memory_headroom)
-    headroom = engine_of(training).headroom(memory_headroom)
-    out = compare_json(candidates, best, headroom)
+    out = compare_json(candidates, best, memory_headroom)
+    headroom = out["memory_headroom"]
     if as_json:
         print(json.dumps(out))
         return

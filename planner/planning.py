@@ -325,11 +325,14 @@ def first_choice(candidates: list[Plan]) -> int | None:
 
 
 def compare_json(candidates: list[Plan], best: SearchResult | None, memory_headroom: float | None) -> dict[str, Any]:
-    """The compare JSON contract (CLI --json, POST /v1/compare); `memory_headroom` is the one the choice used."""
+    """The compare JSON contract (CLI --json, POST /v1/compare), with the memory headroom the choice used: the one
+    asked for (`memory_headroom`), else the candidates' engine's."""
+    from berth.specs.engines import engine_of
+
     best_plan = best.plans[0] if best and best.plans else None
     out: dict[str, Any] = {"candidates": [p.model_dump(mode="json") for p in candidates]}
     out["choice"] = first_choice(candidates)
-    out["memory_headroom"] = memory_headroom
+    out["memory_headroom"] = engine_of(candidates[0].training).headroom(memory_headroom) if candidates else None
     out["best_searched"] = best_plan.model_dump(mode="json") if best_plan else None
     if best_plan and best_plan.prediction:
         out["gap_to_best"] = [gap_to_best(p, best_plan.prediction.tokens_per_s) for p in candidates]
