@@ -18,7 +18,6 @@ measured number named in `sources`), plus the raw measurements.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -207,7 +206,7 @@ def attention_shapes(device_type: str, quick: bool) -> list[tuple[int, int, int,
 
 def measure_attention(device: torch.device, quick: bool) -> list[dict]:
     """Causal scaled_dot_product_attention forward and backward, timed separately, at each shape
-    (the flash kernel on CUDA)."""
+    (the kernel torch selects for the executor's layer, `_time_attention`)."""
     measure = _timer(device, quick)
     rows = []
     for b, heads, s, d in attention_shapes(device.type, quick):
@@ -233,48 +232,38 @@ def measure_attention(device: torch.device, quick: bool) -> list[dict]:
 def _time_attention(
     device: torch.device, measure, b: int, heads: int, s: int, d: int, reps: int
 ) -> tuple[float, float, str]:
-    """(forward s, backward s, backend) of one shape; q, k, v laid out as a layer produces them:
-    (b, s, heads, d) viewed as (b, heads, s, d)."""
+    """(forward s, backward s, backend) of one shape, called as the executor's layer calls it
+    (executor/model.py `Attention.forward` and `CausalAttention`): q and k as `rotary` returns them,
+    contiguous (b, heads, s, d); v the (b, s, heads, d) projection viewed as (b, heads, s, d); causal
+    F.scaled_dot_product_attention with no backend forced, so the kernel timed is the one torch picks
+    for the layer (`backend`, its name). Forcing the flash backend timed another kernel than the
+    layers run: on an H200 with torch 2.11 the profile's attention came out at 0.27 of the bf16 peak
+    (median) and predicted the executor's whole steps 10 % slow; with the attention terms of the H100
+    microbenchmarks (SDPA as torch picks it) the same steps came within 5.5 %
+    (benchmarks/results/gpu-h200/README.md)."""
     dtype, _ = _dtype(device)
-    q, k, v = (torch.randn(b, s, heads, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, s, heads, d, device=device, dtype=dtype, requires_grad=True)
 
     def forward() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
 
-    def timed() -> tuple[float, float]:
-        fwd_s = measure(forward, reps)
-        out = forward()
-        grad = torch.ones_like(out)
-        return fwd_s, measure(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), reps)
+    fwd_s = measure(forward, reps)
+    out = forward()
+    grad = torch.ones_like(out)
+    bwd_s = measure(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), reps)
+    return fwd_s, bwd_s, sdpa_backend(q, k, v.transpose(1, 2))
+
+
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The fused SDPA kernel torch selects for causal attention of these inputs, by name (flash_attention,
+    efficient_attention, cudnn_attention, math, ...), as the profile records it."""
+    from torch.nn.attention import SDPBackend
 
     try:
-        with _flash_context(device) as backend:
-            return (*timed(), backend)
-    except RuntimeError as err:  # no flash kernel for this GPU or shape: what torch picks, and say so
-        if "kernel" not in str(err).lower():
-            raise
-        return (*timed(), f"default (flash unavailable: {str(err).splitlines()[0][:120]})")
-
-
-class _flash_context:
-    """The flash SDPA backend on CUDA (what the executor's layers use); the default elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._ctx: contextlib.AbstractContextManager | None = None
-
-    def __enter__(self) -> str:
-        if self.device.type != "cuda":
-            return "default"
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        self._ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-        self._ctx.__enter__()
-        return "flash"
-
-    def __exit__(self, *exc) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
+        return SDPBackend(int(torch._fused_sdp_choice(q, k, v, is_causal=True))).name.lower()
+    except (RuntimeError, ValueError, AttributeError) as err:  # a torch without the selector
+        return f"unknown ({type(err).__name__})"
 
 
 def measure_op_overhead(device: torch.device) -> float:
@@ -473,7 +462,7 @@ def _median_ratio(measured: list[float], predicted) -> float:
 
 
 def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: float) -> dict:
-    """The base profile's measured shape models (GEMM efficiency by (m, n, k), flash attention by
+    """The base profile's measured shape models (GEMM efficiency by (m, n, k), fused attention by
     shape; cost_models/compute.py) moved to this GPU's level: each asymptote is multiplied by the
     median ratio of what the sweep measured to what the model predicts at the same shapes (the
     knees, which need thousands of timings to fit, stay the base fit's). Without the models (older

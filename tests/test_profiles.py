@@ -100,6 +100,44 @@ def test_profile_measures_this_machine(quick_profile):
     assert set(server.intra_node.op_time_scale) == {"all_gather", "reduce_scatter", "p2p"}
     raw = json.loads(quick_profile.read_text())["measurements"]
     assert len(raw["gemm"]) >= 4 and raw["collectives"]["2"]["backend"] == "gloo"
+    assert {a["backend"] for a in raw["attention"]} <= {"flash_attention", "efficient_attention", "math"}
+
+
+def test_attention_is_timed_as_the_executors_layer_calls_it(monkeypatch):
+    """`berth profile` times the SDPA kernel the executor's layer runs: q and k contiguous as `rotary` returns
+    them, v the projection's transposed view, causal, no backend forced (every SDPA backend still enabled
+    inside the call), and it records the backend torch selects. Forcing flash on a GPU timed another kernel
+    than the layers run (benchmarks/results/gpu-h200/README.md). A recording stand-in checks the call; the
+    real SDPA runs under it."""
+    import torch
+    import torch.nn.functional as F
+
+    from berth.executor import profile as prof
+    from berth.executor.model import Attention
+    from berth.specs.tree import ModelSpec
+
+    real, calls = F.scaled_dot_product_attention, []
+
+    def recording(q, k, v, **kw):
+        calls.append(
+            {
+                "contiguous": (q.is_contiguous(), k.is_contiguous(), v.is_contiguous()),
+                "causal": kw.get("is_causal"),
+                "enabled": (torch._C._get_math_sdp_enabled(), torch._C._get_mem_efficient_sdp_enabled()),
+            }
+        )
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    fwd_s, bwd_s, backend = prof._time_attention(torch.device("cpu"), prof._timer(torch.device("cpu")), 2, 4, 64, 16, 2)
+    assert fwd_s > 0 and bwd_s > 0 and backend == "flash_attention"  # torch's CPU pick for these inputs
+    expected = {"contiguous": (True, True, False), "causal": True, "enabled": (True, True)}
+    assert calls and all(c == expected for c in calls)
+    # the layer itself (one rank, MHA) calls SDPA with the same layout
+    spec = ModelSpec(name="t", num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=32, ffn_hidden_size=128)
+    calls.clear()
+    Attention(spec, 1)(torch.randn(2, 8, 64))
+    assert [c["contiguous"] for c in calls] == [(True, True, False)]
 
 
 def test_plan_accepts_the_profile(quick_profile):
