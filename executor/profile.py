@@ -517,6 +517,7 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision
     # cache effects make the efficiency of one thread genuinely non-monotone, kept as measured
     dims, fractions = gemm_curve(gemm, reference, monotone=gpu)
     attention = [a["flops_per_s"] / reference for a in measurements["attention"]]
+    backends = sorted({str(a["backend"]) for a in measurements["attention"] if a.get("backend")})
     bandwidth = measurements["memory_bandwidth_bytes_per_s"]
     fields: dict[str, Any] = {
         "peak_flops_per_s": {**base.peak_flops_per_s, precision: reference},
@@ -548,7 +549,7 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision
         "gemm": f"{len(gemm)} GEMMs binned by min dim {[int(d) for d in dims]}, median measured / {what}, "
         + ("fitted non-decreasing" if gpu else "as measured"),
         "attention_peak_fraction": f"median over {len(attention)} causal SDPA shapes of forward+backward "
-        f"FLOP/s / {what}",
+        f"FLOP/s / {what}; the kernel torch picked: {', '.join(backends) or 'not recorded'}",
         "memory_bandwidth_bytes_per_s": "datasheet, with memory_bandwidth_fraction = streaming multiply / datasheet"
         if gpu
         else "streaming multiply (achieved: fraction 1.0)",

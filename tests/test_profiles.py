@@ -102,6 +102,7 @@ def test_profile_measures_this_machine(quick_profile):
     raw = json.loads(quick_profile.read_text())["measurements"]
     assert len(raw["gemm"]) >= 4 and raw["collectives"]["2"]["backend"] == "gloo"
     assert {a["backend"] for a in raw["attention"]} <= {"flash_attention", "efficient_attention", "math"}
+    assert raw["attention"][0]["backend"] in device.sources["attention_peak_fraction"]  # the profile names its kernel
 
 
 def test_attention_is_timed_as_the_executors_layer_calls_it(monkeypatch):
