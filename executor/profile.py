@@ -232,37 +232,37 @@ def measure_attention(device: torch.device, quick: bool) -> list[dict]:
 def _time_attention(
     device: torch.device, measure, b: int, heads: int, s: int, d: int, reps: int
 ) -> tuple[float, float, str]:
-    """(forward s, backward s, backend) of one shape, called as the executor's layer calls it
-    (executor/model.py `Attention.forward` and `CausalAttention`): q and k as `rotary` returns them,
-    contiguous (b, heads, s, d); v the (b, s, heads, d) projection viewed as (b, heads, s, d); causal
-    F.scaled_dot_product_attention with no backend forced, so the kernel timed is the one torch picks
-    for the layer (`backend`, its name). Forcing the flash backend timed another kernel than the
-    layers run: on an H200 with torch 2.11 the profile's attention came out at 0.27 of the bf16 peak
-    (median) and predicted the executor's whole steps 10 % slow; with the attention terms of the H100
-    microbenchmarks (SDPA as torch picks it) the same steps came within 5.5 %
-    (benchmarks/results/gpu-h200/README.md)."""
+    """(forward s, backward s, backend) of one shape, called as the executor's layer calls it for a
+    grouped-query model (executor/model.py `Attention.forward` and `CausalAttention`: q as `rotary`
+    returns it and k, v as `repeat_interleave` returns them, all contiguous (b, heads, s, d); a
+    multi-head layer passes v as a transposed view instead, the same last-dimension stride), causal
+    F.scaled_dot_product_attention with no backend forced: the kernel timed is the one torch picks
+    (`backend`, its name). Forcing the flash backend, as this did before, most likely timed another
+    kernel than the layers run: on an H200 with torch 2.11 the profile's attention came out
+    at 0.27 of the bf16 peak (median) and predicted the executor's whole steps 10 % slow; with the
+    bundled profile's attention terms (the H100 microbenchmarks, SDPA as torch picks it) the same
+    steps came within 5.5 % (mean; benchmarks/results/gpu-h200/README.md)."""
     dtype, _ = _dtype(device)
-    q, k = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-    v = torch.randn(b, s, heads, d, device=device, dtype=dtype, requires_grad=True)
+    q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 
     def forward() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     fwd_s = measure(forward, reps)
     out = forward()
     grad = torch.ones_like(out)
     bwd_s = measure(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), reps)
-    return fwd_s, bwd_s, sdpa_backend(q, k, v.transpose(1, 2))
+    return fwd_s, bwd_s, sdpa_backend(q, k, v)
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """The fused SDPA kernel torch selects for causal attention of these inputs, by name (flash_attention,
     efficient_attention, cudnn_attention, math, ...), as the profile records it."""
-    from torch.nn.attention import SDPBackend
-
     try:
+        from torch.nn.attention import SDPBackend
+
         return SDPBackend(int(torch._fused_sdp_choice(q, k, v, is_causal=True))).name.lower()
-    except (RuntimeError, ValueError, AttributeError) as err:  # a torch without the selector
+    except (ImportError, RuntimeError, ValueError, TypeError, AttributeError) as err:  # a torch without it
         return f"unknown ({type(err).__name__})"
 
 
@@ -555,6 +555,15 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision
         else "streaming multiply (achieved: fraction 1.0)",
         "kernel_overhead_s": "dispatch of a tiny op (host clock over 2000 launches)",
     }
+    if gpu:
+        sources["memory_bandwidth_fraction"] = "streaming multiply / datasheet bandwidth"
+    rescaled = {"gemm_shape": f"{len(gemm)} GEMMs", "attention_shape": f"{len(attention)} causal SDPA shapes"}
+    for name, over in rescaled.items():
+        if name in fields:  # the base's fit moved to the measured level (shape_models_rescaled)
+            sources[name] = (
+                f"the base profile's fit, its asymptotes x the median measured / modelled efficiency over {over} "
+                "(the knees the base fit's)"
+            )
     return fields, sources, checks
 
 
@@ -584,6 +593,8 @@ def build_profile(device_type: str, measurements: dict, comm: dict[int, dict], m
                     else base.memory_bytes
                 ),
                 "sources": {**base.sources, **measured},
+                # what was measured here is no longer the base profile's assumption
+                "assumptions": {k: v for k, v in base.assumptions.items() if k.split(".")[0] not in measured},
             }
         )
     else:

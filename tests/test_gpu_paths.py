@@ -477,3 +477,20 @@ def test_gpu_profile_keeps_the_base_models_at_the_measured_level():
         )
     assert dev.frameworks == base.frameworks and dev.driver_reserved_bytes == base.driver_reserved_bytes
     assert dev.allocator_transient_blocks == base.allocator_transient_blocks
+    for name in ("gemm_shape", "attention_shape"):  # the moved models say how they were measured
+        assert "measured / modelled" in dev.sources[name]
+
+
+def test_what_a_gpu_profile_measured_is_not_left_among_its_assumptions():
+    """The H200's device file assumes its shape models ("Not measured on this device": the H100's fit, scaled);
+    a profile measured on an H200 moved them to what it measured, so it lists them under `sources`, not
+    `assumptions` (benchmarks/results/gpu-h200/profile.json, made before this, still carried the base's text)."""
+    base = load_device("h200")
+    assert {"gemm_shape", "attention_shape"} <= set(base.assumptions)
+    meas = _synthetic_measurements(lambda m, n, k: 0.7, 0.4 * 989e12, 4.0e12, np.random.default_rng(7))
+    machine = {"hostname": "gpu-box", "profile_base": "h200", "server_base": "dgx-h200", "gpus": 1}
+    dev = DeviceProfile.model_validate(prof.build_profile("cuda", meas, {}, machine)["device"])
+    for name in ("gemm_shape", "attention_shape", "attention_peak_fraction", "memory_bandwidth_fraction"):
+        assert name not in dev.assumptions and "berth profile" in dev.sources[name], name
+    assert "gemm.min_dim" not in dev.assumptions and "berth profile" in dev.sources["gemm"]
+    assert dev.assumptions["allocator_transient_blocks"] == base.assumptions["allocator_transient_blocks"]

@@ -1,0 +1,120 @@
+"""Re-predict a GPU evidence run's whole steps three ways, to see which of the profile's terms its error comes from.
+
+    python -m benchmarks.gpu_repredict                       # benchmarks/results/gpu-h200 against the bundled h200
+    python -m benchmarks.gpu_repredict --folder DIR --device NAME
+
+For every full-run report (`report-*.json`, mode "full") in the folder, the run's model (examples/models/), sequence,
+global batch and layout are predicted as `berth compare --cluster local` predicts them on a machine without a GPU
+(`topology/clusters.py local_cluster` with a profile; the engine is the bundled executor), with:
+1. `profile.json` of the folder, as `berth profile` measured it there (what the run was predicted with);
+2. the same, with the attention terms (`attention_shape`, `attention_peak_fraction`) of the bundled device profile;
+3. the bundled device profile (nothing measured on that machine), with the run's device memory.
+Errors are predicted / measured - 1. Prints a table and writes repredict-attention.json into the folder. Nothing is
+fitted: the second variant swaps one named term to show whether it carries the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from berth.hardware_profiles import load_device, load_profile_file
+from berth.planner.search import predict_layouts
+from berth.specs.layouts import complete_layout, parse_spec
+from berth.specs.models import load_model
+from berth.specs.tree import TrainingSpec
+from berth.topology import clusters
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER = ROOT / "benchmarks" / "results" / "gpu-h200"
+
+
+def _layout(x: dict) -> str:
+    keys = ("tp", "pp", "dp", "zero_stage", "shard", "micro_batch_size", "num_microbatches", "recompute")
+    names = ("tp", "pp", "dp", "zero", "shard", "mbs", "nmb", "recompute")
+    return ",".join(f"{n}={x[k]}" for n, k in zip(names, keys, strict=True))
+
+
+def full_runs(folder: Path) -> list[tuple[str, dict]]:
+    """(example name, report) of each full run in the folder, by file name."""
+    out = []
+    for path in sorted(folder.glob("report-*.json")):
+        report = json.loads(path.read_text())
+        if report["mode"] == "full" and report["status"] == "ok":
+            out.append((path.stem.removeprefix("report-").rsplit("-", 1)[0], report))
+    return out
+
+
+def run(folder: Path = FOLDER, device: str = "h200") -> dict:
+    measured_device, server = load_profile_file(folder / "profile.json")
+    bundled = load_device(device)
+    variants = {
+        "profile.json as measured": measured_device,
+        "profile.json, attention terms of the bundled profile": measured_device.model_copy(
+            update={
+                "attention_shape": bundled.attention_shape,
+                "attention_peak_fraction": bundled.attention_peak_fraction,
+            }
+        ),
+        f"bundled {device} profile": bundled.model_copy(update={"memory_bytes": measured_device.memory_bytes}),
+    }
+    runs = full_runs(folder)
+    result: dict = {"folder": str(folder.relative_to(ROOT)), "device": device, "variants": {}}
+    for name, dev in variants.items():
+        # the GPU's profile read on this machine: local_gpus() would describe this host's GPUs, if any
+        real, clusters.local_gpus = clusters.local_gpus, lambda: []
+        try:
+            cluster = clusters.local_cluster(1, (dev, server))
+        finally:
+            clusters.local_gpus = real
+        rows = []
+        for example, report in runs:
+            layout = report["plan"]["layout"]
+            training = TrainingSpec(
+                seq_len=report["plan"]["training"]["seq_len"],
+                global_batch_size=report["plan"]["training"]["global_batch_size"],
+                precision="bf16",
+                engine="executor",
+            )
+            model = load_model(str(ROOT / "examples" / "models" / f"{example}.json"))
+            cand = complete_layout(parse_spec(_layout(layout)), training, 1)
+            p = predict_layouts(model, training, cluster, [cand])[0].prediction
+            rows.append(
+                {
+                    "run": f"{example} ({_layout(layout)})",
+                    "measured_step_time_s": report["measured"]["step_time_s"],
+                    "predicted_step_time_s": p.step_time_s,
+                    "error": p.step_time_s / report["measured"]["step_time_s"] - 1.0,
+                }
+            )
+        err = np.array([r["error"] for r in rows])
+        result["variants"][name] = {
+            "runs": rows,
+            "mean_abs_error": float(np.mean(np.abs(err))),
+            "bias": float(np.mean(err)),
+        }
+    return result
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--folder", default=str(FOLDER), help="a results folder of benchmarks.gpu_validation")
+    ap.add_argument("--device", default="h200", help="the bundled device profile of that GPU")
+    args = ap.parse_args(argv)
+    folder = Path(args.folder).resolve()
+    result = run(folder, args.device)
+    for name, v in result["variants"].items():
+        errors = " ".join(f"{r['error']:+.3f}" for r in v["runs"])
+        print(f"{name:55s} {errors}   mean |error| {v['mean_abs_error']:.3f}  bias {v['bias']:+.3f}")
+    out = folder / "repredict-attention.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
