@@ -109,8 +109,8 @@ def test_attention_is_timed_as_the_executors_layer_calls_it(monkeypatch):
     """`berth profile` times the SDPA kernel the executor's layer runs: q, k, v contiguous as a grouped-query
     layer passes them (`rotary`, `repeat_interleave`), causal, no backend forced (every SDPA backend still
     enabled inside the call, `sdpa_kernel` never entered), and it records the backend torch selects. Forcing
-    flash on a GPU most likely timed another kernel than the layers run (benchmarks/results/gpu-h200/README.md). A recording
-    stand-in checks the call; the real SDPA runs under it."""
+    flash on a GPU most likely timed another kernel than the layers run (benchmarks/results/gpu-h200/README.md).
+    A recording stand-in checks the call; the real SDPA runs under it."""
     import torch
     import torch.nn.attention
     import torch.nn.functional as F
