@@ -845,12 +845,13 @@ def profile_cmd(
     _write(out, json.dumps(result, indent=2))
     dev, link, checks = result["device"], result["server"]["intra_node"], result.get("checks", {})
     peak = max(v for k, v in dev["peak_flops_per_s"].items() if k != "fp8")  # the precisions the profile measured
+    kernels = sorted({str(a.get("backend")) for a in result["measurements"]["attention"] if a.get("backend")})
     console.print(
         f"{dev['display_name']}: peak {peak / 1e9:,.1f} GFLOP/s, best GEMM "
         f"{checks.get('best_gemm_flops_per_s', peak) / 1e9:,.1f} GFLOP/s, memory "
         f"{dev['memory_bandwidth_bytes_per_s'] * dev['memory_bandwidth_fraction'] / 1e9:.1f} GB/s, "
-        f"attention {dev['attention_peak_fraction']:.0%} "
-        f"of peak, op overhead {dev['kernel_overhead_s'] * 1e6:.1f} us"
+        f"attention {dev['attention_peak_fraction']:.0%} of peak ({', '.join(kernels) or 'kernel not recorded'}), "
+        f"op overhead {dev['kernel_overhead_s'] * 1e6:.1f} us"
     )
     if "square_matmul_flops_per_s" in checks:
         console.print(

@@ -89,6 +89,7 @@ def quick_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     r = subprocess.run([*BERTH, "profile", "--quick", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    (out.parent / "stdout.txt").write_text(r.stdout)
     return out
 
 
@@ -103,6 +104,8 @@ def test_profile_measures_this_machine(quick_profile):
     assert len(raw["gemm"]) >= 4 and raw["collectives"]["2"]["backend"] == "gloo"
     assert {a["backend"] for a in raw["attention"]} <= {"flash_attention", "efficient_attention", "math"}
     assert raw["attention"][0]["backend"] in device.sources["attention_peak_fraction"]  # the profile names its kernel
+    printed = " ".join((quick_profile.parent / "stdout.txt").read_text().split())
+    assert f"of peak ({raw['attention'][0]['backend']})" in printed  # and so does its summary
 
 
 def test_attention_is_timed_as_the_executors_layer_calls_it(monkeypatch):
