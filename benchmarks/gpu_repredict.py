@@ -3,9 +3,9 @@
     python -m benchmarks.gpu_repredict                       # benchmarks/results/gpu-h200 against the bundled h200
     python -m benchmarks.gpu_repredict --folder DIR --device NAME
 
-For every full-run report (`report-*.json`, mode "full") in the folder, the run's model (examples/models/), sequence,
-global batch and layout are predicted as `berth compare --cluster local` predicts them on a machine without a GPU
-(`topology/clusters.py local_cluster` with a profile; the engine is the bundled executor), with:
+For every full-run report (`report-*.json`, mode "full") in the folder, the plan it ran (its model, training and
+layout) is predicted as `berth compare --cluster local` predicts it on a machine without a GPU
+(`topology/clusters.py local_cluster` with a profile), with:
 1. `profile.json` of the folder, as `berth profile` measured it there (what the run was predicted with);
 2. the same, with the attention terms (`attention_shape`, `attention_peak_fraction`) of the bundled device profile;
 3. the bundled device profile (nothing measured on that machine), with the run's device memory.
@@ -24,29 +24,17 @@ import numpy as np
 
 from berth.hardware_profiles import load_device, load_profile_file
 from berth.planner.search import predict_layouts
-from berth.specs.layouts import complete_layout, parse_spec
-from berth.specs.models import load_model
-from berth.specs.tree import TrainingSpec
+from berth.specs.tree import Layout, ModelSpec, TrainingSpec
 from berth.topology import clusters
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "benchmarks" / "results" / "gpu-h200"
 
 
-def _layout(x: dict) -> str:
-    keys = ("tp", "pp", "dp", "zero_stage", "shard", "micro_batch_size", "num_microbatches", "recompute")
-    names = ("tp", "pp", "dp", "zero", "shard", "mbs", "nmb", "recompute")
-    return ",".join(f"{n}={x[k]}" for n, k in zip(names, keys, strict=True))
-
-
-def full_runs(folder: Path) -> list[tuple[str, dict]]:
-    """(example name, report) of each full run in the folder, by file name."""
-    out = []
-    for path in sorted(folder.glob("report-*.json")):
-        report = json.loads(path.read_text())
-        if report["mode"] == "full" and report["status"] == "ok":
-            out.append((path.stem.removeprefix("report-").rsplit("-", 1)[0], report))
-    return out
+def full_runs(folder: Path) -> list[dict]:
+    """The reports of the folder's full runs that ran, by file name."""
+    reports = [json.loads(path.read_text()) for path in sorted(folder.glob("report-*.json"))]
+    return [r for r in reports if r["mode"] == "full" and r["status"] == "ok"]
 
 
 def run(folder: Path = FOLDER, device: str = "h200") -> dict:
@@ -72,20 +60,13 @@ def run(folder: Path = FOLDER, device: str = "h200") -> dict:
         finally:
             clusters.local_gpus = real
         rows = []
-        for example, report in runs:
-            layout = report["plan"]["layout"]
-            training = TrainingSpec(
-                seq_len=report["plan"]["training"]["seq_len"],
-                global_batch_size=report["plan"]["training"]["global_batch_size"],
-                precision="bf16",
-                engine="executor",
-            )
-            model = load_model(str(ROOT / "examples" / "models" / f"{example}.json"))
-            cand = complete_layout(parse_spec(_layout(layout)), training, 1)
-            p = predict_layouts(model, training, cluster, [cand])[0].prediction
+        for report in runs:
+            plan = report["plan"]
+            model, layout = ModelSpec.model_validate(plan["model"]), Layout.model_validate(plan["layout"])
+            p = predict_layouts(model, TrainingSpec.model_validate(plan["training"]), cluster, [layout])[0].prediction
             rows.append(
                 {
-                    "run": f"{example} ({_layout(layout)})",
+                    "run": f"{model.name} ({layout.short()})",
                     "measured_step_time_s": report["measured"]["step_time_s"],
                     "predicted_step_time_s": p.step_time_s,
                     "error": p.step_time_s / report["measured"]["step_time_s"] - 1.0,

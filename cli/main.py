@@ -409,7 +409,7 @@ def compare_cmd(
         print_placement,
         print_reasons,
     )
-    from berth.planner.planning import compare_json, compare_with_best, first_choice
+    from berth.planner.planning import compare_json, compare_with_best
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -456,7 +456,7 @@ def compare_cmd(
     print_layouts(console, candidates)
     print_reasons(console, candidates)
     console.print(BOTTLENECK_LEGEND, highlight=False)
-    pick = first_choice(candidates)
+    pick = out["choice"]
     console.print(
         f"berth's pick among these: #{pick + 1}, the fastest predicted to fit with the memory headroom ({headroom:.0%})"
         if pick is not None
@@ -837,7 +837,7 @@ def profile_cmd(
     from berth.executor.validate import require_torch
 
     require_torch("`berth profile`")
-    from berth.executor.profile import run_profile
+    from berth.executor.profile import attention_backends, run_profile
 
     err = Console(stderr=True)
     with err.status("profiling") as status:
@@ -845,7 +845,7 @@ def profile_cmd(
     _write(out, json.dumps(result, indent=2))
     dev, link, checks = result["device"], result["server"]["intra_node"], result.get("checks", {})
     peak = max(v for k, v in dev["peak_flops_per_s"].items() if k != "fp8")  # the precisions the profile measured
-    kernels = sorted({str(a.get("backend")) for a in result["measurements"]["attention"] if a.get("backend")})
+    kernels = attention_backends(result["measurements"]["attention"])
     console.print(
         f"{dev['display_name']}: peak {peak / 1e9:,.1f} GFLOP/s, best GEMM "
         f"{checks.get('best_gemm_flops_per_s', peak) / 1e9:,.1f} GFLOP/s, memory "

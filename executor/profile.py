@@ -266,6 +266,11 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
         return f"unknown ({type(err).__name__})"
 
 
+def attention_backends(rows: list[dict]) -> list[str]:
+    """The SDPA kernels the attention rows of a profile recorded (`sdpa_backend`), sorted; [] for older profiles."""
+    return sorted({str(a["backend"]) for a in rows if a.get("backend")})
+
+
 def measure_op_overhead(device: torch.device) -> float:
     x = torch.randn(8, device=device)
     reps = 2000
@@ -517,7 +522,7 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision
     # cache effects make the efficiency of one thread genuinely non-monotone, kept as measured
     dims, fractions = gemm_curve(gemm, reference, monotone=gpu)
     attention = [a["flops_per_s"] / reference for a in measurements["attention"]]
-    backends = sorted({str(a["backend"]) for a in measurements["attention"] if a.get("backend")})
+    backends = attention_backends(measurements["attention"])
     bandwidth = measurements["memory_bandwidth_bytes_per_s"]
     fields: dict[str, Any] = {
         "peak_flops_per_s": {**base.peak_flops_per_s, precision: reference},

@@ -25,6 +25,7 @@ from berth.planner.inputs import (  # noqa: F401
     with_operations,
 )
 from berth.planner.search import SearchResult, predict_layouts, search
+from berth.specs.engines import engine_of
 from berth.specs.errors import BerthError
 from berth.specs.layouts import check_layout, parse_spec
 from berth.specs.tree import (
@@ -327,8 +328,6 @@ def first_choice(candidates: list[Plan]) -> int | None:
 def compare_json(candidates: list[Plan], best: SearchResult | None, memory_headroom: float | None) -> dict[str, Any]:
     """The compare JSON contract (CLI --json, POST /v1/compare), with the memory headroom the choice used: the one
     asked for (`memory_headroom`), else the candidates' engine's."""
-    from berth.specs.engines import engine_of
-
     best_plan = best.plans[0] if best and best.plans else None
     out: dict[str, Any] = {"candidates": [p.model_dump(mode="json") for p in candidates]}
     out["choice"] = first_choice(candidates)

@@ -243,7 +243,7 @@ def test_calibration_on_the_h200_runs_predicts_the_runs_it_did_not_see_better(tm
     before, after = [], []  # both predicted here and now: the measured profile, then the calibrated one
     for example in ("llama-3.2-1b", "gpt2-xl"):
         reports = [json.loads((folder / f"report-{example}-{k}.json").read_text()) for k in (2, 3)]
-        layouts = [a for x in reports for a in ("--layout", _layout_arg(x["plan"]["layout"]))]
+        layouts = [a for x in reports for a in ("--layout", Layout.model_validate(x["plan"]["layout"]).short())]
         first, then = predicted(example, layouts, folder / "profile.json"), predicted(example, layouts, out)
         for report, p0, p1 in zip(reports, first, then, strict=True):
             measured = report["measured"]
@@ -252,12 +252,6 @@ def test_calibration_on_the_h200_runs_predicts_the_runs_it_did_not_see_better(tm
             memory = measured["peak_memory_bytes"] / p1["peak_memory_bytes"] - 1
             assert abs(memory) < 0.03, (example, memory)
     assert np.mean(after) < 0.8 * np.mean(before), (before, after)
-
-
-def _layout_arg(x: dict) -> str:
-    keys = ("tp", "pp", "dp", "zero_stage", "shard", "micro_batch_size", "num_microbatches", "recompute")
-    names = ("tp", "pp", "dp", "zero", "shard", "mbs", "nmb", "recompute")
-    return ",".join(f"{n}={x[k]}" for n, k in zip(names, keys, strict=True))
 
 
 def _synthetic_reports(truth: dict[str, float], n_noise: float = 0.0):
