@@ -1230,6 +1230,13 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
                     ),
                     highlight=False,
                 )
+    refused = e.get("held_out_after", {}).get("ran_predicted_not_to_fit", 0.0)
+    if refused > e.get("held_out_before", {}).get("ran_predicted_not_to_fit", 0.0):
+        console.print(
+            f"[yellow]warning[/yellow]: on runs it did not see, the memory fit predicts {refused:.0f} that ran not to "
+            "fit: the prior's memory parameters are kept",
+            highlight=False,
+        )
     if out:
         _out_file(out)
         name = Path(out).stem
