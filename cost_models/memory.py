@@ -355,6 +355,15 @@ def model_state_bytes(training: TrainingSpec, params, c) -> dict[str, np.ndarray
     }
 
 
+def linear_inputs_saved_split(training: TrainingSpec, sp) -> np.ndarray:
+    """Whether a layer saves its column-parallel linears' input (QKV's, the MLP's first) split by tp: under sequence
+    parallelism with Megatron's recipe, which then gathers it again in the backward for the weight gradient
+    (Korthikanti 2022 Sec. 4.2.2; Megatron-LM tensor_parallel/layers.py, nanotron tensor_parallel/functional.py
+    `_ColumnLinearAsyncCommunication.backward` with tp_recompute_allgather, its default), charged in
+    cost_models/step.py. DTensor's sequence parallelism (the PyTorch recipe) keeps the gathered input instead."""
+    return (np.asarray(sp) > 0) & megatron_memory(training)
+
+
 def layer_activation_bytes(
     model: ModelSpec, training: TrainingSpec, b, tp, sp, recompute, recipe=None
 ) -> tuple[np.ndarray, ArrayOrFloat]:
@@ -369,7 +378,7 @@ def layer_activation_bytes(
     masks = 2 * MASK_BYTES if model.dropout else 0
     # norm inputs (2), QKV input, MLP input, dropout masks: replicated across tp unless sp; the
     # QKV and MLP inputs stay gathered under DTensor sp (framework "pytorch")
-    linear_split = 1 if not megatron_memory(training) else hidden_split
+    linear_split = np.where(linear_inputs_saved_split(training, sp), tp, 1)
     # FP8 (TrainingSpec.fp8) where the engine saves a linear's input as one FP8 copy (EngineInfo.fp8_saved_input_bytes,
     # Transformer Engine): the QKV and MLP inputs (normed) and the activation into fc2 at that size; the attention
     # output stays 16-bit (the attention kernel keeps it for its own backward) and the output projection saves an FP8

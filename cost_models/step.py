@@ -44,6 +44,7 @@ from berth.specs.tree import ClusterSpec, EngineTuning, Metrics, ModelSpec, Plan
 from berth.specs.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
 
 TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Shoeybi 2019, Fig. 4)
+COLUMN_LINEARS_PER_LAYER = 2  # QKV and the MLP's first linear: the tp all-gathers of sequence parallelism
 # The fraction of a compute window that hides data-parallel communication is the cluster's
 # comm_overlap_efficiency: NCCL kernels take SMs and memory bandwidth from the GEMMs they overlap
 # with and bucket boundaries leave gaps, so the window is never fully usable; the default 0.7 is
@@ -438,10 +439,14 @@ def evaluate(
     fwd_element = np.where((c.sequence_parallel > 0) & (gather > 0), (e + gather) / 2.0, e)
     share = moe_tp_collective_share(model, c)
 
+    regather = memory.linear_inputs_saved_split(training, c.sequence_parallel)
+
     def tp_collectives(cl: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) tensor-parallel collectives of one layer on `cl`."""
+        """(forward, backward) tensor-parallel collectives of one layer on `cl`; where the layer saved its column-
+        parallel linears' input split by tp, the backward all-gathers each again (`linear_inputs_saved_split`)."""
         fwd_s = _tp_layer_s(cl, fwd_element * b * s * h, tp, stride["tp"]) * share
-        return fwd_s, _tp_layer_s(cl, act_bytes, tp, stride["tp"]) * share
+        again = COLUMN_LINEARS_PER_LAYER * comm.all_gather_s(cl, fwd_element * b * s * h, tp, stride["tp"]) * share
+        return fwd_s, _tp_layer_s(cl, act_bytes, tp, stride["tp"]) * share + np.where(regather, again, 0.0)
 
     tp_fwd, tp_bwd = tp_collectives(cluster)
     # a pipeline whose sends cross nodes: where an engine's host-synchronized sends cost time (EngineTuning

@@ -144,9 +144,10 @@ def test_moe_plan_carries_ep_in_json_and_tables():
 
 
 def test_framework_changes_sequence_parallel_memory_and_kernel_time():
-    """DTensor sp (pytorch) keeps gathered activations Megatron-LM re-gathers: more memory. The
+    """DTensor sp (pytorch) keeps gathered activations Megatron-LM re-gathers: more memory, and Megatron's
+    backward gathers them again (two all-gathers more a layer: more tensor-parallel traffic). The
     framework's kernels (device profile `frameworks`) set the non-GEMM layer time: Megatron's fused
-    kernels are faster than eager PyTorch, with the same GEMMs and collectives. Memory follows each
+    kernels are faster than eager PyTorch, with the same GEMMs. Memory follows each
     stack's precision recipe (the executor's fp32 parameters under autocast, with its bf16 weight
     cache; Megatron's 16-bit ones)."""
 
@@ -172,8 +173,10 @@ def test_framework_changes_sequence_parallel_memory_and_kernel_time():
     pt, mg = one("pytorch", "tp=8,sp=1,mbs=1"), one("megatron", "tp=8,sp=1,mbs=1")
     assert pt["memory_breakdown_bytes"]["activations"] > mg["memory_breakdown_bytes"]["activations"]
     assert mg["step_time_s"] < pt["step_time_s"]
-    assert pt["time_breakdown_s"]["tp_comm"] == mg["time_breakdown_s"]["tp_comm"]
+    tp_comm = pt["time_breakdown_s"]["tp_comm"]
+    assert tp_comm < mg["time_breakdown_s"]["tp_comm"] < 1.5 * tp_comm
     pt, mg = one("pytorch", "tp=8,mbs=1"), one("megatron", "tp=8,mbs=1")
+    assert pt["time_breakdown_s"]["tp_comm"] == mg["time_breakdown_s"]["tp_comm"]  # without sp: the same collectives
     assert mg["step_time_s"] < pt["step_time_s"]
     assert pt["memory_breakdown_bytes"]["autocast_copies"] > 0 == mg["memory_breakdown_bytes"]["autocast_copies"]
 
