@@ -34,8 +34,9 @@ considered in the order that explains most of the runs' disagreement with the pr
 (`explaining_order`), so a short budget goes where the runs say the engine differs. Each fitted value gets
 its standard error (s^2 (J^T J)^-1 at the solution), and the fit is scored on runs it did not see
 (k-fold, `held_out`); fitted memory parameters that predict the runs they did not see worse than the
-prior go back to it (`_memory_back_to_prior`). A fit that determines nothing, or does not move, or whose
-only fitted parameters went back, is refused (BerthError): the caller keeps the prior and exits non-zero.
+prior, or predict runs that ran not to fit, go back to it (`_memory_back_to_prior`). A fit that determines
+nothing, or does not move, or whose only fitted parameters went back, is refused (BerthError): the caller keeps
+the prior and exits non-zero.
 """
 
 from __future__ import annotations
@@ -528,9 +529,9 @@ def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
     leaves whole (held-out median 8.0 % against the prior's 9.6 %) and predicted one held-out probe that ran not to
     fit: kept, that fit put 14 runs that ran at tp 16-32 and 16-64 sequences a micro-batch over the capacity, the
     prior 3, and missed the other groups' memory by 10.5 % against 8.7 % (benchmarks/engine_sweep.py). The time
-    fit stands (time and memory residuals are separate, so it is unchanged); a time fit that holds out worse is only
-    warned about (`berth calibrate`): the sweep's held-out time error over 9 runs is noisier than what the time fit
-    gains on the runs of other GPU counts."""
+    fit stands, solved again without the memory parameters; a time fit that holds out worse is only warned about
+    (`berth calibrate`): the sweep's held-out time error over 9 runs is noisier than what the time fit gains on the
+    runs of other GPU counts."""
     held_after, held_before = fit.errors["held_out_after"], fit.errors["held_out_before"]
     after, before = held_after.get("memory_median_error"), held_before.get("memory_median_error")
     back = [n for n in fit.fitted if PARAMETERS[n].quantity == "memory"]
