@@ -1149,7 +1149,14 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
     """`berth calibrate --runs/--log`: fit an engine to measured runs (planner/engine_fit.py)."""
     from rich.table import Table
 
-    from berth.planner.engine_fit import CEILING, PARAMETERS, fit_engine, prior_value, read_engine_profile
+    from berth.planner.engine_fit import (
+        CEILING,
+        PARAMETERS,
+        RECIPE_NO_REFERENCE,
+        fit_engine,
+        prior_value,
+        read_engine_profile,
+    )
     from berth.planner.run_logs import read_log, read_runs
 
     runs = []
@@ -1207,6 +1214,7 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
             highlight=False,
         )
     e = fit.errors
+    warned = False  # the memory fit's held-out warning already printed
     for q, label in (("step_time", "step time"), ("memory", "peak memory")):
         key = f"{q}_median_error"
         if key in e["fit_after"]:
@@ -1220,6 +1228,7 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
                 highlight=False,
             )
             worse = e.get("held_out_after", {}).get(key, 0.0) > e.get("held_out_before", {}).get(key, float("inf"))
+            warned |= worse and q == "memory"
             if worse:
                 console.print(
                     f"[yellow]warning[/yellow]: on runs it did not see, the fit predicts {label} worse than the "
@@ -1231,14 +1240,18 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
                     highlight=False,
                 )
     refused = e.get("held_out_after", {}).get("ran_predicted_not_to_fit", 0.0)
-    if refused > e.get("held_out_before", {}).get("ran_predicted_not_to_fit", 0.0):
+    if refused > e.get("held_out_before", {}).get("ran_predicted_not_to_fit", 0.0) and not warned:
         kept = any(PARAMETERS[n].quantity == "memory" for n in fit.fitted)
+        after = e["held_out_after"].get("memory_median_error")
+        closer = after is not None and after < RECIPE_NO_REFERENCE * e["held_out_before"]["memory_median_error"]
         console.print(
             f"[yellow]warning[/yellow]: on runs it did not see, the memory fit predicts {refused:.0f} that ran not to "
             + (
-                "fit; kept, as it predicts their peaks over twice as closely as the recipe"
-                if kept
-                else "fit: the prior's memory parameters are kept"
+                "fit: the prior's memory parameters are kept"
+                if not kept
+                else "fit; kept, as it predicts their peaks over twice as closely as the prior"
+                if closer
+                else "fit"
             ),
             highlight=False,
         )

@@ -2,7 +2,9 @@
 
 Per micro-batch, the slowest pipeline stage runs its layers' forward, backward and
 recomputation, the tensor-parallel collectives of each layer (exposed: Megatron does not
-overlap them, Shoeybi 2019), and its stage-to-stage sends. The pipeline runs m micro-batches at
+overlap them, Shoeybi 2019; nor is the backward's second gather of sequence-parallel inputs credited
+with the input-gradient GEMM that Megatron's and nanotron's code overlap it with: docs/accuracy.md), and
+its stage-to-stage sends. The pipeline runs m micro-batches at
 the pace of the slowest stage plus a fill/drain bubble of (p - 1)/v mean micro-batch times
 (Narayanan 2021). Stage depths follow specs/stages.py: with an uneven split the first and last
 stages hold fewer layers and a middle stage (more layers, no embedding or head) can be the slowest.
@@ -44,7 +46,6 @@ from berth.specs.tree import ClusterSpec, EngineTuning, Metrics, ModelSpec, Plan
 from berth.specs.validity import MEMORY_TIGHT, OUT_OF_MEMORY, VALID, structural_reasons
 
 TP_COLLECTIVES_PER_LAYER_PASS = 2  # one after attention, one after the MLP (Shoeybi 2019, Fig. 4)
-COLUMN_LINEARS_PER_LAYER = 2  # QKV and the MLP's first linear: the tp all-gathers of sequence parallelism
 # The fraction of a compute window that hides data-parallel communication is the cluster's
 # comm_overlap_efficiency: NCCL kernels take SMs and memory bandwidth from the GEMMs they overlap
 # with and bucket boundaries leave gaps, so the window is never fully usable; the default 0.7 is
@@ -129,6 +130,16 @@ def moe_tp_collective_share(model: ModelSpec, c: Candidates) -> ArrayOrFloat:
         return 1.0
     dropped = model.num_moe_layers / model.num_layers / TP_COLLECTIVES_PER_LAYER_PASS
     return np.where(memory.expert_tp_of(c) != c.tp, 1.0 - dropped, 1.0)
+
+
+def second_gathers(model: ModelSpec) -> float:
+    """All-gathers per layer that a backward repeats where the layer saved its column-parallel linears' input split
+    over the sequence (`memory.linear_inputs_saved_split`): QKV's, and the MLP's in a dense layer or a shared expert;
+    routed experts take their tokens from the dispatcher, whose backward is a reduce-scatter, and save them as they
+    came (Megatron-Core's TEGroupedLinear runs no tp collective: explicit_expert_comm)."""
+    if not model.is_moe or model.num_shared_experts:
+        return 2.0
+    return 2.0 - model.num_moe_layers / model.num_layers
 
 
 def cp_exchange_s(
@@ -439,14 +450,17 @@ def evaluate(
     fwd_element = np.where((c.sequence_parallel > 0) & (gather > 0), (e + gather) / 2.0, e)
     share = moe_tp_collective_share(model, c)
 
+    # where a layer saved its column-parallel linears' input split by tp, the backward all-gathers it again for the
+    # weight gradient (`memory.linear_inputs_saved_split`): QKV's, and the MLP's where a tp-split linear takes it
+    # (`second_gathers`), in the FP8 gather's element size where the engine gathers in FP8 (Transformer Engine)
     regather = memory.linear_inputs_saved_split(training, c.sequence_parallel)
+    gathers = np.where(regather, second_gathers(model), 0.0)
 
     def tp_collectives(cl: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) tensor-parallel collectives of one layer on `cl`; where the layer saved its column-
-        parallel linears' input split by tp, the backward all-gathers each again (`linear_inputs_saved_split`)."""
+        """(forward, backward) tensor-parallel collectives of one layer on `cl`."""
         fwd_s = _tp_layer_s(cl, fwd_element * b * s * h, tp, stride["tp"]) * share
-        again = COLUMN_LINEARS_PER_LAYER * comm.all_gather_s(cl, fwd_element * b * s * h, tp, stride["tp"]) * share
-        return fwd_s, _tp_layer_s(cl, act_bytes, tp, stride["tp"]) * share + np.where(regather, again, 0.0)
+        again = gathers * comm.all_gather_s(cl, (gather or e) * b * s * h, tp, stride["tp"])
+        return fwd_s, _tp_layer_s(cl, act_bytes, tp, stride["tp"]) * share + again
 
     tp_fwd, tp_bwd = tp_collectives(cluster)
     # a pipeline whose sends cross nodes: where an engine's host-synchronized sends cost time (EngineTuning

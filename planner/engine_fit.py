@@ -34,7 +34,8 @@ considered in the order that explains most of the runs' disagreement with the pr
 (`explaining_order`), so a short budget goes where the runs say the engine differs. Each fitted value gets
 its standard error (s^2 (J^T J)^-1 at the solution), and the fit is scored on runs it did not see
 (k-fold, `held_out`); fitted memory parameters that predict the runs they did not see worse than the
-prior, or predict runs that ran not to fit, go back to it (`_memory_back_to_prior`). A fit that determines
+prior, or predict more runs that ran not to fit than it does (unless RECIPE_NO_REFERENCE times as close), go back
+to it (`_memory_back_to_prior`), and the time parameters are solved again without them. A fit that determines
 nothing, or does not move, or whose only fitted parameters went back, is refused (BerthError): the caller keeps
 the prior and exits non-zero.
 """
@@ -555,7 +556,14 @@ def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
     fit.not_fitted = {n: why[n] for n in PARAMETERS if n in why}
     # the time parameters solved again by themselves: the joint solve's evaluation budget (MAX_EVALUATIONS) went to
     # the memory parameters too, and may have stopped before the time ones settled
-    fit.tuning, result, _ = _solve(Data.of(runs), fit.prior, fit.fitted, runs[0].cluster)
+    fit.tuning, result, at = _solve(Data.of(runs), fit.prior, fit.fitted, runs[0].cluster)
+    if np.max(np.abs(result.x - at)) < MOVED:
+        raise BerthError(
+            "runs",
+            len(runs),
+            f"the memory fit {held}, and the fit of {', '.join(fit.fitted)} did not move from the prior without it: "
+            "the prior is kept",
+        )
     fit.uncertainty = uncertainty(fit.fitted, result)
     fit.errors["fit_after"] = errors(runs, fit.tuning)
 

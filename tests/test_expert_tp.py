@@ -98,11 +98,12 @@ def test_all_to_all_inside_the_node_and_no_tp_collective_in_the_experts():
     one = comm.all_reduce_s(TWO_NODES, act, 2.0, 1)
     assert float(_tp_layer_s(TWO_NODES, act, 2.0, 1)) == pytest.approx(2 * one)
     edge = 2 * one  # the embedding's and the head's all-reduce (pp = 1: one stage holds both)
-    # Megatron's recipe under sequence parallelism: the backward gathers QKV's and the MLP's input again
+    # Megatron's recipe under sequence parallelism: the backward gathers QKV's input again; the routed experts take
+    # their tokens from the dispatcher (no second gather), whatever their expert_tp
     again = comm.all_gather_s(TWO_NODES, act, 2.0, 1)
-    assert ev.time_breakdown_s["tp_comm"][0] == pytest.approx(nmb * (layers * (2 * 2 * one + 2 * again) + edge))
-    # with expert_tp = 1 the experts hold the MLP whole: its collectives and its input's second gather go
-    assert ev.time_breakdown_s["tp_comm"][1] == pytest.approx(nmb * (layers * (2 * 1 * one + 1 * again) + edge))
+    assert ev.time_breakdown_s["tp_comm"][0] == pytest.approx(nmb * (layers * (2 * 2 * one + again) + edge))
+    # with expert_tp = 1 the experts hold the MLP whole: its collectives go
+    assert ev.time_breakdown_s["tp_comm"][1] == pytest.approx(nmb * (layers * (2 * 1 * one + again) + edge))
 
 
 def test_expert_tp_between_one_and_tp():
