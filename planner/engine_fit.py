@@ -496,12 +496,9 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
             + "; ".join(f"{n}: {w}" for n, w in not_fitted.items()),
         )
     tuning, result, x_prior = _solve(data, prior, chosen, cluster)
-    if np.max(np.abs(result.x - x_prior)) < MOVED:
-        raise BerthError(
-            "runs",
-            len(runs),
-            f"the fit of {', '.join(chosen)} did not move from the prior: these runs agree with it (the prior is kept)",
-        )
+    _refuse_unmoved(
+        result.x, x_prior, runs, f"the fit of {', '.join(chosen)} did not move from the prior: these runs agree with it"
+    )
     fit = EngineFit(
         engine=engines[0],
         prior=prior,
@@ -518,6 +515,13 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
         fit.errors.update(held)
         _memory_back_to_prior(fit, runs)
     return fit
+
+
+def _refuse_unmoved(x: np.ndarray, at: np.ndarray, runs: list[MeasuredRun], why: str) -> None:
+    """A fit whose fitted coordinates all moved less than MOVED from the prior's did not move: refused, the prior
+    kept (the caller exits non-zero)."""
+    if np.max(np.abs(x - at)) < MOVED:
+        raise BerthError("runs", len(runs), f"{why} (the prior is kept)")
 
 
 def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
@@ -557,13 +561,8 @@ def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
     # the time parameters solved again by themselves: the joint solve's evaluation budget (MAX_EVALUATIONS) went to
     # the memory parameters too, and may have stopped before the time ones settled
     fit.tuning, result, at = _solve(Data.of(runs), fit.prior, fit.fitted, runs[0].cluster)
-    if np.max(np.abs(result.x - at)) < MOVED:
-        raise BerthError(
-            "runs",
-            len(runs),
-            f"the memory fit {held}, and the fit of {', '.join(fit.fitted)} did not move from the prior without it: "
-            "the prior is kept",
-        )
+    moved = f"the memory fit {held}, and the fit of {', '.join(fit.fitted)} did not move from the prior without it"
+    _refuse_unmoved(result.x, at, runs, moved)
     fit.uncertainty = uncertainty(fit.fitted, result)
     fit.errors["fit_after"] = errors(runs, fit.tuning)
 
