@@ -1151,11 +1151,12 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
 
     from berth.planner.engine_fit import (
         CEILING,
+        MEMORY_PARAMETERS,
         PARAMETERS,
-        RECIPE_NO_REFERENCE,
         fit_engine,
         prior_value,
         read_engine_profile,
+        recipe_no_reference,
     )
     from berth.planner.run_logs import read_log, read_runs
 
@@ -1241,9 +1242,8 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
                 )
     refused = e.get("held_out_after", {}).get("ran_predicted_not_to_fit", 0.0)
     if refused > e.get("held_out_before", {}).get("ran_predicted_not_to_fit", 0.0) and not warned:
-        kept = any(PARAMETERS[n].quantity == "memory" for n in fit.fitted)
-        after = e["held_out_after"].get("memory_median_error")
-        closer = after is not None and after < RECIPE_NO_REFERENCE * e["held_out_before"]["memory_median_error"]
+        kept = any(n in MEMORY_PARAMETERS for n in fit.fitted)
+        closer = recipe_no_reference(e)
         console.print(
             f"[yellow]warning[/yellow]: on runs it did not see, the memory fit predicts {refused:.0f} that ran not to "
             + (

@@ -517,6 +517,14 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
     return fit
 
 
+def recipe_no_reference(errors: dict[str, dict[str, float]]) -> bool:
+    """The memory fit predicts the held-out peaks over 1 / RECIPE_NO_REFERENCE times as closely as the prior: the
+    prior is then no reference, and the fit is kept even where it refuses a run that ran (`_memory_back_to_prior`)."""
+    after = errors.get("held_out_after", {}).get("memory_median_error")
+    before = errors.get("held_out_before", {}).get("memory_median_error")
+    return after is not None and before is not None and after < RECIPE_NO_REFERENCE * before
+
+
 def _refuse_unmoved(x: np.ndarray, at: np.ndarray, runs: list[MeasuredRun], why: str) -> None:
     """A fit whose fitted coordinates all moved less than MOVED from the prior's did not move: refused, the prior
     kept (the caller exits non-zero)."""
@@ -539,12 +547,12 @@ def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
     runs of other GPU counts."""
     held_after, held_before = fit.errors["held_out_after"], fit.errors["held_out_before"]
     after, before = held_after.get("memory_median_error"), held_before.get("memory_median_error")
-    back = [n for n in fit.fitted if PARAMETERS[n].quantity == "memory"]
+    back = [n for n in fit.fitted if n in MEMORY_PARAMETERS]
     if after is None or before is None or not back:
         return
     refused = (held_after.get("ran_predicted_not_to_fit", 0.0), fit.errors["fit_after"]["ran_predicted_not_to_fit"])
     refused_before = held_before["ran_predicted_not_to_fit"]
-    if max(refused) > refused_before and not after < RECIPE_NO_REFERENCE * before:
+    if max(refused) > refused_before and not recipe_no_reference(fit.errors):
         held = (
             f"predicted {refused[0]:.0f} of the runs it did not see and {refused[1]:.0f} of all, which ran, not to "
             f"fit (the prior {refused_before:.0f})"
