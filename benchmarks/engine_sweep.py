@@ -47,7 +47,6 @@ from scipy.stats import spearmanr
 from berth.planner.engine_fit import CEILING, FOLDS, MeasuredRun, fit_engine, predict_runs
 from berth.planner.probe import probe
 from berth.planner.run_logs import read_runs
-from berth.specs.engines import engine_of
 from berth.specs.tree import EngineTuning
 
 HERE = Path(__file__).resolve().parent
@@ -154,16 +153,15 @@ def as_runs(recs: list[dict]) -> list[MeasuredRun]:
 
 def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning) -> dict:
     """The scores of one group (one model on one GPU count) under `tuning`."""
-    t, m, cap, seen = predict_runs(runs, tuning)
+    t, m, cap, seen, ranked = predict_runs(runs, tuning)
     tok = np.array([r["tokens_per_s_per_gpu"] for r in recs])
     mem = np.array([r["peak_memory_gib"] for r in recs]) * 2**30
     g = runs[0].cluster.world_size
     pred = runs[0].training.global_batch_size * SEQ / (t * g)  # tokens/s per GPU (0 where refused)
     refused = ~np.isfinite(t)
     fits = np.isfinite(m) & (m <= cap)
-    # the search ranks only what fits with the memory headroom (a 'memory_tight' layout is not ranked): berth's
-    # first choice is the fastest of those
-    ranked = np.isfinite(m) & (m <= cap * (1.0 - engine_of(runs[0].training).memory_headroom))
+    # the search ranks only what fits with the memory headroom (a 'memory_tight' layout is not ranked, `ranked`):
+    # berth's first choice is the fastest of those
     pred = np.where(refused, 0.0, pred)
     ok = ~refused
     rho = float(spearmanr(pred[ok], tok[ok]).statistic) if ok.sum() >= 3 else float("nan")
@@ -202,7 +200,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
 def crashed_predicted_to_fit(runs: list[MeasuredRun], tuning: EngineTuning) -> int:
     if not runs:
         return 0
-    _, m, cap, _ = predict_runs(runs, tuning)
+    _, m, cap, _, _ = predict_runs(runs, tuning)
     return int(np.sum(np.isfinite(m) & (m <= cap)))
 
 

@@ -44,16 +44,18 @@ gradient copy for the whole run on top of that; Megatron-LM's gradient buffer ex
 
 The peak is what `torch.cuda.max_memory_reserved` measures: the terms above plus the allocator's
 slack ("fragmentation": blocks the size of the step's largest short-lived tensor held reserved,
-`largest_transient_bytes`), freed blocks a collective still holds while the host runs ahead
-("collective_blocks", `unsynced_collective_bytes`) and framework tensors. The capacity what it
-needs must fit in (`allocator_capacity_bytes`; `required_bytes`: all but the collective blocks, which
-the allocator reclaims before it fails) is the device memory less what the driver keeps, the CUDA
+`largest_transient_bytes`), freed blocks a collective still uses while the host runs ahead
+("collective_blocks", `unsynced_collective_bytes`), before the step ZeRO-1's gather block from the last one
+("cached_gather", `gather_block_bytes`) and framework tensors. The capacity what it needs must fit in
+(`allocator_capacity_bytes`; `peak_memory`: all but the collective blocks and the cached gather, which the
+allocator hands back before it fails) is the device memory less what the driver keeps, the CUDA
 context outside the allocator and NCCL's buffers. Checked on one H100 by benchmarks/memory_fidelity.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -845,8 +847,13 @@ def stage_memory_breakdown(
     ]
     # reserved from the forward's end through the backward, beside the first two phases
     unsynced = unsynced_collective_bytes(act_model, training, c)
-    totals = np.stack([sum(ph.values()) for ph in phases]) + np.stack([unsynced, unsynced, zeros])
+    sums = np.stack([sum(ph.values()) for ph in phases])
+    totals = sums + np.stack([unsynced, unsynced, zeros])
     which = np.argmax(totals, axis=0)
+    # Before the step ZeRO-1's gather block is the last step's, a free segment in the allocator's cache (cached_gather)
+    # that it releases before it fails; the step's phase holds it live, so what must fit is at least that phase's bytes.
+    peak_sum = np.max(totals, axis=0) - np.where(which < 2, unsynced, 0.0)
+    cached_gather = np.where(which < 2, np.clip(peak_sum - sums[2], 0.0, gather_block), 0.0)
     loss, layer, opt = phases
     at_loss, at_layer = which == 0, which == 1  # np.where, not np.choose, which first stacks its choices
     chosen = {k: np.where(at_loss, loss[k], np.where(at_layer, layer[k], opt[k])) for k in loss}
@@ -869,16 +876,17 @@ def stage_memory_breakdown(
         "autocast_copies": chosen["autocast_copies"],
         "activations": chosen["activations"],
         "logits": chosen["logits"],
-        "sharding_buffers": chosen["sharding_buffers"],
+        "sharding_buffers": chosen["sharding_buffers"] - cached_gather,
         "pipeline_buffers": chosen["pipeline_buffers"],
         "fragmentation": device.allocator_fragmentation_fraction * dynamic
         + device.allocator_transient_blocks * transient,
         "collective_blocks": np.where(which < 2, unsynced, 0.0),
+        "cached_gather": cached_gather,
         "framework": np.full_like(p, device.framework_overhead_bytes),
     }
 
 
-STATE_TERMS = ("parameters", "gradients", "autocast_copies", "sharding_buffers")
+STATE_TERMS = ("parameters", "gradients", "autocast_copies", "sharding_buffers", "cached_gather")
 ACTIVATION_TERMS = ("activations", "pipeline_buffers")
 
 
@@ -903,24 +911,37 @@ def tuned_breakdown(b: dict[str, np.ndarray], tuning: EngineTuning, tp=1) -> dic
     return out
 
 
-def required_bytes(peak: np.ndarray, breakdown: dict[str, np.ndarray]) -> np.ndarray:
-    """What of a predicted reserved peak must fit in the allocator's capacity: all of it but the collective blocks
-    (`unsynced_collective_bytes`). When a cudaMalloc fails, PyTorch's caching allocator first waits for the
-    events of blocks freed while a stream still used them and returns them to its pool, then frees its cached
-    segments and retries (c10/cuda/CUDACachingAllocator.cpp `release_cached_blocks`: `synchronize_and_free_events`,
-    then `release_blocks`): those blocks inflate the reserved figure where memory is to spare and cost a device
-    synchronization where it is not, but never make a run fail. The search's memory headroom applies to this too
-    (cost_models/step.py): on the Ultra-Scale Playbook's sweep the fastest 8B layouts on 128 and 256 GPUs (tp 8,
-    8 sequences a micro-batch, pp 1) held 16 GiB of such blocks and reserved 63-67 GiB, where a fit predicted 75."""
-    return peak - breakdown["collective_blocks"]
+class PeakMemory(NamedTuple):
+    """`peak_memory`'s answer, per candidate (bytes)."""
+
+    peak: np.ndarray  # the reserved peak: the worse of the first, the last and (uneven stages) the second stage
+    breakdown: dict[str, np.ndarray]  # that stage's terms
+    first_stage: np.ndarray  # rank 0's reserved peak, which an engine's log reports (MeasuredRun.memory_rank)
+    required: np.ndarray  # what must fit in the allocator's capacity, the most any stage needs
+    held: np.ndarray  # what the allocator holds without waiting on a collective: the search's headroom applies to it
 
 
 def peak_memory(
-    model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c
-) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
-    """Peak bytes per GPU (the worse of the first, the last and, with uneven stages, the second
-    stage), that stage's breakdown, and the first stage's bytes (global rank 0's: the rank whose
-    peak an engine's log reports, MeasuredRun.memory_rank).
+    model: ModelSpec, training: TrainingSpec, device: DeviceProfile, c, capacity: float | None = None
+) -> PeakMemory:
+    """The reserved peak per GPU, its breakdown, rank 0's, what must fit and what the allocator holds (PeakMemory).
+
+    What must fit is a stage's reserved peak less its collective blocks and cached gather: blocks only the
+    allocator's cache holds. When a cudaMalloc fails, PyTorch's caching allocator first waits for the events of
+    blocks freed while a stream still used them and returns them to its pool, then frees its cached segments and
+    retries (c10/cuda/CUDACachingAllocator.cpp `release_cached_blocks`: `synchronize_and_free_events`, then
+    `release_blocks`): such blocks inflate the reserved figure where memory is to spare, but never make a run fail.
+    So where a stage fits within `capacity` (the allocator's, `allocator_capacity_bytes`) its reserved peak is at
+    most that: what those blocks would take beyond it is handed back. On the Ultra-Scale Playbook's sweep
+    (benchmarks/engine_sweep.py) the 8B layouts at tp 1, pp 4-8, two sequences a micro-batch and ZeRO-1, whose
+    gather block sits beside a full pipeline's activations, ran and reserved 75-77 GiB where the whole sum is 79.
+
+    The search's headroom (cost_models/step.py) applies to what the allocator holds without waiting on a
+    collective's stream, the peak less the collective blocks only. The cached gather counts there: where it does
+    not fit beside the rest the allocator must free its cached segments, syncing the device, and allocate them
+    again; all 9 of the sweep's 8B runs that reserved over 90 % of the capacity ran below half their predicted
+    throughput. The collective blocks do not: the fastest 8B layouts on 128 and 256 GPUs (tp 8, 8 sequences a
+    micro-batch, pp 1) held 16 GiB of them and reserved 63-67 GiB, where a fit predicted 75.
 
     With an even split the middle stages hold fewer in-flight micro-batches than the first and no
     embedding or head, so they are never the peak. With an uneven one (specs/stages.py: berth's
@@ -929,20 +950,31 @@ def peak_memory(
     micro-batches in flight, is taken too, with as many layers as the fullest middle stage (under
     nanotron's split that one may sit further down with fewer micro-batches in flight: an
     over-estimate, never the peak there, since rank 0 holds at least as many layers)."""
-    first = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=True), training.tuning, c.tp)
-    last = tuned_breakdown(stage_memory_breakdown(model, training, device, c, first=False), training.tuning, c.tp)
-    total_first = sum(first.values())
-    total_last = sum(last.values())
+
+    def stage(**where) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        b = tuned_breakdown(stage_memory_breakdown(model, training, device, c, **where), training.tuning, c.tp)
+        held = sum(b.values()) - b["collective_blocks"]
+        if capacity is not None:  # handed back as the peak reaches the capacity: the collective blocks first
+            over = np.maximum(sum(b.values()) - capacity, 0.0)
+            back = np.minimum(over, b["collective_blocks"])
+            b = {**b, "collective_blocks": b["collective_blocks"] - back}
+            b["cached_gather"] = b["cached_gather"] - np.minimum(over - back, b["cached_gather"])
+        total = np.asarray(sum(b.values()), dtype=float)
+        return b, total, np.asarray(total - b["collective_blocks"] - b["cached_gather"], dtype=float), held
+
+    first, total_first, need_first, held_first = stage(first=True)
+    last, total_last, need_last, held_last = stage(first=False)
     use_first = total_first >= total_last
     breakdown = {k: np.where(use_first, first[k], last[k]) for k in first}
     peak = np.maximum(total_first, total_last)
+    required, held = np.maximum(need_first, need_last), np.maximum(held_first, held_last)
     n_first, n_middle, n_last, _ = stages.rule_stage_split(model, c.pp, c.virtual_stages, split_rule(training))
     uneven = (np.asarray(c.pp) > 2) & ((n_middle > n_first) | (n_middle > n_last))
     if np.any(uneven):
-        mid = tuned_breakdown(
-            stage_memory_breakdown(model, training, device, c, first=False, middle=True), training.tuning, c.tp
-        )
-        use_mid = uneven & (sum(mid.values()) > peak)
+        mid, total_mid, need_mid, held_mid = stage(first=False, middle=True)
+        use_mid = uneven & (total_mid > peak)
         breakdown = {k: np.where(use_mid, mid[k], breakdown[k]) for k in breakdown}
-        peak = np.where(use_mid, sum(mid.values()), peak)
-    return peak, breakdown, np.asarray(total_first, dtype=float)
+        peak = np.where(use_mid, total_mid, peak)
+        required = np.where(uneven, np.maximum(required, need_mid), required)
+        held = np.where(uneven, np.maximum(held, held_mid), held)
+    return PeakMemory(peak, breakdown, total_first, required, np.asarray(held, dtype=float))

@@ -94,7 +94,8 @@ class Evaluation:
     mfu: np.ndarray
     hfu: np.ndarray
     peak_memory_bytes: np.ndarray
-    required_memory_bytes: np.ndarray  # of the peak, what must fit (memory.required_bytes)
+    required_memory_bytes: np.ndarray  # what must fit (memory.peak_memory)
+    held_memory_bytes: np.ndarray  # what the allocator holds without waiting on a collective: the headroom's
     first_stage_memory_bytes: np.ndarray  # global rank 0's (pipeline stage 0): what engines' logs report
     reason: np.ndarray  # 0 = feasible, else a code from berth.specs.validity
     time_breakdown_s: dict[str, np.ndarray]
@@ -420,9 +421,9 @@ def evaluate(
     c: Candidates,
     memory_headroom: float | None = None,
 ) -> Evaluation:
-    """`memory_headroom`: a layout whose predicted peak is above (1 - headroom) of what the
-    allocator can reserve is "tight" (MEMORY_TIGHT), above all of it out of memory; None: the
-    engine's (EngineInfo.memory_headroom)."""
+    """`memory_headroom`: a layout whose predicted memory (what the allocator holds, memory.peak_memory) is above
+    (1 - headroom) of what it can reserve is "tight" (MEMORY_TIGHT); one that needs more than all of it is out of
+    memory; None: the engine's (EngineInfo.memory_headroom)."""
     tuning = training.tuning
     cluster = tuned_cluster(cluster, tuning)
     device = cluster.device
@@ -574,13 +575,12 @@ def evaluate(
         "dp_comm": np.maximum(dp_total, dp),
     }
 
-    peak, mem, first_stage_bytes = memory.peak_memory(model, training, device, c)
-    required = memory.required_bytes(peak, mem)
-    reason = structural_reasons(c, model, training, cluster)
     capacity = memory.allocator_capacity_bytes(device, cluster.world_size)
+    peak, mem, first_stage_bytes, required, held = memory.peak_memory(model, training, device, c, capacity)
+    reason = structural_reasons(c, model, training, cluster)
     reason = np.where((reason == VALID) & (required > capacity), OUT_OF_MEMORY, reason)
     headroom = engine_of(training).headroom(memory_headroom)
-    reason = np.where((reason == VALID) & (required > capacity * (1.0 - headroom)), MEMORY_TIGHT, reason)
+    reason = np.where((reason == VALID) & (held > capacity * (1.0 - headroom)), MEMORY_TIGHT, reason)
 
     model_flops = flops.model_flops_per_step(model, training)
     hw_flops = model_flops + flops.recompute_flops_per_step(cm, training, c.recompute)
@@ -594,6 +594,7 @@ def evaluate(
         hfu=hw_flops / (step * peak_flops),
         peak_memory_bytes=peak,
         required_memory_bytes=required,
+        held_memory_bytes=held,
         first_stage_memory_bytes=first_stage_bytes,
         reason=reason,
         time_breakdown_s=time,

@@ -49,7 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from pydantic import ValidationError
@@ -62,7 +62,7 @@ from berth.specs.candidates import Candidates
 from berth.specs.engines import ENGINES
 from berth.specs.errors import BerthError, from_validation_error
 from berth.specs.tree import ClusterSpec, EngineTuning, Layout, ModelSpec, TrainingSpec
-from berth.specs.validity import RUNS_MEMORY_ASIDE
+from berth.specs.validity import RUNS_MEMORY_ASIDE, VALID
 
 ENGINE_PROFILE_FORMAT = "berth-engine-profile/1"
 GIB = 2.0**30
@@ -203,16 +203,24 @@ def with_values(tuning: EngineTuning, values: dict[str, float]) -> EngineTuning:
 # ---- predicting runs ------------------------------------------------------------------------------
 
 
-def predict_runs(
-    runs: list[MeasuredRun], tuning: EngineTuning
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(step time, the memory that must fit, allocator capacity, memory of the rank the run reports: the peak or
-    rank 0's, MeasuredRun.memory_rank) of each run under `tuning`: one vectorized evaluation (cost_models/step.py)
-    per model, training and cluster; a layout the rules refuse now gets inf (what a plan would carry, without
-    building the plans: the fit evaluates its runs hundreds of times). Whether a run fits, and whether the search
-    ranks it (memory_tight), is the second's to say (cost_models/memory.py required_bytes); how its measured figure
-    compares is the reported rank's."""
+class RunPredictions(NamedTuple):
+    """`predict_runs`'s answer, one entry per run (inf where the rules refuse the layout)."""
+
+    time: np.ndarray  # step time (s)
+    required: np.ndarray  # the memory that must fit (bytes)
+    capacity: np.ndarray  # the allocator's capacity (bytes)
+    seen: np.ndarray  # the memory of the rank the run reports: the peak or rank 0's (MeasuredRun.memory_rank)
+    ranked: np.ndarray  # the search would rank it: it fits with the memory headroom (not memory_tight)
+
+
+def predict_runs(runs: list[MeasuredRun], tuning: EngineTuning) -> RunPredictions:
+    """Each run under `tuning` (RunPredictions): one vectorized evaluation (cost_models/step.py) per model, training
+    and cluster; a layout the rules refuse now gets inf (what a plan would carry, without building the plans: the
+    fit evaluates its runs hundreds of times). Whether a run fits is the required memory's to say, whether the
+    search ranks it the evaluation's (cost_models/memory.py peak_memory); how its measured figure compares is the
+    reported rank's."""
     times, mems, caps, seen = (np.full(len(runs), np.inf) for _ in range(4))
+    ranked = np.zeros(len(runs), dtype=bool)
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(runs):
         groups.setdefault(r.group, []).append(i)
@@ -228,7 +236,8 @@ def predict_runs(
         mems[idx] = np.where(runs_ok, ev.required_memory_bytes, np.inf)
         rank0 = np.array([runs[i].memory_rank == "rank0" for i in idx])
         seen[idx] = np.where(runs_ok, np.where(rank0, ev.first_stage_memory_bytes, ev.peak_memory_bytes), np.inf)
-    return times, mems, caps, seen
+        ranked[idx] = ev.reason == VALID
+    return RunPredictions(times, mems, caps, seen, ranked)
 
 
 def _allocated(mem: np.ndarray, tuning: EngineTuning) -> np.ndarray:
@@ -271,7 +280,7 @@ class Data:
         )
 
     def residuals(self, tuning: EngineTuning) -> np.ndarray:
-        t, m, cap, seen = predict_runs(self.runs, tuning)
+        t, m, cap, seen, _ = predict_runs(self.runs, tuning)
         has_t, has_m = np.isfinite(self.time), np.isfinite(self.mem)
         with np.errstate(divide="ignore", invalid="ignore"):
             rt = np.where(np.isfinite(t[has_t]), np.log(t[has_t] / self.time[has_t]), MISS)
@@ -313,7 +322,7 @@ def errors(runs: list[MeasuredRun], tuning: EngineTuning) -> dict[str, float]:
     if not runs:
         return {}
     d = Data.of(runs)
-    t, m, cap, seen = predict_runs(runs, tuning)
+    t, m, cap, seen, _ = predict_runs(runs, tuning)
     out: dict[str, float] = {"runs": float(len(runs))}
     has_t, has_m = np.isfinite(d.time), np.isfinite(d.mem)
     if has_t.any():
@@ -618,7 +627,7 @@ def held_out(
             continue
         tuning, _, _ = _solve(Data.of(train), prior, names, cluster)
         idx = sorted(test)
-        t, m, cap, seen = predict_runs([runs[i] for i in idx], tuning)
+        t, m, cap, seen, _ = predict_runs([runs[i] for i in idx], tuning)
         d = Data.of([runs[i] for i in idx])
         not_fit[idx] = d.ok & ~(m <= cap)
         preds_t[idx] = t / d.time

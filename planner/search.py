@@ -497,12 +497,14 @@ def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str
         return None
     name, text = REASONS[code]
     if name in ("out_of_memory", "memory_tight"):
-        need = ev.required_memory_bytes[i] / 2**30  # what must fit (memory.required_bytes)
+        need = ev.required_memory_bytes[i] / 2**30  # what must fit (memory.peak_memory)
         have = allocator_capacity_bytes(cluster.device, cluster.world_size) / 2**30
-        if name == "memory_tight":
+        if name == "memory_tight":  # the headroom reads what the allocator holds, cached blocks it reuses too
+            held = ev.held_memory_bytes[i] / 2**30
+            cached = f" ({need:.1f} GiB needed, the rest cached)" if held > need + 0.05 else ""
             return (
-                f"{name}: needs {need:.1f} GiB per GPU of the {have:.1f} GiB the allocator can use, less than the "
-                f"memory headroom ({1 - need / have:.1%} left); it may run out of memory"
+                f"{name}: holds {held:.1f} GiB per GPU{cached} of the {have:.1f} GiB the allocator can use, less "
+                f"than the memory headroom ({1 - held / have:.1%} left); it may run out of memory or stall"
             )
         return f"{name}: needs {need:.1f} GiB per GPU, the allocator can use {have:.1f} GiB"
     return f"{name}: {text}"

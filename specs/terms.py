@@ -39,11 +39,14 @@ class MemoryTerm:
     allocator: their sum is the predicted reserved peak; the CUDA context and the driver's share are
     taken off the capacity instead)."""
 
-    name: str
-    label: str
+    name: str  # also its row label in tables (after "memory: ")
     description: str
     measured_by: str | None = None  # None: not measured apart (in the measured total only)
     unit: Literal["bytes"] = "bytes"
+
+    @property
+    def label(self) -> str:
+        return self.name
 
 
 TIME: tuple[TimeTerm, ...] = (
@@ -142,13 +145,11 @@ TIME: tuple[TimeTerm, ...] = (
 MEMORY: tuple[MemoryTerm, ...] = (
     MemoryTerm(
         "parameters",
-        "parameters",
         "the rank's stored parameters (shards under ZeRO-3/FSDP2) and, from "
         "forward to backward, a gathered stage that is not resharded after forward",
         "local bytes of the rank's parameters (shards under FSDP/ZeRO) at the end of the step",
     ),
     MemoryTerm(
-        "gradients",
         "gradients",
         "gradients held: accumulated, in data-parallel buckets, Megatron's "
         "persistent buffer, or one layer's in the backward",
@@ -156,45 +157,39 @@ MEMORY: tuple[MemoryTerm, ...] = (
     ),
     MemoryTerm(
         "optimizer_state",
-        "optimizer_state",
         "the optimizer's states of the precision recipe (sharded for ZeRO >= 1)",
         "local bytes of the optimizer's state tensors at the end of the step",
     ),
     MemoryTerm(
         "autocast_copies",
-        "autocast_copies",
         "autocast's cast cache: 16-bit copies of fp32 weights inside the autocast region",
     ),
+    MemoryTerm("activations", "activations saved for the backward, and the working set of the layer in backward"),
+    MemoryTerm("logits", "the LM head's logits and their loss intermediates, of the micro-batches past the head"),
     MemoryTerm(
-        "activations", "activations", "activations saved for the backward, and the working set of the layer in backward"
-    ),
-    MemoryTerm(
-        "logits", "logits", "the LM head's logits and their loss intermediates, of the micro-batches past the head"
-    ),
-    MemoryTerm(
-        "sharding_buffers",
         "sharding_buffers",
         "unsharded buffers of ZeRO-2/3 and FSDP (gathered layers, gradient reduce-scatter)",
     ),
     MemoryTerm(
         "pipeline_buffers",
-        "pipeline_buffers",
         "receive buffers torch.distributed.pipelining allocates for every micro-batch",
     ),
     MemoryTerm(
-        "fragmentation",
         "fragmentation",
         "what the caching allocator reserves beyond the allocated peak (a share of the dynamic terms, transient "
         "blocks)",
     ),
     MemoryTerm(
         "collective_blocks",
-        "collective_blocks",
         "freed blocks a collective still holds where the engine's host runs ahead of the GPU: reserved while "
         "memory allows, reclaimed by the allocator (synchronizing) before it fails, so not needed to fit",
     ),
     MemoryTerm(
-        "framework",
+        "cached_gather",
+        "ZeRO-1's stacked all-gather block from the last step (nanotron), a free segment the allocator keeps "
+        "cached beside the activations: released before it fails, so not needed to fit, but within the headroom",
+    ),
+    MemoryTerm(
         "framework",
         "tensors the framework allocates beside the model's terms (the device profile's framework_overhead_bytes)",
     ),

@@ -248,7 +248,7 @@ def test_ddp_buckets_over_16_to_32_nodes_wait_on_nccls_tree_not_a_ring(monkeypat
             and int(r["layout"].split(",")[0][3:]) <= 8
         ]
         runs = engine_sweep.as_runs(recs)
-        t, _, _, _ = predict_runs(runs, EngineTuning())
+        t, _, _, _, _ = predict_runs(runs, EngineTuning())
         measured = np.array([r.step_time_s for r in runs])
         return float(np.median(measured / t))
 
@@ -283,7 +283,7 @@ def test_the_backward_gathers_the_inputs_sequence_parallelism_saved_split(monkey
         out: dict = {}
         for (size, _), recs in groups.items():
             runs = engine_sweep.as_runs(recs)
-            t, _, cap, _ = predict_runs(runs, EngineTuning())
+            t, _, cap, _, _ = predict_runs(runs, EngineTuning())
             for i, (rec, run) in enumerate(zip(recs, runs, strict=True)):
                 # runs that reserved 90 % of the memory or more ran slowed by the allocator's retries
                 if run.layout.tp in (2, 8) and rec["peak_memory_gib"] * 2**30 <= 0.9 * cap[i]:
@@ -295,3 +295,40 @@ def test_the_backward_gathers_the_inputs_sequence_parallelism_saved_split(monkey
     left_out = spread()
     assert abs(charged["1B"] - 1.0) < abs(left_out["1B"] - 1.0) - 0.03, (charged, left_out)
     assert left_out["8B"] < 1.0 < charged["8B"] < 1.03, (charged, left_out)
+
+
+def test_zero1s_cached_gather_block_is_handed_back_not_needed_to_fit():
+    """nanotron's ZeRO-1 gather block (cost_models/memory.py gather_block_bytes) is, beside the next step's
+    activations, a free segment the caching allocator releases before a cudaMalloc fails: it is reserved, not needed
+    to fit. Counted as needed, the uncalibrated entry predicted 3 of the sweep's runs that ran not to fit, among them
+    the 8B's tp 1 x pp 4 and pp 8 layouts on 32 GPUs with two sequences a micro-batch (they reserved 75.5 and
+    77.1 GiB); handed back, 1 (a last stage's logits, which no log reports). Those two stay out of the ranking (the
+    search's headroom counts the block, memory.peak_memory), and rank 0's reserved peak is predicted at most the
+    capacity, within 4 % of what they reserved."""
+    import numpy as np
+
+    from berth.cost_models.step import evaluate
+    from berth.specs.candidates import Candidates
+    from berth.specs.validity import MEMORY_TIGHT
+
+    ran, _ = engine_sweep.records("nanotron")
+    groups: dict = {}
+    for r in ran:
+        groups.setdefault((r["size"], r["cluster"]["nodes"]), []).append(r)
+    needed = counted = tight = 0
+    for (size, nodes), recs in groups.items():
+        runs = engine_sweep.as_runs(recs)
+        f = runs[0]
+        cap = allocator_capacity_bytes(f.cluster.device, f.cluster.world_size)
+        ev = evaluate(f.model, f.training, f.cluster, Candidates.from_layouts([r.layout for r in runs]))
+        needed += int(np.sum(ev.required_memory_bytes > cap))
+        counted += int(np.sum(ev.held_memory_bytes > cap))  # the block counted as needed
+        for i, (rec, run) in enumerate(zip(recs, runs, strict=True)):
+            if size == "8B" and nodes == 4 and run.layout.tp == 1 and run.layout.micro_batch_size == 2:
+                assert run.layout.pp in (4, 8) and run.layout.zero_stage == 1
+                assert ev.required_memory_bytes[i] <= cap < ev.held_memory_bytes[i]
+                assert int(ev.reason[i]) == MEMORY_TIGHT
+                seen = float(ev.first_stage_memory_bytes[i])
+                assert seen <= cap and seen / 2**30 == pytest.approx(rec["peak_memory_gib"], rel=0.04)
+                tight += 1
+    assert (needed, counted, tight) == (1, 3, 2)
