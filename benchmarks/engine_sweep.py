@@ -27,6 +27,8 @@ engine's prior) and after:
 The records go through the same JSON-lines reader as a user's runs (planner/run_logs.py). Cluster:
 the `aws-p5` preset (8 x H100 SXM per node, EFA; the sweep ran on Hugging Face's H100 cluster, whose
 network the source does not state: the fit's inter-node bandwidth scale absorbs the difference).
+Every model in runs.json is looped over, so the sweep's other sizes run as they come (`model_record`,
+`loop`: rows without the `derived` fields, no runs on the probed GPU count).
 
     python -m benchmarks.engine_sweep            # prints, writes benchmarks/results/engine_sweep.json
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import time
@@ -69,12 +72,15 @@ SEQ = 4096
 
 def model_record(row: dict) -> dict:
     """The run's model as a spec object: its shape, and the variant the FLOP accounting resolves (kv heads,
-    tied embeddings; the README's `derived` fields; unresolved rows take the first matching variant)."""
-    d = row["derived"]
+    tied embeddings; the README's `derived` fields; unresolved rows take the first matching variant, rows without
+    them the generating script's rule: as many kv heads as heads, embeddings tied below an FFN of 10,000, nanotron
+    scripts/scaling_benchmarks.py `create_config` at e24d2483)."""
+    d = row.get("derived") or {}
     match = (d.get("variant_matches") or [{}])[0]
     kv = d.get("num_kv_heads") or match.get("kv_heads") or row["num_attention_heads"]
+    script_rule = not d and row["ffn_hidden_size"] < 10_000
     tied = d.get("tied_embeddings")
-    tied = match.get("tied_embeddings", False) if tied is None else tied
+    tied = match.get("tied_embeddings", script_rule) if tied is None else tied
     return {
         "name": f"nanotron-{row['model_name'].split()[1]}",
         "num_layers": row["num_layers"],
@@ -129,7 +135,9 @@ def records(engine: str = ENGINE) -> tuple[list[dict], list[dict]]:
             }
         )
     for row in json.loads((DATA / "crashed.json").read_text())["runs"]:
-        shape = shapes[row["model"]]
+        shape = shapes.get(row["model"])
+        if shape is None:  # a model none of whose runs ran: no shape to read
+            continue
         crashed.append(
             {
                 "id": row["id"],
@@ -247,6 +255,9 @@ def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int)
     by_group, runs, crashed_runs = data
     prior = EngineTuning()
     key = (size, probe_gpus)
+    if key not in runs:  # the model has no runs on that GPU count: the nearest count with the most runs
+        counts = [g for s, g in runs if s == size]
+        key = (size, min(counts, key=lambda g: (abs(math.log2(g / probe_gpus)), -len(runs[(size, g)]))))
     pool = runs[key]
     first = pool[0]
     picks = probe(first.model, first.training, first.cluster, probes, layouts=[r.layout for r in pool])

@@ -332,3 +332,28 @@ def test_zero1s_cached_gather_block_is_handed_back_not_needed_to_fit():
                 assert seen <= cap and seen / 2**30 == pytest.approx(rec["peak_memory_gib"], rel=0.04)
                 tight += 1
     assert (needed, counted, tight) == (1, 3, 2)
+
+
+def test_the_loop_runs_on_rows_of_another_size_as_the_held_out_sizes_come(tmp_path, monkeypatch):
+    """The sweep's other sizes are held back; their rows may come without this folder's `derived` fields and
+    without runs on the probed GPU count. The benchmark then reads the shape as the generating script sets it
+    (embeddings tied below an FFN of 10,000, as many kv heads as heads), probes the GPU count nearest the one asked
+    for with the most runs, and skips crashed configurations of sizes none of whose runs ran. Here the 1B's rows
+    relabelled as a 3B shape (28 layers, hidden 3072, FFN 8192) without 64-GPU runs: the loop probes 128 GPUs."""
+    rows = json.loads((engine_sweep.DATA / "runs.json").read_text())
+    other = [
+        {k: v for k, v in r.items() if k != "derived"}
+        | {"model_name": "Llama 3B", "num_layers": 28, "hidden_size": 3072, "ffn_hidden_size": 8192}
+        for r in rows
+        if r["model_name"].split()[1] == "1B" and r["num_gpus"] != 64
+    ]
+    (tmp_path / "runs.json").write_text(json.dumps(other))
+    (tmp_path / "crashed.json").write_text((engine_sweep.DATA / "crashed.json").read_text())
+    monkeypatch.setattr(engine_sweep, "DATA", tmp_path)
+    ran, crashed = engine_sweep.records()
+    assert ran and not crashed  # the crashed configurations are the 1B's and 8B's
+    assert all(r["model"]["tied_embeddings"] and r["model"]["num_kv_heads"] == 32 for r in ran)
+    data = engine_sweep.loaded()
+    r = engine_sweep.loop(data, "3B", 64, 12)
+    assert {x["cluster"]["nodes"] for x in r["probe_records"]} == {16}  # 128 GPUs: 121 runs against 32's 68
+    assert r["after"]["groups"] == len(data[0]) - 1 and r["after"]["refused"] == 0
