@@ -28,7 +28,7 @@ The records go through the same JSON-lines reader as a user's runs (planner/run_
 the `aws-p5` preset (8 x H100 SXM per node, EFA; the sweep ran on Hugging Face's H100 cluster, whose
 network the source does not state: the fit's inter-node bandwidth scale absorbs the difference).
 Every model in runs.json is looped over, so the sweep's other sizes run as they come (`model_record`,
-`loop`: rows without the `derived` fields, no runs on the probed GPU count).
+`loop`: rows without the `derived` fields; no runs on the probed GPU count, when the loop says which it probed).
 
     python -m benchmarks.engine_sweep            # prints, writes benchmarks/results/engine_sweep.json
 """
@@ -72,15 +72,14 @@ SEQ = 4096
 
 def model_record(row: dict) -> dict:
     """The run's model as a spec object: its shape, and the variant the FLOP accounting resolves (kv heads,
-    tied embeddings; the README's `derived` fields; unresolved rows take the first matching variant, rows without
-    them the generating script's rule: as many kv heads as heads, embeddings tied below an FFN of 10,000, nanotron
-    scripts/scaling_benchmarks.py `create_config` at e24d2483)."""
+    tied embeddings; the README's `derived` fields; unresolved rows, and rows without them, take the first matching
+    variant or else as many kv heads as heads and untied embeddings, as the crashed rows: the generating script at
+    e24d2483 ties them below an FFN of 10,000, but 301 of the 460 resolved 1B rows, FFN 8,192, are untied)."""
     d = row.get("derived") or {}
     match = (d.get("variant_matches") or [{}])[0]
     kv = d.get("num_kv_heads") or match.get("kv_heads") or row["num_attention_heads"]
-    script_rule = not d and row["ffn_hidden_size"] < 10_000
     tied = d.get("tied_embeddings")
-    tied = match.get("tied_embeddings", script_rule) if tied is None else tied
+    tied = match.get("tied_embeddings", False) if tied is None else tied
     return {
         "name": f"nanotron-{row['model_name'].split()[1]}",
         "num_layers": row["num_layers"],
@@ -273,6 +272,7 @@ def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int)
             s["crashed_predicted_to_fit"] = crashed_predicted_to_fit(crashed_runs.get(gk, []), tuning)
             scored[label].append(s)
     return {
+        "probe_gpus": key[1],  # the GPU count probed: the one asked for, or the nearest the model has runs on
         "probes": [{"layout": p.plan.layout.short(), "why": p.why} for p in picks],
         "probe_records": [by_group[key][i] for i in index],
         "fit": fit.document(f"nanotron-{size}")["tuning"],
@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
         if g != args.probe_gpus:
             at = {size: done[(args.engine, size, g)] for size in sizes}
             result["other_probe_gpus"][str(g)] = {
-                size: {"before": r["before"], "after": r["after"]} for size, r in at.items()
+                size: {"probe_gpus": r["probe_gpus"], "before": r["before"], "after": r["after"]}
+                for size, r in at.items()
             }
     result["seconds"] = round(time.time() - t0, 1)
     print_result(result)
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_result(result: dict) -> None:
     for size, r in result["models"].items():
-        print(f"\nprobes: {size} model on {result['probe_gpus']} GPUs ({len(r['probes'])} runs); fitted {r['fitted']}")
+        print(f"\nprobes: {size} model on {r['probe_gpus']} GPUs ({len(r['probes'])} runs); fitted {r['fitted']}")
         for p in r["probes"]:
             print(f"  {p['layout']}: {p['why']}")
         print(f"  scored on the other {r['after']['groups']} groups of both models:")
@@ -402,7 +403,7 @@ def print_result(result: dict) -> None:
             for size, r in models.items():
                 a = r["after"]
                 print(
-                    f"  {size} {g:>4s} GPUs   {a['rho_median']:6.3f} {a['regret_median']:7.3f} "
+                    f"  {size} {r.get('probe_gpus', g):>4} GPUs   {a['rho_median']:6.3f} {a['regret_median']:7.3f} "
                     f"{a['regret_twins_merged_median']:6.3f} {a['throughput_error_median']:6.3f} "
                     f"{a['memory_abs_error_median']:6.3f}"
                 )

@@ -918,7 +918,9 @@ class PeakMemory(NamedTuple):
     breakdown: dict[str, np.ndarray]  # that stage's terms
     first_stage: np.ndarray  # rank 0's reserved peak, which an engine's log reports (MeasuredRun.memory_rank)
     required: np.ndarray  # what must fit in the allocator's capacity, the most any stage needs
-    held: np.ndarray  # what the allocator holds without waiting on a collective: the search's headroom applies to it
+    # what the allocator holds without waiting on a collective (the search's headroom applies to it): before any hand
+    # back, so it can pass the capacity, and the peak, where a cached gather block must be handed back to fit
+    held: np.ndarray
 
 
 def peak_memory(
@@ -932,7 +934,10 @@ def peak_memory(
     retries (c10/cuda/CUDACachingAllocator.cpp `release_cached_blocks`: `synchronize_and_free_events`, then
     `release_blocks`): such blocks inflate the reserved figure where memory is to spare, but never make a run fail.
     So where a stage fits within `capacity` (the allocator's, `allocator_capacity_bytes`) its reserved peak is at
-    most that: what those blocks would take beyond it is handed back. On the Ultra-Scale Playbook's sweep
+    most that: what those blocks would take beyond it is handed back (one that does not fit reports its whole sum).
+    What must fit is the peak phase's live bytes; where the collective blocks make a phase the peak, a later phase
+    may need a little more (unchanged here: the optimizer step with a gather block at pp = 1, tp > 1), and under a
+    fitted tuning the terms scale apart after the phases are chosen. On the Ultra-Scale Playbook's sweep
     (benchmarks/engine_sweep.py) the 8B layouts at tp 1, pp 4-8, two sequences a micro-batch and ZeRO-1, whose
     gather block sits beside a full pipeline's activations, ran and reserved 75-77 GiB where the whole sum is 79.
 
@@ -954,8 +959,9 @@ def peak_memory(
     def stage(**where) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
         b = tuned_breakdown(stage_memory_breakdown(model, training, device, c, **where), training.tuning, c.tp)
         held = sum(b.values()) - b["collective_blocks"]
-        if capacity is not None:  # handed back as the peak reaches the capacity: the collective blocks first
-            over = np.maximum(sum(b.values()) - capacity, 0.0)
+        if capacity is not None:  # where the stage fits, handed back as the peak reaches the capacity: collective first
+            fits = held - b["cached_gather"] <= capacity
+            over = np.where(fits, np.maximum(sum(b.values()) - capacity, 0.0), 0.0)
             back = np.minimum(over, b["collective_blocks"])
             b = {**b, "collective_blocks": b["collective_blocks"] - back}
             b["cached_gather"] = b["cached_gather"] - np.minimum(over - back, b["cached_gather"])

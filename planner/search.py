@@ -499,12 +499,12 @@ def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str
     if name in ("out_of_memory", "memory_tight"):
         need = ev.required_memory_bytes[i] / 2**30  # what must fit (memory.peak_memory)
         have = allocator_capacity_bytes(cluster.device, cluster.world_size) / 2**30
-        if name == "memory_tight":  # the headroom reads what the allocator holds, cached blocks it reuses too
+        if name == "memory_tight":  # the headroom reads what the allocator holds: the blocks it keeps cached too
             held = ev.held_memory_bytes[i] / 2**30
-            cached = f" ({need:.1f} GiB needed, the rest cached)" if held > need + 0.05 else ""
+            cached = f", {held:.1f} with the blocks it keeps cached," if held > need + 0.05 else ""
             return (
-                f"{name}: holds {held:.1f} GiB per GPU{cached} of the {have:.1f} GiB the allocator can use, less "
-                f"than the memory headroom ({1 - held / have:.1%} left); it may run out of memory or stall"
+                f"{name}: needs {need:.1f} GiB per GPU{cached} of the {have:.1f} GiB the allocator can use, inside "
+                f"the memory headroom ({max(1 - held / have, 0.0):.1%} left); it may run out of memory or stall"
             )
         return f"{name}: needs {need:.1f} GiB per GPU, the allocator can use {have:.1f} GiB"
     return f"{name}: {text}"

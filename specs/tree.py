@@ -799,7 +799,7 @@ class SearchSpec(Spec):
         ge=0,
         le=MAX_MEMORY_HEADROOM,
         description="share of the device memory (what the caching allocator can reserve) a plan must leave free "
-        "to be ranked as fitting; a plan whose predicted peak is above capacity x (1 - headroom) is 'tight' "
+        "to be ranked as fitting; a plan whose predicted memory is above capacity x (1 - headroom) is 'tight' "
         "(reason memory_tight) and is not ranked. Default (null): the engine's, 0.05 (nanotron and generic: 0.10)",
     )
     objective: Objective = Field(

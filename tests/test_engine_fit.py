@@ -955,11 +955,12 @@ def test_nanotron_reduce_scatter_inputs_stay_reserved_only_where_the_host_runs_a
         small = cl.model_copy(update={"device": device})
         got = evaluate(SMALL, t, small, c.take(np.array([0])), memory_headroom=0.05)
         assert int(got.reason[0]) == want
-        # the allocator hands the blocks back as the peak reaches the capacity: reserved up to it where the rest fits
+        # the allocator hands the blocks back as the peak reaches the capacity: reserved up to it where the rest fits;
+        # a layout that does not fit reports its whole sum
         room = memory.allocator_capacity_bytes(small.device, small.world_size)
         assert float(ev.peak_memory_bytes[0]) > room
         fits = float(got.required_memory_bytes[0]) <= room
-        assert float(got.peak_memory_bytes[0]) == pytest.approx(room if fits else need / spare)
+        assert float(got.peak_memory_bytes[0]) == pytest.approx(room if fits else float(ev.peak_memory_bytes[0]))
 
     monkeypatch.setitem(ENGINES, "nanotron", dataclasses.replace(ENGINES["nanotron"], unsynced_rs_blocks=0.0))
     gone = memory.stage_memory_breakdown(SMALL, t, cl.device, c, first=True)

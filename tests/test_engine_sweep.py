@@ -303,11 +303,13 @@ def test_zero1s_cached_gather_block_is_handed_back_not_needed_to_fit():
     to fit. Counted as needed, the uncalibrated entry predicted 3 of the sweep's runs that ran not to fit, among them
     the 8B's tp 1 x pp 4 and pp 8 layouts on 32 GPUs with two sequences a micro-batch (they reserved 75.5 and
     77.1 GiB); handed back, 1 (a last stage's logits, which no log reports). Those two stay out of the ranking (the
-    search's headroom counts the block, memory.peak_memory), and rank 0's reserved peak is predicted at most the
-    capacity, within 4 % of what they reserved."""
+    search's headroom counts the block, memory.peak_memory), rank 0's reserved peak is predicted at most the
+    capacity, within 4 % of what they reserved, and the plan's reason gives what must fit and what the allocator
+    holds with the block."""
     import numpy as np
 
     from berth.cost_models.step import evaluate
+    from berth.planner.planning import compare
     from berth.specs.candidates import Candidates
     from berth.specs.validity import MEMORY_TIGHT
 
@@ -331,15 +333,26 @@ def test_zero1s_cached_gather_block_is_handed_back_not_needed_to_fit():
                 seen = float(ev.first_stage_memory_bytes[i])
                 assert seen <= cap and seen / 2**30 == pytest.approx(rec["peak_memory_gib"], rel=0.04)
                 tight += 1
+                # the plan says so: its breakdown sums to the peak it reports, and the reason gives both figures
+                (p,) = compare(run.model, run.training, run.cluster, [run.layout.short()])
+                assert sum(p.prediction.memory_breakdown_bytes.values()) == pytest.approx(
+                    p.prediction.peak_memory_bytes
+                )
+                assert p.prediction.fits and p.prediction.peak_memory_bytes == pytest.approx(cap)
+                need, held = float(ev.required_memory_bytes[i]) / 2**30, float(ev.held_memory_bytes[i]) / 2**30
+                assert (
+                    f"needs {need:.1f} GiB per GPU, {held:.1f} with the blocks it keeps cached," in p.infeasible_reason
+                )
+                assert "(0.0% left)" in p.infeasible_reason
     assert (needed, counted, tight) == (1, 3, 2)
 
 
 def test_the_loop_runs_on_rows_of_another_size_as_the_held_out_sizes_come(tmp_path, monkeypatch):
     """The sweep's other sizes are held back; their rows may come without this folder's `derived` fields and
-    without runs on the probed GPU count. The benchmark then reads the shape as the generating script sets it
-    (embeddings tied below an FFN of 10,000, as many kv heads as heads), probes the GPU count nearest the one asked
-    for with the most runs, and skips crashed configurations of sizes none of whose runs ran. Here the 1B's rows
-    relabelled as a 3B shape (28 layers, hidden 3072, FFN 8192) without 64-GPU runs: the loop probes 128 GPUs."""
+    without runs on the probed GPU count. The benchmark then reads the shape as it reads the crashed rows (untied
+    embeddings, as many kv heads as heads), probes the GPU count nearest the one asked for with the most runs and
+    says so, and skips crashed configurations of sizes none of whose runs ran. Here the 1B's rows relabelled as a 3B
+    shape (28 layers, hidden 3072, FFN 8192) without 64-GPU runs: the loop probes 128 GPUs."""
     rows = json.loads((engine_sweep.DATA / "runs.json").read_text())
     other = [
         {k: v for k, v in r.items() if k != "derived"}
@@ -352,8 +365,9 @@ def test_the_loop_runs_on_rows_of_another_size_as_the_held_out_sizes_come(tmp_pa
     monkeypatch.setattr(engine_sweep, "DATA", tmp_path)
     ran, crashed = engine_sweep.records()
     assert ran and not crashed  # the crashed configurations are the 1B's and 8B's
-    assert all(r["model"]["tied_embeddings"] and r["model"]["num_kv_heads"] == 32 for r in ran)
+    assert all(not r["model"]["tied_embeddings"] and r["model"]["num_kv_heads"] == 32 for r in ran)
     data = engine_sweep.loaded()
     r = engine_sweep.loop(data, "3B", 64, 12)
     assert {x["cluster"]["nodes"] for x in r["probe_records"]} == {16}  # 128 GPUs: 121 runs against 32's 68
+    assert r["probe_gpus"] == 128
     assert r["after"]["groups"] == len(data[0]) - 1 and r["after"]["refused"] == 0
