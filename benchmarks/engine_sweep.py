@@ -160,13 +160,13 @@ def as_runs(recs: list[dict]) -> list[MeasuredRun]:
 
 def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning) -> dict:
     """The scores of one group (one model on one GPU count) under `tuning`."""
-    t, m, cap, seen, ranked = predict_runs(runs, tuning)
+    p = predict_runs(runs, tuning)
+    t, cap, seen, ranked, fits = p.time, p.capacity, p.seen, p.ranked, p.fits
     tok = np.array([r["tokens_per_s_per_gpu"] for r in recs])
     mem = np.array([r["peak_memory_gib"] for r in recs]) * 2**30
     g = runs[0].cluster.world_size
     pred = runs[0].training.global_batch_size * SEQ / (t * g)  # tokens/s per GPU (0 where refused)
     refused = ~np.isfinite(t)
-    fits = np.isfinite(m) & (m <= cap)
     # the search ranks only what fits with the memory headroom (a 'memory_tight' layout is not ranked, `ranked`):
     # berth's first choice is the fastest of those
     pred = np.where(refused, 0.0, pred)
@@ -207,8 +207,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
 def crashed_predicted_to_fit(runs: list[MeasuredRun], tuning: EngineTuning) -> int:
     if not runs:
         return 0
-    _, m, cap, _, _ = predict_runs(runs, tuning)
-    return int(np.sum(np.isfinite(m) & (m <= cap)))
+    return int(np.sum(predict_runs(runs, tuning).fits))
 
 
 def summary(groups: list[dict]) -> dict:

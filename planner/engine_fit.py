@@ -212,6 +212,11 @@ class RunPredictions(NamedTuple):
     seen: np.ndarray  # the memory of the rank the run reports: the peak or rank 0's (MeasuredRun.memory_rank)
     ranked: np.ndarray  # the search would rank it: it fits with the memory headroom (not memory_tight)
 
+    @property
+    def fits(self) -> np.ndarray:
+        """Predicted to fit: what must fit is within the allocator's capacity (not out_of_memory, nor refused)."""
+        return np.isfinite(self.required) & (self.required <= self.capacity)
+
 
 def predict_runs(runs: list[MeasuredRun], tuning: EngineTuning) -> RunPredictions:
     """Each run under `tuning` (RunPredictions): one vectorized evaluation (cost_models/step.py) per model, training
@@ -322,7 +327,8 @@ def errors(runs: list[MeasuredRun], tuning: EngineTuning) -> dict[str, float]:
     if not runs:
         return {}
     d = Data.of(runs)
-    t, m, cap, seen, _ = predict_runs(runs, tuning)
+    p = predict_runs(runs, tuning)
+    t, seen = p.time, p.seen
     out: dict[str, float] = {"runs": float(len(runs))}
     has_t, has_m = np.isfinite(d.time), np.isfinite(d.mem)
     if has_t.any():
@@ -332,8 +338,8 @@ def errors(runs: list[MeasuredRun], tuning: EngineTuning) -> dict[str, float]:
         pm = d.as_measured(seen, tuning)
         e = memory_errors(pm[has_m] / d.mem[has_m], d.ceiling[has_m])
         out.update(memory_median_error=float(np.median(e)), memory_max_error=float(np.max(e)))
-    out["ran_predicted_not_to_fit"] = float(np.sum(d.ok & ~(m <= cap)))
-    out["oom_predicted_to_fit"] = float(np.sum(d.oom & (m <= cap)))
+    out["ran_predicted_not_to_fit"] = float(np.sum(d.ok & ~p.fits))
+    out["oom_predicted_to_fit"] = float(np.sum(d.oom & p.fits))
     return out
 
 
@@ -627,11 +633,11 @@ def held_out(
             continue
         tuning, _, _ = _solve(Data.of(train), prior, names, cluster)
         idx = sorted(test)
-        t, m, cap, seen, _ = predict_runs([runs[i] for i in idx], tuning)
+        p = predict_runs([runs[i] for i in idx], tuning)
         d = Data.of([runs[i] for i in idx])
-        not_fit[idx] = d.ok & ~(m <= cap)
-        preds_t[idx] = t / d.time
-        preds_m[idx] = d.as_measured(seen, tuning) / d.mem
+        not_fit[idx] = d.ok & ~p.fits
+        preds_t[idx] = p.time / d.time
+        preds_m[idx] = d.as_measured(p.seen, tuning) / d.mem
         ceiling[idx] = d.ceiling
     out: dict[str, float] = {}
     for key, ratio in (("step_time", preds_t), ("memory", preds_m)):
