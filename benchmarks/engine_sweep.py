@@ -398,11 +398,11 @@ def print_result(result: dict) -> None:
     if other:
         print("\nthe same loop with the probes on other GPU counts (after calibration):")
         print(f"  {'probes on':14s} {'rho':>6s} {'regret':>7s} {'twins':>6s} {'|err|':>6s} {'|mem|':>6s}")
-        for g, models in other.items():
+        for models in other.values():
             for size, r in models.items():
                 a = r["after"]
                 print(
-                    f"  {size} {r.get('probe_gpus', g):>4} GPUs   {a['rho_median']:6.3f} {a['regret_median']:7.3f} "
+                    f"  {size} {r['probe_gpus']:>4} GPUs   {a['rho_median']:6.3f} {a['regret_median']:7.3f} "
                     f"{a['regret_twins_merged_median']:6.3f} {a['throughput_error_median']:6.3f} "
                     f"{a['memory_abs_error_median']:6.3f}"
                 )

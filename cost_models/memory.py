@@ -852,8 +852,7 @@ def stage_memory_breakdown(
     which = np.argmax(totals, axis=0)
     # Before the step ZeRO-1's gather block is the last step's, a free segment in the allocator's cache (cached_gather)
     # that it releases before it fails; the step's phase holds it live, so what must fit is at least that phase's bytes.
-    peak_sum = np.max(totals, axis=0) - np.where(which < 2, unsynced, 0.0)
-    cached_gather = np.where(which < 2, np.clip(peak_sum - sums[2], 0.0, gather_block), 0.0)
+    cached_gather = np.where(which < 2, np.clip(np.choose(which, sums) - sums[2], 0.0, gather_block), 0.0)
     loss, layer, opt = phases
     at_loss, at_layer = which == 0, which == 1  # np.where, not np.choose, which first stacks its choices
     chosen = {k: np.where(at_loss, loss[k], np.where(at_layer, layer[k], opt[k])) for k in loss}
@@ -958,15 +957,16 @@ def peak_memory(
 
     def stage(**where) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
         b = tuned_breakdown(stage_memory_breakdown(model, training, device, c, **where), training.tuning, c.tp)
-        held = sum(b.values()) - b["collective_blocks"]
-        if capacity is not None:  # where the stage fits, handed back as the peak reaches the capacity: collective first
-            fits = held - b["cached_gather"] <= capacity
-            over = np.where(fits, np.maximum(sum(b.values()) - capacity, 0.0), 0.0)
-            back = np.minimum(over, b["collective_blocks"])
-            b = {**b, "collective_blocks": b["collective_blocks"] - back}
-            b["cached_gather"] = b["cached_gather"] - np.minimum(over - back, b["cached_gather"])
         total = np.asarray(sum(b.values()), dtype=float)
-        return b, total, np.asarray(total - b["collective_blocks"] - b["cached_gather"], dtype=float), held
+        held = total - b["collective_blocks"]
+        need = held - b["cached_gather"]  # the same before and after the hand-back, which takes only those blocks
+        if capacity is not None:  # where the stage fits, handed back as the peak reaches the capacity: collective first
+            over = np.where(need <= capacity, np.maximum(total - capacity, 0.0), 0.0)
+            back = np.minimum(over, b["collective_blocks"])
+            gather = np.minimum(over - back, b["cached_gather"])
+            b = {**b, "collective_blocks": b["collective_blocks"] - back, "cached_gather": b["cached_gather"] - gather}
+            total = total - back - gather
+        return b, total, need, held
 
     first, total_first, need_first, held_first = stage(first=True)
     last, total_last, need_last, held_last = stage(first=False)
@@ -983,4 +983,4 @@ def peak_memory(
         peak = np.where(use_mid, total_mid, peak)
         required = np.where(uneven, np.maximum(required, need_mid), required)
         held = np.where(uneven, np.maximum(held, held_mid), held)
-    return PeakMemory(peak, breakdown, total_first, required, np.asarray(held, dtype=float))
+    return PeakMemory(peak, breakdown, total_first, required, held)
