@@ -255,6 +255,7 @@ def _dp_times(
     zero12 = (reduce12 if after == 0.0 else (1.0 - after) * reduce12 + after * ar_whole) + (
         gather_fwd if exposed == 0.0 else (1.0 - exposed) * gather_fwd + exposed * gather
     )
+    zero12 = zero12 + gather_copies_s(training, cluster, shard, layers_per_stage)
     zero3_mb = gather_fwd + hidden(gather + scatter_whole, bwd_window_s)
     zero3_last = gather_fwd + hidden(gather + scatter_whole + ar_replicate, bwd_window_s)
     zero3 = (c.num_microbatches - 1.0) * zero3_mb + zero3_last
@@ -269,6 +270,32 @@ def _dp_times(
         ),
     )
     return charged, total
+
+
+# the parameter tensors outside the decoder layers (embedding, final norm, LM head), counted on the stage costed
+NON_LAYER_TENSORS = 3
+# host work of nanotron's copy-back per (rank, tensor) pair in eager ops: its loop (two views, a list entry and a
+# copy_) over one torch.mul of 8 elements, measured on CPU with nanotron's code (tests/test_engine_sweep.py: 1.5-1.6)
+COPY_BACK_OPS_PER_PAIR = 1.5
+
+
+def gather_copies_s(training, cluster, shard, layers) -> ArrayOrFloat:
+    """Host time of ZeRO-1's copy-back where the engine copies each rank's slice of each parameter tensor out of the
+    gathered buffer one eager op at a time (EngineInfo.zero1_gather_tensors_per_layer; 0 where it gathers in place).
+    nanotron e24d2483 `optim/zero.py _all_gather_params` hands every parameter of the stage, split over all dp
+    ranks (`_partition_parameters`), to `distributed.py all_gather_coalesced`, whose `update_output` then runs
+    `copy_` for each (rank, tensor) pair after the collective: shard x tensors x COPY_BACK_OPS_PER_PAIR eager ops at
+    the device's kernel_overhead_s (its host's time for one). Nothing overlaps them: the next step's forward waits
+    for the host; it is charged in dp_comm, as part of the gather. Uncalibrated, on the Ultra-Scale sweep's ZeRO-1
+    runs without a pipeline (tp <= 8, 16-256 GPUs), the step time measured beyond the prediction grew by 8 us per
+    (rank, tensor) pair without this term and by 1 us with it; the ZeRO-0 runs', which gather nothing, by -1 us
+    (docs/accuracy.md). nanotron runs no MoE model (its rules refuse one), so no expert part is counted twice."""
+    per_layer = engine_of(training).zero1_gather_tensors_per_layer
+    if per_layer == 0:
+        return 0.0
+    tensors = per_layer * np.asarray(layers, dtype=float) + NON_LAYER_TENSORS
+    op_s = COPY_BACK_OPS_PER_PAIR * cluster.device.kernel_overhead_s
+    return np.where(np.asarray(shard) > 1, shard * tensors * op_s, 0.0)
 
 
 def _stage_dp_times(

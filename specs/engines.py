@@ -90,6 +90,9 @@ class EngineInfo:
     # beyond what the largest segment the activations left cached holds (nanotron: torch NCCL's stacked output;
     # cost_models/memory.py gather_block_bytes). 0: the engine gathers into its parameters in place
     zero1_gather_blocks: float = 0.0
+    # parameter tensors per decoder layer whose dp slices ZeRO-1's gather copies back one eager op each, dp x tensors
+    # launches after the collective (nanotron distributed.py all_gather_coalesced; cost_models/step.py gather_copies_s)
+    zero1_gather_tensors_per_layer: int = 0
     # the engine's own loss, nanotron's vocabulary-parallel cross-entropy on an fp32 cast of the logits, which turns
     # its saved softmax into the gradient in place (cost_models/memory.py logits_bytes); False: the recipe's branches
     sharded_loss: bool = False
@@ -579,7 +582,8 @@ ENGINES: dict[str, EngineInfo] = {
             "helpers.py and optim/gradient_accumulator.py (16-bit weights, a full fp32 gradient buffer, fp32 master "
             "and Adam state sharded by ZeRO-1), trainer.py (ZeRO-1: one all-reduce of the whole fp32 gradients after "
             "the pipeline, then the updated shards all-gathered through distributed.py all_gather_coalesced, whose "
-            "equal-sized outputs torch stacks into one whole-stage block; ZeRO-0: DDP with 25 MB buckets, 16-bit, "
+            "equal-sized outputs torch stacks into one whole-stage block, copied back a (rank, tensor) slice an op; "
+            "ZeRO-0: DDP with 25 MB buckets, 16-bit, "
             "kept beside the fp32 buffer), models/llama.py (SwiGLU unfused; with as many kv heads as heads the "
             "permuted q/k/v block kept behind q) and parallel/tensor_parallel/functional.py (its vocabulary-parallel "
             "loss on an fp32 cast of the logits). No launch files: "
@@ -591,6 +595,7 @@ ENGINES: dict[str, EngineInfo] = {
             split=stages.SPLIT_COMPUTE_BALANCED,
             ddp_beside_grad_buffer=True,
             zero1_gather_blocks=1.0,
+            zero1_gather_tensors_per_layer=6,  # models/llama.py: 2 RMSNorms, qkv_proj, o_proj, gate_up_proj, down_proj
             sharded_loss=True,
             glu_unfused=True,
             mha_qkv_kept=True,
