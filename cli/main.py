@@ -1207,6 +1207,8 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
         else:
             t.add_row(name, f"{before:.4g}", "not fitted", "", fit.not_fitted.get(name, ""))
     console.print(t)
+    for run_id, why in fit.set_aside.items():
+        console.print(f"[yellow]set aside[/yellow]: run {run_id}: {why}", highlight=False)
     if fit.counts.get("at_ceiling"):
         console.print(
             f"{fit.counts['at_ceiling']} run(s) reached the allocator's ceiling (reserved >= {CEILING:.0%} of the "

@@ -25,7 +25,10 @@ figure is where the cap stopped it, a lower bound on what the run asked for (a o
 its prediction must not be lower), and its step time paid for the retries (left out of the fit: on
 the Ultra-Scale Playbook's sweep such runs ran 2.5-5x slower than predicted, docs/accuracy.md); a weak
 prior (PRIOR_WEIGHT) holds what the runs say nothing about at the engine's values.
-`scipy.optimize.least_squares` with the parameters' bounds minimizes them.
+`scipy.optimize.least_squares` with the parameters' bounds minimizes them, under a robust loss; a step time the
+fit still misses by 2x or more (a slow node, a run the engine's noise slowed: the Ultra-Scale sweep repeats layouts
+measured up to 5x apart) is then set aside and the fit solved again without it, its memory figure kept, where such
+runs are at most a quarter of those timed (`fit_engine`, OUTLIER; the answer names them).
 
 Only what the runs determine is fitted: a parameter whose Jacobian column is (nearly) zero or a
 combination of those already kept (IDENTIFIABLE_TOLERANCE), or for which its quantity has no spare
@@ -42,6 +45,7 @@ the prior and exits non-zero.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -138,6 +142,9 @@ INTERIOR = 0.01  # a start at least 1 % of its range inside a bound
 # robust loss: a run missed by more than LOSS_SCALE (log) weighs ever less (a noisy run, a pathology no parameter
 # describes), so the fit follows the bulk of the runs, not its worst outliers
 LOSS, LOSS_SCALE = "soft_l1", 0.2
+# a step time the fit still misses by 2x or more is set aside and the fit solved again without it (its memory kept),
+# where such runs are at most a quarter of those with a step time (more: the model, not the runs, is off)
+OUTLIER, OUTLIER_SHARE = math.log(2.0), 0.25
 
 
 @dataclass(frozen=True)
@@ -357,6 +364,7 @@ class EngineFit:
     errors: dict[str, dict[str, float]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     run_ids: list[str] = field(default_factory=list)
+    set_aside: dict[str, str] = field(default_factory=dict)  # run id -> why its step time was left out (OUTLIER)
 
     def document(self, name: str) -> dict[str, Any]:
         """The engine profile `berth plan/compare --profile` and the API's training.tuning take."""
@@ -371,6 +379,7 @@ class EngineFit:
                 "errors": self.errors,
                 "runs": self.counts,
                 "run_ids": self.run_ids,
+                "set_aside": self.set_aside,
                 "prior": self.prior.model_dump(mode="json"),
             },
         }
@@ -477,7 +486,34 @@ def _solve(
 
 
 def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds: int = FOLDS) -> EngineFit:
-    """Fit the engine's parameters the runs determine (see the module docstring)."""
+    """Fit the engine's parameters the runs determine (see the module docstring); a step time the fit still misses
+    by 2x or more (OUTLIER: a noisy run, a slow node, a pathology no parameter describes) is set aside and the fit
+    solved again without it, where such runs are at most OUTLIER_SHARE of those with a step time (`set_aside` says
+    which and why; its memory figure stays in)."""
+    fit = _fit_engine(runs, prior, folds)
+    data = Data.of(runs)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        miss = np.log(predict_runs(runs, fit.tuning).time / data.time)
+    out = np.isfinite(miss) & (np.abs(miss) >= OUTLIER)
+    if not out.any() or out.sum() > OUTLIER_SHARE * np.isfinite(data.time).sum():
+        return fit
+    kept = [dataclasses.replace(r, step_time_s=None) if o else r for r, o in zip(runs, out, strict=True)]
+    try:
+        refit = _fit_engine(kept, prior, folds)
+    except BerthError:  # without them the runs determine nothing, or the fit does not move: the first fit stands
+        return fit
+    with np.errstate(divide="ignore", invalid="ignore"):
+        miss = np.log(predict_runs(runs, refit.tuning).time / data.time)
+    refit.set_aside = {
+        r.id: f"its step time, {r.step_time_s:.3g} s, is {math.exp(-m):.2g}x what the fit of the others predicts: "
+        "left out as noise (its memory kept)"
+        for r, m, o in zip(runs, miss, out, strict=True)
+        if o
+    }
+    return refit
+
+
+def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int) -> EngineFit:
     if not runs:
         raise BerthError("runs", 0, "no runs to fit")
     engines = sorted({r.training.engine for r in runs})
