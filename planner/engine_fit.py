@@ -514,6 +514,7 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
 
 
 def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int) -> EngineFit:
+    """One fit of the runs as they are (the module docstring); `fit_engine` sets outliers aside around it."""
     if not runs:
         raise BerthError("runs", 0, "no runs to fit")
     engines = sorted({r.training.engine for r in runs})
