@@ -277,6 +277,7 @@ def loop(data: tuple[dict, dict, dict], size: str, probe_gpus: int, probes: int)
         "fit": fit.document(f"nanotron-{size}")["tuning"],
         "fitted": fit.fitted,
         "not_fitted": fit.not_fitted,
+        "set_aside": fit.set_aside,  # probes whose step time the fit set aside as outliers (planner/engine_fit.py)
         "fit_errors": fit.errors,
         "before": summary(scored["before"]),
         "after": summary(scored["after"]),
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["generic"] = {}
         for size in sizes:
             r = done[(GENERIC, size, args.probe_gpus)]
-            result["generic"][size] = {"fitted": r["fitted"], "before": r["before"], "after": r["after"]}
+            result["generic"][size] = {k: r[k] for k in ("fitted", "set_aside", "before", "after")}
     result["other_probe_gpus"] = {}
     for g in OTHER_PROBE_GPUS:
         if g != args.probe_gpus:
@@ -365,6 +366,8 @@ def print_result(result: dict) -> None:
         print(f"\nprobes: {size} model on {r['probe_gpus']} GPUs ({len(r['probes'])} runs); fitted {r['fitted']}")
         for p in r["probes"]:
             print(f"  {p['layout']}: {p['why']}")
+        for run_id, why in r.get("set_aside", {}).items():
+            print(f"  set aside: {run_id}: {why}")
         print(f"  scored on the other {r['after']['groups']} groups of both models:")
         keys = [
             ("rho_median", "median rho"),
