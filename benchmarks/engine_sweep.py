@@ -366,7 +366,7 @@ def print_result(result: dict) -> None:
         print(f"\nprobes: {size} model on {r['probe_gpus']} GPUs ({len(r['probes'])} runs); fitted {r['fitted']}")
         for p in r["probes"]:
             print(f"  {p['layout']}: {p['why']}")
-        for run_id, why in r.get("set_aside", {}).items():
+        for run_id, why in r["set_aside"].items():
             print(f"  set aside: {run_id}: {why}")
         print(f"  scored on the other {r['after']['groups']} groups of both models:")
         keys = [

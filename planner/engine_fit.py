@@ -491,23 +491,25 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
     solved again without it, where such runs are at most OUTLIER_SHARE of those with a step time (`set_aside` says
     which and why; its memory figure stays in)."""
     fit = _fit_engine(runs, prior, folds)
-    data = Data.of(runs)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        miss = np.log(predict_runs(runs, fit.tuning).time / data.time)
-    out = np.isfinite(miss) & (np.abs(miss) >= OUTLIER)
-    if not out.any() or out.sum() > OUTLIER_SHARE * np.isfinite(data.time).sum():
+    measured = Data.of(runs).time
+
+    def miss(tuning: EngineTuning) -> np.ndarray:  # log(predicted / measured) step time (nan: none measured)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log(predict_runs(runs, tuning).time / measured)
+
+    first = miss(fit.tuning)
+    out = np.isfinite(first) & (np.abs(first) >= OUTLIER)
+    if not out.any() or out.sum() > OUTLIER_SHARE * np.isfinite(measured).sum():
         return fit
     kept = [dataclasses.replace(r, step_time_s=None) if o else r for r, o in zip(runs, out, strict=True)]
     try:
         refit = _fit_engine(kept, prior, folds)
     except BerthError:  # without them the runs determine nothing, or the fit does not move: the first fit stands
         return fit
-    with np.errstate(divide="ignore", invalid="ignore"):
-        miss = np.log(predict_runs(runs, refit.tuning).time / data.time)
     refit.set_aside = {
         r.id: f"its step time, {r.step_time_s:.3g} s, is {math.exp(-m):.2g}x what the fit of the others predicts: "
         "left out as noise (its memory kept)"
-        for r, m, o in zip(runs, miss, out, strict=True)
+        for r, m, o in zip(runs, miss(refit.tuning), out, strict=True)
         if o
     }
     return refit
