@@ -46,8 +46,9 @@ The peak is what `torch.cuda.max_memory_reserved` measures: the terms above plus
 slack ("fragmentation": blocks the size of the step's largest short-lived tensor held reserved,
 `largest_transient_bytes`), freed blocks a collective still uses while the host runs ahead
 ("collective_blocks", `unsynced_collective_bytes`), before the step ZeRO-1's gather block from the last one
-("cached_gather", `gather_block_bytes`) and framework tensors. The capacity what it needs must fit in
-(`allocator_capacity_bytes`; `peak_memory`: all but the collective blocks and the cached gather, which the
+("cached_gather", `gather_block_bytes`), the segment of 16-bit logits freed for their fp32 copy ("cached_logits",
+`cached_logits_bytes`) and framework tensors. The capacity what it needs must fit in
+(`allocator_capacity_bytes`; `peak_memory`: all but the collective blocks and the cached segments, which the
 allocator hands back before it fails) is the device memory less what the driver keeps, the CUDA
 context outside the allocator and NCCL's buffers. Checked on one H100 by benchmarks/memory_fidelity.py.
 """
@@ -624,6 +625,18 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
     return per_logit * b * training.seq_len * padded_vocab(model, tp) / tp
 
 
+def cached_logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp) -> ArrayOrFloat:
+    """The part of `logits_bytes` that only the allocator's cache holds: the segment of the 16-bit head output that
+    an engine computing its loss on an fp32 cast (EngineInfo.sharded_loss: nanotron) frees before the cast's
+    max-shifted copy, too small to carve that copy from. A whole free segment, which the caching allocator
+    releases before a cudaMalloc fails (`peak_memory`): reserved, not needed to fit. On the Ultra-Scale
+    Playbook's sweep the 1B model at tp 1, pp 2, 8 sequences a micro-batch ran where its last stage needs 72 GiB
+    live and reserves 80 with this segment, over the 78 the allocator can have (benchmarks/engine_sweep.py)."""
+    if not engine_of(training).sharded_loss or training.bytes_per_element == FP32_BYTES:
+        return 0.0 * np.asarray(b, dtype=float)
+    return training.bytes_per_element * np.asarray(b, dtype=float) * training.seq_len * padded_vocab(model, tp) / tp
+
+
 def fused_loss(training: TrainingSpec) -> bool:
     """The loss is a fused 16-bit cross-entropy kernel (`cross_entropy` "fused"), unless the engine runs its own
     (EngineInfo.sharded_loss)."""
@@ -788,6 +801,7 @@ def stage_memory_breakdown(
     # micro-batches past the head but not yet through their loss backward: all of them under GPipe
     loss_in_flight = np.where((c.schedule == SCHEDULE_GPIPE) & (np.asarray(c.pp) > 1), c.num_microbatches, 1)
     logits = np.where(holds_head, logits_bytes(model, training, c.micro_batch_size, c.tp, loss_in_flight), 0.0)
+    cached_logits = np.where(holds_head, cached_logits_bytes(model, training, c.micro_batch_size, c.tp), 0.0)
     buffers = sharding_buffer_bytes(model, training, c.tp, c.zero_stage, c.ep, etp)
     # reserved from the post-step gather on, and the pool only grows: every phase carries it
     largest = largest_transient_bytes(act_model, training, c, holds_head)
@@ -822,7 +836,8 @@ def stage_memory_breakdown(
             "gradients": held_grads,
             "autocast_copies": autocast,
             "activations": stored,
-            "logits": logits,
+            "logits": logits - cached_logits,
+            "cached_logits": cached_logits,
             "sharding_buffers": buffers,
             "pipeline_buffers": receive,
         },
@@ -832,6 +847,7 @@ def stage_memory_breakdown(
             "autocast_copies": autocast,
             "activations": stored + working + mlp_temp,
             "logits": zeros,
+            "cached_logits": zeros,
             "sharding_buffers": buffers,
             "pipeline_buffers": receive,
         },
@@ -841,6 +857,7 @@ def stage_memory_breakdown(
             "autocast_copies": zeros,
             "activations": zeros,
             "logits": zeros,
+            "cached_logits": zeros,
             "sharding_buffers": gather_block,
             "pipeline_buffers": receive,
         },
@@ -856,7 +873,7 @@ def stage_memory_breakdown(
     loss, layer, opt = phases
     at_loss, at_layer = which == 0, which == 1  # np.where, not np.choose, which first stacks its choices
     chosen = {k: np.where(at_loss, loss[k], np.where(at_layer, layer[k], opt[k])) for k in loss}
-    dynamic = chosen["activations"] + chosen["logits"] + chosen["sharding_buffers"] + chosen["pipeline_buffers"]
+    dynamic = sum(chosen[k] for k in ("activations", "logits", "cached_logits", "sharding_buffers", "pipeline_buffers"))
     transient = np.where(which < 2, largest, 0.0)
     if model.is_moe:  # the dispatched tokens (top-k copies of the micro-batch's hidden states) and their gradient
         dispatched = (
@@ -875,6 +892,7 @@ def stage_memory_breakdown(
         "autocast_copies": chosen["autocast_copies"],
         "activations": chosen["activations"],
         "logits": chosen["logits"],
+        "cached_logits": chosen["cached_logits"],
         "sharding_buffers": chosen["sharding_buffers"] - cached_gather,
         "pipeline_buffers": chosen["pipeline_buffers"],
         "fragmentation": device.allocator_fragmentation_fraction * dynamic
@@ -905,6 +923,7 @@ def tuned_breakdown(b: dict[str, np.ndarray], tuning: EngineTuning, tp=1) -> dic
     if u:
         out["activations"] = out["activations"] * (1.0 + u * (np.asarray(tp, dtype=float) - 1.0))
     out["logits"] = b["logits"] * tuning.logits_scale
+    out["cached_logits"] = b["cached_logits"] * tuning.logits_scale
     out["framework"] = b["framework"] + tuning.fixed_bytes
     out["fragmentation"] = b["fragmentation"] + tuning.reserve_fraction * sum(out.values())
     return out
@@ -927,8 +946,8 @@ def peak_memory(
 ) -> PeakMemory:
     """The reserved peak per GPU, its breakdown, rank 0's, what must fit and what the allocator holds (PeakMemory).
 
-    What must fit is a stage's reserved peak less its collective blocks and cached gather: blocks only the
-    allocator's cache holds. When a cudaMalloc fails, PyTorch's caching allocator first waits for the events of
+    What must fit is a stage's reserved peak less its collective blocks, cached gather and cached logits: blocks
+    only the allocator's cache holds. When a cudaMalloc fails, PyTorch's caching allocator first waits for the events of
     blocks freed while a stream still used them and returns them to its pool, then frees its cached segments and
     retries (c10/cuda/CUDACachingAllocator.cpp `release_cached_blocks`: `synchronize_and_free_events`, then
     `release_blocks`): such blocks inflate the reserved figure where memory is to spare, but never make a run fail.
@@ -959,13 +978,12 @@ def peak_memory(
         b = tuned_breakdown(stage_memory_breakdown(model, training, device, c, **where), training.tuning, c.tp)
         total = np.asarray(sum(b.values()), dtype=float)
         held = total - b["collective_blocks"]
-        need = held - b["cached_gather"]  # the same before and after the hand-back, which takes only those blocks
+        need = held - b["cached_gather"] - b["cached_logits"]  # the same after the hand-back, which takes only those
         if capacity is not None:  # where the stage fits, handed back as the peak reaches the capacity: collective first
             over = np.where(need <= capacity, np.maximum(total - capacity, 0.0), 0.0)
-            back = np.minimum(over, b["collective_blocks"])
-            gather = np.minimum(over - back, b["cached_gather"])
-            b = {**b, "collective_blocks": b["collective_blocks"] - back, "cached_gather": b["cached_gather"] - gather}
-            total = total - back - gather
+            for term in ("collective_blocks", "cached_gather", "cached_logits"):
+                back = np.minimum(over, b[term])
+                b, over, total = {**b, term: b[term] - back}, over - back, total - back
         return b, total, need, held
 
     first, total_first, need_first, held_first = stage(first=True)

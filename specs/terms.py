@@ -160,20 +160,16 @@ MEMORY: tuple[MemoryTerm, ...] = (
         "the optimizer's states of the precision recipe (sharded for ZeRO >= 1)",
         "local bytes of the optimizer's state tensors at the end of the step",
     ),
-    MemoryTerm(
-        "autocast_copies",
-        "autocast's cast cache: 16-bit copies of fp32 weights inside the autocast region",
-    ),
+    MemoryTerm("autocast_copies", "autocast's cast cache: 16-bit copies of fp32 weights inside the autocast region"),
     MemoryTerm("activations", "activations saved for the backward, and the working set of the layer in backward"),
     MemoryTerm("logits", "the LM head's logits and their loss intermediates, of the micro-batches past the head"),
     MemoryTerm(
-        "sharding_buffers",
-        "unsharded buffers of ZeRO-2/3 and FSDP (gathered layers, gradient reduce-scatter)",
+        "cached_logits",
+        "the 16-bit logits' segment, freed for their fp32 copy, which it cannot hold (nanotron's loss): cached, "
+        "released before it fails, so not needed to fit, but within the headroom",
     ),
-    MemoryTerm(
-        "pipeline_buffers",
-        "receive buffers torch.distributed.pipelining allocates for every micro-batch",
-    ),
+    MemoryTerm("sharding_buffers", "unsharded buffers of ZeRO-2/3 and FSDP (gathered layers, gradient reduce-scatter)"),
+    MemoryTerm("pipeline_buffers", "receive buffers torch.distributed.pipelining allocates for every micro-batch"),
     MemoryTerm(
         "fragmentation",
         "what the caching allocator reserves beyond the allocated peak (a share of the dynamic terms, transient "
