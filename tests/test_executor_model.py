@@ -48,8 +48,7 @@ def test_same_seed_same_weights_and_loss_falls():
 def test_peak_counts_an_unseen_free_at_the_latest_when_its_address_is_reused():
     """The CPU profiler misses frees made on gloo worker threads (functional collectives' outputs):
     a block whose address is allocated again was freed by then (the next test: any overlap); a known free
-    releases its block;
-    a free of a block the count never saw (allocated before profiling) changes nothing."""
+    releases its block; a free of a block the count never saw (allocated before profiling) changes nothing."""
     from berth.executor.train import peak_allocated
 
     mb = 2**20
