@@ -978,7 +978,7 @@ def peak_memory(
         b = tuned_breakdown(stage_memory_breakdown(model, training, device, c, **where), training.tuning, c.tp)
         total = np.asarray(sum(b.values()), dtype=float)
         held = total - b["collective_blocks"]
-        need = held - b["cached_gather"] - b["cached_logits"]  # the same after the hand-back, which takes only those
+        need = held - b["cached_gather"] - b["cached_logits"]  # unchanged by the hand-back: it takes only those
         if capacity is not None:  # where the stage fits, handed back as the peak reaches the capacity: collective first
             over = np.where(need <= capacity, np.maximum(total - capacity, 0.0), 0.0)
             for term in ("collective_blocks", "cached_gather", "cached_logits"):

@@ -163,15 +163,15 @@ def peak_allocated(allocations: list[tuple[int, int, int]], since: int) -> float
             peak = max(peak, running)  # alive when training started
             seen += 1
         if nbytes > 0:
-            # the live blocks [ptr, ptr + nbytes) overlaps: the one starting at or before ptr if it reaches past
-            # it, and every one starting inside
-            lo = bisect.bisect_right(starts, ptr) - 1
-            if lo >= 0 and starts[lo] + live[starts[lo]] <= ptr:
-                lo += 1
-            hi = bisect.bisect_left(starts, ptr + nbytes, lo=max(lo, 0))
-            for start in starts[max(lo, 0) : hi]:
+            # the live blocks [ptr, ptr + nbytes) overlaps: the one starting before ptr if it reaches past it,
+            # and every one starting inside
+            lo = bisect.bisect_right(starts, ptr)
+            if lo and starts[lo - 1] + live[starts[lo - 1]] > ptr:
+                lo -= 1
+            hi = bisect.bisect_left(starts, ptr + nbytes, lo=lo)
+            for start in starts[lo:hi]:
                 running -= live.pop(start)
-            del starts[max(lo, 0) : hi]
+            del starts[lo:hi]
             running += nbytes
             live[ptr] = nbytes
             bisect.insort(starts, ptr)
