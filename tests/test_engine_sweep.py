@@ -357,7 +357,6 @@ def test_the_16_bit_logits_segment_is_cached_not_needed_to_fit():
     last stage) ran; counted as needed, its last stage's 79.8 GiB was over the 77.9 the allocator can have, and it
     was the one run of the sweep predicted not to fit. Live it needs 71.8: it fits, out of the ranking (the headroom
     counts the segment), while rank 0, which its log reports, is predicted within 3 % of what it reserved."""
-
     from berth.cost_models.memory import peak_memory
     from berth.cost_models.step import evaluate
     from berth.specs.candidates import Candidates
@@ -377,7 +376,7 @@ def test_the_16_bit_logits_segment_is_cached_not_needed_to_fit():
     assert float(last["cached_logits"][0]) == pytest.approx(2 * logits)  # the 16-bit output
     assert float(last["logits"][0]) == pytest.approx(8 * logits)  # the fp32 cast and the saved softmax
     gib = 2.0**30
-    assert float(mem.required[0]) / gib == pytest.approx(71.8, abs=0.1) and float(mem.peak[0]) / gib > cap / gib
+    assert float(mem.required[0]) / gib == pytest.approx(71.8, abs=0.1) and float(mem.peak[0]) > cap
     assert float(mem.required[0]) + 2 * logits == pytest.approx(float(mem.peak[0]))
     ev = evaluate(run.model, run.training, run.cluster, c)
     assert int(ev.reason[0]) == MEMORY_TIGHT and float(ev.required_memory_bytes[0]) <= cap
