@@ -717,6 +717,23 @@ def unsynced_collective_bytes(model: ModelSpec, training: TrainingSpec, c) -> np
     return np.where(on & (blocks > 0), block * (blocks * model.num_layers + 1.0), 0.0)
 
 
+def sp_gather_buffer_bytes(model: ModelSpec, training: TrainingSpec, c) -> np.ndarray:
+    """Buffers a tensor-parallel rank keeps for the whole run to all-gather sequence-parallel activations into
+    (EngineInfo.sp_gather_buffers of [micro-batch tokens, hidden] each, tp > 1 with sequence parallelism). nanotron at
+    e24d2483 gathers into a global `MemoryBuffer` (`parallel/utils.py`: one tensor per name, grown, never freed):
+    "allgather", the column-parallel linears' input in the forward and again in the backward
+    (`tp_recompute_allgather`, its default), and with `tp_linear_async_communication`, which the sweep's
+    `scripts/scaling_benchmarks.py` sets with REDUCE_SCATTER, "allgather2", the row-parallel linears' output
+    gradient (`_RowLinearAsyncCommunication.backward`). On the Ultra-Scale Playbook's sweep (benchmarks/
+    engine_sweep.py) the recipe's median miss of rank 0's reserved peak at tp 16-32 went -8.9 % -> -5.1 % (8B) and
+    -16.9 % -> -13.1 % (1B) with them, at tp 2-8 -6.9 % -> -6.6 % and -4.4 % -> -3.5 %."""
+    on = (np.asarray(c.tp) > 1) & (np.asarray(c.sequence_parallel) > 0)
+    tokens = np.asarray(c.micro_batch_size, dtype=float) * training.seq_len
+    return np.where(
+        on, engine_of(training).sp_gather_buffers * training.bytes_per_element * tokens * model.hidden_size, 0.0
+    )
+
+
 def allocator_capacity_bytes(device: DeviceProfile, world_size: int = 1) -> float:
     """What the caching allocator can reserve on one device: the memory nvidia-smi reports less
     what the driver keeps back (torch's "total capacity" is this much smaller), the CUDA context and
@@ -808,6 +825,7 @@ def stage_memory_breakdown(
     gather_block = gather_block_bytes(model, training, c, params, largest)
     buffers = buffers + gather_block
     receive = pipeline_buffer_bytes(model, training, c)
+    gathers = sp_gather_buffer_bytes(model, training, c)
     inflight = microbatches_in_flight(c.pp, c.virtual_stages, c.num_microbatches, c.schedule, stage)
     accumulating = np.asarray(c.num_microbatches, dtype=float) > inflight + 1e-9
     accumulated = np.where(accumulating, np.where(np.asarray(c.zero_stage) >= 3, g, unsharded), 0.0)
@@ -840,6 +858,7 @@ def stage_memory_breakdown(
             "cached_logits": cached_logits,
             "sharding_buffers": buffers,
             "pipeline_buffers": receive,
+            "gather_buffers": gathers,
         },
         {
             "parameters": fwd_params,
@@ -850,6 +869,7 @@ def stage_memory_breakdown(
             "cached_logits": zeros,
             "sharding_buffers": buffers,
             "pipeline_buffers": receive,
+            "gather_buffers": gathers,
         },
         {
             "parameters": p,
@@ -860,6 +880,7 @@ def stage_memory_breakdown(
             "cached_logits": zeros,
             "sharding_buffers": gather_block,
             "pipeline_buffers": receive,
+            "gather_buffers": gathers,
         },
     ]
     # reserved from the forward's end through the backward, beside the first two phases
@@ -895,6 +916,7 @@ def stage_memory_breakdown(
         "cached_logits": chosen["cached_logits"],
         "sharding_buffers": chosen["sharding_buffers"] - cached_gather,
         "pipeline_buffers": chosen["pipeline_buffers"],
+        "gather_buffers": chosen["gather_buffers"],
         "fragmentation": device.allocator_fragmentation_fraction * dynamic
         + device.allocator_transient_blocks * transient,
         "collective_blocks": np.where(which < 2, unsynced, 0.0),
@@ -904,7 +926,7 @@ def stage_memory_breakdown(
 
 
 STATE_TERMS = ("parameters", "gradients", "autocast_copies", "sharding_buffers", "cached_gather")
-ACTIVATION_TERMS = ("activations", "pipeline_buffers")
+ACTIVATION_TERMS = ("activations", "pipeline_buffers", "gather_buffers")
 
 
 def tuned_breakdown(b: dict[str, np.ndarray], tuning: EngineTuning, tp=1) -> dict[str, np.ndarray]:

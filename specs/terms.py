@@ -170,6 +170,7 @@ MEMORY: tuple[MemoryTerm, ...] = (
     ),
     MemoryTerm("sharding_buffers", "unsharded buffers of ZeRO-2/3 and FSDP (gathered layers, gradient reduce-scatter)"),
     MemoryTerm("pipeline_buffers", "receive buffers torch.distributed.pipelining allocates for every micro-batch"),
+    MemoryTerm("gather_buffers", "persistent buffers sequence-parallel linears all-gather into (nanotron)"),
     MemoryTerm(
         "fragmentation",
         "what the caching allocator reserves beyond the allocated peak (a share of the dynamic terms, transient "

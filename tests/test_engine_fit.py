@@ -921,6 +921,30 @@ def test_nanotron_zero1_gather_block_only_where_torch_stacks_the_outputs():
     assert not buffers("generic")[0].any() and not buffers("megatron")[0].any()
 
 
+def test_nanotron_keeps_two_sequence_parallel_gather_buffers_for_the_run():
+    """nanotron gathers sequence-parallel activations into a global MemoryBuffer that is never freed: "allgather"
+    (the column-parallel linears' input, forward and backward) and, with async tp communication as the sweep ran,
+    "allgather2" (the row-parallel linears' output gradient): 2 x mbs x s x h x 2 bytes on every tp > 1 rank with
+    sequence parallelism, in every phase of the step (the optimizer's too), whatever pp; none at tp = 1, without
+    sequence parallelism, or for an engine without such buffers."""
+    from berth.cost_models import memory
+
+    cl = cluster_from_preset("dgx-h100", 1)
+    sp = Layout(tp=4, pp=1, dp=2, micro_batch_size=2, num_microbatches=16, sequence_parallel=True)
+    piped = Layout(tp=2, pp=2, dp=2, micro_batch_size=4, num_microbatches=8, sequence_parallel=True, schedule="1f1b")
+    no_sp = sp.model_copy(update={"sequence_parallel": False})
+    one = Layout(tp=1, pp=1, dp=8, micro_batch_size=2, num_microbatches=4)
+    c = Candidates.from_layouts([sp, piped, no_sp, one])
+    t = training("nanotron")
+    per_sequence = 2 * 2 * t.seq_len * SMALL.hidden_size
+    want = [2 * per_sequence, 4 * per_sequence, 0.0, 0.0]
+    assert np.asarray(memory.sp_gather_buffer_bytes(SMALL, t, c)).tolist() == pytest.approx(want)
+    assert not np.asarray(memory.sp_gather_buffer_bytes(SMALL, training("megatron"), c)).any()
+    for first in (True, False):
+        b = memory.stage_memory_breakdown(SMALL, t, cl.device, c, first=first)
+        assert np.asarray(b["gather_buffers"]).tolist() == pytest.approx(want)
+
+
 def test_nanotron_reduce_scatter_inputs_stay_reserved_only_where_the_host_runs_ahead(monkeypatch):
     """nanotron's forward hands each row-parallel output (2 per layer) and the embedding's at full width to a
     sequence-parallel reduce-scatter and drops it; at pp = 1 nothing syncs the host before the backward, so they are
