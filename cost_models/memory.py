@@ -609,12 +609,12 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
         # (parallel/tensor_parallel/functional.py at e24d2483), at any tp, on the fp32 cast of the head's
         # output (llama.py cast_to_fp32; the same tensor in fp32 training). The cast and the max-shifted copy
         # that becomes the saved softmax are alive together; the 16-bit output is freed by then, but its
-        # segment cannot hold a 4-byte copy, so it stays reserved: e + 8 bytes per logit in 16-bit training, 8 in fp32.
-        # The backward turns the softmax into the gradient in place and casts it to 16 bits (4 + e, less).
-        # Every other micro-batch whose loss backward has not run keeps its softmax.
-        cast = FP32_BYTES if e != FP32_BYTES else 0
-        per_logit = e + cast + FP32_BYTES * in_flight
-    elif fused_loss(training):
+        # segment cannot hold a 4-byte copy, so it stays reserved (`cached_logits_bytes`): e + 8 bytes per logit in
+        # 16-bit training, 8 in fp32. The backward turns the softmax into the gradient in place and casts it to 16 bits
+        # (4 + e, less). Every other micro-batch whose loss backward has not run keeps its softmax.
+        live = FP32_BYTES * (1.0 + in_flight) * b * training.seq_len * padded_vocab(model, tp) / tp
+        return live + cached_logits_bytes(model, training, b, tp)
+    if fused_loss(training):
         # the 16-bit logits of each micro-batch in flight, saved by the kernel, which writes their
         # gradient into them (flash-attn's CrossEntropyLoss(inplace_backward=True), llm-foundry)
         per_logit = e * in_flight + 0.0 * parallel_loss
