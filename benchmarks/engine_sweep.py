@@ -22,7 +22,10 @@ engine's prior) and after:
 - top-3 hit: the best measured layout is among berth's three first choices;
 - median and worst |throughput error|, the median signed memory error against reserved memory;
 - runs that ran predicted not to fit, crashed configurations predicted to fit (an upper bound on
-  misses: the data does not tell a crash from an out-of-memory), layouts that ran refused as invalid.
+  misses: the data does not tell a crash from an out-of-memory), layouts that ran refused as invalid;
+- a diagnostic, not a score: the runs that ran "stalled", measured more than STALL_S a micro-batch slower than
+  predicted (the sweep's pipelines that wait about a second a micro-batch, docs/accuracy.md), and rho over the
+  rest (chosen by the prediction's own miss, so it says where the ranking fails, not how good it is).
 
 The records go through the same JSON-lines reader as a user's runs (planner/run_logs.py). Cluster:
 the `aws-p5` preset (8 x H100 SXM per node, EFA; the sweep ran on Hugging Face's H100 cluster, whose
@@ -68,6 +71,7 @@ PROBES = 12
 ENGINE = "nanotron"  # the engine the sweep ran; the loop is also run from "generic" (GENERIC)
 GENERIC = "generic"
 SEQ = 4096
+STALL_S = 0.4  # seconds a micro-batch beyond the prediction that mark a run "stalled" (a diagnostic, module docstring)
 
 
 def model_record(row: dict) -> dict:
@@ -184,6 +188,10 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
     merged_pred = {k: rank[v].max() for k, v in twins.items()}
     pick = max(merged_pred, key=lambda k: merged_pred[k])
     err = np.abs(pred[ok] / tok[ok] - 1.0)
+    measured_s = runs[0].training.global_batch_size * SEQ / (tok * g)
+    nmb = np.array([r.layout.num_microbatches for r in runs])
+    stalled = ok & ((measured_s - np.where(ok, t, 0.0)) / nmb > STALL_S)
+    rest = ok & ~stalled
     return {
         "gpus": g,
         "runs": len(recs),
@@ -201,6 +209,8 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
         # the allocator's retries (planner/engine_fit.py CEILING)
         "ran_at_ceiling_predicted_not_to_fit": int(np.sum(ok & ~fits & (mem >= CEILING * cap))),
         "refused": int(refused.sum()),
+        "stalled": int(stalled.sum()),
+        "rho_unstalled": float(spearmanr(pred[rest], tok[rest]).statistic) if rest.sum() >= 3 else float("nan"),
     }
 
 
@@ -230,6 +240,8 @@ def summary(groups: list[dict]) -> dict:
         "ran_at_ceiling_predicted_not_to_fit": int(sum(g["ran_at_ceiling_predicted_not_to_fit"] for g in groups)),
         "refused": int(sum(g["refused"] for g in groups)),
         "crashed_predicted_to_fit": int(sum(g["crashed_predicted_to_fit"] for g in groups)),
+        "stalled": int(sum(g["stalled"] for g in groups)),
+        "rho_unstalled_median": med("rho_unstalled"),
     }
 
 
@@ -382,6 +394,8 @@ def print_result(result: dict) -> None:
             ("ran_at_ceiling_predicted_not_to_fit", "  of them at the allocator's cap"),
             ("crashed_predicted_to_fit", "crashed, predicted to fit"),
             ("refused", "ran, refused as invalid"),
+            ("stalled", f"stalled (> {STALL_S} s a micro-batch)"),
+            ("rho_unstalled_median", "  median rho without them"),
         ]
         generic = result.get("generic", {}).get(size)
         columns = [("generic", generic["before"]), ("fitted", generic["after"])] if generic else []
@@ -390,12 +404,13 @@ def print_result(result: dict) -> None:
         for k, label in keys:
             cells = [c[k] for _, c in columns]
             print(f"  {label:32s} " + " ".join(f"{v:9.3f}" if isinstance(v, float) else f"{v:9d}" for v in cells))
-        print(f"  {'group':12s} {'rho':>6s} {'regret':>7s} {'twins':>6s} {'top3':>5s} {'|err|':>6s} {'mem':>6s}")
+        head = f"{'rho':>6s} {'regret':>7s} {'twins':>6s} {'top3':>5s} {'|err|':>6s} {'mem':>6s}"
+        print(f"  {'group':12s} {head} stalled")
         for g in r["groups_after"]:
             print(
                 f"  {g['model']:>3s} {g['gpus']:4d} GPUs {g['rho']:6.2f} {g['regret']:7.3f} "
                 f"{g['regret_twins_merged']:6.3f} {'yes' if g['top3_hit'] else 'no':>5s} {g['median_error']:6.2f} "
-                f"{g['memory_error_median']:+6.2f}"
+                f"{g['memory_error_median']:+6.2f} {g['stalled']:3d} of {g['runs']}"
             )
     other = result.get("other_probe_gpus", {})
     if other:

@@ -35,6 +35,8 @@ def test_the_saved_figures_are_what_the_code_computes(result):
         for phase in ("before", "after"):
             for k in KEYS:
                 assert r[phase][k] == pytest.approx(s[phase][k], abs=0.02), (size, phase, k)
+            # the diagnostic of runs a second a micro-batch slower than predicted (docs/accuracy.md: stalled runs)
+            assert abs(r[phase]["stalled"] - s[phase]["stalled"]) <= 5, (size, phase)
 
 
 def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
