@@ -188,7 +188,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
     merged_pred = {k: rank[v].max() for k, v in twins.items()}
     pick = max(merged_pred, key=lambda k: merged_pred[k])
     err = np.abs(pred[ok] / tok[ok] - 1.0)
-    measured_s = runs[0].training.global_batch_size * SEQ / (tok * g)
+    measured_s = np.array([r.step_time_s for r in runs], dtype=float)
     nmb = np.array([r.layout.num_microbatches for r in runs])
     stalled = ok & ((measured_s - np.where(ok, t, 0.0)) / nmb > STALL_S)
     rest = ok & ~stalled

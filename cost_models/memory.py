@@ -597,6 +597,11 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, c) -> ArrayO
     return boundary_bytes(model, training, c) * c.num_microbatches * receivers
 
 
+def logit_count(model: ModelSpec, training: TrainingSpec, b, tp) -> ArrayOrFloat:
+    """Logits of a micro-batch of `b` sequences on one tp rank (the vocabulary padded and split over tp)."""
+    return np.asarray(b, dtype=float) * training.seq_len * padded_vocab(model, tp) / tp
+
+
 def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0) -> ArrayOrFloat:
     """Logits on the last stage at its loss backward: the output and the saved fp32 log-softmax of
     each of `in_flight` micro-batches, plus the gradients of the one in backward (vocabulary split
@@ -612,7 +617,7 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
         # segment cannot hold a 4-byte copy, so it stays reserved (`cached_logits_bytes`): e + 8 bytes per logit in
         # 16-bit training, 8 in fp32. The backward turns the softmax into the gradient in place and casts it to 16 bits
         # (4 + e, less). Every other micro-batch whose loss backward has not run keeps its softmax.
-        live = FP32_BYTES * (1.0 + in_flight) * b * training.seq_len * padded_vocab(model, tp) / tp
+        live = FP32_BYTES * (1.0 + in_flight) * logit_count(model, training, b, tp)
         return live + cached_logits_bytes(model, training, b, tp)
     if fused_loss(training):
         # the 16-bit logits of each micro-batch in flight, saved by the kernel, which writes their
@@ -622,7 +627,7 @@ def logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp, in_flight=1.0)
         per_logit = LOGITS_SAVED_BYTES * in_flight + e * (in_flight - 1.0) + LOGITS_BACKWARD_BYTES + parallel_loss
     else:
         per_logit = (e + LOGITS_SAVED_BYTES) * in_flight + LOGITS_BACKWARD_BYTES + parallel_loss
-    return per_logit * b * training.seq_len * padded_vocab(model, tp) / tp
+    return per_logit * logit_count(model, training, b, tp)
 
 
 def cached_logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp) -> ArrayOrFloat:
@@ -634,7 +639,7 @@ def cached_logits_bytes(model: ModelSpec, training: TrainingSpec, b, tp) -> Arra
     live and reserves 80 with this segment, over the 78 the allocator can have (benchmarks/engine_sweep.py)."""
     if not engine_of(training).sharded_loss or training.bytes_per_element == FP32_BYTES:
         return 0.0 * np.asarray(b, dtype=float)
-    return training.bytes_per_element * np.asarray(b, dtype=float) * training.seq_len * padded_vocab(model, tp) / tp
+    return training.bytes_per_element * logit_count(model, training, b, tp)
 
 
 def fused_loss(training: TrainingSpec) -> bool:
@@ -650,7 +655,7 @@ def largest_transient_bytes(model: ModelSpec, training: TrainingSpec, c, holds_h
     next peak allocates (`allocator_transient_blocks` in the device profile)."""
     tokens = np.asarray(c.micro_batch_size, dtype=float) * training.seq_len
     logit_bytes = training.bytes_per_element if fused_loss(training) else FP32_BYTES
-    logits = np.where(holds_head, logit_bytes * tokens * padded_vocab(model, c.tp) / c.tp, 0.0)
+    logits = np.where(holds_head, logit_bytes * logit_count(model, training, c.micro_batch_size, c.tp), 0.0)
     mlp = training.bytes_per_element * tokens * model.ffn_hidden_size / c.tp
     return np.maximum(logits, mlp)
 
