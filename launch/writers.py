@@ -9,9 +9,10 @@
   read back through report-reader.yaml;
 - megatron: Megatron-LM pretrain_gpt.py arguments and a torchrun launch; deepspeed: a DeepSpeed config
   JSON, the launch notes and (more than one node) a hostfile; torchtitan: a torchtitan 0.3 configuration module
-  (--module/--config) and its launch. Each starts training as written: the model's own details (rope base and
-  scaling, norm epsilon, biases, tied embeddings, vocabulary padding, dropout), and the training run of
-  EngineTraining (AdamW, steps, LR schedule, checkpointing; its defaults are in docs/engines.md).
+  (--module/--config) and its launch; nanotron: the YAML its run_train.py reads and its launch. Each starts
+  training as written: the model's own details (rope base and scaling, norm epsilon, biases, tied embeddings,
+  vocabulary padding, dropout), and the training run of EngineTraining (AdamW, steps, LR schedule,
+  checkpointing; its defaults are in docs/engines.md).
 
 Every format is one entry of LAUNCH_FORMATS (at the end of this module), which `artifacts`, the CLI's
 --format and the API's `format` read. Each engine format targets one engine version (ENGINE_VERSIONS,
@@ -21,7 +22,7 @@ field maps to exactly one key of a format (FIELD_SOURCES: the key and the engine
 read from). A layout a format cannot express is refused with the reason (LaunchRefused), never
 approximated; every refusal is worded by _refuse (the engine, its version, the reason). Every value that reaches a
 shell goes through shlex.quote. tests/test_engines.py loads the artifacts with the engines' own parsers and
-tests/test_engine_start.py starts them with the engines' own code.
+tests/test_engine_start.py starts them with the engines' own code (nanotron's: its config parser).
 """
 
 from __future__ import annotations
@@ -278,6 +279,29 @@ FIELD_SOURCES: dict[str, dict[str, tuple[str, str]]] = {
             "(mesh pp, dp_replicate, dp_shard, tp: tp-dp-pp only)",
             "torchtitan/distributed/parallel_dims.py",
         ),
+    },
+    "nanotron": {
+        "tp": ("parallelism.tp", "src/nanotron/config/parallelism_config.py:31"),
+        "cp": ("(none: refused; ParallelismArgs has dp, pp, tp and expert_parallel_size)", "parallelism_config.py"),
+        "pp": ("parallelism.pp", "src/nanotron/config/parallelism_config.py:30"),
+        "dp": ("parallelism.dp", "src/nanotron/config/parallelism_config.py:29"),
+        "ep": ("(none: mixture of experts refused; LlamaForTraining is dense)", "src/nanotron/models/llama.py"),
+        "expert_tp": ("(none: mixture of experts refused)", "src/nanotron/models/llama.py"),
+        "shard": ("(the whole dp group: optim/zero.py shards over dp_pg)", "src/nanotron/optim/zero.py"),
+        "zero_stage": ("optimizer.zero_stage (0 or 1)", "src/nanotron/config/config.py:315"),
+        "recompute": ("parallelism.recompute_layer (whole layers)", "src/nanotron/config/parallelism_config.py:35"),
+        "micro_batch_size": ("tokens.micro_batch_size", "src/nanotron/config/config.py:251"),
+        "num_microbatches": ("tokens.batch_accumulation_per_replica", "src/nanotron/config/config.py:252"),
+        "virtual_stages": ("(none: refused above 1; one chunk per rank)", "src/nanotron/models/base.py build_model"),
+        "schedule": (
+            "parallelism.pp_engine (afab = gpipe, 1f1b)",
+            "src/nanotron/config/parallelism_config.py:32; config/utils_config.py:94",
+        ),
+        "sequence_parallel": (
+            "parallelism.tp_mode (REDUCE_SCATTER with tp_linear_async_communication, as scaling_benchmarks.py sets)",
+            "src/nanotron/config/parallelism_config.py:33-34",
+        ),
+        "axis_order": ("(ranks (ep, pp, dp, tp): tp-dp-pp only)", "src/nanotron/parallel/context.py"),
     },
 }
 # layout field -> the one key it becomes, per engine format
@@ -1123,24 +1147,152 @@ seq_len=SEQ_LEN, mixed_precision_param="{param}", steps={run.train_steps}, max_n
         compile=CompileConfig(enable=FP8 is not None, components=["model"]),
     )
 '''
-    c = plan.cluster
+    launch = _torchrun_launch(
+        "torchtitan",
+        plan,
+        "berth_torchtitan.py",
+        TORCHTITAN_INPUTS,
+        'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
+        "-m torchtitan.train --module berth_torchtitan --config berth_plan",
+    )
+    return {"berth_torchtitan.py": py, "torchtitan-launch.sh": launch}
+
+
+def _torchrun_launch(fmt: str, plan: Plan, beside: str, inputs: dict[str, str], setup: str, command: str) -> str:
+    """An engine's torchrun launch script, run on every node: the user inputs it stops without (each with its
+    description), one setup line, then torchrun over the plan's nodes with `command` (fixed text: no user value)."""
+    x, c = plan.layout, plan.cluster
     nodes = max(1, x.world_size // c.gpus_per_node)
     per_node = min(x.world_size, c.gpus_per_node)
-    launch = "\n".join(
+    return "\n".join(
         [
             "#!/bin/bash",
-            *_header("torchtitan", plan),
-            "# run on every node with NODE_RANK set, beside berth_torchtitan.py",
+            *_header(fmt, plan),
+            f"# run on every node with NODE_RANK set, beside {beside}",
             "set -euo pipefail",
-            *(f': "${{{k}:?set {k} to {v}}}"' for k, v in TORCHTITAN_INPUTS.items()),
-            'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
+            *(f': "${{{k}:?set {k} to {v}}}"' for k, v in inputs.items()),
+            setup,
             f'torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank="${{NODE_RANK:-0}}" '
-            f'--master-addr="${{MASTER_ADDR:-127.0.0.1}}" --master-port="${{MASTER_PORT:-{DEFAULT_PORT}}}" '
-            "-m torchtitan.train --module berth_torchtitan --config berth_plan",
+            f'--master-addr="${{MASTER_ADDR:-127.0.0.1}}" --master-port="${{MASTER_PORT:-{DEFAULT_PORT}}}" {command}',
             "",
         ]
     )
-    return {"berth_torchtitan.py": py, "torchtitan-launch.sh": launch}
+
+
+NANOTRON_SCHEDULES = {"gpipe": "afab", "1f1b": "1f1b"}  # berth's schedule -> nanotron's pp_engine
+NANOTRON_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+NANOTRON_INPUTS = {"NANOTRON_DIR": "a nanotron checkout at e24d2483 (its run_train.py starts the run)"}
+
+
+def nanotron_config(plan: Plan, run: EngineTraining | None = None) -> dict[str, str]:
+    """A nanotron config (the YAML its run_train.py reads with config/config.py get_config_from_file) and its torchrun
+    launch. The layout as scripts/scaling_benchmarks.py set the Ultra-Scale Playbook's sweep: pp_engine 1f1b (or
+    afab), sequence parallelism as tp_mode REDUCE_SCATTER with tp_linear_async_communication, fp32 gradient
+    accumulation; max_position_embeddings = the sequence length (trainer.py asserts it for a model it initialises);
+    no dataset (run_train.py then feeds its dummy_infinite_data_generator: a trial run needs no data)."""
+    import yaml  # a core dependency, imported where used: the CLI reads LAUNCH_FORMATS at start-up
+
+    run = run or EngineTraining()
+    x, t, m = plan.layout, plan.training, plan.model
+    reason = _engine_refusal("nanotron", plan)
+    if reason:
+        raise LaunchRefused("nanotron", reason)
+    sp = bool(x.sequence_parallel) and x.tp > 1
+    b1, b2 = run.betas
+    model_config: dict[str, Any] = {
+        "is_llama_config": True,
+        "hidden_act": "silu",  # SwiGLU (the engine rule refuses other MLPs)
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_kv_heads or m.num_attention_heads,
+        "num_hidden_layers": m.num_layers,
+        "vocab_size": m.vocab_size,
+        "max_position_embeddings": t.seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        # carried for the record: nanotron e24d2483's models/llama.py reads rope_theta only
+        "rope_scaling": None if m.rope_scaling is None else {"rope_type": "llama3", **m.rope_scaling.model_dump()},
+        "tie_word_embeddings": m.tied_embeddings,
+        "initializer_range": 0.02,
+    }
+    config: dict[str, Any] = {
+        "general": {"project": "berth", "run": _job_name(f"berth-{m.name}-{x.short()}"), "seed": 42},
+        "parallelism": {
+            "dp": x.dp,
+            "pp": x.pp,
+            "tp": x.tp,
+            "pp_engine": NANOTRON_SCHEDULES[x.schedule],
+            "tp_mode": "REDUCE_SCATTER" if sp else "ALL_REDUCE",
+            "tp_linear_async_communication": sp,
+            "recompute_layer": x.recompute == "full",
+            "expert_parallel_size": 1,
+        },
+        "model": {
+            "dtype": NANOTRON_DTYPES[t.precision],
+            "init_method": {"std": 0.02},
+            "make_vocab_size_divisible_by": 1,
+            "ddp_bucket_cap_mb": 25,
+            "model_config": model_config,
+        },
+        "tokenizer": {"tokenizer_name_or_path": None},
+        "checkpoints": {
+            "checkpoints_path": run.checkpoint_dir,
+            "checkpoint_interval": run.checkpoint_interval,
+            "save_initial_state": False,
+        },
+        "logging": {"log_level": "info", "log_level_replica": "info", "iteration_step_info_interval": 1},
+        "tokens": {
+            "sequence_length": t.seq_len,
+            "train_steps": run.train_steps,
+            "micro_batch_size": x.micro_batch_size,
+            "batch_accumulation_per_replica": x.num_microbatches,
+            "val_check_interval": -1,
+            "limit_val_batches": 0,
+            "limit_test_batches": 0,
+        },
+        "optimizer": {
+            "zero_stage": x.zero_stage,
+            "weight_decay": run.weight_decay,
+            "clip_grad": run.grad_clip or None,
+            "accumulate_grad_in_fp32": True,
+            "optimizer_factory": {
+                "name": "adamW",
+                "adam_beta1": b1,
+                "adam_beta2": b2,
+                "adam_eps": run.adam_eps,
+                "torch_adam_is_fused": True,
+            },
+            "learning_rate_scheduler": {
+                "learning_rate": run.lr,
+                "lr_warmup_steps": run.warmup_steps,
+                "lr_warmup_style": "linear",
+                "lr_decay_style": run.decay,
+                "min_decay_lr": run.min_lr,
+            },
+        },
+        "data_stages": [
+            {"name": "berth trial", "start_training_step": 1, "data": {"dataset": None, "seed": 42}},
+        ],
+    }
+    text = "\n".join(
+        [
+            *_header("nanotron", plan),
+            f"# world size {x.world_size} = dp {x.dp} x pp {x.pp} x tp {x.tp}; global batch {t.global_batch_size} = "
+            "micro_batch_size x batch_accumulation_per_replica x dp",
+            "# data_stages: no dataset, so run_train.py feeds random tokens (a trial run); name one to train",
+            yaml.safe_dump(config, sort_keys=False, default_flow_style=False),
+        ]
+    )
+    launch = _torchrun_launch(
+        "nanotron",
+        plan,
+        "nanotron.yaml",
+        NANOTRON_INPUTS,
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1  # nanotron's async tensor-parallel linears assert it",
+        '"$NANOTRON_DIR/run_train.py" --config-file nanotron.yaml',
+    )
+    return {"nanotron.yaml": text, "nanotron-launch.sh": launch}
 
 
 @dataclass(frozen=True)
@@ -1198,6 +1350,13 @@ LAUNCH_FORMATS: dict[str, LaunchFormat] = {
             runs_executor=False,
             engine_version=ENGINES["torchtitan"].version,
             refusal=lambda p: _engine_refusal("torchtitan", p),
+        ),
+        LaunchFormat(
+            "nanotron",
+            lambda p, o: nanotron_config(p, o.engine),
+            runs_executor=False,
+            engine_version=ENGINES["nanotron"].version,
+            refusal=lambda p: _engine_refusal("nanotron", p),
         ),
     )
 }

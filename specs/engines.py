@@ -180,7 +180,7 @@ TEXTS = {
     "deepspeed_pipeline_zero": "DeepSpeed's pipeline engine refuses ZeRO-2/3",
     "deepspeed_pipeline_tp": "DeepSpeed's pipeline with tp needs a Megatron-style mpu",
     "deepspeed_partial_shard": "DeepSpeed 0.19 shards over all dp ranks (shard = dp)",
-    "nanotron_model": "nanotron's LlamaForTraining: SwiGLU, RMSNorm, no qkv bias, no experts",
+    "nanotron_model": "nanotron's LlamaForTraining: SwiGLU, RMSNorm, no qkv bias, dropout or experts",
     "nanotron_zero": "nanotron shards optimizer state only (ZeRO 0 or 1, over all of dp)",
     "nanotron_cp": "nanotron (e24d2483) has no context parallelism",
     "nanotron_schedule": "nanotron runs all-forward-all-backward (gpipe) or 1F1B, not interleaved",
@@ -433,10 +433,12 @@ NANOTRON_RULES = (
     _rule(
         "nanotron_model",
         ("tp",),
-        lambda c, m, t: np.full(len(c.tp), m.is_moe or m.mlp != "swiglu" or m.norm != "rmsnorm" or m.qkv_bias),
+        lambda c, m, t: np.full(
+            len(c.tp), any((m.is_moe, m.mlp != "swiglu", m.norm != "rmsnorm", m.qkv_bias, m.dropout))
+        ),
         lambda x, m, t: (
-            f"model {m.name} ({m.mlp}, {m.norm}, qkv bias {m.qkv_bias}, experts {m.num_experts}): nanotron's "
-            "LlamaForTraining is SwiGLU with RMSNorm and no qkv biases; its MoE models are examples, not the trainer's"
+            f"model {m.name} ({m.mlp}, {m.norm}, qkv bias {m.qkv_bias}, dropout {m.dropout}, experts {m.num_experts}): "
+            "nanotron's LlamaForTraining is SwiGLU, RMSNorm, no qkv biases, no dropout; its MoE models are examples"
         ),
     ),
     _rule(
@@ -577,7 +579,7 @@ ENGINES: dict[str, EngineInfo] = {
             "nanotron e24d2483 (2025-02-19)",
             MEMORY_MEGATRON,
             ("torchtitan", "pytorch"),
-            (),
+            ("nanotron",),
             NANOTRON_RULES,
             "nanotron e24d2483: models/base.py build_model (the compute-balanced pipeline split, specs/stages.py), "
             "helpers.py and optim/gradient_accumulator.py (16-bit weights, a full fp32 gradient buffer, fp32 master "
@@ -587,9 +589,7 @@ ENGINES: dict[str, EngineInfo] = {
             "ZeRO-0: DDP with 25 MB buckets, 16-bit, "
             "kept beside the fp32 buffer), models/llama.py (SwiGLU unfused; with as many kv heads as heads the "
             "permuted q/k/v block kept behind q) and parallel/tensor_parallel/functional.py (its vocabulary-parallel "
-            "loss on an fp32 cast of the logits). No launch files: "
-            "nanotron 0.4, the release on PyPI, does not import (a circular import between nanotron.config and "
-            "nanotron.logging), so no config berth wrote could be loaded by nanotron's own code",
+            "loss on an fp32 cast of the logits); launch: config/config.py (get_config_from_file), run_train.py",
             param_gather_exposed=1.0,
             grad_reduce_exposed=1.0,
             bucket_bytes=TORCH_DDP_BUCKET_BYTES,

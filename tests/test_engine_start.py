@@ -11,27 +11,38 @@ runners and names each stand-in for a GPU-only piece):
   parse_args / validate_args where BERTH_MEGATRON_DIR names one);
 - DeepSpeed 0.19.8: deepspeed-launch.sh executed with a stand-in deepspeed launcher, its argv and hostfile read by
   DeepSpeed's own launcher (runner.parse_args, fetch_hostfile, the node and GPU filters); and the engine initialised
-  from ds_config.json on 2 CPU processes over gloo (ZeRO-1, ZeRO-3, a 2-stage pipeline with recompute), one step each.
+  from ds_config.json on 2 CPU processes over gloo (ZeRO-1, ZeRO-3, a 2-stage pipeline with recompute), one step each;
+- nanotron e24d2483: nanotron.yaml read by nanotron's own get_config_from_file (its source at that commit,
+  tests/vendor/nanotron_e24d2483: dataclasses, dacite, __post_init__ checks), and nanotron-launch.sh run with a
+  stand-in torchrun. nanotron's ParallelContext takes NCCL only, so its trainer cannot start on CPU.
 """
 
+import importlib.util
 import json
 import math
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 from benchmarks import engine_check as ec
 from berth.launch.writers import ENGINE_VERSIONS, LaunchRefused, artifacts
+from berth.planner.planning import compare
 from berth.planner.search import predict_layouts
 from berth.specs.models import load_model
 from berth.specs.tree import Layout, TrainingSpec
 from berth.topology.clusters import cluster_from_preset
 
 PLANS = ec.plan_set()
-SCRIPTS = {"megatron": "megatron-launch.sh", "deepspeed": "deepspeed-launch.sh", "torchtitan": "torchtitan-launch.sh"}
+SCRIPTS = {
+    "megatron": "megatron-launch.sh",
+    "deepspeed": "deepspeed-launch.sh",
+    "torchtitan": "torchtitan-launch.sh",
+    "nanotron": "nanotron-launch.sh",
+}
 USER_INPUTS = {
     "MEGATRON_LM": "/opt/Megatron-LM",
     "TOKENIZER_MODEL": "meta-llama/Llama-3.1-8B",
@@ -39,6 +50,7 @@ USER_INPUTS = {
     "TRAIN_SCRIPT": "train.py",
     "BERTH_HF_ASSETS": "/assets",
     "BERTH_DATASET": "c4",
+    "NANOTRON_DIR": "/opt/nanotron",
 }
 STAND_IN = """#!/usr/bin/env python3
 import json, os, sys
@@ -361,3 +373,112 @@ def test_training_run_options_reach_every_engine_and_bad_values_name_the_field()
     ):
         with pytest.raises(BerthError, match=field):
             EngineTraining(**bad)
+
+
+# --- nanotron -----------------------------------------------------------------------------------------------------
+
+NANOTRON_SOURCE = os.path.join(os.path.dirname(__file__), "vendor", "nanotron_e24d2483")
+NANOTRON_READER = r"""
+import json, sys
+from nanotron.config import Config, get_config_from_file
+out = []
+for path in sys.argv[1:]:
+    c = get_config_from_file(path, config_class=Config)
+    p, k, m, o = c.parallelism, c.tokens, c.model.model_config, c.optimizer
+    out.append({
+        "model_config": type(m).__name__, "dp": p.dp, "pp": p.pp, "tp": p.tp,
+        "pp_engine": type(p.pp_engine).__name__, "tp_mode": p.tp_mode.name,
+        "async": p.tp_linear_async_communication, "recompute_layer": p.recompute_layer,
+        "mbs": k.micro_batch_size, "accumulation": k.batch_accumulation_per_replica, "seq": k.sequence_length,
+        "global_batch": c.global_batch_size, "dtype": str(c.model.dtype), "zero": o.zero_stage,
+        "fp32_accumulation": o.accumulate_grad_in_fp32, "lr": o.learning_rate_scheduler.learning_rate,
+        "decay_steps": o.learning_rate_scheduler.lr_decay_steps, "steps": k.train_steps,
+        "shape": [m.num_hidden_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads,
+                  m.intermediate_size, m.vocab_size, m.max_position_embeddings],
+        "tied": m.tie_word_embeddings, "rope_theta": m.rope_theta, "eps": m.rms_norm_eps,
+        "dataset": [s.data.dataset for s in c.data_stages],
+    })
+print(json.dumps(out))
+"""
+
+
+def _nanotron_plans():
+    out = []
+    for model, engine_layouts in (
+        ("llama3-8b", ["tp=2,pp=2,dp=4,zero=1,shard=4,mbs=2,sp=1", "tp=8,dp=2,mbs=1", "pp=4,dp=4,mbs=1"]),
+        ("llama3-70b", ["tp=8,pp=4,mbs=1,sp=1"]),
+    ):
+        for fix in engine_layouts:
+            training = TrainingSpec(seq_len=4096, global_batch_size=64, engine="nanotron")
+            cluster = cluster_from_preset("aws-p5", 2 if model == "llama3-8b" else 4)
+            (p,) = compare(load_model(model), training, cluster, [fix])
+            out.append((f"{model}-{fix}", p))
+    (p,) = predict_layouts(
+        load_model("llama3-8b"),
+        TrainingSpec(seq_len=2048, global_batch_size=32, engine="nanotron"),
+        cluster_from_preset("aws-p5", 1),
+        [Layout(pp=4, dp=2, micro_batch_size=1, num_microbatches=16, schedule="gpipe", recompute="full")],
+    )
+    return [*out, ("llama3-8b-gpipe-full", p)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("dacite") is None, reason="dacite is not installed (the engines extra)")
+def test_nanotron_reads_the_config_berth_writes_with_its_own_parser(tmp_path):
+    plans = _nanotron_plans()
+    paths = []
+    for i, (_, plan) in enumerate(plans):
+        (tmp_path / f"{i}.yaml").write_text(artifacts(plan, "nanotron")["nanotron.yaml"])
+        paths.append(str(tmp_path / f"{i}.yaml"))
+    env = {**os.environ, "PYTHONPATH": NANOTRON_SOURCE}
+    proc = subprocess.run(
+        [sys.executable, "-c", NANOTRON_READER, *paths], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (name, plan), got in zip(plans, json.loads(proc.stdout), strict=True):
+        x, t, m = plan.layout, plan.training, plan.model
+        assert got["model_config"] == "LlamaConfig", name  # trainer.py CONFIG_TO_MODEL_CLASS's key
+        assert (got["dp"], got["pp"], got["tp"]) == (x.dp, x.pp, x.tp), name
+        assert got["dp"] * got["pp"] * got["tp"] == plan.cluster.world_size, name  # parallel/context.py's check
+        engine = "AllForwardAllBackward" if x.schedule == "gpipe" else "OneForwardOneBackward"
+        assert got["pp_engine"] == f"{engine}PipelineEngine", name
+        sp = bool(x.sequence_parallel and x.tp > 1)
+        assert (got["tp_mode"], got["async"]) == (("REDUCE_SCATTER", True) if sp else ("ALL_REDUCE", False)), name
+        assert got["recompute_layer"] == (x.recompute == "full"), name
+        assert (got["mbs"], got["accumulation"]) == (x.micro_batch_size, x.num_microbatches), name
+        assert got["global_batch"] == t.global_batch_size, name  # Config.global_batch_size: mbs x accumulation x dp
+        assert got["seq"] == t.seq_len == got["shape"][-1], name  # trainer.py asserts them equal for a new model
+        kv = m.num_kv_heads or m.num_attention_heads
+        shape = [m.num_layers, m.hidden_size, m.num_attention_heads, kv, m.ffn_hidden_size, m.vocab_size]
+        assert got["shape"][:-1] == shape, name
+        assert (got["tied"], got["rope_theta"], got["eps"]) == (m.tied_embeddings, m.rope_theta, m.norm_eps), name
+        assert (got["dtype"], got["zero"], got["fp32_accumulation"]) == ("torch.bfloat16", x.zero_stage, True), name
+        assert (got["lr"], got["steps"], got["decay_steps"]) == (3e-4, 10_000, 10_000 - 500), name
+        assert got["dataset"] == [None], name  # run_train.py's dummy_infinite_data_generator: a trial run
+
+
+def test_nanotron_launch_script_runs_as_written_and_stops_without_its_checkout(tmp_path):
+    name, plan = _nanotron_plans()[3]  # the 70B on 4 nodes
+    files = artifacts(plan, "nanotron")
+    got = _run_script(files, "nanotron", "torchrun", tmp_path)
+    argv = got["argv"]
+    assert argv[-3:] == ["/opt/nanotron/run_train.py", "--config-file", "nanotron.yaml"], argv
+    assert "--nnodes=4" in argv and "--nproc-per-node=8" in argv, argv
+    assert got["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # parallel/utils.py asserts it with async tp linears
+    env = {k: v for k, v in os.environ.items() if k != "NANOTRON_DIR"}
+    proc = subprocess.run(["bash", "nanotron-launch.sh"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "NANOTRON_DIR" in proc.stderr and "e24d2483" in proc.stderr
+
+
+def test_nanotron_refuses_what_its_trainer_cannot_build():
+    cluster = cluster_from_preset("aws-p5", 1)
+    training = TrainingSpec(seq_len=2048, global_batch_size=32, engine="megatron")  # planned for another engine
+    cases = [
+        ("tiny-gpt", Layout(tp=2, dp=4, micro_batch_size=1, num_microbatches=8), "LlamaForTraining"),
+        ("qwen2.5-7b", Layout(tp=4, dp=2, micro_batch_size=1, num_microbatches=16), "qkv bias True"),
+        ("llama3-8b", Layout(tp=2, pp=4, micro_batch_size=16, num_microbatches=2, recompute="full"), "pp - 1"),
+        ("llama3-8b", Layout(tp=8, micro_batch_size=1, num_microbatches=32, recompute="selective"), "whole decoder"),
+    ]
+    for model, layout, words in cases:
+        (p,) = predict_layouts(load_model(model), training, cluster, [layout])
+        with pytest.raises(LaunchRefused, match=words):
+            artifacts(p, "nanotron")

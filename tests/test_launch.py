@@ -548,7 +548,7 @@ def test_cluster_launchers_cover_every_node():
     assert job["spec"]["nprocPerNode"] == "8"
     with pytest.raises(Exception, match="use one of"):
         artifacts(p, "mpirun")
-    assert set(FORMATS) == {"torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan"}
+    assert set(FORMATS) == {"torchrun", "slurm", "kubernetes", "megatron", "deepspeed", "torchtitan", "nanotron"}
 
 
 def test_young_daly_interval_and_useful_fraction_by_hand():
