@@ -893,7 +893,7 @@ def calibrate_cmd(
         typer.Option("--runs", help="measured runs of any engine, JSON lines (see README: teach berth your engine)"),
     ] = None,
     log: Annotated[
-        list[str] | None, typer.Option("--log", help="a torchtitan or Megatron-LM training log (with --plan)")
+        list[str] | None, typer.Option("--log", help="a torchtitan, Megatron-LM or nanotron training log (with --plan)")
     ] = None,
     plan_file: Annotated[str | None, typer.Option("--plan", help="the plan the --log runs ran")] = None,
     prior: Annotated[str | None, typer.Option("--prior", help="an engine profile to start the fit from")] = None,

@@ -1,6 +1,6 @@
 """Measured runs of any engine as MeasuredRun records (planner/engine_fit.py).
 
-Three sources:
+Four sources:
 
 - JSON lines (`read_runs`), one run each, the format `berth calibrate --runs FILE` reads:
 
@@ -26,6 +26,9 @@ Three sources:
   iteration line (megatron/training/training.py training_log) and the memory report after the first
   iterations ("memory (MB) | allocated: ... | max allocated: ... | reserved: ... | max reserved: ...",
   megatron/training/utils.py report_memory). The first iteration is skipped.
+- nanotron's training log (`nanotron_log`): the "iteration: N / M | ... | elapsed_time_per_iteration_ms: X |
+  ... | cuda_max_memory_reserved: Y" line trainer.py train_step_logs prints each step (memory in the first
+  five), numbers in logging.py's human_format (3 significant digits). The first iteration is skipped.
 
 A log comes with the plan that ran (`berth plan --json` / `berth compare --json` output, or a plan
 file): the plan gives model, cluster, training, engine and layout.
@@ -195,6 +198,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Megatron-LM megatron/training/training.py training_log and megatron/training/utils.py report_memory
 _MG_ITER = re.compile(r"iteration\s+(\d+)\s*/\s*\d+.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 _MG_MEM = re.compile(r"max allocated:\s*([\d.]+).*?max reserved:\s*([\d.]+)")
+# nanotron e24d2483 trainer.py train_step_logs through logging.py LoggerWriter.add_scalars_from_list (human_format)
+_NT_ITER = re.compile(r"iteration:\s*(\d+)\s*/\s*\d+\s*\|.*?elapsed_time_per_iteration_ms:\s*([\d.]+[KMGTPE]?)\b")
+_NT_MEM = re.compile(r"cuda_max_memory_reserved:\s*([\d.]+[KMGTPE]?)\b")
 
 
 def _median(xs: list[float]) -> float:
@@ -255,9 +261,44 @@ def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> Measure
     )
 
 
+def _human(text: str) -> float:
+    """A number as nanotron's logging.py human_format writes it: 3 significant digits, a K/M/G/T/P/E suffix in
+    steps of 1000 ("2.43K" is 2430)."""
+    power = "KMGTPE".index(text[-1]) + 1 if text[-1] in "KMGTPE" else 0
+    return float(text.rstrip("KMGTPE")) * 1000.0**power
+
+
+def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> MeasuredRun:
+    """A nanotron training log and the plan that ran, as one measured run: the median iteration time after the
+    first (elapsed_time_per_iteration_ms), and the largest cuda_max_memory_reserved. The line comes from the
+    rank with the loss (trainer.py logger_ranks: output_pp_rank, dp 0, tp 0), so its memory is rank 0's only
+    at pp = 1; with a pipeline it is the last stage's, which berth does not compare, so none is read."""
+    iters = [(int(m[1]), _human(m[2])) for m in (_NT_ITER.search(line) for line in text.splitlines()) if m]
+    times = [ms for it, ms in iters if it > 1] or [ms for _, ms in iters]
+    if not times:
+        raise BerthError(
+            "log", run_id, "no nanotron iteration line ('iteration: N / M | ... elapsed_time_per_iteration_ms: X')"
+        )
+    mems = [_human(m[1]) for m in (_NT_MEM.search(line) for line in text.splitlines()) if m]
+    return MeasuredRun(
+        run_id,
+        plan.model,
+        _as_engine(plan, "nanotron", run_id),
+        plan.cluster,
+        plan.layout,
+        "ok",
+        _median(times) / 1e3,
+        max(mems) if mems and plan.layout.pp == 1 else None,
+        "reserved",
+        "rank0",
+    )
+
+
 def read_log(path: str, plan: Plan) -> MeasuredRun:
-    """A torchtitan or Megatron-LM log file (told apart by their lines) as a measured run."""
+    """A torchtitan, Megatron-LM or nanotron log file (told apart by their lines) as a measured run."""
     text = Path(path).read_text(errors="replace")[: 64 * 2**20]
     if _MG_ITER.search(text):
         return megatron_log(text, plan, Path(path).name)
+    if _NT_ITER.search(text):
+        return nanotron_log(text, plan, Path(path).name)
     return torchtitan_log(text, plan, Path(path).name)

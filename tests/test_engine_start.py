@@ -482,3 +482,50 @@ def test_nanotron_refuses_what_its_trainer_cannot_build():
         (p,) = predict_layouts(load_model(model), training, cluster, [layout])
         with pytest.raises(LaunchRefused, match=words):
             artifacts(p, "nanotron")
+
+
+NANOTRON_LOGGER = r"""
+import logging, os, sys, tempfile
+import torch.distributed as torch_dist
+from nanotron.logging import LoggerWriter, LogItem, get_logger
+torch_dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+handler = logging.StreamHandler(sys.stdout)
+# the prefix nanotron's logging.py set_logger_verbosity_format gives each line (a logger rank: the loss's stage)
+handler.setFormatter(logging.Formatter("%(asctime)s [%(levelname)s|DP=0|PP=1|TP=0]: %(message)s"))
+logger = get_logger("nanotron.logging")
+logger.addHandler(handler)
+logger.setLevel(logging.INFO)
+writer = LoggerWriter(global_step=10)
+for step, ms, reserved in ((1, 9100.0, 31.2e9), (2, 2431.7, 39.71e9), (3, 2460.2, 39.74e9), (4, 2449.9, None)):
+    items = [LogItem("consumed_tokens", step * 64 * 2048, "human_format"),
+             LogItem("elapsed_time_per_iteration_ms", ms, "human_format"),
+             LogItem("tokens_per_sec", 64 * 2048 / ms * 1e3, "human_format"),
+             LogItem("global_batch_size", 64, "human_format"), LogItem("lm_loss", 11.83, "human_format"),
+             LogItem("lr", 0.0003, "human_format")]
+    if reserved:  # trainer.py logs memory in the first steps only
+        items += [LogItem("cuda_memory_allocated", reserved / 2, "human_format"),
+                  LogItem("cuda_max_memory_reserved", reserved, "human_format")]
+    writer.add_scalars_from_list(items, step)
+torch_dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("dacite") is None, reason="dacite is not installed (the engines extra)")
+def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
+    from berth.planner.run_logs import read_log
+
+    env = {**os.environ, "PYTHONPATH": NANOTRON_SOURCE}
+    proc = subprocess.run([sys.executable, "-c", NANOTRON_LOGGER], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "elapsed_time_per_iteration_ms: 2.43K" in proc.stdout  # logging.py human_format: 3 significant digits
+    (tmp_path / "train.log").write_text(proc.stdout)
+    training = TrainingSpec(seq_len=2048, global_batch_size=64, engine="megatron")  # planned for another engine
+    cluster = cluster_from_preset("aws-p5", 1)
+    for fix, memory in (("tp=2,dp=4,mbs=1", 39.7e9), ("tp=2,pp=2,dp=2,mbs=1", None)):
+        (plan,) = compare(load_model("llama3-8b"), training, cluster, [fix])
+        run = read_log(str(tmp_path / "train.log"), plan)
+        assert run.training.engine == "nanotron" and run.status == "ok"
+        assert run.step_time_s == pytest.approx(2.45)  # median of 2.43, 2.46, 2.45 s: the first step left out
+        # the largest reserved peak, as logged to 3 digits (decimal G); with a pipeline the line is the last stage's
+        assert run.peak_memory_bytes == (pytest.approx(memory) if memory else None)
+        assert run.memory_rank == "rank0" and run.memory_kind == "reserved"
