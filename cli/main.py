@@ -1126,7 +1126,7 @@ def _write_probe_files(out: str, picks: list) -> None:
                 "tokens_per_s": None,
                 "peak_memory_gib": None,
                 "memory_kind": "reserved",
-                "memory_rank": "max",  # or "rank0" where the figure is global rank 0's only (a log line's)
+                "memory_rank": "max",  # "rank0" or "last" where the figure is one rank's (a log line's)
             }
             for i in range(1, len(picks) + 1)
         ]

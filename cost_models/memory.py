@@ -962,6 +962,7 @@ class PeakMemory(NamedTuple):
     peak: np.ndarray  # the reserved peak: the worse of the first, the last and (uneven stages) the second stage
     breakdown: dict[str, np.ndarray]  # that stage's terms
     first_stage: np.ndarray  # rank 0's reserved peak, which an engine's log reports (MeasuredRun.memory_rank)
+    last_stage: np.ndarray  # the last stage's (the LM head and loss): nanotron's log line (planner/run_logs.py)
     required: np.ndarray  # what must fit in the allocator's capacity, the most any stage needs
     # what the allocator holds without waiting on a collective (the search's headroom applies to it): before any hand
     # back, so it can pass the capacity, and the peak, where a cached gather block must be handed back to fit
@@ -1028,4 +1029,4 @@ def peak_memory(
         peak = np.where(use_mid, total_mid, peak)
         required = np.where(uneven, np.maximum(required, need_mid), required)
         held = np.where(uneven, np.maximum(held, held_mid), held)
-    return PeakMemory(peak, breakdown, total_first, required, held)
+    return PeakMemory(peak, breakdown, total_first, total_last, required, held)

@@ -97,6 +97,7 @@ class Evaluation:
     required_memory_bytes: np.ndarray  # what must fit (memory.peak_memory)
     held_memory_bytes: np.ndarray  # what the allocator holds without waiting on a collective: the headroom's
     first_stage_memory_bytes: np.ndarray  # global rank 0's (pipeline stage 0): what engines' logs report
+    last_stage_memory_bytes: np.ndarray  # the last pipeline stage's (the head and loss): nanotron's log line
     reason: np.ndarray  # 0 = feasible, else a code from berth.specs.validity
     time_breakdown_s: dict[str, np.ndarray]
     memory_breakdown_bytes: dict[str, np.ndarray]
@@ -603,7 +604,9 @@ def evaluate(
     }
 
     capacity = memory.allocator_capacity_bytes(device, cluster.world_size)
-    peak, mem, first_stage_bytes, required, held = memory.peak_memory(model, training, device, c, capacity)
+    peak, mem, first_stage_bytes, last_stage_bytes, required, held = memory.peak_memory(
+        model, training, device, c, capacity
+    )
     reason = structural_reasons(c, model, training, cluster)
     reason = np.where((reason == VALID) & (required > capacity), OUT_OF_MEMORY, reason)
     headroom = engine_of(training).headroom(memory_headroom)
@@ -623,6 +626,7 @@ def evaluate(
         required_memory_bytes=required,
         held_memory_bytes=held,
         first_stage_memory_bytes=first_stage_bytes,
+        last_stage_memory_bytes=last_stage_bytes,
         reason=reason,
         time_breakdown_s=time,
         memory_breakdown_bytes=mem,

@@ -160,9 +160,10 @@ class MeasuredRun:
     step_time_s: float | None = None
     peak_memory_bytes: float | None = None
     memory_kind: Literal["reserved", "allocated"] = "reserved"
-    # whose peak it is: the highest over all ranks ("max"), or global rank 0's ("rank0": pipeline stage 0, the rank
-    # most engines' logs report; the cost model's first stage, Evaluation.first_stage_memory_bytes)
-    memory_rank: Literal["max", "rank0"] = "max"
+    # whose peak it is: the highest over all ranks ("max"), global rank 0's ("rank0": pipeline stage 0, the rank
+    # most engines' logs report; the cost model's first stage, Evaluation.first_stage_memory_bytes) or the last
+    # pipeline stage's ("last": the loss's, where nanotron logs; Evaluation.last_stage_memory_bytes)
+    memory_rank: Literal["max", "rank0", "last"] = "max"
 
     @cached_property
     def group(self) -> str:
@@ -246,8 +247,13 @@ def predict_runs(runs: list[MeasuredRun], tuning: EngineTuning) -> RunPrediction
         caps[idx] = float(cap)
         times[idx] = np.where(runs_ok, ev.step_time_s, np.inf)
         mems[idx] = np.where(runs_ok, ev.required_memory_bytes, np.inf)
-        rank0 = np.array([runs[i].memory_rank == "rank0" for i in idx])
-        seen[idx] = np.where(runs_ok, np.where(rank0, ev.first_stage_memory_bytes, ev.peak_memory_bytes), np.inf)
+        rank = np.array([runs[i].memory_rank for i in idx])
+        reported = np.select(
+            [rank == "rank0", rank == "last"],
+            [ev.first_stage_memory_bytes, ev.last_stage_memory_bytes],
+            ev.peak_memory_bytes,
+        )
+        seen[idx] = np.where(runs_ok, reported, np.inf)
         ranked[idx] = ev.reason == VALID
     return RunPredictions(times, mems, caps, seen, ranked)
 
@@ -268,7 +274,10 @@ class Data:
     ok: np.ndarray
     oom: np.ndarray
     ceiling: np.ndarray  # the reserved peak reached the allocator's ceiling: a lower bound, the time left out
-    rank0: np.ndarray  # the memory figure is rank 0's: the other ranks' peaks are bounded only by having run
+    one_rank: (
+        np.ndarray
+    )  # the memory figure is one rank's (rank 0's, the last stage's): the others' are bounded only by
+    # having run
 
     @classmethod
     def of(cls, runs: list[MeasuredRun]) -> Data:
@@ -288,7 +297,7 @@ class Data:
             np.array([r.status == "ok" for r in runs]),
             np.array([r.status == "oom" for r in runs]),
             ceiling,
-            np.array([r.memory_rank == "rank0" for r in runs]),
+            np.array([r.memory_rank != "max" for r in runs]),
         )
 
     def residuals(self, tuning: EngineTuning) -> np.ndarray:
@@ -300,9 +309,9 @@ class Data:
             rm = np.where(np.isfinite(pm[has_m]), np.log(pm[has_m] / self.mem[has_m]), MISS)
             rm = np.where(self.ceiling[has_m], np.minimum(rm, 0.0), rm)  # capped: only a prediction below counts
             # one-sided: an out-of-memory run must not fit; a run that ran must fit where its figure does not say
-            # so already (none, or rank 0's only)
+            # so already (none, or one rank's only)
             r_oom = np.maximum(np.log(cap[self.oom] / np.where(np.isfinite(m[self.oom]), m[self.oom], 1e30)), 0.0)
-            free = self.ok & (~has_m | self.rank0)
+            free = self.ok & (~has_m | self.one_rank)
             r_fit = np.maximum(np.log(np.where(np.isfinite(m[free]), m[free], 1e30) / cap[free]), 0.0)
         return np.concatenate([rt, rm, r_oom, r_fit])
 

@@ -11,11 +11,12 @@ Four sources:
        "status": "ok" | "oom" | "error",
        "tokens_per_s": 123456.0 (the job's) or "tokens_per_s_per_gpu" or "step_time_s",
        "peak_memory_gib": 61.2, "memory_kind": "reserved" | "allocated",
-       "memory_rank": "max" | "rank0", "id": "optional name"}
+       "memory_rank": "max" | "rank0" | "last", "id": "optional name"}
 
   Measurements may be missing; other fields are ignored. `memory_rank` says whose peak it is: the
-  highest over all ranks ("max", the default), or global rank 0's ("rank0": pipeline stage 0, the
-  rank an engine's log line usually comes from; with pp > 1 another stage can hold more).
+  highest over all ranks ("max", the default), global rank 0's ("rank0": pipeline stage 0, the
+  rank an engine's log line usually comes from; with pp > 1 another stage can hold more), or the last
+  pipeline stage's ("last": the head and the loss, where nanotron logs).
 - torchtitan's training log (`torchtitan_log`): the metrics line torchtitan's MetricsProcessor.log
   prints each logged step (torchtitan 0.3.0 torchtitan/components/metrics.py: "step: N  loss: ...
   grad_norm: ...  memory: X.XXGiB(P%)  tps: N  tflops: ...  mfu: ...%"); `tps` is tokens per second per
@@ -144,8 +145,12 @@ def _measured(
     if kind not in ("reserved", "allocated"):
         raise BerthError(f"{where}.memory_kind", kind, "reserved or allocated")
     rank = rec.get("memory_rank", "max")
-    if rank not in ("max", "rank0"):
-        raise BerthError(f"{where}.memory_rank", rank, "max (the highest over all ranks) or rank0 (global rank 0's)")
+    if rank not in ("max", "rank0", "last"):
+        raise BerthError(
+            f"{where}.memory_rank",
+            rank,
+            "max (the highest over all ranks), rank0 (global rank 0's) or last (the last stage's)",
+        )
     tokens = _number(rec, "tokens_per_s", where)
     per_gpu = _number(rec, "tokens_per_s_per_gpu", where)
     step = _number(rec, "step_time_s", where)
@@ -271,8 +276,10 @@ def _human(text: str) -> float:
 def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> MeasuredRun:
     """A nanotron training log and the plan that ran, as one measured run: the median iteration time after the
     first (elapsed_time_per_iteration_ms), and the largest cuda_max_memory_reserved. The line comes from the
-    rank with the loss (trainer.py logger_ranks: output_pp_rank, dp 0, tp 0), so its memory is rank 0's only
-    at pp = 1; with a pipeline it is the last stage's, which berth does not compare, so none is read."""
+    rank with the loss (trainer.py logger_ranks: output_pp_rank, dp 0, tp 0): the last pipeline stage's
+    (memory_rank "last"; at pp = 1 that is rank 0). Where nanotron's split leaves the loss a rank of its own
+    (docs/accuracy.md) berth prices it with the head, so such a pipeline's figure is compared with a stage that
+    holds more than the rank that logged."""
     iters = [(int(m[1]), _human(m[2])) for m in (_NT_ITER.search(line) for line in text.splitlines()) if m]
     times = [ms for it, ms in iters if it > 1] or [ms for _, ms in iters]
     if not times:
@@ -288,9 +295,9 @@ def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> Measure
         plan.layout,
         "ok",
         _median(times) / 1e3,
-        max(mems) if mems and plan.layout.pp == 1 else None,
+        max(mems) if mems else None,
         "reserved",
-        "rank0",
+        "last",
     )
 
 

@@ -843,18 +843,22 @@ def test_a_peak_reported_by_rank_0_is_compared_with_the_first_stage():
     t = training("generic")  # an even split: the last stage holds all the logits (nanotron's rank 0 is larger)
     ev = evaluate(SMALL, t, cl, Candidates.from_layouts([layout]))
     first, peak = float(ev.first_stage_memory_bytes[0]), float(ev.peak_memory_bytes[0])
-    assert first > 0 and first != peak
+    last = float(ev.last_stage_memory_bytes[0])  # nanotron logs the loss's stage: memory_rank "last"
+    assert first > 0 and first != peak and last == peak
     runs = [
         MeasuredRun(str(i), SMALL, t, cl, layout, "ok", 1.0, 1.1 * first, memory_rank=rank)
-        for i, rank in enumerate(("rank0", "max"))
+        for i, rank in enumerate(("rank0", "max", "last"))
     ]
     _, m, _, seen, _ = predict_runs(runs, EngineTuning())
-    assert seen[0] == pytest.approx(first) and seen[1] == pytest.approx(peak) and m[0] == m[1] == pytest.approx(peak)
+    assert seen[0] == pytest.approx(first) and seen[1] == seen[2] == pytest.approx(peak)
+    assert m[0] == m[1] == m[2] == pytest.approx(peak)
     err = [errors([r], EngineTuning())["memory_median_error"] for r in runs]
-    assert err[0] == pytest.approx(1 - 1 / 1.1) and err[1] == pytest.approx(abs(peak / (1.1 * first) - 1))
-    # the rank-0 run also says the peak fits: a prior whose peak does not fit is pushed back by that run alone
-    d = Data.of(runs[:1])
-    assert d.rank0[0] and len(d.residuals(EngineTuning())) == 3  # step time, memory, and the peak's bound
+    assert err[0] == pytest.approx(1 - 1 / 1.1) and err[1] == err[2] == pytest.approx(abs(peak / (1.1 * first) - 1))
+    # a one-rank run also says the peak fits: a prior whose peak does not fit is pushed back by that run alone
+    for one in (runs[0], runs[2]):
+        d = Data.of([one])
+        assert d.one_rank[0] and len(d.residuals(EngineTuning())) == 3  # step time, memory, and the peak's bound
+    assert not Data.of(runs[1:2]).one_rank[0]
 
 
 def test_nanotron_keeps_ddp_buckets_beside_its_fp32_buffer_at_zero_0():

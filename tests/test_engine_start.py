@@ -512,7 +512,11 @@ torch_dist.destroy_process_group()
 
 @pytest.mark.skipif(importlib.util.find_spec("dacite") is None, reason="dacite is not installed (the engines extra)")
 def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
+    from berth.cost_models.step import evaluate
+    from berth.planner.engine_fit import predict_runs
     from berth.planner.run_logs import read_log
+    from berth.specs.candidates import Candidates
+    from berth.specs.tree import EngineTuning
 
     env = {**os.environ, "PYTHONPATH": NANOTRON_SOURCE}
     proc = subprocess.run([sys.executable, "-c", NANOTRON_LOGGER], env=env, capture_output=True, text=True, timeout=120)
@@ -521,11 +525,16 @@ def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
     (tmp_path / "train.log").write_text(proc.stdout)
     training = TrainingSpec(seq_len=2048, global_batch_size=64, engine="megatron")  # planned for another engine
     cluster = cluster_from_preset("aws-p5", 1)
-    for fix, memory in (("tp=2,dp=4,mbs=1", 39.7e9), ("tp=2,pp=2,dp=2,mbs=1", None)):
+    for fix in ("tp=2,dp=4,mbs=1", "tp=2,pp=2,dp=2,mbs=1"):
         (plan,) = compare(load_model("llama3-8b"), training, cluster, [fix])
         run = read_log(str(tmp_path / "train.log"), plan)
         assert run.training.engine == "nanotron" and run.status == "ok"
         assert run.step_time_s == pytest.approx(2.45)  # median of 2.43, 2.46, 2.45 s: the first step left out
-        # the largest reserved peak, as logged to 3 digits (decimal G); with a pipeline the line is the last stage's
-        assert run.peak_memory_bytes == (pytest.approx(memory) if memory else None)
-        assert run.memory_rank == "rank0" and run.memory_kind == "reserved"
+        # the largest reserved peak, as logged to 3 digits (decimal G), of the stage with the loss
+        assert run.peak_memory_bytes == pytest.approx(39.7e9) and run.memory_kind == "reserved"
+        assert run.memory_rank == "last"
+        (predicted,) = predict_runs([run], EngineTuning()).seen  # compared with the last stage's prediction
+        ev = evaluate(plan.model, run.training, plan.cluster, Candidates.from_layouts([plan.layout]))
+        assert predicted == ev.last_stage_memory_bytes[0] and (plan.layout.pp > 1) == (
+            ev.last_stage_memory_bytes[0] != ev.first_stage_memory_bytes[0]
+        )
