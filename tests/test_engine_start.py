@@ -384,6 +384,7 @@ from nanotron.config import Config, get_config_from_file
 out = []
 for path in sys.argv[1:]:
     c = get_config_from_file(path, config_class=Config)
+    c.save_as_yaml(path + ".saved")  # what the trainer writes beside its checkpoints, read back by nanotron itself
     p, k, m, o = c.parallelism, c.tokens, c.model.model_config, c.optimizer
     out.append({
         "model_config": type(m).__name__, "dp": p.dp, "pp": p.pp, "tp": p.tp,
