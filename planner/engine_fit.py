@@ -145,6 +145,8 @@ LOSS, LOSS_SCALE = "soft_l1", 0.2
 # a step time the fit still misses by 2x or more is set aside and the fit solved again without it (its memory kept),
 # where such runs are at most a quarter of those with a step time (more: the model, not the runs, is off)
 OUTLIER, OUTLIER_SHARE = math.log(2.0), 0.25
+# whose memory figure a run reports (MeasuredRun.memory_rank)
+MemoryRank = Literal["max", "rank0", "last"]
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ class MeasuredRun:
     # whose peak it is: the highest over all ranks ("max"), global rank 0's ("rank0": pipeline stage 0, the rank
     # most engines' logs report; the cost model's first stage, Evaluation.first_stage_memory_bytes) or the last
     # pipeline stage's ("last": the loss's, where nanotron logs; Evaluation.last_stage_memory_bytes)
-    memory_rank: Literal["max", "rank0", "last"] = "max"
+    memory_rank: MemoryRank = "max"
 
     @cached_property
     def group(self) -> str:
@@ -217,7 +219,7 @@ class RunPredictions(NamedTuple):
     time: np.ndarray  # step time (s)
     required: np.ndarray  # the memory that must fit (bytes)
     capacity: np.ndarray  # the allocator's capacity (bytes)
-    seen: np.ndarray  # the memory of the rank the run reports: the peak or rank 0's (MeasuredRun.memory_rank)
+    seen: np.ndarray  # the memory of the rank the run reports: the peak, rank 0's or the last stage's (memory_rank)
     ranked: np.ndarray  # the search would rank it: it fits with the memory headroom (not memory_tight)
 
     @property

@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from berth.planner.engine_fit import MeasuredRun
+from berth.planner.engine_fit import MeasuredRun, MemoryRank
 from berth.planner.inputs import ClusterInput, TrainingInput, resolve
 from berth.specs.engines import check_fp8
 from berth.specs.errors import BerthError, from_validation_error
@@ -224,18 +225,15 @@ def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> Mea
     tps = _median([s[2] for s in steps])
     mem = max(s[1] for s in steps)
     batch_tokens = plan.training.global_batch_size * plan.training.seq_len
-    return MeasuredRun(
-        run_id,
-        plan.model,
-        _as_engine(plan, "torchtitan", run_id),
-        plan.cluster,
-        plan.layout,
-        "ok",
-        batch_tokens / (tps * plan.cluster.world_size),
-        mem * GIB,
-        "reserved",
-        "rank0",
-    )
+    return _log_run(plan, "torchtitan", run_id, batch_tokens / (tps * plan.cluster.world_size), mem * GIB, "rank0")
+
+
+def _log_run(
+    plan: Plan, engine: str, run_id: str, step_s: float, memory: float | None, rank: MemoryRank
+) -> MeasuredRun:
+    """What an engine's log measured of the plan that ran: its step time and the reserved peak of `rank`."""
+    training = _as_engine(plan, engine, run_id)
+    return MeasuredRun(run_id, plan.model, training, plan.cluster, plan.layout, "ok", step_s, memory, "reserved", rank)
 
 
 def _as_engine(plan: Plan, engine: str, run_id: str) -> TrainingSpec:
@@ -245,25 +243,27 @@ def _as_engine(plan: Plan, engine: str, run_id: str) -> TrainingSpec:
     return training
 
 
+def _iteration_ms(text: str, pattern: re.Pattern[str], number: Callable[[str], float]) -> list[float]:
+    """The milliseconds of each iteration line (`pattern`: the iteration in group 1, its time in group 2) after
+    the first, which carries the warm-up (all of them where there is only one)."""
+    iters = [(int(m[1]), number(m[2])) for m in (pattern.search(line) for line in text.splitlines()) if m]
+    return [ms for it, ms in iters if it > 1] or [ms for _, ms in iters]
+
+
+def _largest(text: str, pattern: re.Pattern[str], group: int, number: Callable[[str], float]) -> float | None:
+    """The largest figure a memory line reports (None: no such line)."""
+    found = [number(m[group]) for m in (pattern.search(line) for line in text.splitlines()) if m]
+    return max(found) if found else None
+
+
 def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> MeasuredRun:
     """A Megatron-LM training log and the plan that ran, as one measured run (median iteration time after
     the first, the largest max-reserved figure reported)."""
-    iters = [(int(m[1]), float(m[2])) for m in (_MG_ITER.search(line) for line in text.splitlines()) if m]
-    times = [ms for it, ms in iters if it > 1] or [ms for _, ms in iters]
+    times = _iteration_ms(text, _MG_ITER, float)
     if not times:
         raise BerthError("log", run_id, "no Megatron iteration line ('elapsed time per iteration (ms): X')")
-    mems = [float(m[2]) for m in (_MG_MEM.search(line) for line in text.splitlines()) if m]
-    return MeasuredRun(
-        run_id,
-        plan.model,
-        _as_engine(plan, "megatron", run_id),
-        plan.cluster,
-        plan.layout,
-        "ok",
-        _median(times) / 1e3,
-        max(mems) * MIB if mems else None,
-        "reserved",
-    )
+    mem = _largest(text, _MG_MEM, 2, float)
+    return _log_run(plan, "megatron", run_id, _median(times) / 1e3, None if mem is None else mem * MIB, "max")
 
 
 def _human(text: str) -> float:
@@ -280,25 +280,12 @@ def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> Measure
     (memory_rank "last"; at pp = 1 that is rank 0). Where nanotron's split leaves the loss a rank of its own
     (docs/accuracy.md) berth prices it with the head, so such a pipeline's figure is compared with a stage that
     holds more than the rank that logged."""
-    iters = [(int(m[1]), _human(m[2])) for m in (_NT_ITER.search(line) for line in text.splitlines()) if m]
-    times = [ms for it, ms in iters if it > 1] or [ms for _, ms in iters]
+    times = _iteration_ms(text, _NT_ITER, _human)
     if not times:
         raise BerthError(
             "log", run_id, "no nanotron iteration line ('iteration: N / M | ... elapsed_time_per_iteration_ms: X')"
         )
-    mems = [_human(m[1]) for m in (_NT_MEM.search(line) for line in text.splitlines()) if m]
-    return MeasuredRun(
-        run_id,
-        plan.model,
-        _as_engine(plan, "nanotron", run_id),
-        plan.cluster,
-        plan.layout,
-        "ok",
-        _median(times) / 1e3,
-        max(mems) if mems else None,
-        "reserved",
-        "last",
-    )
+    return _log_run(plan, "nanotron", run_id, _median(times) / 1e3, _largest(text, _NT_MEM, 1, _human), "last")
 
 
 def read_log(path: str, plan: Plan) -> MeasuredRun:
