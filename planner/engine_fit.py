@@ -276,10 +276,8 @@ class Data:
     ok: np.ndarray
     oom: np.ndarray
     ceiling: np.ndarray  # the reserved peak reached the allocator's ceiling: a lower bound, the time left out
-    one_rank: (
-        np.ndarray
-    )  # the memory figure is one rank's (rank 0's, the last stage's): the others' are bounded only by
-    # having run
+    # the memory figure is one rank's (rank 0's, the last stage's): the others' are bounded only by having run
+    one_rank: np.ndarray
 
     @classmethod
     def of(cls, runs: list[MeasuredRun]) -> Data:
