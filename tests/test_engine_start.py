@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from benchmarks import engine_check as ec
 from berth.launch.writers import ENGINE_VERSIONS, LaunchRefused, artifacts
@@ -352,7 +353,7 @@ def test_training_run_options_reach_every_engine_and_bad_values_name_the_field()
     from berth.specs.errors import BerthError
 
     run = EngineTraining(train_steps=2000, lr=1e-4, min_lr=1e-5, warmup_steps=100, checkpoint_interval=250)
-    plan = next(p for _, p in PLANS if _files(p, "torchtitan") and _files(p, "deepspeed") and _files(p, "megatron"))
+    plan = next(p for _, p in PLANS if all(_files(p, e) for e in ("torchtitan", "deepspeed", "megatron", "nanotron")))
     words = ec.megatron_job(plan, artifacts(plan, "megatron", training=run))["argv"]
     args = dict(zip(words, words[1:], strict=False))
     assert (args["--train-iters"], args["--lr"], args["--lr-warmup-iters"], args["--save-interval"]) == (
@@ -365,6 +366,10 @@ def test_training_run_options_reach_every_engine_and_bad_values_name_the_field()
     assert ds["scheduler"]["params"]["total_num_steps"] == 2000 and ds["optimizer"]["params"]["lr"] == 1e-4
     module = artifacts(plan, "torchtitan", training=run)["berth_torchtitan.py"]
     assert "steps=2000" in module and "interval=250" in module and "'lr': 0.0001" in module
+    nt = yaml.safe_load(artifacts(plan, "nanotron", training=run)["nanotron.yaml"])
+    schedule = nt["optimizer"]["learning_rate_scheduler"]
+    assert (nt["tokens"]["train_steps"], nt["checkpoints"]["checkpoint_interval"]) == (2000, 250)
+    assert (schedule["learning_rate"], schedule["min_decay_lr"], schedule["lr_warmup_steps"]) == (1e-4, 1e-5, 100)
     for bad, field in (
         (dict(warmup_steps=20_000), "training.warmup_steps"),
         (dict(checkpoint_dir="../x; rm -rf /"), "training.checkpoint_dir"),
