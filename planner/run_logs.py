@@ -41,7 +41,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
@@ -146,7 +146,7 @@ def _measured(
     if kind not in ("reserved", "allocated"):
         raise BerthError(f"{where}.memory_kind", kind, "reserved or allocated")
     rank = rec.get("memory_rank", "max")
-    if rank not in ("max", "rank0", "last"):
+    if rank not in get_args(MemoryRank):
         raise BerthError(
             f"{where}.memory_rank",
             rank,
