@@ -55,6 +55,8 @@ the engine's own split: 28 layers over 16 stages, or 80 over 32, leave berth's e
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 StageSplit = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (first, middle, last, valid), broadcast
@@ -142,6 +144,7 @@ def nanotron_costs(model) -> tuple[int, int]:
     return 4 * heads * (h // heads) * h + 3 * int(model.ffn_hidden_size) * h, int(model.vocab_size) * h
 
 
+@functools.lru_cache(maxsize=1024)  # pure in its four integers; a fit evaluates the same few thousands of times
 def _balanced_one(num_layers: int, layer_cost: int, head_cost: int, pp: int) -> tuple[int, int, int, bool]:
     if pp == 1:
         return num_layers, num_layers, num_layers, True
@@ -158,11 +161,8 @@ def balanced_split(num_layers: int, layer_cost: int, head_cost: int, pp) -> Stag
     pp = np.asarray(pp, dtype=np.int64)
     values, index = np.unique(pp, return_inverse=True)
     table = np.array([_balanced_one(num_layers, layer_cost, head_cost, int(p)) for p in values], dtype=np.int64)
-    table = table.reshape(-1, 4)
-    return tuple(  # type: ignore[return-value]
-        (table[:, i][index].reshape(pp.shape) if i < 3 else table[:, i][index].reshape(pp.shape).astype(bool))
-        for i in range(4)
-    )
+    first, middle, last, valid = (table.reshape(-1, 4)[:, i][index].reshape(pp.shape) for i in range(4))
+    return first, middle, last, valid.astype(bool)
 
 
 def rule_stage_split(model, pp, vpp=1, rule: str = SPLIT_ENDS_LIGHTER) -> StageSplit:
