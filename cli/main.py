@@ -293,7 +293,8 @@ def plan_cmd(
     )
     if spare_nodes:
         if not 0 < spare_nodes < cl.nodes:
-            raise BerthError("spare_nodes", spare_nodes, f"must be in 1..{cl.nodes - 1} (of {cl.nodes} nodes)")
+            why = f"must be in 1..{cl.nodes - 1} (of {cl.nodes} nodes" if cl.nodes > 1 else "needs 2+ nodes (of 1"
+            raise BerthError("spare_nodes", spare_nodes, f"{why}: one must stay to train)")
         cl = lose_nodes(cl, spare_nodes)
     search_spec = make_search(
         top=top, fix=fix, max_micro_batch_size=max_mbs, objective=objective, memory_headroom=memory_headroom
@@ -697,6 +698,17 @@ def validate_cmd(
         raise typer.Exit(1)
 
 
+def _is_plan_file(path: Path) -> bool:
+    """`berth plan --json`'s answer, a plan or a list of them (`berth launch --out`'s plan.json), not a report."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return False
+    one = data[0] if isinstance(data, list) and data else data
+    answer = isinstance(data, dict) and "plans" in data
+    return answer or isinstance(one, dict) and {"layout", "prediction"} <= one.keys()
+
+
 @app.command("report")
 def report_cmd(
     report_file: Annotated[str, typer.Argument(help="a ValidationReport JSON (`berth validate --out`)")],
@@ -731,6 +743,8 @@ def report_cmd(
     except UnicodeDecodeError:
         raise BerthError("report", report_file, "not a text file (expected a ValidationReport JSON)") from None
     except ValidationError as err:
+        if _is_plan_file(path):
+            raise BerthError("report", report_file, "a plan, not a report: `berth validate` it first") from None
         raise from_validation_error(err, "report") from None
     if png is not None:
         from berth.cli.plots import EXTRA, have_matplotlib
@@ -794,7 +808,7 @@ def launch_cmd(
     ] = "",
 ) -> None:
     """Write the files that launch a plan: per-node torchrun scripts, an sbatch script or a PyTorchJob
-    running the bundled executor, or Megatron-LM / DeepSpeed / torchtitan configs for the layout."""
+    running the bundled executor, or Megatron-LM / DeepSpeed / torchtitan / nanotron configs for the layout."""
     from berth.launch.writers import artifacts, engine_training
 
     _at_least("steps", steps, 1)
@@ -1186,7 +1200,8 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
             raise BerthError("prior", prior, f"an engine profile of {engine}; the runs are of {', '.join(given)}")
     fit = fit_engine(runs, tuning)
     cl = runs[0].cluster
-    t = Table(title=f"engine {fit.engine}: fitted on {len(runs)} runs ({fit.counts})")
+    measured = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in fit.counts.items() if v)
+    t = Table(title=f"engine {fit.engine}: fitted on {len(runs)} runs (measured: {measured})")
     for col in ("parameter", "prior", "fitted", "± s.e.", "95% interval / why not"):
         t.add_column(
             col,

@@ -335,7 +335,7 @@ def validation_table(report: ValidationReport) -> Table:
     for col in ("metric", "predicted", "measured", "error"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     names = {
-        "step_time_s": "step time",
+        "step_time_s": "step time (median, slowest rank)",
         "tokens_per_s": "tokens/s",
         "peak_memory_bytes": "peak memory (max rank)",
         "loss": "first-step loss (pred. ln V)",

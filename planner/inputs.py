@@ -256,7 +256,7 @@ def apply_operations(cluster: ClusterSpec, operations: OperationsInput) -> Clust
         try:
             cluster = with_operations(cluster, **{spec_field: value * scale})
         except BerthError as err:
-            unit = f" ({spec_field}={value * scale:g})" if scale != 1.0 else ""
+            unit = f" bytes/s ({spec_field}: {value:g} GB/s = {value * scale:g} bytes/s)" if scale != 1.0 else ""
             raise BerthError(f"operations.{name}", value, err.problem + unit) from None
     return cluster
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from berth.cost_models.memory import allocator_capacity_bytes
+
 # The input conversion lives in berth.planner.inputs; these names stay importable from here for
 # the callers that planned with them (tests, notebooks).
 from berth.planner.inputs import (  # noqa: F401
@@ -253,15 +255,16 @@ def with_fallback(
 
 def why_none(result: SearchResult, cluster: ClusterSpec) -> str:
     """Why no layout fits, in one line (`berth plan` prints it, the service answers it as `why_none`): the
-    smallest predicted peak against the device memory when some layout breaks no rule but memory, else
+    smallest predicted peak against what the allocator can use when some layout breaks no rule but memory, else
     every rule broken with its count."""
     rejected = ", ".join(f"{k} {v:,}" for k, v in result.rejected.items()) or "none"
     unit = "CPU worker" if cluster.device.kind == "cpu" else "GPU"
     if result.closest is not None:
         layout, peak = result.closest
+        have = allocator_capacity_bytes(cluster.device, cluster.world_size) / 2**30
         return (
-            f"the smallest predicted peak is {peak / 2**30:,.1f} GiB of "
-            f"{cluster.device.memory_bytes / 2**30:,.1f} GiB per {unit} ({layout}); "
+            f"the smallest predicted peak is {peak / 2**30:,.1f} GiB per {unit} ({layout}), where the allocator can "
+            f"use {have:,.1f} GiB and a plan keeps {result.memory_headroom:.0%} of it spare; "
             f"more GPUs, a shorter sequence or a smaller global batch (rejected: {rejected})"
         )
     return f"every layout of {result.searched:,} searched breaks a rule: {rejected}"

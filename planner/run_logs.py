@@ -96,7 +96,7 @@ def run_from_record(
         return _measured(rec, where, plan.model, plan.training, plan.cluster, plan.layout)
     for key in ("model", "cluster", "seq_len", "global_batch", "layout"):
         if key not in rec:
-            raise BerthError(f"{where}.{key}", None, "required")
+            raise BerthError(f"{where}.{key}", None, 'required, or the "plan" that ran (a plan file beside the runs)')
     cl = rec["cluster"]
     if not isinstance(cl, dict):
         raise BerthError(f"{where}.cluster", cl, 'an object: {"preset": NAME, "nodes": N} or {"graph": {...}}')
@@ -192,7 +192,7 @@ def read_runs(text: str, source: str = "runs", allow_files: bool = True, base: P
             raise BerthError(f"{source} line {n}", line[:60], f"not JSON: {err}") from None
         runs.append(run_from_record(rec, f"{source} line {n}", allow_files, cache, base))
     if not runs:
-        raise BerthError(source, 0, "no runs in the file")
+        raise BerthError("runs", source, "no runs in the file (one JSON object a line)")
     return runs
 
 

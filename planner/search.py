@@ -506,7 +506,9 @@ def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str
                 f"{name}: needs {need:.1f} GiB per GPU{cached} of the {have:.1f} GiB the allocator can use, inside "
                 f"the memory headroom ({max(1 - held / have, 0.0):.1%} left); it may run out of memory or stall"
             )
-        return f"{name}: needs {need:.1f} GiB per GPU, the allocator can use {have:.1f} GiB"
+        peak = ev.peak_memory_bytes[i] / 2**30  # the GiB column: with the cached blocks it hands back as it fills
+        freed = f" (its {peak:.1f} GiB peak less cached blocks it hands back)" if peak > need + 0.05 else ""
+        return f"{name}: needs {need:.1f} GiB per GPU{freed}, the allocator can use {have:.1f} GiB"
     return f"{name}: {text}"
 
 

@@ -91,9 +91,8 @@ class Candidates:
         )
 
     def strides(self) -> dict[str, np.ndarray]:
-        """Rank distance between neighbours along tp, cp, dp and pp: the product of the sizes of the
-        axes inside it in the candidate's axis order, cp right outside tp (tp-dp-pp: 1, tp, tp x cp,
-        tp x cp x dp)."""
+        """Rank distance between neighbours along tp, cp, dp and pp: the product of the sizes of the axes inside it
+        in the candidate's axis order, cp right outside tp (tp-dp-pp: 1, tp, tp x cp, tp x cp x dp)."""
         sizes = {axis: getattr(self, axis) for axis in RANK_AXES}
         out = {axis: np.ones(len(self), dtype=np.int64) for axis in sizes}
         for code, name in enumerate(AXIS_ORDER_CHOICES):

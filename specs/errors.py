@@ -31,9 +31,12 @@ def _jsonable(value: Any) -> Any:
 
 
 def from_validation_error(err: ValidationError, prefix: str = "") -> BerthError:
-    """The first pydantic error as a BerthError naming the dotted field and its value."""
-    first = err.errors()[0]
+    """The first pydantic error as a BerthError naming the dotted field and its value; a key the spec does not have
+    first, with the fields missing (a misspelt key is both: `num_layer` given, `num_layers` missing)."""
+    errors = err.errors()
+    first = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+    missing = ", ".join(".".join(map(str, e["loc"])) for e in errors if e.get("type") == "missing")
     loc = ".".join(str(p) for p in first.get("loc", ()))
     field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or "input")
-    msg = first.get("msg", "invalid")
+    msg = first.get("msg", "invalid") + (f" (missing: {missing})" if missing and first is not errors[0] else "")
     return BerthError(field, first.get("input"), msg.removeprefix("Value error, "))

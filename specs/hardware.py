@@ -15,7 +15,7 @@ Precision = Literal["bf16", "fp16", "fp32"]
 # later; TrainingSpec.fp8 runs the linear layers' GEMMs in it)
 PeakPrecision = Literal["bf16", "fp16", "fp32", "fp8"]
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "p2p"]
-LinkKind = Literal["nvlink", "nvswitch", "pcie", "infiniband", "ethernet", "loopback"]
+LinkKind = Literal["nvlink", "nvswitch", "infinity_fabric", "pcie", "infiniband", "ethernet", "loopback"]
 
 
 class _Frozen(BaseModel):

@@ -126,10 +126,9 @@ def check_values(values: dict[str, Any], field: str = "layout") -> None:
 def layout_problems(
     layout: Layout, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, given: set[str] | None = None
 ) -> list[tuple[str, str]]:
-    """(rule name, why) of every PLAN rule of berth.specs.validity.RULES the layout breaks (the
-    search's own vectorized predicates on a one-row Candidates), in the user's numbers; with
-    `given`, only the rules that read a given field (a rule broken only through fields a user left
-    free is no refusal of what the user gave)."""
+    """(rule name, why) of every PLAN rule of berth.specs.validity.RULES the layout breaks (the search's own
+    vectorized predicates on a one-row Candidates), in the user's numbers; with `given`, only the rules that read a
+    given field (a rule broken only through fields a user left free is no refusal of what the user gave)."""
     given = set(LAYOUT_FIELDS) if given is None else given
     facts = Facts.of(model, training, cluster, given=frozenset(given))
     return [(rule.name, why) for rule, why in violations(layout, facts) if given & set(rule.reads)]

@@ -358,12 +358,11 @@ def _launch_details(cfg: dict[str, Any], model_type: str, source: str) -> dict[s
 
 
 def from_hf_config(cfg: dict[str, Any], source: str = "model", seq_len: int | None = None) -> ModelSpec:
-    """Map a Hugging Face config.json of a decoder-only model to a ModelSpec: dense families and the
-    mixture-of-experts ones of _MOE_FIELDS (Mixtral, Qwen2-MoE, DeepSeek-V2/V3 without MLA). Other
-    mixtures of experts, MLA, encoders, encoder-decoders, a sliding window shorter than the sequence
-    (`_check_window`), a head_dim other than hidden/heads and unknown model types are refused naming the
-    key (they would be planned wrongly). Attention/MLP biases are ignored (under 0.1% of the parameters
-    and FLOPs)."""
+    """Map a Hugging Face config.json of a decoder-only model to a ModelSpec: dense families and the mixture-of-experts
+    ones of _MOE_FIELDS (Mixtral, Qwen2-MoE, DeepSeek-V2/V3 without MLA). Other mixtures of experts, MLA, encoders,
+    encoder-decoders, a sliding window shorter than the sequence (`_check_window`), a head_dim other than
+    hidden/heads and unknown model types are refused naming the key (they would be planned wrongly). Attention/MLP
+    biases are ignored (under 0.1% of the parameters and FLOPs)."""
     _refuse_unsupported(cfg, source, seq_len)
     model_type: str = cfg["model_type"]  # a family of _HF_FAMILIES: _refuse_unsupported refused anything else
     family = _HF_FAMILIES[model_type]

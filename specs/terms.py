@@ -209,5 +209,5 @@ def describe(terms: tuple[TimeTerm, ...] | tuple[MemoryTerm, ...]) -> str:
 BOTTLENECK_DEFINITION = (
     "the time term that takes the largest share of the step (compute, recompute, tp_comm, cp_comm, dp_comm, "
     "pipeline_bubble = bubble + pp_comm, optimizer, ep_comm: time_breakdown_s), or 'memory' when the layout "
-    "does not fit or is memory_tight"
+    "does not fit or is memory_tight (compare's table names the rule it breaks: out_of_memory, memory_tight, ...)"
 )

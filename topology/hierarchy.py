@@ -32,6 +32,7 @@ from berth.specs.tree import FabricLevel
 GRAPH_LINK_EFFICIENCY = {
     "nvlink": 0.78,  # DGX A100 nccl-tests all-reduce busbw 234.9 of 300 GB/s (hardware_facts.json)
     "nvswitch": 0.78,
+    "infinity_fabric": 0.698,  # 8 MI300X, RCCL all-reduce busbw 312.9 of 448 GB/s (hardware_facts.json)
     "infiniband": 0.96,  # one HDR NIC: 24 of 25 GB/s (hardware_facts.json)
     "ethernet": 0.8,  # assumption: RoCE/TCP reach less of the wire than InfiniBand
     "pcie": 0.8,  # assumption: PCIe Gen4/5 peer transfers reach about 80% of the wire
