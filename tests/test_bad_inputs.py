@@ -26,6 +26,8 @@ def files(tmp_path_factory):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "adir").mkdir()
     (tmp_path / "existing.txt").write_text("x")
+    shape = "hidden_size: 256\nnum_attention_heads: 4\nffn_hidden_size: 1024\nvocab_size: 1000\n"
+    (tmp_path / "typo.yaml").write_text("name: m\nnum_layer: 4\n" + shape)  # num_layers misspelt
     r = subprocess.run(
         [
             sys.executable,
@@ -72,6 +74,10 @@ CASES = [
     (["plan", *GPT, "--top", "0"], "search.top"),
     (["plan", *GPT, "--max-mbs", "-3"], "search.max_micro_batch_size"),
     (["plan", *GPT, "--spare-nodes", "-1"], "spare_nodes"),
+    (["plan", *GPT, "--spare-nodes", "1"], "spare_nodes=1: needs 2+ nodes (of 1: one must stay to train)"),
+    # a misspelt key is named, with the field it should have been
+    (["plan", f"{T}/typo.yaml"], "model.num_layer=4: Extra inputs are not permitted (missing: num_layers)"),
+    (["report", f"{T}/plans.json"], "a plan, not a report: `berth validate` it first"),
     (["plan", *GPT, "--global-batch", "-8"], "training.global_batch_size"),
     (["plan", *GPT, "--nodes", "abc"], "--nodes"),
     (["plan", *GPT, "--bogus"], "--bogus"),

@@ -224,3 +224,20 @@ def test_the_api_gives_the_reason_when_nothing_fits(tmp_path):
         again = client.post("/v1/plans", json=body).json()  # answered from the plan cache
         assert again["why_none"] == out["why_none"]
     assert "why_none" in PlanResponse.model_json_schema()["properties"]
+
+
+def test_an_out_of_memory_reason_gives_the_peak_the_table_shows_beside_what_must_fit(capsys):
+    """The GiB column is the reserved peak, cached blocks included; what must fit leaves out the blocks the allocator
+    hands back when it fills (cost_models/memory.py peak_memory). Where the two differ the reason says both, so a
+    user does not read two figures for one layout (nanotron's 8B at tp 2 on 16 H100: 90.3 GiB, 89.8 must fit)."""
+    args = ["compare", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2", "--seq-len", "4096"]
+    from berth.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main([*args, "--global-batch", "128", "--engine", "nanotron", "--layout", "tp=2", "--json"])
+    plan = json.loads(capsys.readouterr().out)["candidates"][0]
+    peak = plan["prediction"]["peak_memory_bytes"] / 2**30
+    reason = plan["infeasible_reason"]
+    assert reason.startswith("out_of_memory: needs ") and f"(its {peak:.1f} GiB peak less cached blocks" in reason
+    need = float(reason.split("needs ")[1].split(" GiB")[0])
+    assert 77.9 < need < peak - 0.05, (need, peak)
