@@ -1233,6 +1233,8 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
         )
     e = fit.errors
     warned = False  # the memory fit's held-out warning already printed
+    # a memory fit not kept: its held-out figures (held_out_after then holds the kept prior's)
+    memory_fit = e.get("held_out_memory_fit") or e.get("held_out_after", {})
     for q, label in (("step_time", "step time"), ("memory", "peak memory")):
         key = f"{q}_median_error"
         if key in e["fit_after"]:
@@ -1245,19 +1247,20 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
                 f"{label}: median |error| on the runs {e['fit_before'][key]:.1%} -> {e['fit_after'][key]:.1%}{held}",
                 highlight=False,
             )
-            worse = e.get("held_out_after", {}).get(key, 0.0) > e.get("held_out_before", {}).get(key, float("inf"))
+            tried = memory_fit if q == "memory" else e.get("held_out_after", {})
+            worse = tried.get(key, 0.0) > e.get("held_out_before", {}).get(key, float("inf"))
             warned |= worse and q == "memory"
             if worse:
                 console.print(
                     f"[yellow]warning[/yellow]: on runs it did not see, the fit predicts {label} worse than the "
                     + (
-                        "prior: the prior's memory parameters are kept"
+                        f"prior ({tried[key]:.1%}): the prior's memory parameters are kept"
                         if q == "memory"
                         else "prior: these runs do not pin its parameters down (measure more, or more varied, runs)"
                     ),
                     highlight=False,
                 )
-    refused = e.get("held_out_after", {}).get("ran_predicted_not_to_fit", 0.0)
+    refused = memory_fit.get("ran_predicted_not_to_fit", 0.0)
     if refused > e.get("held_out_before", {}).get("ran_predicted_not_to_fit", 0.0) and not warned:
         kept = any(n in MEMORY_PARAMETERS for n in fit.fitted)
         closer = recipe_no_reference(e)

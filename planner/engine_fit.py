@@ -133,6 +133,7 @@ RECIPE_NO_REFERENCE = 0.5
 CEILING = 0.97  # a reserved peak within 3 % of the allocator's capacity is capped, not measured (module docstring)
 IDENTIFIABLE_TOLERANCE = 0.05  # a column < 5 % independent of the kept ones would have a 20x standard error
 RUNS_PER_PARAMETER = 2  # parameters of a quantity <= its runs / 2: a spare run for each
+NOISE_FLOOR = 0.01  # no measured step time or peak is known closer than 1 % (log): the floor of a residual scale
 PRIOR_WEIGHT = 0.05  # the prior's pull, per fitted coordinate (log: a factor e costs as much as a 5 % miss)
 MISS = 3.0  # the residual of a run whose layout the model refuses now (log: a 20x miss)
 MOVED = 1e-3  # a fit whose fitted coordinates all moved less than this did not move
@@ -320,6 +321,15 @@ class Data:
         allocated peak within the reserved one where the run measured allocated memory."""
         return np.where(self.allocated, _allocated(seen, tuning), seen)
 
+    def layouts(self) -> dict[str, int]:
+        """Distinct layouts (group and layout) with a measured step time and with a measured peak: repeats of one
+        layout measure it again, they do not tell parameters apart (`identifiable`'s budget)."""
+        keys = [layout_key(r) for r in self.runs]
+        return {
+            q: len({k for k, has in zip(keys, np.isfinite(v), strict=True) if has})
+            for q, v in (("time", self.time), ("memory", self.mem))
+        }
+
     def counts(self) -> dict[str, int]:
         return {
             "time": int(np.isfinite(self.time).sum()),
@@ -328,6 +338,11 @@ class Data:
             "allocated": int((np.isfinite(self.mem) & self.allocated).sum()),
             "at_ceiling": int(self.ceiling.sum()),
         }
+
+
+def layout_key(run: MeasuredRun) -> str:
+    """One key per layout of one group: the runs of a layout measured several times share it."""
+    return f"{run.group}|{run.layout.short()}"
 
 
 def memory_errors(ratio: np.ndarray, ceiling: np.ndarray) -> np.ndarray:
@@ -424,7 +439,8 @@ def identifiable(
     residual: np.ndarray | None = None,
     first: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str]]:
-    """(the parameters the runs determine, {parameter: why not} for the others), in PARAMETERS order. With the
+    """(the parameters the runs determine, {parameter: why not} for the others), in PARAMETERS order; `counts`' time
+    and memory are distinct layouts measured (`Data.layouts`), RUNS_PER_PARAMETER of them per parameter. With the
     runs' `residual` at the prior, the budget goes first to the parameters that explain it (`explaining_order`);
     without, in PARAMETERS order. `first`: parameters whose mechanism the engine's code has (EngineInfo.fit_first),
     offered the budget before the others where the runs depend on them: a threshold's effect is not linear, and
@@ -440,6 +456,9 @@ def identifiable(
     for j in order:
         name = names[j]
         p = PARAMETERS[name]
+        if not counts[p.quantity]:
+            why[name] = f"needs runs with a measured {p.quantity}"
+            continue
         if not norms[j] > 1e-9:
             why[name] = f"the runs do not depend on it: needs {p.needs}"
             continue
@@ -448,7 +467,9 @@ def identifiable(
             why[name] = f"needs {p.needs}"
             continue
         if budget[p.quantity] < 1:
-            why[name] = f"needs {RUNS_PER_PARAMETER} more runs with a measured {p.quantity}"
+            kept = sum(PARAMETERS[names[k]].quantity == p.quantity for k in keep)
+            more = RUNS_PER_PARAMETER * (kept + 1) - counts[p.quantity]
+            why[name] = f"needs {more} more layout{'s' if more > 1 else ''} run with a measured {p.quantity}"
             continue
         cols = jacobian[:, keep + [j]] / norms[keep + [j]]
         if np.linalg.svd(cols, compute_uv=False)[-1] < IDENTIFIABLE_TOLERANCE:
@@ -473,7 +494,7 @@ def start(prior: EngineTuning, names: Iterable[str], cluster: ClusterSpec, engin
 
 
 def _solve(
-    data: Data, prior: EngineTuning, names: list[str], cluster: ClusterSpec
+    data: Data, prior: EngineTuning, names: list[str], cluster: ClusterSpec, curvature: bool = False
 ) -> tuple[EngineTuning, Any, np.ndarray]:
     """(the fitted tuning, the solver's result, the prior in the fit's coordinates): the solver starts INTERIOR
     inside the bounds (`start`), the prior's pull is towards the prior itself."""
@@ -491,6 +512,10 @@ def _solve(
     result = least_squares(
         fun, x0, bounds=(lo, hi), diff_step=1e-3, x_scale="jac", max_nfev=MAX_EVALUATIONS, loss=LOSS, f_scale=LOSS_SCALE
     )
+    if curvature:  # the runs' residuals and their Jacobian at the solution (`covariance`): the solver's own `jac`
+        # has the columns of parameters held at an active bound zeroed, and the robust loss's weights applied
+        result.runs_fun = data.residuals(tuning_of(result.x))
+        result.runs_jac = jacobian(lambda x: data.residuals(tuning_of(x)), result.x, lo, hi)
     return tuning_of(result.x), result, at
 
 
@@ -524,6 +549,27 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
     return refit
 
 
+def _solve_determined(
+    data: Data, prior: EngineTuning, chosen: list[str], not_fitted: dict[str, str], cluster: ClusterSpec
+) -> tuple[EngineTuning, Any, np.ndarray, list[str], dict[str, str]]:
+    """`_solve`, then again without the parameters it left `undetermined` (they keep the prior's values) until none
+    is; (tuning, result, the prior's coordinates, the parameters fitted, {parameter: why not}). Refused (BerthError)
+    where none is left."""
+    tuning, result, at = _solve(data, prior, chosen, cluster, curvature=True)
+    while loose := undetermined(chosen, result, data):
+        chosen = [n for n in chosen if n not in loose]
+        not_fitted = {n: (loose | not_fitted)[n] for n in PARAMETERS if n in loose or n in not_fitted}
+        if not chosen:
+            raise BerthError(
+                "runs",
+                len(data.runs),
+                "the fit leaves every parameter it tried undetermined (the prior is kept): "
+                + "; ".join(f"{n}: {w}" for n, w in loose.items()),
+            )
+        tuning, result, at = _solve(data, prior, chosen, cluster, curvature=True)
+    return tuning, result, at, chosen, not_fitted
+
+
 def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int) -> EngineFit:
     """One fit of the runs as they are (the module docstring); `fit_engine` sets outliers aside around it."""
     if not runs:
@@ -550,7 +596,8 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
         return data.residuals(with_values(prior, {n: decode(n, xi) for n, xi in zip(names, x, strict=True)}))
 
     first = ENGINES[engines[0]].fit_first
-    chosen, not_fitted = identifiable(jacobian(fun_all, x0, lo, hi), names, counts, data.residuals(prior), first)
+    distinct = counts | data.layouts()  # repeats of a layout do not tell parameters apart
+    chosen, not_fitted = identifiable(jacobian(fun_all, x0, lo, hi), names, distinct, data.residuals(prior), first)
     if not chosen:
         raise BerthError(
             "runs",
@@ -558,7 +605,7 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
             "these runs determine none of the engine's parameters (the prior is kept): "
             + "; ".join(f"{n}: {w}" for n, w in not_fitted.items()),
         )
-    tuning, result, x_prior = _solve(data, prior, chosen, cluster)
+    tuning, result, x_prior, chosen, not_fitted = _solve_determined(data, prior, chosen, not_fitted, cluster)
     _refuse_unmoved(
         result.x, x_prior, runs, f"the fit of {', '.join(chosen)} did not move from the prior: these runs agree with it"
     )
@@ -568,7 +615,7 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
         tuning=tuning,
         fitted=chosen,
         not_fitted=not_fitted,
-        uncertainty=uncertainty(chosen, result),
+        uncertainty=uncertainty(chosen, result, data),
         counts=counts,
         run_ids=[r.id for r in runs],
     )
@@ -631,20 +678,58 @@ def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
     fit.not_fitted = {n: why[n] for n in PARAMETERS if n in why}
     # the time parameters solved again by themselves: the joint solve's evaluation budget (MAX_EVALUATIONS) went to
     # the memory parameters too, and may have stopped before the time ones settled
-    fit.tuning, result, at = _solve(Data.of(runs), fit.prior, fit.fitted, runs[0].cluster)
+    fit.tuning, result, at, fit.fitted, fit.not_fitted = _solve_determined(
+        Data.of(runs), fit.prior, fit.fitted, fit.not_fitted, runs[0].cluster
+    )
     moved = f"the memory fit {held}, and the fit of {', '.join(fit.fitted)} did not move from the prior without it"
     _refuse_unmoved(result.x, at, runs, moved)
-    fit.uncertainty = uncertainty(fit.fitted, result)
+    fit.uncertainty = uncertainty(fit.fitted, result, Data.of(runs))
     fit.errors["fit_after"] = errors(runs, fit.tuning)
+    # the memory kept is the prior's, so are its held-out figures (memory depends on the memory parameters alone);
+    # the memory fit not kept keeps its own under held_out_memory_fit
+    memory = ("memory_median_error", "memory_max_error", "ran_predicted_not_to_fit")
+    fit.errors["held_out_memory_fit"] = {k: held_after[k] for k in memory if k in held_after}
+    held_after.update({k: held_before[k] for k in memory if k in held_before})
 
 
-def uncertainty(names: list[str], result: Any) -> dict[str, dict[str, Any]]:
-    """Standard error and 95 % interval of each fitted value: cov = s^2 (J^T J)^-1 at the solution, in the
-    fitted coordinates (log: a multiplicative interval), mapped back to values."""
-    n = len(names)
-    jac, res = result.jac[:-n], result.fun[:-n]  # the runs' rows, not the prior's
-    dof = max(res.size - n, 1)
-    cov = float(res @ res) / dof * np.linalg.pinv(jac.T @ jac)
+def undetermined(names: list[str], result: Any, data: Data) -> dict[str, str]:
+    """{parameter: why} for the fitted parameters the runs leave undetermined at the solution: the runs do not
+    depend on it there (a threshold it did not reach, a bound that switches its mechanism off), or its standard error
+    (`uncertainty`'s covariance) is wider than its whole range: the runs say nothing of it. Selection
+    (`identifiable`) looks at the prior; this looks where the solver ended."""
+    norms = np.linalg.norm(result.runs_jac, axis=0)
+    cov = covariance(names, result, data)
+    lo, hi = bounds(names)
+    out: dict[str, str] = {}
+    for j, name in enumerate(names):
+        value, needs = decode(name, result.x[j]), PARAMETERS[name].needs
+        if not norms[j] > 1e-9:
+            out[name] = f"at {value:.3g} the runs do not depend on it: needs {needs}"
+        elif math.sqrt(max(cov[j, j], 0.0)) > hi[j] - lo[j]:
+            interval = f"{decode(name, lo[j]):.3g} .. {decode(name, hi[j]):.3g}"
+            out[name] = f"its standard error is wider than its whole range ({interval}): needs {needs}"
+    return out
+
+
+def covariance(names: list[str], result: Any, data: Data) -> np.ndarray:
+    """The fitted coordinates' covariance at the solution (`_solve` with curvature), (J^T W J)^+ over the runs' rows
+    (not the prior's): each row weighted by 1 / s^2 of its quantity (step time; peak memory with the out-of-memory and
+    must-fit rows), s^2 its rows' residual sum of squares / (rows - the quantity's parameters), at least
+    NOISE_FLOOR^2. Step times miss by more than peaks do: one pooled s^2 would give the memory parameters the time
+    residuals' noise."""
+    jac, res = result.runs_jac, result.runs_fun
+    time_rows = np.arange(res.size) < int(np.isfinite(data.time).sum())  # Data.residuals: step times first
+    weight = np.empty(res.size)
+    for rows, quantity in ((time_rows, "time"), (~time_rows, "memory")):
+        k = sum(PARAMETERS[m].quantity == quantity for m in names)
+        weight[rows] = 1.0 / max(float(res[rows] @ res[rows]) / max(int(rows.sum()) - k, 1), NOISE_FLOOR**2)
+    return np.linalg.pinv(jac.T @ (weight[:, None] * jac))
+
+
+def uncertainty(names: list[str], result: Any, data: Data) -> dict[str, dict[str, Any]]:
+    """Standard error and 95 % interval of each fitted value (`covariance`), in the fitted coordinates (log: a
+    multiplicative interval), mapped back to values."""
+    cov = covariance(names, result, data)
     lo, hi = bounds(names)
     out: dict[str, dict[str, Any]] = {}
     for j, name in enumerate(names):
@@ -669,13 +754,21 @@ def held_out(
     k = min(folds, len(runs))
     if k < 2:
         return {}
-    # a stable shuffle (str hashes change between processes): the folds, and so the figures, are reproducible
-    order = np.argsort([hashlib.sha256(r.id.encode()).hexdigest() for r in runs], kind="stable")
+    # a stable shuffle (str hashes change between processes): the folds, and so the figures, are reproducible; the
+    # runs of one layout fall in one fold, so no run is predicted by a fit that saw the same layout measured again
+    first: dict[str, str] = {}  # a layout's first run id
+    for r in runs:
+        first.setdefault(layout_key(r), r.id)
+    keys = sorted(first, key=lambda key: hashlib.sha256(first[key].encode()).hexdigest())
+    k = min(k, len(keys))
+    if k < 2:
+        return {}
+    fold_of = {key: i % k for i, key in enumerate(keys)}
     preds_t, preds_m = np.full(len(runs), np.nan), np.full(len(runs), np.nan)
     ceiling = np.zeros(len(runs), dtype=bool)
     not_fit = np.zeros(len(runs), dtype=bool)
     for f in range(k):
-        test = set(order[f::k].tolist())
+        test = {i for i, r in enumerate(runs) if fold_of[layout_key(r)] == f}
         train = [r for i, r in enumerate(runs) if i not in test]
         if not train:
             continue

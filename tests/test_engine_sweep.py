@@ -68,7 +68,7 @@ def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
 def test_the_nanotron_entry_predicts_better_than_the_generic_engine(result):
     """Its split rule and recipe, read from nanotron's code, leave the fit less to learn: on the groups not probed
     the nanotron entry predicts memory far closer before calibration (9 % against 37 %) and throughput closer after
-    it than the calibrated generic engine (8B / 1B probes: 13 / 19 % against 38 / 24 %), and ranks better on the
+    it than the calibrated generic engine (8B / 1B probes: 13 / 19 % against 38 / 25 %), and ranks better on the
     two loops together (median rho 0.85 / 0.76 against 0.59 / 0.81: from the 1B probes alone the generic engine's is
     the higher by 0.05); its first choice is not better (docs/accuracy.md)."""
     for size, r in result["models"].items():
