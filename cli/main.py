@@ -448,6 +448,7 @@ def compare_cmd(
         plans_table(
             candidates,
             f"{spec.name} on {cl.world_size} {_unit(cl)}, engine {training.engine}"
+            + (f" ({training.tuning.profile})" if training.tuning.profile else "")
             + (f", FP8 {training.fp8}" if training.fp8 else "")
             + ": candidates",
             ref,
@@ -909,7 +910,10 @@ def calibrate_cmd(
     log: Annotated[
         list[str] | None, typer.Option("--log", help="a torchtitan, Megatron-LM or nanotron training log (with --plan)")
     ] = None,
-    plan_file: Annotated[str | None, typer.Option("--plan", help="the plan the --log runs ran")] = None,
+    plan_file: Annotated[
+        list[str] | None,
+        typer.Option("--plan", help="the plan the --log runs ran: one for every log, or one per --log, in order"),
+    ] = None,
     prior: Annotated[str | None, typer.Option("--prior", help="an engine profile to start the fit from")] = None,
 ) -> None:
     """Fit the cost model's named efficiency parameters to validation reports (scipy least_squares)
@@ -926,7 +930,7 @@ def calibrate_cmd(
     from berth.specs.tree import ValidationReport
 
     if runs or log:
-        _calibrate_runs(runs or "", log or [], plan_file, out, prior)
+        _calibrate_runs(runs or "", log or [], plan_file or [], out, prior)
         return
     if not 0.0 <= holdout < 1.0:
         raise BerthError("holdout", holdout, "must be in [0, 1)")
@@ -1122,6 +1126,9 @@ def _write_probe_files(out: str, picks: list) -> None:
     directory = Path(out)
     if directory.exists() and not directory.is_dir():
         raise BerthError("out", out, "exists and is not a directory")
+    earlier = sorted(p.name for p in directory.glob("probe-*")) if directory.is_dir() else []
+    if earlier or (directory / "runs.jsonl").exists():  # a team's measurements are never overwritten
+        raise BerthError("out", out, f"holds earlier probes ({', '.join(earlier) or 'runs.jsonl'}): give a new folder")
     try:
         for i, p in enumerate(picks, 1):
             sub = directory / f"probe-{i:02d}"
@@ -1159,7 +1166,7 @@ def _write_probe_files(out: str, picks: list) -> None:
         raise BerthError("out", out, f"cannot write: {err.strerror}") from None
 
 
-def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out: str | None, prior: str | None) -> None:
+def _calibrate_runs(runs_file: str, logs: list[str], plans: list[str], out: str | None, prior: str | None) -> None:
     """`berth calibrate --runs/--log`: fit an engine to measured runs (planner/engine_fit.py)."""
     from rich.table import Table
 
@@ -1179,12 +1186,14 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
         text = _read_text(runs_file, "runs", "JSON lines")
         runs.extend(read_runs(text, runs_file, base=Path(runs_file).resolve().parent))
     if logs:
-        if plan_file is None:
+        if not plans:
             raise BerthError("plan", None, "--log needs --plan: the plan that ran (berth plan --json output)")
-        plan = _load_plan(plan_file, 1)
-        for path in logs:
+        if len(plans) not in (1, len(logs)):
+            raise BerthError("plan", plans, f"one --plan for every log, or one per --log ({len(logs)}), in order")
+        loaded = {path: _load_plan(path, 1) for path in plans}
+        for path, plan_path in zip(logs, plans * len(logs) if len(plans) == 1 else plans, strict=True):
             try:
-                runs.append(read_log(path, plan))
+                runs.append(read_log(path, loaded[plan_path]))
             except OSError as err:
                 raise BerthError("log", path, f"cannot read: {err.strerror}") from None
     tuning = None
@@ -1247,6 +1256,12 @@ def _calibrate_runs(runs_file: str, logs: list[str], plan_file: str | None, out:
                 f"{label}: median |error| on the runs {e['fit_before'][key]:.1%} -> {e['fit_after'][key]:.1%}{held}",
                 highlight=False,
             )
+            if e["fit_after"][key] > 0.5:  # no parameter within its bounds reaches these runs
+                console.print(
+                    f"[yellow]warning[/yellow]: the fit still misses the runs' {label} by {e['fit_after'][key]:.0%} "
+                    "at the median: check that each run's plan is the one that ran (layout, batch, sequence, cluster)",
+                    highlight=False,
+                )
             tried = memory_fit if q == "memory" else e.get("held_out_after", {})
             worse = tried.get(key, 0.0) > e.get("held_out_before", {}).get(key, float("inf"))
             warned |= worse and q == "memory"

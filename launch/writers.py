@@ -768,6 +768,7 @@ def megatron_args(plan: Plan, run: EngineTraining | None = None) -> dict[str, st
     b1, b2 = run.betas
     args += [  # the training run (EngineTraining)
         ("--train-iters", run.train_steps),
+        ("--log-interval", 1),  # each iteration's line, which `berth calibrate --log` reads (Megatron's default: 100)
         ("--optimizer", "adam"),  # Megatron's adam is AdamW (decoupled weight decay)
         ("--lr", _number(run.lr)),
         ("--min-lr", _number(run.min_lr)),

@@ -380,5 +380,10 @@ def plan_for_format(plan: Plan, fmt: str | None) -> tuple[Plan, str, str | None]
         f"the plan was made for engine {engine.name}; format {fmt} starts {target.name}: re-predicted for it, "
         f"{after.tokens_per_s:,.0f} tokens/s and {after.peak_memory_bytes / 2**30:.1f} GiB per GPU "
         f"(was {before.tokens_per_s:,.0f} tokens/s, {before.peak_memory_bytes / 2**30:.1f} GiB)"
+        + (
+            f"; its profile {plan.training.tuning.profile}, fitted for {engine.name}, is left out"
+            if plan.training.tuning.profile or not plan.training.tuning.neutral
+            else ""
+        )
     )
     return again, fmt, note

@@ -199,11 +199,22 @@ def read_runs(text: str, source: str = "runs", allow_files: bool = True, base: P
 # ---- engines' own logs ----------------------------------------------------------------------------
 
 # torchtitan 0.3.0 torchtitan/components/metrics.py MetricsProcessor.log (colour codes stripped first)
-_TT_LINE = re.compile(r"step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+# (its validation line, "validate step: ...", measures the evaluation, not a training step)
+_TT_LINE = re.compile(r"(?<!validate )step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Megatron-LM megatron/training/training.py training_log and megatron/training/utils.py report_memory
 _MG_ITER = re.compile(r"iteration\s+(\d+)\s*/\s*\d+.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 _MG_MEM = re.compile(r"max allocated:\s*([\d.]+).*?max reserved:\s*([\d.]+)")
+# megatron/training/arguments.py _print_args: "  name ....... value" between its "arguments" rulers
+_MG_ARG = re.compile(r"^\s*(\w+) \.{3,} (\S+)\s*$")
+_MG_LAYOUT = {  # Megatron's argument -> what the plan says
+    "tensor_model_parallel_size": lambda p: p.layout.tp,
+    "pipeline_model_parallel_size": lambda p: p.layout.pp,
+    "micro_batch_size": lambda p: p.layout.micro_batch_size,
+    "global_batch_size": lambda p: p.training.global_batch_size,
+    "seq_length": lambda p: p.training.seq_len,
+    "world_size": lambda p: p.layout.world_size,
+}
 # nanotron e24d2483 trainer.py train_step_logs through logging.py LoggerWriter.add_scalars_from_list (human_format)
 _NT_ITER = re.compile(r"iteration:\s*(\d+)\s*/\s*\d+\s*\|.*?elapsed_time_per_iteration_ms:\s*([\d.]+[KMGTPE]?)\b")
 _NT_MEM = re.compile(r"cuda_max_memory_reserved:\s*([\d.]+[KMGTPE]?)\b")
@@ -237,7 +248,14 @@ def _log_run(
 
 
 def _as_engine(plan: Plan, engine: str, run_id: str) -> TrainingSpec:
-    """The plan's training as the engine whose log it is; an FP8 recipe that engine cannot run is refused."""
+    """The plan's training as the engine whose log it is (a plan for the generic engine, or the executor's default,
+    takes the log's; one for another engine is refused: it is not the plan that ran); an FP8 recipe that engine
+    cannot run is refused."""
+    planned = plan.training.engine
+    if planned not in (engine, "generic", "executor"):
+        raise BerthError(
+            f"log {run_id}", engine, f"a {engine} log, and the plan was made for {planned}: give the plan that ran"
+        )
     training = plan.training.model_copy(update={"engine": engine})
     check_fp8(training, plan.cluster.device, f"{run_id}: plan.training.fp8")
     return training
@@ -245,9 +263,10 @@ def _as_engine(plan: Plan, engine: str, run_id: str) -> TrainingSpec:
 
 def _iteration_ms(text: str, pattern: re.Pattern[str], number: Callable[[str], float]) -> list[float]:
     """The milliseconds of each iteration line (`pattern`: the iteration in group 1, its time in group 2) after
-    the first, which carries the warm-up (all of them where there is only one)."""
-    iters = [(int(m[1]), number(m[2])) for m in (pattern.search(line) for line in text.splitlines()) if m]
-    return [ms for it, ms in iters if it > 1] or [ms for _, ms in iters]
+    the first logged, which carries the warm-up (at Megatron's --log-interval 100, the line at iteration 100
+    averages the first hundred); all of them where there is only one."""
+    iters = [number(m[2]) for m in (pattern.search(line) for line in text.splitlines()) if m]
+    return iters[1:] or iters
 
 
 def _largest(text: str, pattern: re.Pattern[str], group: int, number: Callable[[str], float]) -> float | None:
@@ -259,9 +278,20 @@ def _largest(text: str, pattern: re.Pattern[str], group: int, number: Callable[[
 def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> MeasuredRun:
     """A Megatron-LM training log and the plan that ran, as one measured run (median iteration time after
     the first, the largest max-reserved figure reported)."""
+    for line in text.splitlines():
+        m = _MG_ARG.match(line)
+        if m and m[1] in _MG_LAYOUT and m[2] != str(_MG_LAYOUT[m[1]](plan)):
+            raise BerthError(
+                f"log {run_id}: {m[1]}", m[2], f"the plan's is {_MG_LAYOUT[m[1]](plan)}: give the plan that ran"
+            )
     times = _iteration_ms(text, _MG_ITER, float)
     if not times:
-        raise BerthError("log", run_id, "no Megatron iteration line ('elapsed time per iteration (ms): X')")
+        raise BerthError(
+            "log",
+            run_id,
+            "no Megatron iteration line ('elapsed time per iteration (ms): X'): a run shorter than its --log-interval "
+            "(Megatron's default 100; berth's megatron-launch.sh sets 1) prints none",
+        )
     mem = _largest(text, _MG_MEM, 2, float)
     return _log_run(plan, "megatron", run_id, _median(times) / 1e3, None if mem is None else mem * MIB, "max")
 
@@ -291,8 +321,16 @@ def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> Measure
 def read_log(path: str, plan: Plan) -> MeasuredRun:
     """A torchtitan, Megatron-LM or nanotron log file (told apart by their lines) as a measured run."""
     text = Path(path).read_text(errors="replace")[: 64 * 2**20]
-    if _MG_ITER.search(text):
-        return megatron_log(text, plan, Path(path).name)
+    name = str(path)  # the run's id: as given (probe-01/train.log and probe-02/train.log are two runs)
+    if _MG_ITER.search(text) or any(_MG_ARG.match(line) for line in text.splitlines()[:2000]):
+        return megatron_log(text, plan, name)
     if _NT_ITER.search(text):
-        return nanotron_log(text, plan, Path(path).name)
-    return torchtitan_log(text, plan, Path(path).name)
+        return nanotron_log(text, plan, name)
+    if _TT_LINE.search(_ANSI.sub("", text)):
+        return torchtitan_log(text, plan, name)
+    raise BerthError(
+        "log",
+        name,
+        "no training line of torchtitan ('step: N ... memory: X GiB ... tps: N'), Megatron-LM ('iteration N/M ... "
+        "elapsed time per iteration (ms): X') or nanotron ('iteration: N / M | ... elapsed_time_per_iteration_ms: X')",
+    )

@@ -417,10 +417,10 @@ def test_runs_as_a_user_writes_them():
     assert b.status == "oom" and b.step_time_s is None
 
 
-def _plan():
+def _plan(engine="torchtitan"):
     cl = cluster_from_preset("dgx-h100", 1)
     x = Layout(tp=2, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True)
-    return predict_layouts(SMALL, training("torchtitan"), cl, [x])[0]
+    return predict_layouts(SMALL, training(engine), cl, [x])[0]
 
 
 def test_torchtitan_and_megatron_logs_become_runs():
@@ -432,6 +432,10 @@ def test_torchtitan_and_megatron_logs_become_runs():
         f"\x1b[34mtps: {w:,}  \x1b[36mtflops: 300.00  \x1b[35mmfu: 30.33%\x1b[39m"
         for i, w in ((1, 900), (2, 10_000), (3, 10_400), (4, 10_200))
     )
+    # its validation line (log_validation) measures an evaluation, not a training step
+    tt += (
+        "\n[rank0]:[titan] - INFO - \x1b[33mvalidate step:  4  \x1b[32mloss:  7.0000  memory: 31.00GiB(40.00%)  tps: 90"
+    )
     run = torchtitan_log(tt, p)
     assert run.step_time_s == pytest.approx(64 * 2048 / (10_200 * 8))  # median of the steps after the first
     assert run.peak_memory_bytes == pytest.approx(34.5 * 2**30) and run.training.engine == "torchtitan"
@@ -439,18 +443,30 @@ def test_torchtitan_and_megatron_logs_become_runs():
     # Megatron-LM megatron/training/training.py training_log and utils.py report_memory
     mg = "\n".join(
         [
-            " [2026-01-01 00:00:01] iteration        1/     100 | consumed samples:           64 | elapsed time "
+            "------------------------ arguments ------------------------",  # arguments.py _print_args
+            "  global_batch_size ............................... 64",
+            "  tensor_model_parallel_size ...................... 2",
+            "  world_size ...................................... 8",
+            " [2026-01-01 00:00:01] iteration      100/     300 | consumed samples:         6400 | elapsed time "
             "per iteration (ms): 9000.0 | learning rate: 1.0E-05 |",
             "[Rank 0] (after 1 iterations) memory (MB) | allocated: 20000.0 | max allocated: 30000.0 | "
             "reserved: 32000.0 | max reserved: 32500.0",
-            " [2026-01-01 00:00:02] iteration        2/     100 | consumed samples:          128 | elapsed time "
+            " [2026-01-01 00:00:02] iteration      200/     300 | consumed samples:        12800 | elapsed time "
             "per iteration (ms): 1500.0 | learning rate: 1.0E-05 |",
-            " [2026-01-01 00:00:03] iteration        3/     100 | consumed samples:          192 | elapsed time "
+            " [2026-01-01 00:00:03] iteration      300/     300 | consumed samples:        19200 | elapsed time "
             "per iteration (ms): 1520.0 | learning rate: 1.0E-05 |",
         ]
     )
-    run = megatron_log(mg, p)
+    # the first logged line (here iteration 100, at Megatron's default --log-interval) averages in the warm-up
+    run = megatron_log(mg, _plan("megatron"))
     assert run.step_time_s == pytest.approx(1.51) and run.peak_memory_bytes == 32500 * 2**20
+    with pytest.raises(BerthError, match="tensor_model_parallel_size='8': the plan's is 2: give the plan that ran"):
+        megatron_log(mg.replace("size ...................... 2", "size ...................... 8"), _plan("megatron"))
+    with pytest.raises(
+        BerthError, match="a megatron log, and the plan was made for torchtitan: give the plan that ran"
+    ):
+        megatron_log(mg, p)
+    assert megatron_log(mg, _plan("generic")).training.engine == "megatron"  # a generic plan takes the log's engine
     with pytest.raises(BerthError, match="no torchtitan metrics"):
         torchtitan_log("nothing here", p)
 
@@ -1121,3 +1137,10 @@ def test_a_parameter_the_solution_leaves_undetermined_is_named():
     u = {n: v["standard_error"] / v["value"] for n, v in uncertainty([names[0], names[3]], kept, data).items()}
     # the memory scale's (relative) error follows the peaks' 1 % residuals, not the step times' 20 %
     assert u["state_bytes_scale"] < 0.1 * u["compute_efficiency"], u
+
+
+def test_the_guide_names_every_engine_parameter():
+    """The parameters `berth calibrate --runs` prints and `berth probe` pins are defined for a user in one table."""
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "guide.md").read_text()
+    table = guide.split("### Teaching berth an engine")[1].split("\n## ")[0]
+    assert all(f"| `{name}` | {p.quantity} |" in table for name, p in PARAMETERS.items())

@@ -529,7 +529,7 @@ def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "elapsed_time_per_iteration_ms: 2.43K" in proc.stdout  # logging.py human_format: 3 significant digits
     (tmp_path / "train.log").write_text(proc.stdout)
-    training = TrainingSpec(seq_len=2048, global_batch_size=64, engine="megatron")  # planned for another engine
+    training = TrainingSpec(seq_len=2048, global_batch_size=64, engine="nanotron")
     cluster = cluster_from_preset("aws-p5", 1)
     for fix in ("tp=2,dp=4,mbs=1", "tp=2,pp=2,dp=2,mbs=1"):
         (plan,) = compare(load_model("llama3-8b"), training, cluster, [fix])

@@ -47,7 +47,7 @@ MEGATRON_ARGS = {
     ],
     *["--add-qkv-bias", "--attention-dropout", "--hidden-dropout", "--train-iters", "--optimizer", "--lr", "--min-lr"],
     *["--lr-decay-style", "--lr-warmup-iters", "--lr-decay-iters", "--weight-decay", "--adam-beta1", "--adam-beta2"],
-    *["--adam-eps", "--clip-grad", "--save", "--load", "--save-interval", "--split"],
+    *["--adam-eps", "--clip-grad", "--save", "--load", "--save-interval", "--split", "--log-interval"],
     "--tensor-model-parallel-size",
     "--pipeline-model-parallel-size",
     "--num-layers-per-virtual-pipeline-stage",
