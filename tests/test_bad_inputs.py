@@ -128,6 +128,10 @@ CASES = [
     (["calibrate", f"{T}/blob.bin"], "reports"),
     (["calibrate", f"{T}/missing.json"], "reports"),
     (["calibrate", "--holdout", "2"], "holdout"),
+    (
+        ["calibrate", "--log", f"{T}/existing.txt", "--log", f"{T}/existing.txt", *["--plan", f"{T}/plans.json"] * 3],
+        "one --plan for every log, or one per --log (2)",
+    ),
     (["calibrate", f"{T}/blob.bin", "--out", f"{T}/nodir/c.json"], "out"),
     (["serve", "--port", "0"], "port"),
     (["serve", "--workers", "0"], "workers"),

@@ -319,6 +319,11 @@ def test_the_cli_loop_probe_calibrate_plan(tmp_path):
     for t, m in zip(template, measured, strict=True):
         t["step_time_s"], t["peak_memory_gib"] = m.step_time_s, m.peak_memory_bytes / 2**30
     (out / "runs.jsonl").write_text("".join(json.dumps(t) + "\n" for t in template))
+    # probing into the same folder again would replace what the team measured: refused, nothing touched
+    again = [*BERTH, "probe", str(model), *common, "--engine", "megatron", "--runs", "6", "--out", str(out)]
+    r = subprocess.run(again, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "holds earlier probes (probe-01" in r.stderr
+    assert json.loads((out / "runs.jsonl").read_text().splitlines()[0])["step_time_s"] == template[0]["step_time_s"]
     prof = tmp_path / "megatron-profile.json"
     r = subprocess.run(
         [*BERTH, "calibrate", "--runs", str(out / "runs.jsonl"), "--out", str(prof)],
