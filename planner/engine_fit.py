@@ -3,7 +3,7 @@
 A run is what a team measured with its own engine: the model, the cluster, the sequence length and
 global batch, the layout, whether it ran ("ok"), ran out of memory ("oom") or failed otherwise
 ("error"), and what it measured (step time or tokens/s, peak memory, reserved or allocated). Runs
-come as JSON lines (`read_runs`; `berth calibrate --runs FILE`), from torchtitan's or Megatron-LM's
+come as JSON lines (`read_runs`; `berth calibrate --runs FILE`), from torchtitan's, Megatron-LM's or nanotron's
 own training logs (planner/run_logs.py), or from berth's executor reports.
 
 The fit (`fit_engine`) moves a handful of named, bounded parameters (PARAMETERS, EngineTuning in
@@ -32,11 +32,13 @@ runs are at most a quarter of those timed (`fit_engine`, OUTLIER; the answer nam
 
 Only what the runs determine is fitted: a parameter whose Jacobian column is (nearly) zero or a
 combination of those already kept (IDENTIFIABLE_TOLERANCE), or for which its quantity has no spare
-run (RUNS_PER_PARAMETER), stays at its prior value, and the answer says why. The parameters are
-considered in the order that explains most of the runs' disagreement with the prior first
-(`explaining_order`), so a short budget goes where the runs say the engine differs. Each fitted value gets
-its standard error (s^2 (J^T J)^-1 at the solution), and the fit is scored on runs it did not see
-(k-fold, `held_out`); fitted memory parameters that predict the runs they did not see worse than the
+layout measured (RUNS_PER_PARAMETER; repeats of a layout count once), stays at its prior value, and the answer
+says why. The parameters are considered in the order that explains most of the runs' disagreement with the prior
+first (`explaining_order`), so a short budget goes where the runs say the engine differs. One the solution leaves
+undetermined (`undetermined`: no dependence there, or a standard error wider than its range) goes back to the prior
+and the rest is solved again. Each fitted value gets its standard error (`covariance`: each quantity weighted by its
+own residual scale), and the fit is scored on runs it did not see (k-fold by layout, `held_out`); fitted memory
+parameters that predict the runs they did not see worse than the
 prior, or predict more runs that ran not to fit than it does (unless RECIPE_NO_REFERENCE times as close), go back
 to it (`_memory_back_to_prior`), and the time parameters are solved again without them. A fit that determines
 nothing, or does not move, or whose only fitted parameters went back, is refused (BerthError): the caller keeps

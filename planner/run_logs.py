@@ -207,6 +207,7 @@ _MG_ITER = re.compile(r"iteration\s+(\d+)\s*/\s*\d+.*?elapsed time per iteration
 _MG_MEM = re.compile(r"max allocated:\s*([\d.]+).*?max reserved:\s*([\d.]+)")
 # megatron/training/arguments.py _print_args: "  name ....... value" between its "arguments" rulers
 _MG_ARG = re.compile(r"^\s*(\w+) \.{3,} (\S+)\s*$")
+_MG_ARGS_TITLE = re.compile(r"-{8,} arguments -{8,}")
 _MG_LAYOUT = {  # Megatron's argument -> what the plan says
     "tensor_model_parallel_size": lambda p: p.layout.tp,
     "pipeline_model_parallel_size": lambda p: p.layout.pp,
@@ -322,7 +323,7 @@ def read_log(path: str, plan: Plan) -> MeasuredRun:
     """A torchtitan, Megatron-LM or nanotron log file (told apart by their lines) as a measured run."""
     text = Path(path).read_text(errors="replace")[: 64 * 2**20]
     name = str(path)  # the run's id: as given (probe-01/train.log and probe-02/train.log are two runs)
-    if _MG_ITER.search(text) or any(_MG_ARG.match(line) for line in text.splitlines()[:2000]):
+    if _MG_ITER.search(text) or _MG_ARGS_TITLE.search(text):
         return megatron_log(text, plan, name)
     if _NT_ITER.search(text):
         return nanotron_log(text, plan, name)

@@ -296,6 +296,8 @@ def test_every_path_to_a_prediction_or_a_launch_checks_the_recipe():
     assert err.value.field == "plan.training.fp8"
     log = "\n".join(f"iteration {i}/10 | elapsed time per iteration (ms): 900.0 |" for i in (2, 3))
     with pytest.raises(BerthError, match="not 'rowwise'"):
+        megatron_log(log, edited)  # a Megatron log with a plan naming megatron and torchao's recipe
+    with pytest.raises(BerthError, match="a megatron log, and the plan was made for torchtitan"):
         megatron_log(log, titan)
     with pytest.raises(BerthError, match="the bundled executor trains in bf16") as err:
         preflight(_plan("megatron", "delayed", "tp=2,pp=2,dp=2,mbs=1,zero=1,sp=1"))
