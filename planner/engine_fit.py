@@ -753,16 +753,13 @@ def held_out(
     runs: list[MeasuredRun], prior: EngineTuning, names: list[str], cluster: ClusterSpec, folds: int
 ) -> dict[str, dict[str, float]]:
     """k-fold: fit on the rest, score each fold's runs; the errors of all folds pooled (before: the prior)."""
-    k = min(folds, len(runs))
-    if k < 2:
-        return {}
     # a stable shuffle (str hashes change between processes): the folds, and so the figures, are reproducible; the
     # runs of one layout fall in one fold, so no run is predicted by a fit that saw the same layout measured again
     first: dict[str, str] = {}  # a layout's first run id
     for r in runs:
         first.setdefault(layout_key(r), r.id)
     keys = sorted(first, key=lambda key: hashlib.sha256(first[key].encode()).hexdigest())
-    k = min(k, len(keys))
+    k = min(folds, len(keys))
     if k < 2:
         return {}
     fold_of = {key: i % k for i, key in enumerate(keys)}

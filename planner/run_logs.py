@@ -26,13 +26,15 @@ Four sources:
 - Megatron-LM's training log (`megatron_log`): "elapsed time per iteration (ms): X" of each
   iteration line (megatron/training/training.py training_log) and the memory report after the first
   iterations ("memory (MB) | allocated: ... | max allocated: ... | reserved: ... | max reserved: ...",
-  megatron/training/utils.py report_memory). The first iteration is skipped.
+  megatron/training/utils.py report_memory). The first logged line is skipped (it carries the warm-up), and the
+  arguments Megatron prints (tp, pp, batch, sequence, world size) must be the plan's.
 - nanotron's training log (`nanotron_log`): the "iteration: N / M | ... | elapsed_time_per_iteration_ms: X |
   ... | cuda_max_memory_reserved: Y" line trainer.py train_step_logs prints each step (memory in the first
-  five), numbers in logging.py's human_format (3 significant digits). The first iteration is skipped.
+  five), numbers in logging.py's human_format (3 significant digits). The first logged line is skipped.
 
 A log comes with the plan that ran (`berth plan --json` / `berth compare --json` output, or a plan
-file): the plan gives model, cluster, training, engine and layout.
+file): the plan gives model, cluster, training, engine and layout; a plan made for another engine than the log's
+is refused (one for `generic` or the default `executor` takes the log's).
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> Mea
     """A torchtitan training log and the plan that ran, as one measured run (median over logged steps)."""
     rows = [_TT_LINE.search(_ANSI.sub("", line)) for line in text.splitlines()]
     found = [(int(m[1]), float(m[2]), float(m[3].replace(",", ""))) for m in rows if m]
-    steps = found[1:] or found
+    steps = _after_first(found)
     if not steps:
         raise BerthError("log", run_id, "no torchtitan metrics line ('step: N ... memory: X GiB ... tps: N')")
     tps = _median([s[2] for s in steps])
@@ -266,8 +268,12 @@ def _iteration_ms(text: str, pattern: re.Pattern[str], number: Callable[[str], f
     """The milliseconds of each iteration line (`pattern`: the iteration in group 1, its time in group 2) after
     the first logged, which carries the warm-up (at Megatron's --log-interval 100, the line at iteration 100
     averages the first hundred); all of them where there is only one."""
-    iters = [number(m[2]) for m in (pattern.search(line) for line in text.splitlines()) if m]
-    return iters[1:] or iters
+    return _after_first([number(m[2]) for m in (pattern.search(line) for line in text.splitlines()) if m])
+
+
+def _after_first(logged: list) -> list:
+    """The logged steps after the first, which carries the warm-up; all of them where there is only one."""
+    return logged[1:] or logged
 
 
 def _largest(text: str, pattern: re.Pattern[str], group: int, number: Callable[[str], float]) -> float | None:
