@@ -9,7 +9,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, 
 
 from berth.hardware_profiles import server_names
 from berth.launch.writers import FORMATS
-from berth.planner.inputs import ClusterInput, OperationsInput, TrainingInput
+from berth.planner.inputs import ClusterInput, OperationsInput, TrainingInput, with_engine_profile
+from berth.specs.errors import BerthError
 from berth.specs.hardware import LinkProfile
 from berth.specs.tree import (
     ENGINE_ALIASES,
@@ -79,9 +80,23 @@ class TrainingRequest(Body):
         "--out` writes (its `profile` names it in the plans)",
     )
 
+    profile: dict[str, Any] | None = Field(
+        default=None,
+        description="an engine profile as `berth calibrate --runs --out` writes it (its format, engine and tuning "
+        "are read; its fit report is not): the plans take its engine and fitted parameters, as --profile does; "
+        "training.engine, where given, must be the profile's; not with training.tuning",
+    )
+
     def to_input(self) -> TrainingInput:
-        """The values berth.planner.inputs turns into a TrainingSpec (the CLI's options become the same)."""
-        return TrainingInput(**{**self.model_dump(exclude={"tuning"}), "tuning": self.tuning})
+        """The values berth.planner.inputs turns into a TrainingSpec (the CLI's options become the same); an
+        engine profile gives its engine and tuning, checked as the CLI checks its file (`with_engine_profile`)."""
+        values = self.model_dump(exclude={"tuning", "profile"})
+        if self.profile is None:
+            return TrainingInput(**values, tuning=self.tuning)
+        if self.tuning is not None:
+            raise BerthError("training.tuning", "given", "give training.profile or training.tuning, not both")
+        given = self.engine if "engine" in self.model_fields_set else None  # the default is not a choice
+        return with_engine_profile(self.profile, TrainingInput(**{**values, "engine": given}))
 
 
 class EngineRefusal(BaseModel):

@@ -31,6 +31,7 @@ from berth.specs.layouts import parse_spec
 from berth.specs.models import load_model
 from berth.specs.tree import (
     ENGINE_ALIASES,
+    ENGINE_CHOICES,
     FP8_DEFAULT_RECIPE,
     MAX_NODES,
     ClusterSpec,
@@ -107,19 +108,35 @@ def engine_profile_input(cluster: ClusterInput, training: TrainingInput) -> tupl
     """--profile names either a `berth profile` device profile (kept on the cluster) or an engine profile
     (`berth calibrate --runs --out`): then the training takes its engine and fitted parameters. An engine
     given beside it must be the profile's (the fitted parameters describe that engine only)."""
-    from berth.planner.engine_fit import is_engine_profile, read_engine_profile
+    from berth.planner.engine_fit import is_engine_profile
 
     path = cluster.profile
     assert path is not None
     if not is_engine_profile(path):
         return cluster, training
-    engine, tuning = read_engine_profile(json.loads(Path(path).read_text()), "profile")
+    return replace(cluster, profile=None), with_engine_profile(json.loads(Path(path).read_text()), training, path)
+
+
+def with_engine_profile(data: Any, training: TrainingInput, where: str | None = None) -> TrainingInput:
+    """`training` with an engine profile's engine and fitted parameters (`data`: the document `berth calibrate --runs
+    --out` writes, from the file `where` (the CLI) or inline (the API's training.profile)). An engine given beside
+    it must be the profile's: the fitted parameters describe that engine only."""
+    from berth.planner.engine_fit import read_engine_profile
+
+    field = "profile" if where else "training.profile"
+    engine, tuning = read_engine_profile(data, field)
+    engine = ENGINE_ALIASES.get(engine, engine)
+    if engine not in ENGINE_CHOICES:
+        raise BerthError(f"{field}.engine", engine, f"one of {', '.join(ENGINE_CHOICES)}")
     given = ENGINE_ALIASES.get(training.engine, training.engine) if training.engine else None
     if given is not None and given != engine:
+        fix = f"give --engine {engine}" if where else f"give {engine} or leave the engine out"
         raise BerthError(
-            "engine", training.engine, f"the profile {path} was fitted for engine {engine}: give --engine {engine}"
+            "engine" if where else "training.engine",
+            training.engine,
+            f"the profile {where + ' ' if where else ''}was fitted for engine {engine}: {fix}",
         )
-    return replace(cluster, profile=None), replace(training, engine=engine, tuning=tuning)
+    return replace(training, engine=engine, tuning=tuning)
 
 
 def make_cluster_input(cluster: ClusterInput, *, allow_files: bool) -> ClusterSpec:

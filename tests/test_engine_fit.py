@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 
 from berth.cost_models.step import evaluate
-from berth.planner.engine_fit import PARAMETERS, Data, MeasuredRun, errors, fit_engine, predict_runs
+from berth.planner.engine_fit import (
+    ENGINE_PROFILE_FORMAT,
+    PARAMETERS,
+    Data,
+    MeasuredRun,
+    errors,
+    fit_engine,
+    predict_runs,
+)
 from berth.planner.inputs import make_search
 from berth.planner.planning import plan, plan_for_format
 from berth.planner.probe import MARGIN, probe
@@ -504,6 +512,35 @@ def test_the_api_takes_the_engine_and_an_engine_profile(tmp_path):
         body["training"]["tuning"] = {"compute_efficiency": 0}
         bad = client.post("/v1/plans", json=body)
         assert bad.status_code == 422 and "compute_efficiency" in bad.text
+        # the profile file itself: its engine comes with it, and an engine given beside it must be that one
+        profile = {"format": ENGINE_PROFILE_FORMAT, "engine": "generic", "tuning": TRUTH.model_dump(mode="json")}
+        profile["tuning"]["profile"] = "ours"
+        del body["training"]["tuning"], body["training"]["engine"]
+        body["training"]["profile"] = profile | {"fit": {"fitted": ["compute_efficiency"]}}
+        from_file = client.post("/v1/plans", json=body)
+        assert from_file.status_code == 200, from_file.text
+        c = from_file.json()["plans"][0]
+        assert c["training"]["engine"] == "generic" and c["training"]["tuning"]["profile"] == "ours"
+        assert c["prediction"]["step_time_s"] == b["prediction"]["step_time_s"]
+        body["training"]["engine"] = "megatron"
+        other = client.post("/v1/plans", json=body)
+        assert (
+            other.status_code == 422
+            and other.json()["detail"][0]["loc"][-2:] == ["training", "engine"]
+            and "fitted for engine generic" in other.text
+        )
+        body["training"]["engine"] = "generic"
+        body["training"]["tuning"] = profile["tuning"]
+        both = client.post("/v1/plans", json=body)
+        assert both.status_code == 422 and "not both" in both.text
+        del body["training"]["tuning"]
+        body["training"]["profile"] = {"engine": "generic"}
+        notone = client.post("/v1/plans", json=body)
+        assert (
+            notone.status_code == 422
+            and "profile" in notone.json()["detail"][0]["loc"]
+            and "not an engine profile" in notone.text
+        )
 
 
 def test_launch_takes_the_training_run_from_the_user(tmp_path):
