@@ -1190,7 +1190,7 @@ def _calibrate_runs(runs_file: str, logs: list[str], plans: list[str], out: str 
             raise BerthError("plan", None, "--log needs --plan: the plan that ran (berth plan --json output)")
         if len(plans) not in (1, len(logs)):
             raise BerthError("plan", plans, f"one --plan for every log, or one per --log ({len(logs)}), in order")
-        loaded = {path: _load_plan(path, 1) for path in plans}
+        loaded = {path: _the_plan_that_ran(path) for path in plans}
         for path, plan_path in zip(logs, plans * len(logs) if len(plans) == 1 else plans, strict=True):
             try:
                 runs.append(read_log(path, loaded[plan_path]))
@@ -1311,6 +1311,23 @@ def serve_cmd(
     if not 1 <= workers <= 64:  # each worker process imports the planner (~200 MB)
         raise BerthError("workers", workers, "must be in 1..64 (worker processes of one server)")
     serve(host, port, workers)
+
+
+def _the_plan_that_ran(path: str) -> Plan:
+    """The one plan of a --plan file beside a log: a listing of several (`berth plan --json`, `berth probe --json`)
+    does not say which ran, so it is refused rather than read as its first."""
+    from berth.specs.tree import plan_listing
+
+    plan = _load_plan(path, 1)
+    listed = plan_listing(json.loads(Path(path).read_text()))
+    if listed is not None and len(listed) > 1:
+        raise BerthError(
+            "plan",
+            path,
+            f"lists {len(listed)} plans, and a log ran one: give that one (`berth plan ... --top 1 --json`, or the "
+            "probe-NN/plan.json `berth probe --out` writes)",
+        )
+    return plan
 
 
 def _load_plan(path: str, pick: int) -> Plan:

@@ -74,9 +74,8 @@ class AttentionShapeModel(_Frozen):
     backward: AttentionPassModel
 
 
-# FlashAttention v1 (and its Triton port) against FlashAttention-2 on the same GPU: Dao 2023
-# (FlashAttention-2, abstract and Sec. 4.1): v1 reaches 25-40% of the A100's peak where v2 reaches
-# 50-73%, "around 2x" faster forward and backward.
+# FlashAttention v1 (and its Triton port) against FlashAttention-2 on the same GPU: Dao 2023 (FlashAttention-2,
+# abstract and Sec. 4.1): v1 reaches 25-40% of the A100's peak where v2 reaches 50-73%, "around 2x" faster.
 FLASH1_OVER_FLASH2 = 0.5
 
 

@@ -626,10 +626,9 @@ class ClusterSpec(Spec):
     hosts: tuple[HostName, ...] = Field(
         default=(), description="host name of each node (graph clusters), in node order"
     )
-    # Failures and checkpoints (cost_models/goodput.py). Defaults from Meta's Llama 3 pre-training
-    # (Dubey et al. 2024, "The Llama 3 Herd of Models", Sec. 3.3): 419 unexpected interruptions in
-    # 54 days on 16,384 H100 GPUs = 1.97e-5 per GPU-hour; the Tectonic filesystem sustained 2 TB/s
-    # for those 16,384 GPUs = 122 MB/s of write bandwidth per GPU.
+    # Failures and checkpoints (cost_models/goodput.py). Defaults from Meta's Llama 3 pre-training (Dubey et al.
+    # 2024, "The Llama 3 Herd of Models", Sec. 3.3): 419 unexpected interruptions in 54 days on 16,384 H100 GPUs =
+    # 1.97e-5 per GPU-hour; the Tectonic filesystem sustained 2 TB/s for them = 122 MB/s of write bandwidth per GPU.
     failures_per_gpu_hour: float = Field(
         default=1.97e-5,
         ge=1e-12,
@@ -986,9 +985,11 @@ class Plan(Spec):
 
 
 def plan_listing(data: Any) -> list[Any] | None:
-    """The plans of a listing as its JSON holds them: `berth plan --json` / `berth compare --json`
-    output and stored API answers ({"plans": [...]} or {"candidates": [...]}), a list of plans, or
-    one plan object; None when `data` is none of these."""
+    """The plans of a listing as its JSON holds them: `berth plan --json` / `berth compare --json` output and stored
+    API answers ({"plans": [...]} or {"candidates": [...]}), `berth probe --json`'s picks, each with its plan, a list
+    of plans, or one plan object; None when `data` is none of these."""
+    if isinstance(data, dict) and isinstance(data.get("picks"), list):
+        return [p.get("plan") if isinstance(p, dict) else p for p in data["picks"]]
     if isinstance(data, dict):
         listed = data.get("plans", data.get("candidates"))
         return [data] if listed is None else listed if isinstance(listed, list) else None

@@ -51,6 +51,8 @@ def files(tmp_path_factory):
     )
     assert r.returncode == 0, r.stderr
     (tmp_path / "plans.json").write_text(r.stdout)
+    one = json.loads(r.stdout)["plans"][0]
+    (tmp_path / "two-plans.json").write_text(json.dumps({"plans": [one, one]}))
     return tmp_path
 
 
@@ -132,6 +134,7 @@ CASES = [
         ["calibrate", "--log", f"{T}/existing.txt", "--log", f"{T}/existing.txt", *["--plan", f"{T}/plans.json"] * 3],
         "one --plan for every log, or one per --log (2)",
     ),
+    (["calibrate", "--log", f"{T}/existing.txt", "--plan", f"{T}/two-plans.json"], "lists 2 plans, and a log ran one"),
     (["calibrate", f"{T}/blob.bin", "--out", f"{T}/nodir/c.json"], "out"),
     (["serve", "--port", "0"], "port"),
     (["serve", "--workers", "0"], "workers"),

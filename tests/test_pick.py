@@ -33,7 +33,8 @@ def plans():
 
 
 def test_every_listing_shape_and_every_pick(plans):
-    for listing in ({"plans": plans}, {"candidates": plans}, plans):
+    probe = {"engine": "executor", "picks": [{"layout": "x", "why": "y", "plan": p} for p in plans]}  # probe --json
+    for listing in ({"plans": plans}, {"candidates": plans}, plans, probe):
         assert plan_listing(listing) == plans
         assert [pick_plan(plan_listing(listing), n, "x").layout.tp for n in (1, 2)] == [1, 2]
     assert plan_listing(plans[1]) == [plans[1]]  # one plan object
