@@ -1007,6 +1007,9 @@ def calibrate_cmd(
         console.print(f"calibrated profile written to {out} (use it with --profile)")
 
 
+ENGINES_TABLE_WIDTH = 170  # the engines table's own width: a narrower terminal gets one block per engine
+
+
 @app.command("engines")
 def engines_cmd(as_json: Json = False) -> None:
     """The engines berth plans for: version, memory recipe, compute stack, launch formats and what each cannot run
@@ -1018,18 +1021,31 @@ def engines_cmd(as_json: Json = False) -> None:
     if as_json:
         print(json.dumps(engine_table()))
         return
-    t = Table(title="engines (--engine)")
-    for col in ("engine", "version", "memory", "launch", "fp8", "refuses"):
-        t.add_column(col, overflow="fold", no_wrap=col in ("engine", "refuses"))
-    for name, e in ENGINES.items():
-        t.add_row(
-            name,
-            e.version,
-            "\n+".join((e.recipe, *memory_extras(e))),
-            "\n".join(e.launch_formats) or "-",
-            "\n".join(e.fp8_recipes) or "-",
-            "\n".join(r.name.removeprefix(f"{name}_") for r in e.rules) or "-",
-        )
+    rows = {
+        name: {
+            "version": [e.version],
+            "memory": [e.recipe, *(f"+ {x}" for x in memory_extras(e))],
+            "launch": list(e.launch_formats) or ["-"],
+            "fp8": list(e.fp8_recipes) or ["-"],
+            "refuses": [r.name.removeprefix(f"{name}_") for r in e.rules] or ["-"],
+        }
+        for name, e in ENGINES.items()
+    }
+    if console.width >= ENGINES_TABLE_WIDTH:
+        t = Table(title="engines (--engine)")
+        for col in ("engine", *rows["executor"]):
+            t.add_column(col, no_wrap=col in ("engine", "refuses"))
+        for name, cells in rows.items():
+            t.add_row(name, *("\n".join(v) for v in cells.values()))
+    else:  # a narrower terminal: one block per engine, each value on its own wrapped line
+        t = Table.grid(padding=(0, 1))
+        t.title = "engines (--engine)"
+        t.add_column(no_wrap=True)
+        t.add_column()
+        for name, cells in rows.items():
+            t.add_row(f"[bold]{name}[/bold]", "")
+            for key, v in cells.items():
+                t.add_row(f"  {key}", " ".join(v) if key == "memory" else ", ".join(v))
     console.print(t)
 
 

@@ -71,9 +71,8 @@ def _typed(name: str, value: str, field: str) -> Any:
 
 
 def complete_layout(values: dict[str, Any], training: TrainingSpec, world_size: int, field: str = "layout") -> Layout:
-    """Fill what a user left out: dp from the world size, num_microbatches from the global batch,
-    shard = dp under ZeRO, the interleaved schedule when vpp > 1. What cannot be derived exactly
-    is left for the validity rules to report."""
+    """Fill what a user left out: dp from the world size, num_microbatches from the global batch, shard = dp under ZeRO,
+    the interleaved schedule when vpp > 1. What cannot be derived exactly is left for the validity rules to report."""
     v = dict(values)
     tp, pp, cp = v.get("tp", 1), v.get("pp", 1), v.get("cp", 1)
     if "dp" not in v and tp > 0 and pp > 0 and cp > 0:

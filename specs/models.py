@@ -67,7 +67,11 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True, seq_len: int
         raise BerthError("model", ref, f"not JSON: {err.msg} at line {err.lineno}") from None
     if not isinstance(data, dict):
         raise BerthError("model", ref, "file must hold one object")
-    stem = re.sub(r"[^A-Za-z0-9_.+-]", "-", path.stem)[:MAX_NAME_LEN] or "model"  # a file's name: made safe
+    name = path.stem
+    if name == "config":  # an HF download: its folder's name (a cache snapshot's: models--org--NAME/snapshots/<hash>)
+        up = path.resolve().parent
+        name = (up.parent.parent if re.fullmatch(r"[0-9a-f]{40}", up.name) else up).name.split("--")[-1] or name
+    stem = re.sub(r"[^A-Za-z0-9_.+-]", "-", name)[:MAX_NAME_LEN] or "model"  # a file's name: made safe
     if "model_type" in data:
         if not data.get("_name_or_path") and not data.get("name"):
             data["_name_or_path"] = stem

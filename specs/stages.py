@@ -67,10 +67,9 @@ TABULATE_FROM = 256  # candidate arrays at least this long are answered from a t
 
 
 def _tabulated(rule, num_layers, pp, vpp) -> StageSplit | None:
-    """`rule` over long candidate arrays, evaluated once per (pp, vpp) pair on a small grid and
-    gathered (the search asks for 10^5 candidates with a handful of distinct degrees); the same
-    arrays as `rule` on the inputs, or None where the inputs are not a layer count and long
-    arrays of positive degrees."""
+    """`rule` over long candidate arrays, evaluated once per (pp, vpp) pair on a small grid and gathered (the search
+    asks for 10^5 candidates with a handful of distinct degrees); the same arrays as `rule` on the inputs, or None where
+    the inputs are not a layer count and long arrays of positive degrees."""
     pp, vpp = np.asarray(pp), np.asarray(vpp)
     if np.ndim(num_layers) or max(pp.size, vpp.size) < TABULATE_FROM or pp.min() < 1 or vpp.min() < 1:
         return None
@@ -83,10 +82,9 @@ def _tabulated(rule, num_layers, pp, vpp) -> StageSplit | None:
 
 
 def split(num_layers, pp, vpp=1) -> StageSplit:
-    """(first, middle, last, valid) decoder layers of the first, every middle and the last chunk
-    (virtual stage) for L = `num_layers` over pp x vpp chunks (module docstring): int64 arrays
-    broadcast over the inputs. With one chunk all three are L. `valid` is False where the first or
-    the last chunk would hold no layer."""
+    """(first, middle, last, valid) decoder layers of the first, every middle and the last chunk (virtual stage) for L =
+    `num_layers` over pp x vpp chunks (module docstring): int64 arrays broadcast over the inputs. With one chunk all
+    three are L. `valid` is False where the first or the last chunk would hold no layer."""
     return _tabulated(_split, num_layers, pp, vpp) or _split(num_layers, pp, vpp)
 
 

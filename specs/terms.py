@@ -35,9 +35,8 @@ class TimeTerm:
 
 @dataclass(frozen=True)
 class MemoryTerm:
-    """One key of `memory_breakdown_bytes` (bytes per GPU at the predicted peak, inside the caching
-    allocator: their sum is the predicted reserved peak; the CUDA context and the driver's share are
-    taken off the capacity instead)."""
+    """One key of `memory_breakdown_bytes` (bytes per GPU at the predicted peak, inside the caching allocator: their sum
+    is the predicted reserved peak; the CUDA context and the driver's share are taken off the capacity instead)."""
 
     name: str  # also its row label in tables (after "memory: ")
     description: str

@@ -371,10 +371,9 @@ class ModelSpec(Spec):
 
 
 class EngineTuning(Spec):
-    """What `berth calibrate --runs` learns of an engine from its measured runs: a handful of named,
-    bounded parameters on top of the engine's recipe (specs/engines.py). The defaults change
-    nothing. Time: cost_models/step.py; memory: cost_models/memory.py `tuned_breakdown`; bounds and
-    fitting: planner/engine_fit.py."""
+    """What `berth calibrate --runs` learns of an engine from its measured runs: a handful of named, bounded parameters
+    on top of the engine's recipe (specs/engines.py). The defaults change nothing. Time: cost_models/step.py; memory:
+    cost_models/memory.py `tuned_breakdown`; bounds and fitting: planner/engine_fit.py."""
 
     profile: LabelText | None = Field(default=None, description="the name of the engine profile these came from")
     compute_efficiency: float = Field(
@@ -1046,10 +1045,9 @@ class MemoryComparison(Spec):
 
 
 class MeasuredBreakdown(Spec):
-    """Predicted `time_breakdown_s` and `memory_breakdown_bytes` beside what the executor measured,
-    term by term, for the rank that sets the step time (the largest mean step over the timed
-    steps). Measured seconds are means over the timed steps of that rank (means add up: the
-    terms plus `unattributed_s` are `step_time_s`)."""
+    """Predicted `time_breakdown_s` and `memory_breakdown_bytes` beside what the executor measured, term by term, for
+    the rank that sets the step time (the largest mean step over the timed steps). Measured seconds are means over the
+    timed steps of that rank (means add up: the terms plus `unattributed_s` are `step_time_s`)."""
 
     rank: int = Field(description="the rank compared (the one with the largest mean step)")
     method: str = Field(description="the clock: host wall clock (CPU) or CUDA events")

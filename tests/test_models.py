@@ -45,6 +45,12 @@ def test_hf_llama_config_file(tmp_path):
     m = load_model(str(path))
     assert (m.num_layers, m.kv_heads, m.mlp) == (32, 8, "swiglu")
     assert m.num_params == presets()["llama3-8b"].num_params
+    assert m.name == tmp_path.name  # a config.json without _name_or_path is named by its folder, not "config"
+    # where the Hugging Face cache keeps it: models--ORG--NAME/snapshots/<commit>/config.json
+    snapshot = tmp_path / "models--meta-llama--Llama-3.1-8B" / "snapshots" / ("0123456789abcdef" * 3)[:40]
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(LLAMA3_8B_HF))
+    assert load_model(str(snapshot / "config.json")).name == "Llama-3.1-8B"
 
 
 @pytest.mark.parametrize(

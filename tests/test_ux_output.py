@@ -104,6 +104,19 @@ def test_presets_print_every_name_whole():
         assert re.search(rf"│ {re.escape(name)}\s+│", r.stdout), name
 
 
+def test_engines_print_every_rule_whole_at_80_columns_and_as_a_table_when_wide():
+    from berth.specs.engines import ENGINES
+
+    narrow, wide = berth("engines"), berth("engines", columns=200)
+    assert narrow.returncode == wide.returncode == 0
+    assert max(len(x) for x in narrow.stdout.splitlines()) <= 80 and "┃" not in narrow.stdout
+    words = set(re.findall(r"[A-Za-z0-9_]+", narrow.stdout))
+    for name, e in ENGINES.items():
+        assert re.search(rf"^{name}\s*$", narrow.stdout, re.M), name
+        assert {r.name.removeprefix(f"{name}_") for r in e.rules} <= words, name  # none cut in two
+        assert re.search(rf"│ {name}\s+│ {re.escape(e.version)}", wide.stdout), name
+
+
 def test_csv_header_is_stable_and_carries_every_layout_field_and_the_breakdown():
     from berth.specs import terms
     from berth.specs.tree import LAYOUT_FIELDS
