@@ -475,7 +475,9 @@ def identifiable(
             continue
         cols = jacobian[:, keep + [j]] / norms[keep + [j]]
         if np.linalg.svd(cols, compute_uv=False)[-1] < IDENTIFIABLE_TOLERANCE:
-            why[name] = f"not separable from {', '.join(names[k] for k in keep)} with these runs: needs {p.needs}"
+            # the kept parameters of its own quantity: a time and a memory parameter move different residuals
+            alike = [names[k] for k in keep if PARAMETERS[names[k]].quantity == p.quantity] or [names[k] for k in keep]
+            why[name] = f"not separable from {', '.join(alike)} with these runs: needs {p.needs}"
             continue
         budget[p.quantity] -= 1
         keep.append(j)
