@@ -22,7 +22,8 @@ Four sources:
   grad_norm: ...  memory: X.XXGiB(P%)  tps: N  tflops: ...  mfu: ...%"); `tps` is tokens per second per
   GPU and `memory` the peak reserved memory (device_memory_monitor: max_reserved) of the rank that
   logs, rank 0 (run_train.sh LOG_RANK=0 by default: memory_rank "rank0"). The first logged step
-  (warm-up, compilation) is skipped.
+  (warm-up, compilation) is skipped; the mesh it builds ("Building device mesh with parallelism: pp=..,
+  dp_replicate=.., dp_shard=.., cp=.., tp=..", distributed/parallel_dims.py) must be the plan's.
 - Megatron-LM's training log (`megatron_log`): "elapsed time per iteration (ms): X" of each
   iteration line (megatron/training/training.py training_log) and the memory report after the first
   iterations ("memory (MB) | allocated: ... | max allocated: ... | reserved: ... | max reserved: ...",
@@ -30,7 +31,9 @@ Four sources:
   arguments Megatron prints (tp, pp, batch, sequence, world size) must be the plan's.
 - nanotron's training log (`nanotron_log`): the "iteration: N / M | ... | elapsed_time_per_iteration_ms: X |
   ... | cuda_max_memory_reserved: Y" line trainer.py train_step_logs prints each step (memory in the first
-  five), numbers in logging.py's human_format (3 significant digits). The first logged line is skipped.
+  five), numbers in logging.py's human_format (3 significant digits). The first logged line is skipped; the
+  sizes its Config prints (ParallelismArgs dp, pp, tp) and its "[Start training]" line (mbs, grad_accum,
+  global_batch_size, sequence_length) must be the plan's.
 
 A log comes with the plan that ran (`berth plan --json` / `berth compare --json` output, or a plan
 file): the plan gives model, cluster, training, engine and layout; a plan made for another engine than the log's
@@ -218,6 +221,27 @@ _MG_LAYOUT = {  # Megatron's argument -> what the plan says
     "seq_length": lambda p: p.training.seq_len,
     "world_size": lambda p: p.layout.world_size,
 }
+# torchtitan 0.3.0 torchtitan/distributed/parallel_dims.py ParallelDims.build_mesh, at the start of every run
+_TT_MESH = re.compile(r"Building device mesh with parallelism: (.*)")
+_TT_LAYOUT = {  # torchtitan's parallel dimension -> what the plan says
+    "pp": lambda p: p.layout.pp,
+    "dp_replicate": lambda p: torchtitan_dp(p.layout)[0],
+    "dp_shard": lambda p: torchtitan_dp(p.layout)[1],
+    "cp": lambda p: p.layout.cp,
+    "tp": lambda p: p.layout.tp,
+}
+# nanotron e24d2483 trainer.py: its "[Start training]" line and the Config it prints (pprint of ParallelismArgs)
+_NT_START = re.compile(r"\[Start training\].*")
+_NT_PARALLEL = re.compile(r"ParallelismArgs\(dp=(\d+),\s*pp=(\d+),\s*tp=(\d+)")
+_NT_LAYOUT = {
+    "dp": lambda p: p.layout.dp,
+    "pp": lambda p: p.layout.pp,
+    "tp": lambda p: p.layout.tp,
+    "mbs": lambda p: p.layout.micro_batch_size,
+    "grad_accum": lambda p: p.layout.num_microbatches,
+    "global_batch_size": lambda p: p.training.global_batch_size,
+    "sequence_length": lambda p: p.training.seq_len,
+}
 # nanotron e24d2483 trainer.py train_step_logs through logging.py LoggerWriter.add_scalars_from_list (human_format)
 _NT_ITER = re.compile(r"iteration:\s*(\d+)\s*/\s*\d+\s*\|.*?elapsed_time_per_iteration_ms:\s*([\d.]+[KMGTPE]?)\b")
 _NT_MEM = re.compile(r"cuda_max_memory_reserved:\s*([\d.]+[KMGTPE]?)\b")
@@ -229,8 +253,28 @@ def _median(xs: list[float]) -> float:
     return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
 
 
+def torchtitan_dp(layout: Layout) -> tuple[int, int]:
+    """(data_parallel_replicate_degree, data_parallel_shard_degree) of a layout in torchtitan: FSDP shards over
+    `shard` ranks under ZeRO 2-3 and replicates over the rest (launch/writers.py writes them, a log prints them)."""
+    shard = layout.shard if layout.zero_stage else 1
+    return layout.dp // shard, shard
+
+
+def _same_layout(run_id: str, printed: Any, plan: Plan, expect: dict[str, Callable[[Plan], int]]) -> None:
+    """Refuse a log whose printed parallel sizes or batch (`printed`: (name, value) pairs) are not the plan's: it is
+    not the plan that ran."""
+    for name, value in printed:
+        if name in expect and value != str(expect[name](plan)):
+            raise BerthError(
+                f"log {run_id}: {name}", value, f"the plan's is {expect[name](plan)}: give the plan that ran"
+            )
+
+
 def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> MeasuredRun:
-    """A torchtitan training log and the plan that ran, as one measured run (median over logged steps)."""
+    """A torchtitan training log and the plan that ran, as one measured run (median over logged steps); the mesh it
+    prints is checked against the plan's layout."""
+    for mesh in _TT_MESH.finditer(text):
+        _same_layout(run_id, re.findall(r"(\w+)=(\d+)", mesh[1]), plan, _TT_LAYOUT)
     rows = [_TT_LINE.search(_ANSI.sub("", line)) for line in text.splitlines()]
     found = [(int(m[1]), float(m[2]), float(m[3].replace(",", ""))) for m in rows if m]
     steps = _after_first(found)
@@ -285,12 +329,8 @@ def _largest(text: str, pattern: re.Pattern[str], group: int, number: Callable[[
 def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> MeasuredRun:
     """A Megatron-LM training log and the plan that ran, as one measured run (median iteration time after
     the first, the largest max-reserved figure reported)."""
-    for line in text.splitlines():
-        m = _MG_ARG.match(line)
-        if m and m[1] in _MG_LAYOUT and m[2] != str(_MG_LAYOUT[m[1]](plan)):
-            raise BerthError(
-                f"log {run_id}: {m[1]}", m[2], f"the plan's is {_MG_LAYOUT[m[1]](plan)}: give the plan that ran"
-            )
+    printed = (m.groups() for m in map(_MG_ARG.match, text.splitlines()) if m)
+    _same_layout(run_id, printed, plan, _MG_LAYOUT)
     times = _iteration_ms(text, _MG_ITER, float)
     if not times:
         raise BerthError(
@@ -316,7 +356,12 @@ def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> Measure
     rank with the loss (trainer.py logger_ranks: output_pp_rank, dp 0, tp 0): the last pipeline stage's
     (memory_rank "last"; at pp = 1 that is rank 0). Where nanotron's split leaves the loss a rank of its own
     (docs/accuracy.md) berth prices it with the head, so such a pipeline's figure is compared with a stage that
-    holds more than the rank that logged."""
+    holds more than the rank that logged. The parallel sizes and batch it prints at the start are checked against
+    the plan's."""
+    for sizes in _NT_PARALLEL.finditer(text):
+        _same_layout(run_id, zip(("dp", "pp", "tp"), sizes.groups(), strict=True), plan, _NT_LAYOUT)
+    for start in _NT_START.finditer(text):
+        _same_layout(run_id, re.findall(r"(\w+): (\d+)", start[0]), plan, _NT_LAYOUT)
     times = _iteration_ms(text, _NT_ITER, _human)
     if not times:
         raise BerthError(

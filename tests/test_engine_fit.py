@@ -453,6 +453,12 @@ def test_torchtitan_and_megatron_logs_become_runs():
     assert run.step_time_s == pytest.approx(64 * 2048 / (10_200 * 8))  # median of the steps after the first
     assert run.peak_memory_bytes == pytest.approx(34.5 * 2**30) and run.training.engine == "torchtitan"
     assert run.memory_rank == "rank0"  # the rank that logs (torchtitan's run_train.sh LOG_RANK=0)
+    # distributed/parallel_dims.py build_mesh: the sizes it runs with, checked against the plan (tp 2, dp 4 unsharded)
+    mesh = "[rank0]:[titan] 2026-01-01 00:00:00 - root - INFO - Building device mesh with parallelism: pp=1, "
+    same = torchtitan_log(mesh + "dp_replicate=4, dp_shard=1, cp=1, tp=2, ep=1\n" + tt, p)
+    assert same.step_time_s == run.step_time_s
+    with pytest.raises(BerthError, match=r"dp_replicate='1': the plan's is 4: give the plan that ran"):
+        torchtitan_log(mesh + "dp_replicate=1, dp_shard=4, cp=1, tp=2, ep=1\n" + tt, p)
     # Megatron-LM megatron/training/training.py training_log and utils.py report_memory
     mg = "\n".join(
         [

@@ -501,6 +501,13 @@ handler.setFormatter(logging.Formatter("%(asctime)s [%(levelname)s|DP=0|PP=1|TP=
 logger = get_logger("nanotron.logging")
 logger.addHandler(handler)
 logger.setLevel(logging.INFO)
+# trainer.py __init__ logs its Config (pprint: the ParallelismArgs dataclass inside), train() its first line
+from pprint import pformat
+from nanotron.config import ParallelismArgs
+args = ParallelismArgs(dp=4, pp=1, tp=2, pp_engine="1f1b", tp_mode="REDUCE_SCATTER", tp_linear_async_communication=True)
+logger.info("Config:\n" + pformat({"general": "x" * 80, "parallelism": args}))
+logger.info("[Start training] datetime: 2026-01-01 00:00:00 | mbs: 1 | grad_accum: 16 | global_batch_size: 64 | "
+            "sequence_length: 2048 | train_steps: 10 | start_iteration_step: 0 | consumed_train_samples: 0")
 writer = LoggerWriter(global_step=10)
 for step, ms, reserved in ((1, 9100.0, 31.2e9), (2, 2431.7, 39.71e9), (3, 2460.2, 39.74e9), (4, 2449.9, None)):
     items = [LogItem("consumed_tokens", step * 64 * 2048, "human_format"),
@@ -522,6 +529,7 @@ def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
     from berth.planner.engine_fit import predict_runs
     from berth.planner.run_logs import read_log
     from berth.specs.candidates import Candidates
+    from berth.specs.errors import BerthError
     from berth.specs.tree import EngineTuning
 
     env = {**os.environ, "PYTHONPATH": NANOTRON_SOURCE}
@@ -531,7 +539,14 @@ def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
     (tmp_path / "train.log").write_text(proc.stdout)
     training = TrainingSpec(seq_len=2048, global_batch_size=64, engine="nanotron")
     cluster = cluster_from_preset("aws-p5", 1)
-    for fix in ("tp=2,dp=4,mbs=1", "tp=2,pp=2,dp=2,mbs=1"):
+    assert "ParallelismArgs(dp=4,\n" in proc.stdout and "[Start training]" in proc.stdout
+    # the log's run printed dp 4, pp 1, tp 2, a micro-batch of 1 and 16 of them: a plan of another layout is refused
+    for fix, field in (("tp=2,pp=2,dp=2,mbs=1", "dp"), ("tp=2,dp=4,mbs=2", "mbs"), ("tp=4,dp=2,mbs=1", "dp")):
+        (other,) = compare(load_model("llama3-8b"), training, cluster, [fix])
+        with pytest.raises(BerthError, match="give the plan that ran") as err:
+            read_log(str(tmp_path / "train.log"), other)
+        assert err.value.field.endswith(f": {field}"), err.value.field
+    for fix in ("tp=2,dp=4,mbs=1",):
         (plan,) = compare(load_model("llama3-8b"), training, cluster, [fix])
         run = read_log(str(tmp_path / "train.log"), plan)
         assert run.training.engine == "nanotron" and run.status == "ok"
@@ -541,6 +556,4 @@ def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
         assert run.memory_rank == "last"
         (predicted,) = predict_runs([run], EngineTuning()).seen  # compared with the last stage's prediction
         ev = evaluate(plan.model, run.training, plan.cluster, Candidates.from_layouts([plan.layout]))
-        assert predicted == ev.last_stage_memory_bytes[0] and (plan.layout.pp > 1) == (
-            ev.last_stage_memory_bytes[0] != ev.first_stage_memory_bytes[0]
-        )
+        assert predicted == ev.last_stage_memory_bytes[0]
