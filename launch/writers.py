@@ -38,7 +38,6 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from berth.planner.run_logs import torchtitan_dp
 from berth.specs.engines import ENGINES, engine_refusal, refusal_text
 from berth.specs.errors import BerthError
 from berth.specs.tree import ImageName, Layout, Plan, TrainingSpec
@@ -1013,6 +1012,8 @@ def torchtitan_config(plan: Plan, run: EngineTraining | None = None) -> dict[str
     reason = _engine_refusal("torchtitan", plan)
     if reason:
         raise LaunchRefused("torchtitan", reason)
+    from berth.planner.run_logs import torchtitan_dp  # here: the plan path does not load the fit's scipy
+
     replicate, shard = torchtitan_dp(x)
     local = x.micro_batch_size * (x.num_microbatches if x.pp > 1 else 1)
     parallelism: dict[str, Any] = {
