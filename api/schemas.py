@@ -94,7 +94,7 @@ class TrainingRequest(Body):
         if self.profile is None:
             return TrainingInput(**values, tuning=self.tuning)
         if self.tuning is not None:
-            raise BerthError("training.tuning", "given", "give training.profile or training.tuning, not both")
+            raise BerthError("training.tuning", None, "give training.profile or training.tuning, not both")
         given = self.engine if "engine" in self.model_fields_set else None  # the default is not a choice
         return with_engine_profile(self.profile, TrainingInput(**{**values, "engine": given}))
 

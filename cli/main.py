@@ -1007,9 +1007,6 @@ def calibrate_cmd(
         console.print(f"calibrated profile written to {out} (use it with --profile)")
 
 
-ENGINES_TABLE_WIDTH = 170  # the engines table's own width: a narrower terminal gets one block per engine
-
-
 @app.command("engines")
 def engines_cmd(as_json: Json = False) -> None:
     """The engines berth plans for: version, memory recipe, compute stack, launch formats and what each cannot run
@@ -1031,13 +1028,12 @@ def engines_cmd(as_json: Json = False) -> None:
         }
         for name, e in ENGINES.items()
     }
-    if console.width >= ENGINES_TABLE_WIDTH:
-        t = Table(title="engines (--engine)")
-        for col in ("engine", *rows["executor"]):
-            t.add_column(col, no_wrap=col in ("engine", "refuses"))
-        for name, cells in rows.items():
-            t.add_row(name, *("\n".join(v) for v in cells.values()))
-    else:  # a narrower terminal: one block per engine, each value on its own wrapped line
+    t = Table(title="engines (--engine)")
+    for col in ("engine", *next(iter(rows.values()))):
+        t.add_column(col, no_wrap=True)
+    for name, cells in rows.items():
+        t.add_row(name, *("\n".join(v) for v in cells.values()))
+    if console.measure(t, options=console.options.update_width(1000)).maximum > console.width:  # narrower: blocks
         t = Table.grid(padding=(0, 1))
         t.title = "engines (--engine)"
         t.add_column(no_wrap=True)
@@ -1203,7 +1199,11 @@ def _calibrate_runs(runs_file: str, logs: list[str], plans: list[str], out: str 
         runs.extend(read_runs(text, runs_file, base=Path(runs_file).resolve().parent))
     if logs:
         if not plans:
-            raise BerthError("plan", None, "--log needs --plan: the plan that ran (berth plan --json output)")
+            raise BerthError(
+                "plan",
+                None,
+                "--log needs --plan: the plan that ran (`berth plan --top 1 --json` output, a probe's plan.json)",
+            )
         if len(plans) not in (1, len(logs)):
             raise BerthError("plan", plans, f"one --plan for every log, or one per --log ({len(logs)}), in order")
         loaded = {path: _the_plan_that_ran(path) for path in plans}

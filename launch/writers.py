@@ -1012,12 +1012,10 @@ def torchtitan_config(plan: Plan, run: EngineTraining | None = None) -> dict[str
     reason = _engine_refusal("torchtitan", plan)
     if reason:
         raise LaunchRefused("torchtitan", reason)
-    from berth.planner.run_logs import torchtitan_dp  # here: the plan path does not load the fit's scipy
-
-    replicate, shard = torchtitan_dp(x)
+    shard = x.shard if x.zero_stage else 1
     local = x.micro_batch_size * (x.num_microbatches if x.pp > 1 else 1)
     parallelism: dict[str, Any] = {
-        "data_parallel_replicate_degree": replicate,
+        "data_parallel_replicate_degree": x.dp // shard,
         "data_parallel_shard_degree": shard,
         "tensor_parallel_degree": x.tp,
         "enable_sequence_parallel": x.sequence_parallel,

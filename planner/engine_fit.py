@@ -475,7 +475,8 @@ def identifiable(
             continue
         cols = jacobian[:, keep + [j]] / norms[keep + [j]]
         if np.linalg.svd(cols, compute_uv=False)[-1] < IDENTIFIABLE_TOLERANCE:
-            # the kept parameters of its own quantity: a time and a memory parameter move different residuals
+            # the kept parameters of its own quantity: a time and a memory parameter move different residuals (all
+            # kept ones where none is of its quantity: then it is not the time/memory split that ties them)
             alike = [names[k] for k in keep if PARAMETERS[names[k]].quantity == p.quantity] or [names[k] for k in keep]
             why[name] = f"not separable from {', '.join(alike)} with these runs: needs {p.needs}"
             continue

@@ -35,8 +35,8 @@ Four sources:
   sizes its Config prints (ParallelismArgs dp, pp, tp) and its "[Start training]" line (mbs, grad_accum,
   global_batch_size, sequence_length) must be the plan's.
 
-A log comes with the plan that ran (`berth plan --json` / `berth compare --json` output, or a plan
-file): the plan gives model, cluster, training, engine and layout; a plan made for another engine than the log's
+A log comes with the plan that ran (a file of that one plan: `berth plan --top 1 --json` output, a probe's
+plan.json): the plan gives model, cluster, training, engine and layout; a plan made for another engine than the log's
 is refused (one for `generic` or the default `executor` takes the log's).
 """
 
@@ -225,8 +225,8 @@ _MG_LAYOUT = {  # Megatron's argument -> what the plan says
 _TT_MESH = re.compile(r"Building device mesh with parallelism: (.*)")
 _TT_LAYOUT = {  # torchtitan's parallel dimension -> what the plan says
     "pp": lambda p: p.layout.pp,
-    "dp_replicate": lambda p: torchtitan_dp(p.layout)[0],
-    "dp_shard": lambda p: torchtitan_dp(p.layout)[1],
+    "dp_replicate": lambda p: p.layout.dp // p.layout.shard,  # FSDP shards over `shard` (1 without ZeRO)
+    "dp_shard": lambda p: p.layout.shard,
     "cp": lambda p: p.layout.cp,
     "tp": lambda p: p.layout.tp,
 }
@@ -251,13 +251,6 @@ def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     mid = len(xs) // 2
     return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
-
-
-def torchtitan_dp(layout: Layout) -> tuple[int, int]:
-    """(data_parallel_replicate_degree, data_parallel_shard_degree) of a layout in torchtitan: FSDP shards over
-    `shard` ranks under ZeRO 2-3 and replicates over the rest (launch/writers.py writes them, a log prints them)."""
-    shard = layout.shard if layout.zero_stage else 1
-    return layout.dp // shard, shard
 
 
 def _same_layout(run_id: str, printed: Any, plan: Plan, expect: dict[str, Callable[[Plan], int]]) -> None:
@@ -358,7 +351,8 @@ def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> Measure
     (docs/accuracy.md) berth prices it with the head, so such a pipeline's figure is compared with a stage that
     holds more than the rank that logged. The parallel sizes and batch it prints at the start are checked against
     the plan's."""
-    for sizes in _NT_PARALLEL.finditer(text):
+    # the first: Config.parallelism prints before Config.lighteval's own (lighteval_config.py, an evaluation's sizes)
+    if sizes := _NT_PARALLEL.search(text):
         _same_layout(run_id, zip(("dp", "pp", "tp"), sizes.groups(), strict=True), plan, _NT_LAYOUT)
     for start in _NT_START.finditer(text):
         _same_layout(run_id, re.findall(r"(\w+): (\d+)", start[0]), plan, _NT_LAYOUT)

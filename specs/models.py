@@ -4,6 +4,7 @@ config.json (a file or an already-parsed dict)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from functools import cache
 from pathlib import Path
@@ -67,10 +68,10 @@ def load_model(ref: str | dict[str, Any], allow_files: bool = True, seq_len: int
         raise BerthError("model", ref, f"not JSON: {err.msg} at line {err.lineno}") from None
     if not isinstance(data, dict):
         raise BerthError("model", ref, "file must hold one object")
-    name = path.stem
-    if name == "config":  # an HF download: its folder's name (a cache snapshot's: models--org--NAME/snapshots/<hash>)
-        up = path.resolve().parent
-        name = (up.parent.parent if re.fullmatch(r"[0-9a-f]{40}", up.name) else up).name.split("--")[-1] or name
+    name, up = path.stem, Path(os.path.abspath(path)).parent  # not resolved: the HF cache links into its blobs/
+    if name == "config":  # an HF download: its folder's name (a cache snapshot's: models--ORG--NAME/snapshots/<hash>)
+        up = up.parent.parent if up.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", up.name) else up
+        name = re.sub(r"^models--.+?--", "", up.name) or name
     stem = re.sub(r"[^A-Za-z0-9_.+-]", "-", name)[:MAX_NAME_LEN] or "model"  # a file's name: made safe
     if "model_type" in data:
         if not data.get("_name_or_path") and not data.get("name"):

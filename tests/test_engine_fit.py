@@ -23,6 +23,7 @@ from berth.planner.engine_fit import (
     MeasuredRun,
     errors,
     fit_engine,
+    identifiable,
     predict_runs,
 )
 from berth.planner.inputs import make_search
@@ -434,6 +435,21 @@ def _plan(engine="torchtitan"):
     cl = cluster_from_preset("dgx-h100", 1)
     x = Layout(tp=2, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True)
     return predict_layouts(SMALL, training(engine), cl, [x])[0]
+
+
+def test_a_parameter_not_separable_is_named_with_those_of_its_own_quantity():
+    """A time parameter that moves the step times as a kept time parameter does is not separable from that one: the
+    memory parameter kept before both moves other residuals (the peaks) and is not named."""
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=5)
+    jac = np.zeros((10, 3))
+    jac[5:, 0] = rng.normal(size=5)  # activation_scale: the peaks only
+    jac[:5, 1], jac[:5, 2] = v, 2.0 * v  # compute_efficiency and layer_overhead_s: the step times, alike
+    names = ("activation_scale", "compute_efficiency", "layer_overhead_s")
+    counts = {"time": 10, "memory": 10, "oom": 0, "allocated": 0}
+    kept, why = identifiable(jac, names, counts)
+    assert set(kept) == {"compute_efficiency", "activation_scale"}
+    assert why["layer_overhead_s"].startswith("not separable from compute_efficiency with these runs")
 
 
 def test_torchtitan_and_megatron_logs_become_runs():

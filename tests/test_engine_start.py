@@ -504,9 +504,12 @@ logger.setLevel(logging.INFO)
 # trainer.py __init__ logs its Config (pprint: the ParallelismArgs dataclass inside), train() its first line
 from pprint import pformat
 from nanotron.config import ParallelismArgs
-args = ParallelismArgs(dp=4, pp=1, tp=2, pp_engine="1f1b", tp_mode="REDUCE_SCATTER", tp_linear_async_communication=True)
-logger.info("Config:\n" + pformat({"general": "x" * 80, "parallelism": args}))
-logger.info("[Start training] datetime: 2026-01-01 00:00:00 | mbs: 1 | grad_accum: 16 | global_batch_size: 64 | "
+dp, pp, tp, accum = map(int, sys.argv[1:5])
+args = ParallelismArgs(dp=dp, pp=pp, tp=tp, pp_engine="1f1b", tp_mode="REDUCE_SCATTER",
+                       tp_linear_async_communication=True)
+evaluation = ParallelismArgs(dp=1, pp=1, tp=1)  # Config.lighteval's own sizes, printed after the run's
+logger.info("Config:\n" + pformat({"general": "x" * 80, "parallelism": args, "zz_lighteval": evaluation}))
+logger.info(f"[Start training] datetime: 2026-01-01 00:00:00 | mbs: 1 | grad_accum: {accum} | global_batch_size: 64 | "
             "sequence_length: 2048 | train_steps: 10 | start_iteration_step: 0 | consumed_train_samples: 0")
 writer = LoggerWriter(global_step=10)
 for step, ms, reserved in ((1, 9100.0, 31.2e9), (2, 2431.7, 39.71e9), (3, 2460.2, 39.74e9), (4, 2449.9, None)):
@@ -533,20 +536,15 @@ def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
     from berth.specs.tree import EngineTuning
 
     env = {**os.environ, "PYTHONPATH": NANOTRON_SOURCE}
-    proc = subprocess.run([sys.executable, "-c", NANOTRON_LOGGER], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "elapsed_time_per_iteration_ms: 2.43K" in proc.stdout  # logging.py human_format: 3 significant digits
-    (tmp_path / "train.log").write_text(proc.stdout)
     training = TrainingSpec(seq_len=2048, global_batch_size=64, engine="nanotron")
     cluster = cluster_from_preset("aws-p5", 1)
-    assert "ParallelismArgs(dp=4,\n" in proc.stdout and "[Start training]" in proc.stdout
-    # the log's run printed dp 4, pp 1, tp 2, a micro-batch of 1 and 16 of them: a plan of another layout is refused
-    for fix, field in (("tp=2,pp=2,dp=2,mbs=1", "dp"), ("tp=2,dp=4,mbs=2", "mbs"), ("tp=4,dp=2,mbs=1", "dp")):
-        (other,) = compare(load_model("llama3-8b"), training, cluster, [fix])
-        with pytest.raises(BerthError, match="give the plan that ran") as err:
-            read_log(str(tmp_path / "train.log"), other)
-        assert err.value.field.endswith(f": {field}"), err.value.field
-    for fix in ("tp=2,dp=4,mbs=1",):
+    for fix, sizes in (("tp=2,dp=4,mbs=1", "4 1 2 16"), ("tp=2,pp=2,dp=2,mbs=1", "2 2 2 32")):
+        cmd = [sys.executable, "-c", NANOTRON_LOGGER, *sizes.split()]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "elapsed_time_per_iteration_ms: 2.43K" in proc.stdout  # logging.py human_format: 3 significant digits
+        assert f"ParallelismArgs(dp={sizes[0]},\n" in proc.stdout and "[Start training]" in proc.stdout
+        (tmp_path / "train.log").write_text(proc.stdout)
         (plan,) = compare(load_model("llama3-8b"), training, cluster, [fix])
         run = read_log(str(tmp_path / "train.log"), plan)
         assert run.training.engine == "nanotron" and run.status == "ok"
@@ -556,4 +554,13 @@ def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
         assert run.memory_rank == "last"
         (predicted,) = predict_runs([run], EngineTuning()).seen  # compared with the last stage's prediction
         ev = evaluate(plan.model, run.training, plan.cluster, Candidates.from_layouts([plan.layout]))
-        assert predicted == ev.last_stage_memory_bytes[0]
+        assert predicted == ev.last_stage_memory_bytes[0] and (plan.layout.pp > 1) == (
+            ev.last_stage_memory_bytes[0] != ev.first_stage_memory_bytes[0]
+        )
+    # the last log's run printed dp 2, pp 2, tp 2, a micro-batch of 1 and 32 of them: a plan of another layout is
+    # refused, naming the first size that differs
+    for fix, field in (("tp=2,dp=4,mbs=1", "dp"), ("tp=2,pp=2,dp=2,mbs=2", "mbs"), ("tp=4,pp=2,dp=1,mbs=1", "dp")):
+        (other,) = compare(load_model("llama3-8b"), training, cluster, [fix])
+        with pytest.raises(BerthError, match="give the plan that ran") as err:
+            read_log(str(tmp_path / "train.log"), other)
+        assert err.value.field.endswith(f": {field}"), err.value.field

@@ -46,11 +46,18 @@ def test_hf_llama_config_file(tmp_path):
     assert (m.num_layers, m.kv_heads, m.mlp) == (32, 8, "swiglu")
     assert m.num_params == presets()["llama3-8b"].num_params
     assert m.name == tmp_path.name  # a config.json without _name_or_path is named by its folder, not "config"
-    # where the Hugging Face cache keeps it: models--ORG--NAME/snapshots/<commit>/config.json
-    snapshot = tmp_path / "models--meta-llama--Llama-3.1-8B" / "snapshots" / ("0123456789abcdef" * 3)[:40]
+    # where the Hugging Face cache keeps it: models--ORG--NAME/snapshots/<commit>/config.json, a link into blobs/
+    repo = tmp_path / "models--meta-llama--Llama-3.1-8B"
+    snapshot = repo / "snapshots" / ("0123456789abcdef" * 3)[:40]
     snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps(LLAMA3_8B_HF))
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "0fe1").write_text(json.dumps(LLAMA3_8B_HF))
+    (snapshot / "config.json").symlink_to("../../blobs/0fe1")
     assert load_model(str(snapshot / "config.json")).name == "Llama-3.1-8B"
+    own = tmp_path / "my--llama" / "config.json"  # a folder of one's own is its name, dashes and all
+    own.parent.mkdir()
+    own.write_text(json.dumps(LLAMA3_8B_HF))
+    assert load_model(str(own)).name == "my--llama"
 
 
 @pytest.mark.parametrize(
