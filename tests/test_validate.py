@@ -236,15 +236,18 @@ def test_executor_zero1_shards_whole_tensors_and_its_prediction_says_so(tmp_path
             for fix in ("dp=2,zero=0", "dp=2,zero=1,shard=2")
         )
         ranks = sorted(x["peak_memory_bytes"] / mib for x in zero1["per_rank"])
-        assert ranks[1] - ranks[0] == pytest.approx(adam, abs=3.0)
         measured, predicted = (
             peak(zero1, "measured") - peak(zero0, "measured"),
             peak(zero1, "predicted") - peak(zero0, "predicted"),
         )
         assert predicted == pytest.approx(-13.0, abs=0.5)
-        if measured == pytest.approx(predicted, abs=3.0):
+        # the race above can count that buffer on one ZeRO-1 rank too (once in a full local run: 87.2 MiB apart)
+        if ranks[1] - ranks[0] == pytest.approx(adam, abs=3.0) and measured == pytest.approx(predicted, abs=3.0):
             return
-    pytest.fail(f"ZeRO-1 lowered the peak by {-measured:.1f} MiB, twice; predicted {-predicted:.1f}")
+    pytest.fail(
+        f"twice: the ZeRO-1 ranks {ranks[1] - ranks[0]:.1f} MiB apart (the embedding's Adam state: {adam:.1f}), "
+        f"ZeRO-1 lowered the peak by {-measured:.1f} MiB (predicted {-predicted:.1f})"
+    )
 
 
 def test_rank_slice_proxy_memory_is_what_it_holds_when_the_embedding_outweighs_a_zero1_share(tmp_path):
