@@ -215,7 +215,16 @@ def test_readme_command(work, doc, line, cmd):
         "COLUMNS": "100",
         "BERTH_STORE_PATH": str(work / "default-store.sqlite"),
     }
-    r = subprocess.run(["bash", "-c", run], cwd=work, capture_output=True, text=True, timeout=300, env=env)
+    results = ROOT / "benchmarks" / "results"
+    saved = {p: p.read_bytes() for p in results.rglob("*") if p.is_file()}
+    try:
+        r = subprocess.run(["bash", "-c", run], cwd=work, capture_output=True, text=True, timeout=300, env=env)
+    finally:  # a documented benchmark saves its figures: the committed ones are put back, the tree stays as it was
+        for p in (p for p in results.rglob("*") if p.is_file() and saved.get(p) != p.read_bytes()):
+            if p in saved:
+                p.write_bytes(saved[p])
+            else:
+                p.unlink()
     assert r.returncode == 0, f"{doc} line {line}: {cmd}\n{r.stderr[-2000:]}"
     assert "Traceback" not in r.stderr
     _check_output(run, r.stdout, work)
