@@ -5,6 +5,7 @@ descriptions, strict JSON parsing of request bodies (StrictRoute), the body-size
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,10 @@ def unprocessable(err: BerthError) -> Response:
     value = err.to_dict()["value"]
     if isinstance(value, str) and len(value) > 200:  # an echo never carries a whole oversized input
         value = value[:197] + "..."
-    item = {"loc": ["body", *err.field.split(".")], "msg": err.problem[:1000], "type": "value_error", "input": value}
+    loc: list[str | int] = [*err.field.split(".")]
+    if m := re.fullmatch(r"layout\[(\d+)\]", loc[0]):  # the CLI's --layout N is the request's layouts[N]
+        loc = ["layouts", int(m[1]), *loc[1:]]
+    item = {"loc": ["body", *loc], "msg": err.problem[:1000], "type": "value_error", "input": value}
     return json_response({"detail": [item]}, 422)
 
 

@@ -77,7 +77,7 @@ class TrainingRequest(Body):
     tuning: EngineTuning | None = Field(
         default=None,
         description="an engine profile's fitted parameters: the `tuning` object of the file `berth calibrate --runs "
-        "--out` writes (its `profile` names it in the plans)",
+        "--out` writes (its `profile` names it in the plans), with the engine they were fitted for as training.engine",
     )
 
     profile: dict[str, Any] | None = Field(
@@ -92,6 +92,9 @@ class TrainingRequest(Body):
         engine profile gives its engine and tuning, checked as the CLI checks its file (`with_engine_profile`)."""
         values = self.model_dump(exclude={"tuning", "profile"})
         if self.profile is None:
+            if self.tuning is not None and "engine" not in self.model_fields_set:  # fitted parameters are one engine's
+                why = "give the engine training.tuning was fitted for (training.profile carries it)"
+                raise BerthError("training.engine", None, why)
             return TrainingInput(**values, tuning=self.tuning)
         if self.tuning is not None:
             raise BerthError("training.tuning", None, "give training.profile or training.tuning, not both")

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.padding import Padding
 
 from berth.launch.writers import formats_text
 from berth.specs import __version__
@@ -1100,6 +1101,8 @@ def probe_cmd(
     given = _given_layouts(layout, layouts_file)
     candidates = parse_layouts(spec, training, cl, given) if given else None
     picks = probe(spec, training, cl, runs, layouts=candidates, search=make_search(max_micro_batch_size=max_mbs))
+    if out:  # first: a folder it may not write is refused before anything is printed; with --json its note is stderr's
+        _write_probe_files(out, picks, Console(stderr=True) if as_json else console)
     if as_json:
         print(
             json.dumps(
@@ -1120,9 +1123,7 @@ def probe_cmd(
     else:
         for i, p in enumerate(picks, 1):
             console.print(f"{i:2d}. {p.plan.layout.short()}", highlight=False, soft_wrap=True)
-            console.print(f"    {p.why}", highlight=False)
-    if out:
-        _write_probe_files(out, picks)
+            console.print(Padding(p.why, (0, 0, 0, 4)), highlight=False)
     if not as_json:
         console.print(
             "measure each (step time or tokens/s, peak memory, or that it ran out of memory), write one JSON line per "
@@ -1131,7 +1132,7 @@ def probe_cmd(
         )
 
 
-def _write_probe_files(out: str, picks: list) -> None:
+def _write_probe_files(out: str, picks: list, note: Console) -> None:
     from berth.launch.writers import artifacts
     from berth.specs.engines import ENGINES
 
@@ -1170,7 +1171,7 @@ def _write_probe_files(out: str, picks: list) -> None:
             if engine is None or engine.launch_formats
             else f"no launch files: berth writes none for {engine.label}; set each layout in your config"
         )
-        console.print(
+        note.print(
             f"wrote {len(picks)} plans ({files}) under {directory}/, and "
             f"{directory}/runs.jsonl to fill in with what each run measured (or status oom/error)"
         )
@@ -1209,9 +1210,17 @@ def _calibrate_runs(runs_file: str, logs: list[str], plans: list[str], out: str 
         loaded = {path: _the_plan_that_ran(path) for path in plans}
         for path, plan_path in zip(logs, plans * len(logs) if len(plans) == 1 else plans, strict=True):
             try:
-                runs.append(read_log(path, loaded[plan_path]))
+                run = read_log(path, loaded[plan_path])
             except OSError as err:
                 raise BerthError("log", path, f"cannot read: {err.strerror}") from None
+            runs.append(run)
+            peak = f", peak {run.peak_memory_bytes / 2**30:.1f} GiB" if run.peak_memory_bytes else ", no peak memory"
+            console.print(  # what the fit is given, before it answers (or refuses)
+                f"{path}: {run.training.engine} log of {run.layout.short()}: step {run.step_time_s:.3g} s{peak}"
+                + (f" {run.memory_kind} ({run.memory_rank})" if run.peak_memory_bytes else ""),
+                highlight=False,
+                soft_wrap=True,
+            )
     tuning = None
     if prior:
         try:

@@ -77,8 +77,6 @@ Status = Literal["ok", "oom", "error"]
 
 @dataclass(frozen=True)
 class Parameter:
-    lo: float
-    hi: float
     kind: str  # "log": fitted as log(value); "lin": as value / unit
     unit: float
     quantity: str  # "time" or "memory"
@@ -86,6 +84,19 @@ class Parameter:
     # a threshold (the host time a layer takes the longer of): below every run's layer time it changes nothing and
     # its derivative is 0, so the fit starts it no lower than this, where the runs can say whether it binds
     start: float | None = None
+    lo: float = math.nan  # its EngineTuning field's bounds (`_bounded`)
+    hi: float = math.nan
+
+
+def _bounded(params: dict[str, Parameter]) -> dict[str, Parameter]:
+    """The parameters with their bounds: the ge and le of their EngineTuning field (specs/tree.py), one place for
+    what a fit may reach and what a profile or a request may hold."""
+    out = {}
+    for name, p in params.items():
+        meta = EngineTuning.model_fields[name].metadata
+        lo, hi = (next(getattr(m, key) for m in meta if hasattr(m, key)) for key in ("ge", "le"))
+        out[name] = dataclasses.replace(p, lo=float(lo), hi=float(hi))
+    return out
 
 
 # layer_overhead_s's start: 3 ms a layer and micro-batch, about twice the host dispatch the H100 profiles measured per
@@ -94,39 +105,40 @@ HOST_START_S = 0.003
 # pipeline_latency_scale's start: the geometric middle of its range. Nothing before the runs says where a pipeline's
 # host-synchronized collectives start to bind (cost_models/step.py: a floor under each micro-batch's layers)
 PIPELINE_LATENCY_START = math.sqrt(1000.0)
-PARAMETERS: dict[str, Parameter] = {
-    # at most 15 % faster than the device profile's measured kernels, at most 20 % above its links' bandwidth: an
-    # engine cannot beat the hardware, and a fit that wants to is absorbing something else
-    "compute_efficiency": Parameter(0.2, 1.15, "log", 1.0, "time", "runs with a step time"),
-    "layer_overhead_s": Parameter(
-        0.0,
-        0.05,
-        "lin",
-        1e-3,
-        "time",
-        "runs whose layers are short enough to wait on the host (small micro-batches, wide tp)",
-        start=HOST_START_S,
-    ),
-    # inside a node an engine's collectives are the same library's as the profile's measured bus bandwidth: at most
-    # 4x slower (small messages are latency_scale's); a fit that wants NVLink slower is absorbing its host or compute
-    "intra_node_bandwidth_scale": Parameter(0.25, 1.2, "log", 1.0, "time", "runs with tp or dp inside a node"),
-    "inter_node_bandwidth_scale": Parameter(0.005, 1.2, "log", 1.0, "time", "runs with a group across nodes"),
-    "latency_scale": Parameter(0.1, 1000.0, "log", 1.0, "time", "runs with many small collectives (tp, small mbs)"),
-    "pipeline_microbatch_overhead_s": Parameter(0.0, 2.0, "lin", 1e-2, "time", "runs with pp > 1 across nodes"),
-    "overlap": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with dp > 1 whose gradient traffic is not hidden"),
-    "param_gather_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
-    "grad_reduce_exposed": Parameter(0.0, 1.0, "lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
-    "pipeline_latency_scale": Parameter(
-        1.0, 1000.0, "log", 1.0, "time", "runs with tp > 1 and pp > 1 across nodes", start=PIPELINE_LATENCY_START
-    ),
-    "fixed_bytes": Parameter(0.0, 32 * GIB, "lin", GIB, "memory", "runs with a measured peak memory"),
-    "state_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs whose parameter share differs"),
-    "optimizer_bytes_scale": Parameter(0.3, 4.0, "log", 1.0, "memory", "runs with and without ZeRO sharding"),
-    "activation_scale": Parameter(0.2, 5.0, "log", 1.0, "memory", "runs at two or more micro-batch sizes"),
-    "activation_tp_unsharded": Parameter(0.0, 1.0, "lin", 1.0, "memory", "runs at two or more tp degrees"),
-    "logits_scale": Parameter(0.2, 5.0, "log", 1.0, "memory", "runs whose last stage holds the logits"),
-    "reserve_fraction": Parameter(0.0, 1.0, "lin", 1.0, "memory", "runs with reserved and allocated peaks"),
-}
+PARAMETERS: dict[str, Parameter] = _bounded(
+    {
+        # at most 15 % faster than the device profile's measured kernels, at most 20 % above its links' bandwidth: an
+        # engine cannot beat the hardware, and a fit that wants to is absorbing something else
+        "compute_efficiency": Parameter("log", 1.0, "time", "runs with a step time"),
+        "layer_overhead_s": Parameter(
+            "lin",
+            1e-3,
+            "time",
+            "runs whose layers are short enough to wait on the host (small micro-batches, wide tp)",
+            start=HOST_START_S,
+        ),
+        # inside a node an engine's collectives are the same library's as the profile's measured bus bandwidth: at
+        # most 4x slower (small messages are latency_scale's); a fit that wants NVLink slower is absorbing its host or
+        # compute
+        "intra_node_bandwidth_scale": Parameter("log", 1.0, "time", "runs with tp or dp inside a node"),
+        "inter_node_bandwidth_scale": Parameter("log", 1.0, "time", "runs with a group across nodes"),
+        "latency_scale": Parameter("log", 1.0, "time", "runs with many small collectives (tp, small mbs)"),
+        "pipeline_microbatch_overhead_s": Parameter("lin", 1e-2, "time", "runs with pp > 1 across nodes"),
+        "overlap": Parameter("lin", 1.0, "time", "runs with dp > 1 whose gradient traffic is not hidden"),
+        "param_gather_exposed": Parameter("lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
+        "grad_reduce_exposed": Parameter("lin", 1.0, "time", "runs with ZeRO-1 or 2 and dp > 1"),
+        "pipeline_latency_scale": Parameter(
+            "log", 1.0, "time", "runs with tp > 1 and pp > 1 across nodes", start=PIPELINE_LATENCY_START
+        ),
+        "fixed_bytes": Parameter("lin", GIB, "memory", "runs with a measured peak memory"),
+        "state_bytes_scale": Parameter("log", 1.0, "memory", "runs whose parameter share differs"),
+        "optimizer_bytes_scale": Parameter("log", 1.0, "memory", "runs with and without ZeRO sharding"),
+        "activation_scale": Parameter("log", 1.0, "memory", "runs at two or more micro-batch sizes"),
+        "activation_tp_unsharded": Parameter("lin", 1.0, "memory", "runs at two or more tp degrees"),
+        "logits_scale": Parameter("log", 1.0, "memory", "runs whose last stage holds the logits"),
+        "reserve_fraction": Parameter("lin", 1.0, "memory", "runs with reserved and allocated peaks"),
+    }
+)
 TIME_PARAMETERS = tuple(n for n, p in PARAMETERS.items() if p.quantity == "time")
 MEMORY_PARAMETERS = tuple(n for n, p in PARAMETERS.items() if p.quantity == "memory")
 # a memory fit that predicts the held-out peaks this much closer than the recipe is kept even where it refuses a run
@@ -478,7 +490,7 @@ def identifiable(
             # the kept parameters of its own quantity: a time and a memory parameter move different residuals (all
             # kept ones where none is of its quantity: then it is not the time/memory split that ties them)
             alike = [names[k] for k in keep if PARAMETERS[names[k]].quantity == p.quantity] or [names[k] for k in keep]
-            why[name] = f"not separable from {', '.join(alike)} with these runs: needs {p.needs}"
+            why[name] = f"not separable from {', '.join(alike)} with these runs: needs {p.needs} that tell them apart"
             continue
         budget[p.quantity] -= 1
         keep.append(j)
@@ -521,7 +533,13 @@ def _solve(
         # has the columns of parameters held at an active bound zeroed, and the robust loss's weights applied
         result.runs_fun = data.residuals(tuning_of(result.x))
         result.runs_jac = jacobian(lambda x: data.residuals(tuning_of(x)), result.x, lo, hi)
-    return tuning_of(result.x), result, at
+    # the solution within the fields' bounds: exp(log(hi)) can round past hi, which a profile must not hold
+    values = {n: decode(n, xi) for n, xi in zip(names, result.x, strict=True)}
+    return (
+        with_values(prior, {n: min(max(v, PARAMETERS[n].lo), PARAMETERS[n].hi) for n, v in values.items()}),
+        result,
+        at,
+    )
 
 
 def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds: int = FOLDS) -> EngineFit:
@@ -669,8 +687,8 @@ def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
     refused_before = held_before["ran_predicted_not_to_fit"]
     if max(refused) > refused_before and not recipe_no_reference(fit.errors):
         held = (
-            f"predicted {refused[0]:.0f} of the runs it did not see and {refused[1]:.0f} of all, which ran, not to "
-            f"fit (the prior {refused_before:.0f})"
+            f"predicted that {refused[0]:.0f} of the runs it did not see, and {refused[1]:.0f} of all, would not fit, "
+            f"though they ran (the prior: {refused_before:.0f})"
         )
     elif after > before:
         held = f"predicted the runs it did not see to {after:.1%} (median |error|), the prior to {before:.1%}"
@@ -801,8 +819,12 @@ def read_engine_profile(data: Any, field: str = "profile") -> tuple[str, EngineT
     """(engine, tuning) of an engine profile document (`berth calibrate --runs --out`)."""
     if not isinstance(data, dict) or data.get("format") != ENGINE_PROFILE_FORMAT:
         raise BerthError(field, str(data)[:80], f"not an engine profile (format {ENGINE_PROFILE_FORMAT})")
+    if "tuning" not in data:
+        raise BerthError(
+            f"{field}.tuning", None, "missing: the fitted parameters (`berth calibrate --runs --out` writes them)"
+        )
     try:
-        tuning = EngineTuning.model_validate(data.get("tuning", {}))
+        tuning = EngineTuning.model_validate(data["tuning"])
     except ValidationError as err:
         raise from_validation_error(err, f"{field}.tuning") from None
     engine = data.get("engine")

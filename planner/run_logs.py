@@ -266,6 +266,7 @@ def _same_layout(run_id: str, printed: Any, plan: Plan, expect: dict[str, Callab
 def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> MeasuredRun:
     """A torchtitan training log and the plan that ran, as one measured run (median over logged steps); the mesh it
     prints is checked against the plan's layout."""
+    _as_engine(plan, "torchtitan", run_id)  # first: another engine's plan is the wrong plan, whatever its sizes
     for mesh in _TT_MESH.finditer(text):
         _same_layout(run_id, re.findall(r"(\w+)=(\d+)", mesh[1]), plan, _TT_LAYOUT)
     rows = [_TT_LINE.search(_ANSI.sub("", line)) for line in text.splitlines()]
@@ -322,6 +323,7 @@ def _largest(text: str, pattern: re.Pattern[str], group: int, number: Callable[[
 def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> MeasuredRun:
     """A Megatron-LM training log and the plan that ran, as one measured run (median iteration time after
     the first, the largest max-reserved figure reported)."""
+    _as_engine(plan, "megatron", run_id)
     printed = (m.groups() for m in map(_MG_ARG.match, text.splitlines()) if m)
     _same_layout(run_id, printed, plan, _MG_LAYOUT)
     times = _iteration_ms(text, _MG_ITER, float)
@@ -351,6 +353,7 @@ def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> Measure
     (docs/accuracy.md) berth prices it with the head, so such a pipeline's figure is compared with a stage that
     holds more than the rank that logged. The parallel sizes and batch it prints at the start are checked against
     the plan's."""
+    _as_engine(plan, "nanotron", run_id)
     # the first: Config.parallelism prints before Config.lighteval's own (lighteval_config.py, an evaluation's sizes)
     if sizes := _NT_PARALLEL.search(text):
         _same_layout(run_id, zip(("dp", "pp", "tp"), sizes.groups(), strict=True), plan, _NT_LAYOUT)

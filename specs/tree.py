@@ -373,32 +373,32 @@ class ModelSpec(Spec):
 class EngineTuning(Spec):
     """What `berth calibrate --runs` learns of an engine from its measured runs: a handful of named, bounded parameters
     on top of the engine's recipe (specs/engines.py). The defaults change nothing. Time: cost_models/step.py; memory:
-    cost_models/memory.py `tuned_breakdown`; bounds and fitting: planner/engine_fit.py."""
+    cost_models/memory.py `tuned_breakdown`; fitting: planner/engine_fit.py, within these bounds (why each: there)."""
 
     profile: LabelText | None = Field(default=None, description="the name of the engine profile these came from")
     compute_efficiency: float = Field(
-        default=1.0, gt=0, le=10, description="x the speed of every layer's compute, the head and recomputation"
+        default=1.0, ge=0.2, le=1.15, description="x the speed of every layer's compute, the head and recomputation"
     )
     layer_overhead_s: float = Field(
         default=0.0,
         ge=0,
-        le=1.0,
+        le=0.05,
         description="host time the engine takes to issue a decoder layer's forward and backward, per micro-batch: "
         "where it is longer than the layer's compute, the layer takes it instead (host-bound)",
     )
     intra_node_bandwidth_scale: float = Field(
-        default=1.0, gt=0, le=10, description="x the achieved bandwidth of the innermost fabric level (in a node)"
+        default=1.0, ge=0.25, le=1.2, description="x the achieved bandwidth of the innermost fabric level (in a node)"
     )
     inter_node_bandwidth_scale: float = Field(
-        default=1.0, gt=0, le=10, description="x the achieved bandwidth of every level outside a node"
+        default=1.0, ge=0.005, le=1.2, description="x the achieved bandwidth of every level outside a node"
     )
     latency_scale: float = Field(
-        default=1.0, gt=0, le=1000, description="x the latency of every collective and send (base and per hop)"
+        default=1.0, ge=0.1, le=1000, description="x the latency of every collective and send (base and per hop)"
     )
     pipeline_microbatch_overhead_s: float = Field(
         default=0.0,
         ge=0,
-        le=10.0,
+        le=2.0,
         description="fixed time per micro-batch of a pipeline stage whose sends cross nodes (pp > 1 over the "
         "network): the engine's host-synchronized send/receive handshake (inside a node it is negligible)",
     )
@@ -427,21 +427,21 @@ class EngineTuning(Spec):
     )
     pipeline_latency_scale: float = Field(
         default=1.0,
-        gt=0,
+        ge=1,
         le=1000,
         description="x the latency of tensor-parallel collectives where the pipeline's sends cross nodes, a floor "
         "under each micro-batch's layers: an engine that syncs host and device at each pipeline send (metadata on the "
         "host) hides their launch cost only behind longer GPU work (inside a node it is negligible)",
     )
     fixed_bytes: float = Field(
-        default=0.0, ge=-(2.0**40), le=2.0**40, description="bytes per GPU the engine holds beyond its recipe"
+        default=0.0, ge=0, le=2.0**35, description="bytes per GPU the engine holds beyond its recipe"
     )
     state_bytes_scale: float = Field(
-        default=1.0, gt=0, le=10, description="x the bytes of parameters, gradients and their buffers"
+        default=1.0, ge=0.3, le=4, description="x the bytes of parameters, gradients and their buffers"
     )
-    optimizer_bytes_scale: float = Field(default=1.0, gt=0, le=10, description="x the optimizer-state bytes")
+    optimizer_bytes_scale: float = Field(default=1.0, ge=0.3, le=4, description="x the optimizer-state bytes")
     activation_scale: float = Field(
-        default=1.0, gt=0, le=10, description="x the bytes of saved activations and pipeline buffers"
+        default=1.0, ge=0.2, le=5, description="x the bytes of saved activations and pipeline buffers"
     )
     activation_tp_unsharded: float = Field(
         default=0.0,
@@ -452,12 +452,12 @@ class EngineTuning(Spec):
         "and dropouts keep 10 of 34 s b h bytes unsplit: Korthikanti et al. 2022, Sec. 4.2)",
     )
     logits_scale: float = Field(
-        default=1.0, gt=0, le=10, description="x the bytes the loss holds for the logits (copies, gradients)"
+        default=1.0, ge=0.2, le=5, description="x the bytes the loss holds for the logits (copies, gradients)"
     )
     reserve_fraction: float = Field(
         default=0.0,
         ge=0,
-        le=2,
+        le=1,
         description="what the allocator reserves beyond the allocated peak, as a share of it (measured "
         "max_memory_reserved over max_memory_allocated - 1)",
     )

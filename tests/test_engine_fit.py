@@ -242,7 +242,7 @@ def test_a_memory_fit_that_refuses_a_run_that_ran_gives_way_to_the_prior():
     memory = [n for n, p in PARAMETERS.items() if p.quantity == "memory"]
     assert "compute_efficiency" in fit.fitted and not set(fit.fitted) & set(memory)
     assert all(getattr(fit.tuning, n) == getattr(EngineTuning(), n) for n in memory)
-    assert "which ran, not to fit" in fit.not_fitted["activation_scale"]
+    assert "would not fit, though they ran" in fit.not_fitted["activation_scale"]
     assert e["fit_after"]["ran_predicted_not_to_fit"] == 0
     # the same runs as a generic stack's: its textbook recipe misses their peaks by 34 % held out, the fit by 13 %;
     # a recipe that far off is no reference, so the fit that refuses one held-out run is kept (RECIPE_NO_REFERENCE)
@@ -312,12 +312,13 @@ def test_the_cli_loop_probe_calibrate_plan(tmp_path):
     model = tmp_path / "small.json"
     model.write_text(SMALL.model_dump_json())
     r = subprocess.run(
-        [*BERTH, "probe", str(model), *common, "--engine", "megatron", "--runs", "6", "--out", str(out)],
+        [*BERTH, "probe", str(model), *common, "--engine", "megatron", "--runs", "6", "--out", str(out), "--json"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["picks"]) == 6 and "wrote 6 plans" in r.stderr  # stdout: the JSON alone
     assert (out / "probe-01" / "megatron-launch.sh").exists() and (out / "probe-01" / "plan.json").exists()
     # the team runs them: here the cost model under TRUTH stands in for the engine
     from berth.specs.tree import Plan
@@ -531,9 +532,14 @@ def test_the_api_takes_the_engine_and_an_engine_profile(tmp_path):
         assert a["training"]["engine"] == b["training"]["engine"] == "generic"
         assert b["training"]["tuning"]["profile"] == "ours"
         assert b["prediction"]["step_time_s"] != a["prediction"]["step_time_s"]
-        body["training"]["tuning"] = {"compute_efficiency": 0}
-        bad = client.post("/v1/plans", json=body)
-        assert bad.status_code == 422 and "compute_efficiency" in bad.text
+        del body["training"]["engine"]  # fitted parameters describe one engine: the request must say which
+        alone = client.post("/v1/plans", json=body)
+        assert alone.status_code == 422 and alone.json()["detail"][0]["loc"][-1] == "engine", alone.text
+        body["training"]["engine"] = "generic"
+        for value in (0, 7):  # the fit's bounds (0.2 .. 1.15): 7x the measured kernels is no engine
+            body["training"]["tuning"] = {"compute_efficiency": value}
+            bad = client.post("/v1/plans", json=body)
+            assert bad.status_code == 422 and "compute_efficiency" in bad.text
         # the profile file itself: its engine comes with it, and an engine given beside it must be that one
         profile = {"format": ENGINE_PROFILE_FORMAT, "engine": "generic", "tuning": TRUTH.model_dump(mode="json")}
         profile["tuning"]["profile"] = "ours"
@@ -556,6 +562,9 @@ def test_the_api_takes_the_engine_and_an_engine_profile(tmp_path):
         both = client.post("/v1/plans", json=body)
         assert both.status_code == 422 and "not both" in both.text
         del body["training"]["tuning"]
+        body["training"]["profile"] = {"format": ENGINE_PROFILE_FORMAT, "engine": "generic"}  # no fitted parameters
+        bare = client.post("/v1/plans", json=body)
+        assert bare.status_code == 422 and bare.json()["detail"][0]["loc"][-1] == "tuning", bare.text
         body["training"]["profile"] = {"engine": "generic"}
         notone = client.post("/v1/plans", json=body)
         assert (
