@@ -44,9 +44,10 @@ def unprocessable(err: BerthError) -> Response:
     value = err.to_dict()["value"]
     if isinstance(value, str) and len(value) > 200:  # an echo never carries a whole oversized input
         value = value[:197] + "..."
-    loc: list[str | int] = [*err.field.split(".")]
-    if m := re.fullmatch(r"layout\[(\d+)\]", loc[0]):  # the CLI's --layout N is the request's layouts[N]
-        loc = ["layouts", int(m[1]), *loc[1:]]
+    first, *rest = err.field.split(".")
+    loc: list[str | int] = [first, *rest]
+    if m := re.fullmatch(r"layout\[(\d+)\]", first):  # the CLI's --layout N is the request's layouts[N]
+        loc = ["layouts", int(m[1]), *rest]
     item = {"loc": ["body", *loc], "msg": err.problem[:1000], "type": "value_error", "input": value}
     return json_response({"detail": [item]}, 422)
 
