@@ -1242,6 +1242,7 @@ def _calibrate_runs(runs_file: str, logs: list[str], plans: list[str], out: str 
             justify="left" if col in ("parameter", "95% interval / why not") else "right",
             no_wrap=col == "parameter",
         )
+    last = None  # the row above's reason: the same again reads "as above" (a memory fit set back names six)
     for name in PARAMETERS:
         before = prior_value(fit.prior, name, cl, fit.engine)
         u = fit.uncertainty.get(name)
@@ -1253,8 +1254,11 @@ def _calibrate_runs(runs_file: str, logs: list[str], plans: list[str], out: str 
                 f"{u['standard_error']:.2g}",
                 f"{u['ci95'][0]:.3g} .. {u['ci95'][1]:.3g}",
             )
+            last = None
         else:
-            t.add_row(name, f"{before:.4g}", "not fitted", "", fit.not_fitted.get(name, ""))
+            why = fit.not_fitted.get(name, "")
+            t.add_row(name, f"{before:.4g}", "not fitted", "", "as above" if why and why == last else why)
+            last = why
     console.print(t)
     for run_id, why in fit.set_aside.items():
         console.print(f"[yellow]set aside[/yellow]: run {run_id}: {why}", highlight=False)

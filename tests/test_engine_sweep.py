@@ -120,6 +120,8 @@ def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
     assert (f"{at_cap} run(s) reached the allocator's ceiling" in " ".join(said.split())) == (at_cap > 0)
     # the memory fit refused a held-out probe that ran: calibrate says the recipe's memory is kept
     assert "not to fit: the prior's memory parameters are kept" in " ".join(said.split())
+    # its six memory parameters share that reason: the table gives it once, then "as above"
+    assert said.count("as above") == 5, said
     # the group's layouts as a user passes them: the first by --layout, the rest in a --layouts file
     rest = tmp_path / "layouts128.txt"
     rest.write_text("\n".join(r["layout"] for r in group[128][1:]) + "  # the rest\n")
