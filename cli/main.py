@@ -15,7 +15,7 @@ from rich.padding import Padding
 from berth.launch.writers import formats_text
 from berth.specs import __version__
 from berth.specs.errors import BerthError
-from berth.specs.tree import ClusterSpec, ModelSpec, Plan, TrainingSpec
+from berth.specs.tree import ClusterSpec, ModelSpec, Plan, TrainingSpec, pick_plan
 
 # Imports of the commands live inside them: `berth plan` loads neither torch, the service stack
 # (fastapi, uvicorn), scipy nor the executor (`python -X importtime -m berth.cli.main plan ...`;
@@ -1345,28 +1345,30 @@ def serve_cmd(
 def _the_plan_that_ran(path: str) -> Plan:
     """The one plan of a --plan file beside a log: a listing of several (`berth plan --json`, `berth probe --json`)
     does not say which ran, so it is refused rather than read as its first."""
-    from berth.specs.tree import plan_listing
-
-    plan = _load_plan(path, 1)
-    listed = plan_listing(json.loads(Path(path).read_text()))
-    if listed is not None and len(listed) > 1:
+    plans = _read_plans(path)
+    if len(plans) > 1:
         raise BerthError(
             "plan",
             path,
-            f"lists {len(listed)} plans, and a log ran one: give that one (`berth plan ... --top 1 --json`, or the "
+            f"lists {len(plans)} plans, and a log ran one: give that one (`berth plan ... --top 1 --json`, or the "
             "probe-NN/plan.json `berth probe --out` writes)",
         )
-    return plan
+    return pick_plan(plans, 1, "the file")
 
 
 def _load_plan(path: str, pick: int) -> Plan:
-    """One plan of a plan file; a file that is no text or no JSON is refused naming it."""
-    from berth.executor.validate import load_plan
+    """One plan of a plan file, numbered from 1."""
+    return pick_plan(_read_plans(path), pick, "the file")
+
+
+def _read_plans(path: str) -> list:
+    """The plans a plan file lists; a file that is no text or no JSON is refused naming it."""
+    from berth.executor.validate import read_plans
 
     if not Path(path).is_file():
         raise BerthError("plan", path, "no such file" if not Path(path).exists() else "not a file")
     try:
-        return load_plan(path, pick)
+        return read_plans(path)
     except UnicodeDecodeError:
         raise BerthError("plan", path, "not a text file (expected `berth plan --json` output)") from None
 

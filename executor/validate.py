@@ -65,6 +65,11 @@ Progress = Callable[[dict[str, Any]], None]
 def load_plan(path: str | Path, pick: int = 1) -> Plan:
     """One Plan from a file holding a plan object, a list of them, or `berth plan --json` output
     (plans numbered from 1 as in the table; the first unless `pick`)."""
+    return pick_plan(read_plans(path), pick, "the file")
+
+
+def read_plans(path: str | Path) -> list[Any]:
+    """The plans a file lists (`plan_listing`), as JSON: at least one, else refused naming the file."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as err:
@@ -74,7 +79,7 @@ def load_plan(path: str | Path, pick: int = 1) -> Plan:
     plans = plan_listing(data)
     if not plans:
         raise BerthError("plan", str(path), "holds no plan (expected a plan, a list, or `berth plan --json` output)")
-    return pick_plan(plans, pick, "the file")
+    return plans
 
 
 def local_devices() -> tuple[str, int]:

@@ -520,8 +520,9 @@ def _solve(
     x0 = start(prior, names, cluster, engine)
     at = np.clip([encode(n, prior_value(prior, n, cluster, engine)) for n in names], lo, hi)
 
-    def tuning_of(x: np.ndarray) -> EngineTuning:
-        return with_values(prior, {n: decode(n, xi) for n, xi in zip(names, x, strict=True)})
+    def tuning_of(x: np.ndarray) -> EngineTuning:  # within the fields' bounds: exp(log(hi)) can round past hi
+        values = {n: decode(n, xi) for n, xi in zip(names, x, strict=True)}
+        return with_values(prior, {n: min(max(v, PARAMETERS[n].lo), PARAMETERS[n].hi) for n, v in values.items()})
 
     def fun(x: np.ndarray) -> np.ndarray:
         return np.concatenate([data.residuals(tuning_of(x)), PRIOR_WEIGHT * (x - at)])
@@ -533,13 +534,7 @@ def _solve(
         # has the columns of parameters held at an active bound zeroed, and the robust loss's weights applied
         result.runs_fun = data.residuals(tuning_of(result.x))
         result.runs_jac = jacobian(lambda x: data.residuals(tuning_of(x)), result.x, lo, hi)
-    # the solution within the fields' bounds: exp(log(hi)) can round past hi, which a profile must not hold
-    values = {n: decode(n, xi) for n, xi in zip(names, result.x, strict=True)}
-    return (
-        with_values(prior, {n: min(max(v, PARAMETERS[n].lo), PARAMETERS[n].hi) for n, v in values.items()}),
-        result,
-        at,
-    )
+    return tuning_of(result.x), result, at
 
 
 def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds: int = FOLDS) -> EngineFit:
@@ -701,12 +696,13 @@ def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
     fit.not_fitted = {n: why[n] for n in PARAMETERS if n in why}
     # the time parameters solved again by themselves: the joint solve's evaluation budget (MAX_EVALUATIONS) went to
     # the memory parameters too, and may have stopped before the time ones settled
+    data = Data.of(runs)
     fit.tuning, result, at, fit.fitted, fit.not_fitted = _solve_determined(
-        Data.of(runs), fit.prior, fit.fitted, fit.not_fitted, runs[0].cluster
+        data, fit.prior, fit.fitted, fit.not_fitted, runs[0].cluster
     )
     moved = f"the memory fit {held}, and the fit of {', '.join(fit.fitted)} did not move from the prior without it"
     _refuse_unmoved(result.x, at, runs, moved)
-    fit.uncertainty = uncertainty(fit.fitted, result, Data.of(runs))
+    fit.uncertainty = uncertainty(fit.fitted, result, data)
     fit.errors["fit_after"] = errors(runs, fit.tuning)
     # the memory kept is the prior's, so are its held-out figures (memory depends on the memory parameters alone);
     # the memory fit not kept keeps its own under held_out_memory_fit

@@ -266,7 +266,8 @@ def _same_layout(run_id: str, printed: Any, plan: Plan, expect: dict[str, Callab
 def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> MeasuredRun:
     """A torchtitan training log and the plan that ran, as one measured run (median over logged steps); the mesh it
     prints is checked against the plan's layout."""
-    _as_engine(plan, "torchtitan", run_id)  # first: another engine's plan is the wrong plan, whatever its sizes
+    # first: another engine's plan is the wrong plan, whatever its sizes
+    training = _as_engine(plan, "torchtitan", run_id)
     for mesh in _TT_MESH.finditer(text):
         _same_layout(run_id, re.findall(r"(\w+)=(\d+)", mesh[1]), plan, _TT_LAYOUT)
     rows = [_TT_LINE.search(_ANSI.sub("", line)) for line in text.splitlines()]
@@ -277,14 +278,14 @@ def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> Mea
     tps = _median([s[2] for s in steps])
     mem = max(s[1] for s in steps)
     batch_tokens = plan.training.global_batch_size * plan.training.seq_len
-    return _log_run(plan, "torchtitan", run_id, batch_tokens / (tps * plan.cluster.world_size), mem * GIB, "rank0")
+    return _log_run(plan, training, run_id, batch_tokens / (tps * plan.cluster.world_size), mem * GIB, "rank0")
 
 
 def _log_run(
-    plan: Plan, engine: str, run_id: str, step_s: float, memory: float | None, rank: MemoryRank
+    plan: Plan, training: TrainingSpec, run_id: str, step_s: float, memory: float | None, rank: MemoryRank
 ) -> MeasuredRun:
-    """What an engine's log measured of the plan that ran: its step time and the reserved peak of `rank`."""
-    training = _as_engine(plan, engine, run_id)
+    """What an engine's log measured of the plan that ran (`training`: the plan's as that engine's, `_as_engine`):
+    its step time and the reserved peak of `rank`."""
     return MeasuredRun(run_id, plan.model, training, plan.cluster, plan.layout, "ok", step_s, memory, "reserved", rank)
 
 
@@ -323,7 +324,7 @@ def _largest(text: str, pattern: re.Pattern[str], group: int, number: Callable[[
 def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> MeasuredRun:
     """A Megatron-LM training log and the plan that ran, as one measured run (median iteration time after
     the first, the largest max-reserved figure reported)."""
-    _as_engine(plan, "megatron", run_id)
+    training = _as_engine(plan, "megatron", run_id)
     printed = (m.groups() for m in map(_MG_ARG.match, text.splitlines()) if m)
     _same_layout(run_id, printed, plan, _MG_LAYOUT)
     times = _iteration_ms(text, _MG_ITER, float)
@@ -335,7 +336,7 @@ def megatron_log(text: str, plan: Plan, run_id: str = "megatron-log") -> Measure
             "(Megatron's default 100; berth's megatron-launch.sh sets 1) prints none",
         )
     mem = _largest(text, _MG_MEM, 2, float)
-    return _log_run(plan, "megatron", run_id, _median(times) / 1e3, None if mem is None else mem * MIB, "max")
+    return _log_run(plan, training, run_id, _median(times) / 1e3, None if mem is None else mem * MIB, "max")
 
 
 def _human(text: str) -> float:
@@ -353,7 +354,7 @@ def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> Measure
     (docs/accuracy.md) berth prices it with the head, so such a pipeline's figure is compared with a stage that
     holds more than the rank that logged. The parallel sizes and batch it prints at the start are checked against
     the plan's."""
-    _as_engine(plan, "nanotron", run_id)
+    training = _as_engine(plan, "nanotron", run_id)
     # the first: Config.parallelism prints before Config.lighteval's own (lighteval_config.py, an evaluation's sizes)
     if sizes := _NT_PARALLEL.search(text):
         _same_layout(run_id, zip(("dp", "pp", "tp"), sizes.groups(), strict=True), plan, _NT_LAYOUT)
@@ -364,7 +365,7 @@ def nanotron_log(text: str, plan: Plan, run_id: str = "nanotron-log") -> Measure
         raise BerthError(
             "log", run_id, "no nanotron iteration line ('iteration: N / M | ... elapsed_time_per_iteration_ms: X')"
         )
-    return _log_run(plan, "nanotron", run_id, _median(times) / 1e3, _largest(text, _NT_MEM, 1, _human), "last")
+    return _log_run(plan, training, run_id, _median(times) / 1e3, _largest(text, _NT_MEM, 1, _human), "last")
 
 
 def read_log(path: str, plan: Plan) -> MeasuredRun:
