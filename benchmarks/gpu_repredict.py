@@ -1,6 +1,6 @@
 """Re-predict a GPU evidence run's whole steps three ways, to see which of the profile's terms its error comes from.
 
-    python -m benchmarks.gpu_repredict                       # benchmarks/results/gpu-h200 against the bundled h200
+    python -m benchmarks.gpu_repredict                       # benchmarks/results/gpu-h200 (the latest H200 run)
     python -m benchmarks.gpu_repredict --folder DIR --device NAME
 
 For every full-run report (`report-*.json`, mode "full") in the folder, the plan it ran (its model, training and
@@ -51,7 +51,8 @@ def run(folder: Path = FOLDER, device: str = "h200") -> dict:
         f"bundled {device} profile": bundled.model_copy(update={"memory_bytes": measured_device.memory_bytes}),
     }
     runs = full_runs(folder)
-    result: dict = {"folder": str(folder.relative_to(ROOT)), "device": device, "variants": {}}
+    shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
+    result: dict = {"folder": str(shown), "device": device, "variants": {}}
     for name, dev in variants.items():
         # the GPU's profile read on this machine: local_gpus() would describe this host's GPUs, if any
         real, clusters.local_gpus = clusters.local_gpus, lambda: []

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.padding import Padding
 
@@ -951,9 +952,14 @@ def calibrate_cmd(
     names = tuple(n.strip() for n in params.split(",") if n.strip()) if params else None
     fit = calibrate(loaded, holdout=holdout, seed=seed, names=names, terms=terms)
     kinds = ", ".join(f"{v} {k}" for k, v in fit.kinds.items() if v)
-    t = Table(title=f"calibration on {len(fit.fit_ids)} reports ({len(fit.held_out_ids)} held out; {kinds})")
-    for col in ("parameter", "before", "after", "± std. error", "95% interval"):
-        t.add_column(col, justify="left" if col == "parameter" else "right")
+    t = Table(  # names and numbers whole in 80 columns; why a parameter is not fitted goes under the table
+        title=f"calibration on {len(fit.fit_ids)} reports ({len(fit.held_out_ids)} held out; {kinds})",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
+    )
+    for col in ("parameter", "before", "after", "± s.e.", "95% interval"):
+        t.add_column(col, justify="left" if col == "parameter" else "right", no_wrap=col != "95% interval")
     for name in PARAMETERS:
         u = fit.uncertainty.get(name)
         if u:
@@ -965,8 +971,11 @@ def calibrate_cmd(
                 f"{u['ci95'][0]:.3g} .. {u['ci95'][1]:.3g}",
             )
         else:
-            t.add_row(name, f"{fit.initial[name]:.4g}", "not fitted", "", fit.not_fitted.get(name, ""))
+            t.add_row(name, f"{fit.initial[name]:.4g}", "-", "", "")
     console.print(t)
+    for name in PARAMETERS:  # in a column of the table a reason wrapped a word a line at 80 columns
+        if name not in fit.uncertainty and fit.not_fitted.get(name):
+            console.print(f"  {name} not fitted: {fit.not_fitted[name]}")
     if fit.term_residuals:
         console.print(
             "measured step terms in the fit: "

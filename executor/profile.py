@@ -237,11 +237,12 @@ def _time_attention(
     returns it and k, v as `repeat_interleave` returns them, all contiguous (b, heads, s, d); a
     multi-head layer passes v as a transposed view instead, the same last-dimension stride), causal
     F.scaled_dot_product_attention with no backend forced: the kernel timed is the one torch picks
-    (`backend`, its name). Forcing the flash backend, as this did before, most likely timed another
-    kernel than the layers run: on an H200 with torch 2.11 the profile's attention came out
-    at 0.27 of the bf16 peak (median) and predicted the executor's whole steps 10 % slow; with the
-    bundled profile's attention terms (the H100 microbenchmarks, SDPA as torch picks it) the same
-    steps came within 5.5 % (mean; benchmarks/results/gpu-h200/README.md)."""
+    (`backend`, its name). Forcing the flash backend, as this did before, timed another kernel than
+    the layers run: on an H200 with torch 2.11 the profile's attention came out at 0.27 of the bf16
+    peak (median) and predicted the executor's whole steps 10 % slow. Timed as here on the same kind of
+    machine, torch picked cuDNN's attention, the asymptotes came out at 0.68 / 0.64 (forward / backward,
+    0.36 before), and the same steps were predicted within 5.6 % at the mean, as with the bundled
+    profile's attention terms (benchmarks/results/gpu-h200/README.md)."""
     dtype, _ = _dtype(device)
     q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 

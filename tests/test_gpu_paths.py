@@ -484,7 +484,8 @@ def test_gpu_profile_keeps_the_base_models_at_the_measured_level():
 def test_what_a_gpu_profile_measured_is_not_left_among_its_assumptions():
     """The H200's device file assumes its shape models ("Not measured on this device": the H100's fit, scaled);
     a profile measured on an H200 moved them to what it measured, so it lists them under `sources`, not
-    `assumptions` (benchmarks/results/gpu-h200/profile.json, made before this, still carried the base's text)."""
+    `assumptions` (benchmarks/results/gpu-h200/2026-11-26/profile.json, made before this, still carried the base's
+    text; the profile the next H200 run measured, benchmarks/results/gpu-h200/profile.json, does not)."""
     base = load_device("h200")
     assert {"gemm_shape", "attention_shape"} <= set(base.assumptions)
     meas = _synthetic_measurements(lambda m, n, k: 0.7, 0.4 * 989e12, 4.0e12, np.random.default_rng(7))
@@ -494,3 +495,7 @@ def test_what_a_gpu_profile_measured_is_not_left_among_its_assumptions():
         assert name not in dev.assumptions and "berth profile" in dev.sources[name], name
     assert "gemm.min_dim" not in dev.assumptions and "berth profile" in dev.sources["gemm"]
     assert dev.assumptions["allocator_transient_blocks"] == base.assumptions["allocator_transient_blocks"]
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu-h200"
+    measured_there = json.loads((root / "profile.json").read_text())["device"]
+    assert not {"gemm_shape", "attention_shape"} & set(measured_there["assumptions"])
+    assert {"gemm_shape", "attention_shape"} <= set(measured_there["sources"])
