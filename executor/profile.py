@@ -70,6 +70,9 @@ ATTENTION_SEQ = (2048, 4096, 8192)
 ATTENTION_HEADS = (4, 8, 16, 32)  # heads per tp rank: 32-128 heads over tp 1-8
 QUICK_ATTENTION_SEQ, QUICK_ATTENTION_HEADS = (4096,), (8, 32)
 ATTENTION_HEAD_DIM = 128
+# head dim 64 (GPT-2, GPT-3 up to 6.7B, Llama-style models below 1B): its own asymptote in the attention model
+# (cost_models/compute.py attention_efficiency), timed at these heads per rank (QUICK: the first)
+SMALL_HEAD_DIM, SMALL_HEAD_HEADS = 64, (8, 32)
 ATTENTION_TOKENS = 16384  # batch x seq of each attention shape (batch = tokens / seq)
 
 
@@ -197,11 +200,18 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> tuple[fl
 
 def attention_shapes(device_type: str, quick: bool) -> list[tuple[int, int, int, int]]:
     """(batch, heads per rank, seq, head dim) to time: CUDA, the layers berth plans (seq 2k-8k,
-    32-128 heads over tp 1-8, head dim 128, ATTENTION_TOKENS per shape); CPU, one small shape."""
+    32-128 heads over tp 1-8, head dim 128, ATTENTION_TOKENS per shape) and, at the same sequences,
+    head dim 64 (SMALL_HEAD_HEADS), whose asymptote the model keeps apart; CPU, one small shape."""
     if device_type != "cuda":
         return [(4, 4, 256, 64)]
     seqs, heads = (QUICK_ATTENTION_SEQ, QUICK_ATTENTION_HEADS) if quick else (ATTENTION_SEQ, ATTENTION_HEADS)
-    return [(max(1, ATTENTION_TOKENS // s), h, s, ATTENTION_HEAD_DIM) for s in seqs for h in heads]
+    small = SMALL_HEAD_HEADS[:1] if quick else SMALL_HEAD_HEADS
+    return [
+        (max(1, ATTENTION_TOKENS // s), h, s, d)
+        for d, per_rank in ((ATTENTION_HEAD_DIM, heads), (SMALL_HEAD_DIM, small))
+        for s in seqs
+        for h in per_rank
+    ]
 
 
 def measure_attention(device: torch.device, quick: bool) -> list[dict]:
@@ -487,23 +497,38 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
         passes = {}
         for index, name in enumerate(("forward", "backward")):
             model = getattr(base.attention_shape, name)
-            measured = [
-                attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] / a[f"{name}_s"] / reference
-                for a in attention
-            ]
-            modelled = [
-                attention_efficiency(model, a["head_dim"], a["seq"], a["batch"] * a["heads"] * a["seq"])
-                for a in attention
-            ]
-            ratio = _median_ratio(measured, modelled)
+
+            def ratio_over(rows: list[dict], model=model, index=index, name=name) -> float:
+                measured = [
+                    attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] / a[f"{name}_s"] / reference
+                    for a in rows
+                ]
+                modelled = [
+                    attention_efficiency(model, a["head_dim"], a["seq"], a["batch"] * a["heads"] * a["seq"])
+                    for a in rows
+                ]
+                return _median_ratio(measured, modelled)
+
+            # each asymptote from the rows at its head dim; a head dim not timed (older profiles) moves with the other
+            large, small = attention_by_head_dim(attention)
+            ratio_large = ratio_over(large or small)
+            ratio_small = ratio_over(small) if small else ratio_large
             passes[name] = model.model_copy(
                 update={
-                    "max_fraction": float(min(1.0, model.max_fraction * ratio)),
-                    "max_fraction_small_head": float(min(1.0, model.max_fraction_small_head * ratio)),
+                    "max_fraction": float(min(1.0, model.max_fraction * ratio_large)),
+                    "max_fraction_small_head": float(min(1.0, model.max_fraction_small_head * ratio_small)),
                 }
             )
         out["attention_shape"] = base.attention_shape.model_copy(update=passes)
     return out
+
+
+def attention_by_head_dim(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The attention rows at head dim >= 128 and <= 64: the two asymptotes of the attention model
+    (cost_models/compute.py HEAD_DIM_LARGE, HEAD_DIM_SMALL)."""
+    from berth.cost_models.compute import HEAD_DIM_LARGE, HEAD_DIM_SMALL
+
+    return [a for a in rows if a["head_dim"] >= HEAD_DIM_LARGE], [a for a in rows if a["head_dim"] <= HEAD_DIM_SMALL]
 
 
 def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision) -> tuple[dict, dict, dict]:
@@ -522,7 +547,9 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision
     # GPU: tile and wave quantization scatter the shapes of a bin, the trend is monotone; CPU:
     # cache effects make the efficiency of one thread genuinely non-monotone, kept as measured
     dims, fractions = gemm_curve(gemm, reference, monotone=gpu)
-    attention = [a["flops_per_s"] / reference for a in measurements["attention"]]
+    large, small = attention_by_head_dim(measurements["attention"])
+    # the legacy single fraction: at head dim 128 where timed (what it meant before head dim 64 was timed too)
+    attention = [a["flops_per_s"] / reference for a in (large or measurements["attention"])]
     backends = attention_backends(measurements["attention"])
     bandwidth = measurements["memory_bandwidth_bytes_per_s"]
     fields: dict[str, Any] = {
@@ -554,7 +581,9 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision
         f"peak_flops_per_s.{precision}": what,
         "gemm": f"{len(gemm)} GEMMs binned by min dim {[int(d) for d in dims]}, median measured / {what}, "
         + ("fitted non-decreasing" if gpu else "as measured"),
-        "attention_peak_fraction": f"median over {len(attention)} causal SDPA shapes of forward+backward "
+        "attention_peak_fraction": f"median over {len(attention)} causal SDPA shapes"
+        + (" at head dim 128" if large else "")
+        + " of forward+backward "
         f"FLOP/s / {what}; the kernel torch picked: {', '.join(backends) or 'not recorded'}",
         "memory_bandwidth_bytes_per_s": "datasheet, with memory_bandwidth_fraction = streaming multiply / datasheet"
         if gpu
@@ -563,7 +592,8 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision
     }
     if gpu:
         sources["memory_bandwidth_fraction"] = "streaming multiply / datasheet bandwidth"
-    rescaled = {"gemm_shape": f"{len(gemm)} GEMMs", "attention_shape": f"{len(attention)} causal SDPA shapes"}
+    by_dim = f"{len(large)} at head dim 128, " + (f"{len(small)} at 64" if small else "none at 64 (moved with 128)")
+    rescaled = {"gemm_shape": f"{len(gemm)} GEMMs", "attention_shape": f"causal SDPA shapes ({by_dim})"}
     for name, over in rescaled.items():
         if name in fields:  # the base's fit moved to the measured level (shape_models_rescaled)
             sources[name] = (

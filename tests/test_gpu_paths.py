@@ -343,7 +343,8 @@ def test_gpu_gemm_shapes_are_the_layers_berth_predicts():
     quick = prof.layer_gemm_shapes(prof.QUICK_GPU_HIDDEN, prof.QUICK_GPU_TP, prof.QUICK_GPU_TOKENS)
     assert (8192, 8192, 8192) in quick and len(quick) < 20
     att = prof.attention_shapes("cuda", False)
-    assert {s for _, _, s, _ in att} == {2048, 4096, 8192} and {d for *_, d in att} == {128}
+    assert {s for _, _, s, _ in att} == {2048, 4096, 8192} and {d for *_, d in att} == {128, 64}
+    assert len([1 for *_, d in att if d == 64]) == 3 * len(prof.SMALL_HEAD_HEADS)  # GPT-2 XL's head dim, each seq
 
 
 def _synthetic_measurements(efficiency, attention_flops_per_s, bandwidth, rng, noise=0.02, peak=989e12):
@@ -447,7 +448,8 @@ def test_gpu_profile_document_builds_with_measurements_kept(monkeypatch):
 def test_gpu_profile_keeps_the_base_models_at_the_measured_level():
     """A profiled GPU keeps what the sweep does not measure (the frameworks' layer work, the
     allocator/driver memory, the shape models' knees) and moves the GEMM and attention asymptotes to
-    the level it measured: timings 0.9x the base model's efficiency give 0.9x its asymptotes."""
+    the level it measured: timings 0.9x the base model's efficiency give 0.9x its asymptotes, each
+    attention asymptote by the shapes at its head dim (0.8x at 128, 0.6x at 64)."""
     from berth.cost_models.compute import attention_efficiency, gemm_efficiency
 
     base = load_device("h100-sxm")
@@ -459,8 +461,9 @@ def test_gpu_profile_keeps_the_base_models_at_the_measured_level():
         f, bw = prof.attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])
         rows = a["batch"] * a["heads"] * a["seq"]
         fwd, bwd = base.attention_shape.forward, base.attention_shape.backward
-        a["forward_s"] = f / (0.8 * 989e12 * float(attention_efficiency(fwd, 128, a["seq"], rows)))
-        a["backward_s"] = bw / (0.8 * 989e12 * float(attention_efficiency(bwd, 128, a["seq"], rows)))
+        level = 0.8 if a["head_dim"] == 128 else 0.6
+        a["forward_s"] = f / (level * 989e12 * float(attention_efficiency(fwd, a["head_dim"], a["seq"], rows)))
+        a["backward_s"] = bw / (level * 989e12 * float(attention_efficiency(bwd, a["head_dim"], a["seq"], rows)))
     machine = {
         "hostname": "gpu-box",
         "profile_base": "h100-sxm",
@@ -472,9 +475,15 @@ def test_gpu_profile_keeps_the_base_models_at_the_measured_level():
     assert dev.gemm_shape.max_fraction == pytest.approx(0.9 * base.gemm_shape.max_fraction, rel=1e-6)
     assert dev.gemm_shape.k_knee == base.gemm_shape.k_knee
     for name in ("forward", "backward"):
-        assert getattr(dev.attention_shape, name).max_fraction == pytest.approx(
-            0.8 * getattr(base.attention_shape, name).max_fraction, rel=1e-6
-        )
+        measured, was = getattr(dev.attention_shape, name), getattr(base.attention_shape, name)
+        assert measured.max_fraction == pytest.approx(0.8 * was.max_fraction, rel=1e-6)
+        assert measured.max_fraction_small_head == pytest.approx(0.6 * was.max_fraction_small_head, rel=1e-6)
+    assert "12 at head dim 128, 6 at 64" in dev.sources["attention_shape"]
+    older = {**meas, "attention": [a for a in meas["attention"] if a["head_dim"] == 128]}  # a profile before 64
+    old_dev = DeviceProfile.model_validate(prof.build_profile("cuda", older, {}, machine)["device"])
+    assert old_dev.attention_shape.forward.max_fraction_small_head == pytest.approx(
+        0.8 * base.attention_shape.forward.max_fraction_small_head, rel=1e-6
+    )  # moved with head dim 128, as every profile did before
     assert dev.frameworks == base.frameworks and dev.driver_reserved_bytes == base.driver_reserved_bytes
     assert dev.allocator_transient_blocks == base.allocator_transient_blocks
     for name in ("gemm_shape", "attention_shape"):  # the moved models say how they were measured
