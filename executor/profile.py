@@ -37,7 +37,15 @@ import torch.nn.functional as F
 
 from berth.executor.device import rank_device
 from berth.hardware_profiles import PROFILE_FORMAT, load_device, load_server
-from berth.specs.hardware import CollectiveOp, DeviceProfile, GemmCurve, LinkProfile, Precision, ServerProfile
+from berth.specs.hardware import (
+    AttentionPassModel,
+    CollectiveOp,
+    DeviceProfile,
+    GemmCurve,
+    LinkProfile,
+    Precision,
+    ServerProfile,
+)
 
 GEMM_DIMS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 QUICK_GEMM_DIMS = (16, 64, 256, 1024)
@@ -483,7 +491,7 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
     median ratio of what the sweep measured to what the model predicts at the same shapes (the
     knees, which need thousands of timings to fit, stay the base fit's). Without the models (older
     profiles) nothing changes: the legacy curve above is used."""
-    from berth.cost_models.compute import attention_efficiency, gemm_efficiency
+    from berth.cost_models.compute import gemm_efficiency
 
     out: dict = {}
     gemm = measurements["gemm"]
@@ -494,25 +502,13 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
         out["gemm_shape"] = shape.model_copy(update={"max_fraction": float(min(1.0, shape.max_fraction * ratio))})
     attention = measurements["attention"]
     if base.attention_shape is not None and attention:
+        # each asymptote by the rows at its head dim; a head dim not timed (older profiles) moves with the other
+        large, small = attention_by_head_dim(attention)
         passes = {}
         for index, name in enumerate(("forward", "backward")):
             model = getattr(base.attention_shape, name)
-
-            def ratio_over(rows: list[dict], model=model, index=index, name=name) -> float:
-                measured = [
-                    attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] / a[f"{name}_s"] / reference
-                    for a in rows
-                ]
-                modelled = [
-                    attention_efficiency(model, a["head_dim"], a["seq"], a["batch"] * a["heads"] * a["seq"])
-                    for a in rows
-                ]
-                return _median_ratio(measured, modelled)
-
-            # each asymptote from the rows at its head dim; a head dim not timed (older profiles) moves with the other
-            large, small = attention_by_head_dim(attention)
-            ratio_large = ratio_over(large or small)
-            ratio_small = ratio_over(small) if small else ratio_large
+            ratio_large = _attention_ratio(large or small, model, index, reference)
+            ratio_small = _attention_ratio(small, model, index, reference) if small else ratio_large
             passes[name] = model.model_copy(
                 update={
                     "max_fraction": float(min(1.0, model.max_fraction * ratio_large)),
@@ -521,6 +517,17 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
             )
         out["attention_shape"] = base.attention_shape.model_copy(update=passes)
     return out
+
+
+def _attention_ratio(rows: list[dict], model: AttentionPassModel, index: int, reference: float) -> float:
+    """Median measured / modelled efficiency of one attention pass (index 0 forward, 1 backward) over rows."""
+    from berth.cost_models.compute import attention_efficiency
+
+    name = ("forward", "backward")[index]
+    flops = [attention_flops(a["batch"], a["heads"], a["seq"], a["head_dim"])[index] for a in rows]
+    measured = [f / a[f"{name}_s"] / reference for f, a in zip(flops, rows, strict=True)]
+    modelled = [attention_efficiency(model, a["head_dim"], a["seq"], a["batch"] * a["heads"] * a["seq"]) for a in rows]
+    return _median_ratio(measured, modelled)
 
 
 def attention_by_head_dim(rows: list[dict]) -> tuple[list[dict], list[dict]]:
