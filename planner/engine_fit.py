@@ -446,6 +446,9 @@ def explaining_order(jacobian: np.ndarray, residual: np.ndarray) -> list[int]:
     return order
 
 
+NOT_SEPARABLE, WITH_THESE_RUNS = "not separable from ", " with these runs"  # identifiable's words, read back
+
+
 def identifiable(
     jacobian: np.ndarray,
     names: tuple[str, ...],
@@ -490,7 +493,7 @@ def identifiable(
             # the kept parameters of its own quantity: a time and a memory parameter move different residuals (all
             # kept ones where none is of its quantity: then it is not the time/memory split that ties them)
             alike = [names[k] for k in keep if PARAMETERS[names[k]].quantity == p.quantity] or [names[k] for k in keep]
-            why[name] = f"not separable from {', '.join(alike)} with these runs: needs {p.needs} that tell them apart"
+            why[name] = f"{NOT_SEPARABLE}{', '.join(alike)}{WITH_THESE_RUNS}: needs {p.needs} that tell them apart"
             continue
         budget[p.quantity] -= 1
         keep.append(j)
@@ -642,7 +645,22 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
     if held:
         fit.errors.update(held)
         _memory_back_to_prior(fit, runs)
+    _ties_as_fitted(fit)
     return fit
+
+
+def _ties_as_fitted(fit: EngineFit) -> None:
+    """A "not separable from A, B" reason names the parameters the selection (`identifiable`, at the prior) had kept;
+    one of them the fit then did not keep (undetermined at the solution, or a memory fit set back) is said so, so the
+    reason does not send a reader to a parameter the answer lists as not fitted without a word."""
+    for name, why in fit.not_fitted.items():
+        if not why.startswith(NOT_SEPARABLE) or WITH_THESE_RUNS not in why:
+            continue
+        tied, rest = why[len(NOT_SEPARABLE) :].split(WITH_THESE_RUNS, 1)
+        dropped = [n for n in tied.split(", ") if n not in fit.fitted]
+        if dropped:
+            note = f" ({', '.join(dropped)} then not kept either)"
+            fit.not_fitted[name] = f"{NOT_SEPARABLE}{tied}{WITH_THESE_RUNS}{note}{rest}"
 
 
 def recipe_no_reference(errors: dict[str, dict[str, float]]) -> bool:

@@ -20,7 +20,9 @@ from berth.planner.engine_fit import (
     ENGINE_PROFILE_FORMAT,
     PARAMETERS,
     Data,
+    EngineFit,
     MeasuredRun,
+    _ties_as_fitted,
     errors,
     fit_engine,
     identifiable,
@@ -451,6 +453,14 @@ def test_a_parameter_not_separable_is_named_with_those_of_its_own_quantity():
     kept, why = identifiable(jac, names, counts)
     assert set(kept) == {"compute_efficiency", "activation_scale"}
     assert why["layer_overhead_s"].startswith("not separable from compute_efficiency with these runs")
+
+    # the selection looks at the prior; where the solve then leaves compute_efficiency undetermined, the reason says so
+    tuning = EngineTuning()
+    fit = EngineFit("generic", tuning, tuning, ["activation_scale"], why | {"compute_efficiency": "undetermined"})
+    _ties_as_fitted(fit)
+    assert fit.not_fitted["layer_overhead_s"].startswith(
+        "not separable from compute_efficiency with these runs (compute_efficiency then not kept either): needs "
+    )
 
 
 def test_torchtitan_and_megatron_logs_become_runs():
