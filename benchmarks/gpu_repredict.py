@@ -8,7 +8,9 @@ layout) is predicted as `berth compare --cluster local` predicts it on a machine
 (`topology/clusters.py local_cluster` with a profile), with:
 1. `profile.json` of the folder, as `berth profile` measured it there (what the run was predicted with);
 2. the same, with the attention terms (`attention_shape`, `attention_peak_fraction`) of the bundled device profile;
-3. the bundled device profile (nothing measured on that machine), with the run's device memory.
+3. the bundled device profile (nothing measured on that machine), with the run's device memory;
+4. with `--dispatch-exposed F`, profile.json with every compute stack's `dispatch_exposed_fraction` at F (a what-if:
+   the share of the host's dispatch per layer pass the GPU waits on; the bundled profiles have 1.0).
 Errors are predicted / measured - 1. Prints a table and writes repredict-attention.json into the folder. Nothing is
 fitted: the second variant swaps one named term to show whether it carries the error.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from berth.hardware_profiles import load_device, load_profile_file
+from berth.hardware_profiles import DeviceProfile, load_device, load_profile_file
 from berth.planner.search import predict_layouts
 from berth.specs.tree import Layout, ModelSpec, TrainingSpec
 from berth.topology import clusters
@@ -37,7 +39,14 @@ def full_runs(folder: Path) -> list[dict]:
     return [r for r in reports if r["mode"] == "full" and r["status"] == "ok"]
 
 
-def run(folder: Path = FOLDER, device: str = "h200") -> dict:
+def with_dispatch_exposed(device: DeviceProfile, fraction: float) -> DeviceProfile:
+    """The device with every compute stack's dispatch_exposed_fraction at `fraction` (specs/hardware.py
+    FrameworkCompute: a layer pass takes max(dispatch, device) + this x min(dispatch, device))."""
+    stacks = {k: v.model_copy(update={"dispatch_exposed_fraction": fraction}) for k, v in device.frameworks.items()}
+    return device.model_copy(update={"frameworks": stacks})
+
+
+def run(folder: Path = FOLDER, device: str = "h200", dispatch_exposed: float | None = None) -> dict:
     measured_device, server = load_profile_file(folder / "profile.json")
     bundled = load_device(device)
     variants = {
@@ -50,6 +59,10 @@ def run(folder: Path = FOLDER, device: str = "h200") -> dict:
         ),
         f"bundled {device} profile": bundled.model_copy(update={"memory_bytes": measured_device.memory_bytes}),
     }
+    if dispatch_exposed is not None:
+        variants[f"profile.json, dispatch_exposed_fraction {dispatch_exposed:g}"] = with_dispatch_exposed(
+            measured_device, dispatch_exposed
+        )
     runs = full_runs(folder)
     shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
     result: dict = {"folder": str(shown), "device": device, "variants": {}}
@@ -86,12 +99,16 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--folder", default=str(FOLDER), help="a results folder of benchmarks.gpu_validation")
     ap.add_argument("--device", default="h200", help="the bundled device profile of that GPU")
+    ap.add_argument("--dispatch-exposed", type=float, help="add a variant with this dispatch_exposed_fraction (0-1)")
     args = ap.parse_args(argv)
     folder = Path(args.folder).resolve()
-    result = run(folder, args.device)
+    result = run(folder, args.device, args.dispatch_exposed)
     for name, v in result["variants"].items():
         errors = " ".join(f"{r['error']:+.3f}" for r in v["runs"])
         print(f"{name:55s} {errors}   mean |error| {v['mean_abs_error']:.3f}  bias {v['bias']:+.3f}")
+    if args.dispatch_exposed is not None:
+        print("not saved: a what-if (--dispatch-exposed)")
+        return 0
     out = folder / "repredict-attention.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"saved {out}")

@@ -9,7 +9,8 @@ Each run is predicted as `--cluster local` predicts on that machine: the h100-sx
 the GPU's 81559 MiB, one GPU, engine "executor", bf16, the run's layout. Nothing here is
 fitted: the profile's figures come from the microbenchmarks (benchmarks/layer_fidelity.py).
 
-Run: `python -m benchmarks.single_gpu` (prints per run, saves benchmarks/results/single_gpu.json).
+Run: `python -m benchmarks.single_gpu` (prints per run, saves benchmarks/results/single_gpu.json);
+`--dispatch-exposed F` predicts with every compute stack's dispatch_exposed_fraction at F and saves nothing.
 """
 
 from __future__ import annotations
@@ -77,8 +78,14 @@ def predict_run(run: dict, cluster: ClusterSpec) -> dict:
     }
 
 
-def run(reference: Path = REFERENCE) -> dict:
+def run(reference: Path = REFERENCE, dispatch_exposed: float | None = None) -> dict:
+    """The runs predicted and scored; `dispatch_exposed`: a what-if with every compute stack's
+    dispatch_exposed_fraction at that value (benchmarks/gpu_repredict.py with_dispatch_exposed)."""
     cluster = local_h100()
+    if dispatch_exposed is not None:
+        from benchmarks.gpu_repredict import with_dispatch_exposed
+
+        cluster = cluster.model_copy(update={"device": with_dispatch_exposed(cluster.device, dispatch_exposed)})
     rows = [predict_run(r, cluster) for r in load_runs(reference)]
     scored = [r for r in rows if r["status"] == "ok" and r["measured_step_time_s"]]
     for r in scored:
@@ -99,7 +106,8 @@ def run(reference: Path = REFERENCE) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    result = run()
+    exposed = float(argv[argv.index("--dispatch-exposed") + 1]) if "--dispatch-exposed" in argv else None
+    result = run(dispatch_exposed=exposed)
     print(f"single-GPU steps on one H100 ({result['device']} profile, --cluster local, engine executor)")
     for r in result["runs"]:
         if "error" in r:
@@ -113,6 +121,9 @@ def main(argv: list[str]) -> int:
         f"step-time MAPE {result['mape']:.3f} (worst {result['worst']:.3f}, bias {result['bias']:+.3f}); "
         f"before this model {result['mape_before']:.3f}; target <= {TARGET_MAPE}"
     )
+    if exposed is not None:
+        print(f"not saved: a what-if (--dispatch-exposed {exposed:g})")
+        return 0
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2, default=float))
     print(f"saved {OUT}")

@@ -502,8 +502,11 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
         out["gemm_shape"] = shape.model_copy(update={"max_fraction": float(min(1.0, shape.max_fraction * ratio))})
     attention = measurements["attention"]
     if base.attention_shape is not None and attention:
-        # each asymptote by the rows at its head dim; a head dim not timed (older profiles) moves with the other
+        # each asymptote by the rows at its head dim; a head dim not timed (older profiles) moves with the other,
+        # and rows at neither (a head dim between) move both
         large, small = attention_by_head_dim(attention)
+        if not large and not small:
+            large = attention
         passes = {}
         for index, name in enumerate(("forward", "backward")):
             model = getattr(base.attention_shape, name)
@@ -599,7 +602,10 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision
     }
     if gpu:
         sources["memory_bandwidth_fraction"] = "streaming multiply / datasheet bandwidth"
-    by_dim = f"{len(large)} at head dim 128, " + (f"{len(small)} at 64" if small else "none at 64 (moved with 128)")
+    by_dim = ", ".join(
+        f"{len(rows)} at head dim {d}" if rows else f"none at {d} (moved with the other)"
+        for d, rows in ((128, large), (64, small))
+    )
     rescaled = {"gemm_shape": f"{len(gemm)} GEMMs", "attention_shape": f"causal SDPA shapes ({by_dim})"}
     for name, over in rescaled.items():
         if name in fields:  # the base's fit moved to the measured level (shape_models_rescaled)

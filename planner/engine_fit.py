@@ -658,7 +658,7 @@ def _ties_as_fitted(fit: EngineFit) -> None:
             continue
         tied, rest = why[len(NOT_SEPARABLE) :].split(WITH_THESE_RUNS, 1)
         dropped = [n for n in tied.split(", ") if n not in fit.fitted]
-        if dropped:
+        if dropped and not rest.startswith(" ("):  # not said already
             note = f" ({', '.join(dropped)} then not kept either)"
             fit.not_fitted[name] = f"{NOT_SEPARABLE}{tied}{WITH_THESE_RUNS}{note}{rest}"
 

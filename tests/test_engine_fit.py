@@ -461,6 +461,12 @@ def test_a_parameter_not_separable_is_named_with_those_of_its_own_quantity():
     assert fit.not_fitted["layer_overhead_s"].startswith(
         "not separable from compute_efficiency with these runs (compute_efficiency then not kept either): needs "
     )
+    said = dict(fit.not_fitted)
+    _ties_as_fitted(fit)
+    assert fit.not_fitted == said  # said once
+    kept = EngineFit("generic", tuning, tuning, ["activation_scale", "compute_efficiency"], dict(why))
+    _ties_as_fitted(kept)
+    assert kept.not_fitted == why  # every tied parameter kept: the reason stands as the selection gave it
 
 
 def test_torchtitan_and_megatron_logs_become_runs():

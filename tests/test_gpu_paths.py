@@ -345,6 +345,8 @@ def test_gpu_gemm_shapes_are_the_layers_berth_predicts():
     att = prof.attention_shapes("cuda", False)
     assert {s for _, _, s, _ in att} == {2048, 4096, 8192} and {d for *_, d in att} == {128, 64}
     assert len([1 for *_, d in att if d == 64]) == 3 * len(prof.SMALL_HEAD_HEADS)  # GPT-2 XL's head dim, each seq
+    quick_att = prof.attention_shapes("cuda", True)
+    assert [d for *_, d in quick_att].count(64) == 1 and [d for *_, d in quick_att].count(128) == 2
 
 
 def _synthetic_measurements(efficiency, attention_flops_per_s, bandwidth, rng, noise=0.02, peak=989e12):
@@ -478,12 +480,13 @@ def test_gpu_profile_keeps_the_base_models_at_the_measured_level():
         measured, was = getattr(dev.attention_shape, name), getattr(base.attention_shape, name)
         assert measured.max_fraction == pytest.approx(0.8 * was.max_fraction, rel=1e-6)
         assert measured.max_fraction_small_head == pytest.approx(0.6 * was.max_fraction_small_head, rel=1e-6)
-    assert "12 at head dim 128, 6 at 64" in dev.sources["attention_shape"]
+    assert "12 at head dim 128, 6 at head dim 64" in dev.sources["attention_shape"]
     older = {**meas, "attention": [a for a in meas["attention"] if a["head_dim"] == 128]}  # a profile before 64
     old_dev = DeviceProfile.model_validate(prof.build_profile("cuda", older, {}, machine)["device"])
     assert old_dev.attention_shape.forward.max_fraction_small_head == pytest.approx(
         0.8 * base.attention_shape.forward.max_fraction_small_head, rel=1e-6
     )  # moved with head dim 128, as every profile did before
+    assert "none at 64 (moved with the other)" in old_dev.sources["attention_shape"]
     assert dev.frameworks == base.frameworks and dev.driver_reserved_bytes == base.driver_reserved_bytes
     assert dev.allocator_transient_blocks == base.allocator_transient_blocks
     for name in ("gemm_shape", "attention_shape"):  # the moved models say how they were measured

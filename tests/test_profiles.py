@@ -347,9 +347,10 @@ def test_the_h200_steps_error_sat_in_the_measured_profiles_attention_and_the_rem
     """benchmarks/gpu_repredict.py on the two H200 evidence runs (benchmarks/results/gpu-h200, its README). The
     first (2026-11-26/): the seven whole steps predicted with the profile measured there ran ~10 % slow; swapping
     in the bundled profile's attention terms, and nothing else, took most of that away. The second (this
-    folder), after `berth profile` timed SDPA as the layer calls it: the kernel it names is the one the layers ran,
-    its attention terms predict the same seven steps as the bundled ones do (the swap moves the mean error by
-    under a point) and the steps come within 7 % at the mean. What the README and executor/profile.py say."""
+    folder), after `berth profile` timed SDPA as the layer calls it (no backend forced; the profile names the kernel
+    torch picked, cuDNN's): its attention terms predict the same seven steps as the bundled ones do (the swap moves
+    the mean error by under a point) and the steps come within 7 % at the mean. What the README and
+    executor/profile.py say."""
     from benchmarks import gpu_repredict
 
     v = list(gpu_repredict.run(gpu_repredict.FOLDER / "2026-11-26")["variants"].values())
