@@ -960,6 +960,7 @@ def calibrate_cmd(
     )
     for col in ("parameter", "before", "after", "± s.e.", "95% interval"):
         t.add_column(col, justify="left" if col == "parameter" else "right", no_wrap=col != "95% interval")
+    why_not = []  # under the table: in a column of it a reason wrapped a word a line at 80 columns
     for name in PARAMETERS:
         u = fit.uncertainty.get(name)
         if u:
@@ -972,10 +973,11 @@ def calibrate_cmd(
             )
         else:
             t.add_row(name, f"{fit.initial[name]:.4g}", "-", "", "")
+            if fit.not_fitted.get(name):
+                why_not.append(f"  {name} not fitted: {fit.not_fitted[name]}")
     console.print(t)
-    for name in PARAMETERS:  # in a column of the table a reason wrapped a word a line at 80 columns
-        if name not in fit.uncertainty and fit.not_fitted.get(name):
-            console.print(f"  {name} not fitted: {fit.not_fitted[name]}")
+    for line in why_not:
+        console.print(line)
     if fit.term_residuals:
         console.print(
             "measured step terms in the fit: "
