@@ -102,6 +102,22 @@ def fp8_speedup(device: DeviceProfile, training: TrainingSpec) -> float:
     return device.peak_flops_per_s["fp8"] * (device.fp8_gemm_speed or 0.0) / device.peak_flops(training.precision)
 
 
+def alignment_slowdown(shape, operand_bytes: float, *dims) -> ArrayOrFloat:
+    """How many times slower a GEMM runs whose row lengths are not a multiple of 16 bytes. cuBLAS's tensor-core
+    kernels read each operand's rows in 16-byte vectors; where a leading dimension breaks that alignment it picks
+    kernels with narrower loads. For y = x W^T and its dgrad and wgrad the leading dimensions are n and k (the
+    tokens, m, only count rows). Measured on an H200 (benchmarks/results/gpu-h200/head-gemms-alignment.json, bf16,
+    16,384 x 1,600 by vocabularies 50,257-50,264 and 32,000-32,001): rows of 4-12 bytes ran the three GEMMs 3.0x
+    slower than at 16 bytes, odd element counts (2-byte rows) 6.1x (shape.misaligned_slowdown, odd_slowdown)."""
+    worst = np.ones_like(np.asarray(dims[0], dtype=float))
+    for d in dims:
+        n = np.rint(np.asarray(d, dtype=float)).astype(np.int64)
+        row_bytes = (n & -n) * operand_bytes  # the largest power of two dividing the row, in bytes
+        slow = np.where(row_bytes >= 16, 1.0, np.where(row_bytes >= 4, shape.misaligned_slowdown, shape.odd_slowdown))
+        worst = np.maximum(worst, slow)
+    return worst
+
+
 def _projection_s(
     device, training, rows, out, inp, count=1.0, linear: bool = True
 ) -> tuple[ArrayOrFloat, ArrayOrFloat]:
@@ -125,6 +141,7 @@ def _projection_s(
     operand = 1.0 if fp8 else e
     memory = _stream_s(device, operand * (rows * inp + inp * out) + e * rows * out)
     base = 2.0 * rows * out * inp / (device.peak_flops(training.precision) * shape.max_fraction)
+    base = base * alignment_slowdown(shape, operand, out, inp)
     r, o, i = shape.m_knee / rows, shape.n_knee / out, shape.k_knee / inp  # forward: m = rows, n = out, k = inp
     fwd = np.maximum(base / fwd_speed * (1.0 + r + o + i), memory)
     dgrad = np.maximum(base / fwd_speed * (1.0 + r + shape.n_knee / inp + shape.k_knee / out), memory)

@@ -511,3 +511,27 @@ def test_what_a_gpu_profile_measured_is_not_left_among_its_assumptions():
     measured_there = json.loads((root / "profile.json").read_text())["device"]
     assert not {"gemm_shape", "attention_shape"} & set(measured_there["assumptions"])
     assert {"gemm_shape", "attention_shape"} <= set(measured_there["sources"])
+
+
+def test_layer_variants_times_every_variant_and_head_gemm_on_cpu(tmp_path):
+    """benchmarks/layer_variants.py's GPU timing (--measure, --measure-gemms) run on CPU at tiny shapes (the wall
+    clock for CUDA events): a row per variant and micro-batch, per head shape, per head GEMM pass and vocabulary, and
+    the scoring reads what it wrote."""
+    from benchmarks import layer_variants as lv
+    from berth.specs.models import load_model
+
+    base = load_model(str(lv.BASE)).model_copy(
+        update={"hidden_size": 64, "num_attention_heads": 1, "ffn_hidden_size": 256, "vocab_size": 1001}
+    )
+    data = lv.measure(base, seq=16, batches=(1,), head_batches=(1,), device="cpu", reps=1)
+    assert [r["variant"] for r in data["layers"]] == list(lv.variants(base))
+    assert all(r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 for r in data["layers"])
+    assert [(h["hidden"], h["vocab"]) for h in data["heads"]] == [(64, 1001), (64, 1024), (2048, 1001)]
+    gemms = lv.measure_head_gemms(base.model_copy(update={"hidden_size": 32}), tokens=(8,), device="cpu", reps=1)
+    assert [g["vocab"] for g in lv.measure_head_gemms(base, (8,), "cpu", 1, [(32, 1002)])] == [1002] * 3
+    assert {(g["vocab"], g["gemm"]) for g in gemms} >= {(v, p) for v in (1001, 1008) for p in ("fwd", "dgrad", "wgrad")}
+    path = tmp_path / "layer-variants.json"
+    path.write_text(json.dumps(data))
+    assert lv.main([str(path), "--device", "h100-sxm"]) == 0
+    scored = json.loads((tmp_path / "layer-variants-predicted.json").read_text())
+    assert len(scored["layers"]) == len(data["layers"]) and all(h["predicted_s"] > 0 for h in scored["heads"])

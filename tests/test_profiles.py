@@ -354,13 +354,17 @@ def test_the_h200_steps_error_sat_in_the_measured_profiles_attention_and_the_rem
     from benchmarks import gpu_repredict
 
     v = list(gpu_repredict.run(gpu_repredict.FOLDER / "2026-11-26")["variants"].values())
-    assert [len(x["runs"]) for x in v] == [7, 7, 7]
-    measured, swapped, bundled = (x["mean_abs_error"] for x in v)
+    assert [len(x["runs"]) for x in v] == [7, 7, 7, 7]
+    measured, swapped, bundled, _ = (x["mean_abs_error"] for x in v)
     assert v[0]["bias"] > 0.05 and swapped < 0.7 * measured and bundled < 0.7 * measured
 
     v = list(gpu_repredict.run()["variants"].values())
-    assert [len(x["runs"]) for x in v] == [7, 7, 7]
-    measured, swapped, bundled = (x["mean_abs_error"] for x in v)
+    assert [len(x["runs"]) for x in v] == [7, 7, 7, 7]
+    measured, swapped, bundled, aligned = (x["mean_abs_error"] for x in v)
     assert measured < 0.07 and abs(v[0]["bias"]) < 0.05 and abs(swapped - measured) < 0.01
+    # the GEMM alignment terms, measured after the run: GPT-2 XL's odd vocabulary (its three plans are the first
+    # three rows, 7.5-12 % predicted fast without them) comes within 4 %, the whole seven within 3.5 % at the mean
+    assert aligned < 0.035 and bundled < 0.035
+    assert all(abs(r["error"]) < 0.04 for r in v[3]["runs"][:3]) and all(r["error"] < -0.07 for r in v[0]["runs"][:3])
     profile = json.loads((gpu_repredict.FOLDER / "profile.json").read_text())
     assert {a["backend"] for a in profile["measurements"]["attention"]} == {"cudnn_attention"}
