@@ -3,7 +3,8 @@
 Compute (in this process, one thread on CPU as each executor rank uses, or the GPU):
 - GEMM throughput over the shapes a transformer layer produces (rows = micro-batch x sequence,
   the other dimensions from 16 to 2048), giving the device's peak and its efficiency curve by
-  smallest dimension;
+  smallest dimension; on a GPU also an LM head's GEMMs at an aligned, a 4-byte-only and an odd width (the GEMM
+  model's alignment slowdowns, `measure_gemm_alignment`);
 - memory bandwidth (a streaming multiply over a buffer far larger than the caches);
 - causal scaled_dot_product_attention forward + backward, as a fraction of the GEMM peak;
 - the dispatch cost of a tiny operation (the per-kernel overhead).
@@ -72,6 +73,9 @@ GPU_HIDDEN = (2048, 4096, 8192, 16384)
 GPU_TP = (1, 2, 4, 8)
 GPU_TOKENS = (2048, 4096, 8192, 16384, 32768)
 QUICK_GPU_HIDDEN, QUICK_GPU_TP, QUICK_GPU_TOKENS = (4096, 16384), (1, 8), (4096,)
+# an LM head's GEMMs at rows of 16 bytes (32,000 bf16), of 4 bytes only and odd (measure_gemm_alignment)
+ALIGNMENT_WIDTHS = {"aligned": 32000, "misaligned": 32002, "odd": 32001}
+ALIGNMENT_TOKENS, ALIGNMENT_HIDDEN = 16384, 2048
 FFN_RATIO = 3.25  # SwiGLU ffn / hidden of Llama 3.1 405B (53248 / 16384); 8B and 70B use 3.5
 MAX_GEMM = (16384, 16384, 53248)  # the largest GEMM timed: the 405B down projection at tp 1, 16k tokens
 ATTENTION_SEQ = (2048, 4096, 8192)
@@ -185,6 +189,36 @@ def measure_gemm(device: torch.device, quick: bool, shapes: list[tuple[int, int,
         out.append({"m": m, "n": n, "k": k, "rows": m, "min_dim": min(m, n, k), "seconds": t, "flops_per_s": flops / t})
         del a, b
     return out
+
+
+def measure_gemm_alignment(
+    device: torch.device, quick: bool, tokens: int = ALIGNMENT_TOKENS, hidden: int = ALIGNMENT_HIDDEN
+) -> list[dict]:
+    """An LM head's three GEMMs (forward x W^T, dgrad dy W, wgrad dy^T x) at ALIGNMENT_WIDTHS output rows: a multiple
+    of 16 bytes, one of 4 bytes only, an odd count (cost_models/compute.py alignment_slowdown; `alignment_slowdowns`
+    turns them into the GEMM shape model's two factors). Seconds of the three together per width."""
+    dtype, _ = _dtype(device)
+    measure = _timer(device, quick)
+    tokens = tokens // 4 if quick else tokens
+    out = []
+    for kind, width in ALIGNMENT_WIDTHS.items():
+        w = torch.randn(width, hidden, device=device, dtype=dtype)
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        dy = torch.randn(tokens, width, device=device, dtype=dtype)
+        seconds = sum(
+            measure(fn, MIN_REPS if device.type == "cuda" else 3)
+            for fn in (lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x)
+        )
+        out.append({"kind": kind, "m": tokens, "n": width, "k": hidden, "seconds": seconds})
+        del w, x, dy
+    return out
+
+
+def alignment_slowdowns(rows: list[dict]) -> dict[str, float]:
+    """The GEMM shape model's misaligned_slowdown / odd_slowdown from `measure_gemm_alignment`'s rows: each width's
+    time over the aligned one's (per FLOP; at least 1)."""
+    by = {r["kind"]: r["seconds"] / (r["m"] * r["n"] * r["k"]) for r in rows}
+    return {f"{kind}_slowdown": max(1.0, by[kind] / by["aligned"]) for kind in ("misaligned", "odd") if kind in by}
 
 
 def measure_memory_bandwidth(device: torch.device, quick: bool) -> float:
@@ -499,7 +533,10 @@ def shape_models_rescaled(measurements: dict, base: DeviceProfile, reference: fl
         predicted = gemm_efficiency(base, *(np.asarray([g[x] for g in gemm], dtype=float) for x in "mnk"))
         ratio = _median_ratio([g["flops_per_s"] / reference for g in gemm], predicted)
         shape = base.gemm_shape
-        out["gemm_shape"] = shape.model_copy(update={"max_fraction": float(min(1.0, shape.max_fraction * ratio))})
+        slowdowns = alignment_slowdowns(measurements.get("gemm_alignment") or [])
+        out["gemm_shape"] = shape.model_copy(
+            update={"max_fraction": float(min(1.0, shape.max_fraction * ratio)), **slowdowns}
+        )
     attention = measurements["attention"]
     if base.attention_shape is not None and attention:
         # each asymptote by the rows at its head dim; a head dim not timed (older profiles) moves with the other,
@@ -613,6 +650,15 @@ def profile_fields(measurements: dict, base: DeviceProfile, precision: Precision
                 f"the base profile's fit, its asymptotes x the median measured / modelled efficiency over {over} "
                 "(the knees the base fit's)"
             )
+    if "gemm_shape" in fields:
+        aligned = measurements.get("gemm_alignment")
+        sources["gemm_shape"] += (
+            "; misaligned_slowdown / odd_slowdown: an LM head's three GEMMs at "
+            + ", ".join(f"{r['n']:,}" for r in aligned)
+            + " rows over the aligned width's time"
+            if aligned
+            else "; misaligned_slowdown / odd_slowdown: the base profile's (not timed)"
+        )
     return fields, sources, checks
 
 
@@ -757,6 +803,7 @@ def run_profile(quick: bool = False, max_procs: int | None = None, progress: Pro
         )
     say("GEMM sweep" + (" (layer shapes, CUDA events)" if cuda else ""))
     gemm = measure_gemm(device, quick)
+    alignment = measure_gemm_alignment(device, quick) if cuda else []
     say("memory bandwidth")
     bandwidth = measure_memory_bandwidth(device, quick)
     say("attention")
@@ -778,6 +825,7 @@ def run_profile(quick: bool = False, max_procs: int | None = None, progress: Pro
             machine["compute_measured_with_processes"] = n
     measurements = {
         "gemm": gemm,
+        "gemm_alignment": alignment,
         "memory_bandwidth_bytes_per_s": bandwidth,
         "attention": attention,
         "op_overhead_s": overhead,

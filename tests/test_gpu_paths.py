@@ -535,3 +535,25 @@ def test_layer_variants_times_every_variant_and_head_gemm_on_cpu(tmp_path):
     assert lv.main([str(path), "--device", "h100-sxm"]) == 0
     scored = json.loads((tmp_path / "layer-variants-predicted.json").read_text())
     assert len(scored["layers"]) == len(data["layers"]) and all(h["predicted_s"] > 0 for h in scored["heads"])
+
+
+def test_gpu_profile_measures_the_gemm_alignment_slowdowns(monkeypatch):
+    """`berth profile` on a GPU times an LM head's three GEMMs at an aligned, a 4-byte-only and an odd width
+    (measure_gemm_alignment; here on CPU at tiny shapes, the logic the GPU runs) and sets the GEMM shape model's two
+    slowdowns from them per FLOP (synthetic timings: 3x and 6x); a profile without them keeps the base's."""
+    rows = prof.measure_gemm_alignment(torch.device("cpu"), quick=True, tokens=64, hidden=32)
+    assert [r["kind"] for r in rows] == ["aligned", "misaligned", "odd"] and all(r["seconds"] > 0 for r in rows)
+    assert [r["n"] for r in rows] == list(prof.ALIGNMENT_WIDTHS.values())
+
+    per_flop = {"aligned": 1.0, "misaligned": 3.0, "odd": 6.0}
+    timed = [{**r, "m": 16384, "k": 2048, "seconds": per_flop[r["kind"]] * 16384 * r["n"] * 2048e-15} for r in rows]
+    rng = np.random.default_rng(5)
+    h100 = load_device("h100-sxm")
+    meas = _synthetic_measurements(lambda m, n, k: 0.7, 0.55 * 989e12, 2.97e12, rng) | {"gemm_alignment": timed}
+    fields, sources, _ = prof.profile_fields(meas, h100, "bf16")
+    assert fields["gemm_shape"].misaligned_slowdown == pytest.approx(3.0)
+    assert fields["gemm_shape"].odd_slowdown == pytest.approx(6.0)
+    assert "32,001" in sources["gemm_shape"]
+    meas.pop("gemm_alignment")
+    fields, sources, _ = prof.profile_fields(meas, h100, "bf16")
+    assert fields["gemm_shape"].odd_slowdown == h100.gemm_shape.odd_slowdown and "not timed" in sources["gemm_shape"]
