@@ -557,3 +557,16 @@ def test_gpu_profile_measures_the_gemm_alignment_slowdowns(monkeypatch):
     meas.pop("gemm_alignment")
     fields, sources, _ = prof.profile_fields(meas, h100, "bf16")
     assert fields["gemm_shape"].odd_slowdown == h100.gemm_shape.odd_slowdown and "not timed" in sources["gemm_shape"]
+
+
+H200 = Path("benchmarks") / "results" / "gpu-h200"
+
+
+def test_the_h200_profile_s_alignment_slowdowns_are_its_own_timings():
+    """benchmarks/results/gpu-h200/profile-alignment.json, `berth profile` on an H200: the two factors it wrote are
+    what alignment_slowdowns makes of the timings it recorded, and both are well above 1 (the GPU's real effect)."""
+    saved = json.loads((Path(__file__).resolve().parents[1] / H200 / "profile-alignment.json").read_text())
+    got = prof.alignment_slowdowns(saved["measurements"]["gemm_alignment"])
+    shape = saved["device"]["gemm_shape"]
+    assert got == {"misaligned_slowdown": shape["misaligned_slowdown"], "odd_slowdown": shape["odd_slowdown"]}
+    assert 2.0 < got["misaligned_slowdown"] < got["odd_slowdown"] < 8.0
