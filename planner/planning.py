@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from berth.cost_models.compute import alignment_slowdown
 from berth.cost_models.memory import allocator_capacity_bytes
 
 # The input conversion lives in berth.planner.inputs; these names stay importable from here for
@@ -268,6 +269,31 @@ def why_none(result: SearchResult, cluster: ClusterSpec) -> str:
             f"more GPUs, a shorter sequence or a smaller global batch (rejected: {rejected})"
         )
     return f"every layout of {result.searched:,} searched breaks a rule: {rejected}"
+
+
+def vocabulary_note(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, best: Plan) -> str | None:
+    """Where the plan's LM head runs GEMMs whose rows break 16-byte alignment (its vocabulary rows per tensor-parallel
+    rank; cost_models/compute.py alignment_slowdown, measured on the device's profile), what padding the vocabulary to
+    a multiple of 128 x tp, as Megatron-LM does by default (--make-vocab-size-divisible-by), would take off the step:
+    the same layout predicted again for the padded model, whose extra rows no token uses. None where it is aligned."""
+    shape, tp = cluster.device.gemm_shape, best.layout.tp
+    rows = math.ceil(model.vocab_size / tp)
+    if shape is None or best.prediction is None:
+        return None
+    slow = float(alignment_slowdown(shape, training.bytes_per_element, float(rows)))
+    if slow <= 1.0:
+        return None
+    padded = math.ceil(model.vocab_size / (128 * tp)) * 128 * tp
+    again = predict_layouts(model.model_copy(update={"vocab_size": padded}), training, cluster, [best.layout])[0]
+    if again.prediction is None:
+        return None
+    now, then = best.prediction.step_time_s, again.prediction.step_time_s
+    return (
+        f"the LM head's {rows:,} vocabulary rows per tensor-parallel rank break 16-byte alignment: its GEMMs run "
+        f"{slow:.1f}x slower on {cluster.device.name}; the vocabulary padded to {padded:,} (a multiple of 128 x tp, "
+        f"Megatron-LM's default) would take #1's step from {now:#.3g} s to {then:#.3g} s "
+        f"({now / then - 1:+.0%} tokens/s)"
+    )
 
 
 def plans_json(result: SearchResult, cluster: ClusterSpec | None = None) -> dict[str, Any]:
