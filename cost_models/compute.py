@@ -9,7 +9,8 @@ sources there; the H100 fits come from benchmarks/data/reference/h100-microbench
   (`gemm_shape`, fitted to gemm.json). The backward runs each projection's dgrad GEMM
   (tokens x in, reducing over out) and wgrad GEMM (in x out, reducing over tokens) with their own
   shapes, so it is no longer a flat 2x the forward. Tensor parallelism shrinks the n or k
-  dimension of every projection to h/tp or ffn/tp (Shoeybi 2019 split).
+  dimension of every projection to h/tp or ffn/tp (Shoeybi 2019 split). A projection whose n or k breaks
+  16-byte row alignment (an odd vocabulary's LM head) runs several times slower (`alignment_slowdown`, measured).
 - Flash attention: FLOPs of the causal half of the score and context products at the device's
   attention efficiency by shape (`attention_shape`, fitted to attention.json), forward and
   backward apart. Unfused attention (Megatron 2021-22) is two batched GEMMs plus softmax passes.
@@ -33,7 +34,7 @@ from berth.cost_models import memory
 from berth.cost_models.arrays import ArrayOrFloat
 from berth.cost_models.flops import BACKWARD_TO_FORWARD
 from berth.specs.engines import engine_of
-from berth.specs.hardware import AttentionPassModel, DeviceProfile, FrameworkCompute
+from berth.specs.hardware import AttentionPassModel, DeviceProfile, FrameworkCompute, GemmShapeModel
 from berth.specs.tree import ModelSpec, TrainingSpec
 
 # Named constants (each an assumption stated with its reason).
@@ -102,13 +103,13 @@ def fp8_speedup(device: DeviceProfile, training: TrainingSpec) -> float:
     return device.peak_flops_per_s["fp8"] * (device.fp8_gemm_speed or 0.0) / device.peak_flops(training.precision)
 
 
-def alignment_slowdown(shape, operand_bytes: float, *dims) -> ArrayOrFloat:
+def alignment_slowdown(shape: GemmShapeModel, operand_bytes: float, *dims) -> ArrayOrFloat:
     """How many times slower a GEMM runs whose row lengths are not a multiple of 16 bytes. cuBLAS's tensor-core
     kernels read each operand's rows in 16-byte vectors; where a leading dimension breaks that alignment it picks
     kernels with narrower loads. For y = x W^T and its dgrad and wgrad the leading dimensions are n and k (the
     tokens, m, only count rows). Measured on an H200 (benchmarks/results/gpu-h200/head-gemms-alignment.json, bf16,
     16,384 x 1,600 by vocabularies 50,257-50,264 and 32,000-32,001): rows of 4-12 bytes ran the three GEMMs 3.0x
-    slower than at 16 bytes, odd element counts (2-byte rows) 6.1x (shape.misaligned_slowdown, odd_slowdown)."""
+    slower than at 16 bytes, odd element counts (2-byte rows) 6.2x (shape.misaligned_slowdown, odd_slowdown)."""
     worst = np.ones_like(np.asarray(dims[0], dtype=float))
     for d in dims:
         n = np.rint(np.asarray(d, dtype=float)).astype(np.int64)

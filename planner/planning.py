@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from berth.cost_models.compute import alignment_slowdown
-from berth.cost_models.memory import allocator_capacity_bytes
+from berth.cost_models.memory import allocator_capacity_bytes, vocab_rows
 
 # The input conversion lives in berth.planner.inputs; these names stay importable from here for
 # the callers that planned with them (tests, notebooks).
@@ -277,7 +277,7 @@ def vocabulary_note(model: ModelSpec, training: TrainingSpec, cluster: ClusterSp
     a multiple of 128 x tp, as Megatron-LM does by default (--make-vocab-size-divisible-by), would take off the step:
     the same layout predicted again for the padded model, whose extra rows no token uses. None where it is aligned."""
     shape, tp = cluster.device.gemm_shape, best.layout.tp
-    rows = math.ceil(model.vocab_size / tp)
+    rows = int(vocab_rows(model, tp))
     if shape is None or best.prediction is None:
         return None
     slow = float(alignment_slowdown(shape, training.bytes_per_element, float(rows)))
