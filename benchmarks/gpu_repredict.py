@@ -1,4 +1,4 @@
-"""Re-predict a GPU evidence run's whole steps three ways, to see which of the profile's terms its error comes from.
+"""Re-predict a GPU evidence run's whole steps several ways, to see which of the profile's terms its error comes from.
 
     python -m benchmarks.gpu_repredict                       # benchmarks/results/gpu-h200 (the latest H200 run)
     python -m benchmarks.gpu_repredict --folder DIR --device NAME
@@ -9,12 +9,15 @@ layout) is predicted as `berth compare --cluster local` predicts it on a machine
 1. `profile.json` of the folder, as `berth profile` measured it there (what the run was predicted with);
 2. the same, with the attention terms (`attention_shape`, `attention_peak_fraction`) of the bundled device profile;
 3. the bundled device profile (nothing measured on that machine), with the run's device memory;
-4. where profile.json predates them, profile.json with the bundled profile's GEMM alignment slowdowns (`gemm_shape`
-   misaligned_slowdown, odd_slowdown: an odd vocabulary's LM head, GPT-2 XL's 50,257, runs 6x slower);
-5. with `--dispatch-exposed F`, profile.json with every compute stack's `dispatch_exposed_fraction` at F (a what-if:
-   the share of the host's dispatch per layer pass the GPU waits on; the bundled profiles have 1.0).
-Errors are predicted / measured - 1. Prints a table and writes repredict-attention.json into the folder. Nothing is
-fitted: the second variant swaps one named term to show whether it carries the error.
+4. where profile.json predates them (`berth profile` did not time them: no `measurements.gemm_alignment`), profile.json
+   with the bundled profile's GEMM alignment slowdowns (`gemm_shape` misaligned_slowdown, odd_slowdown: an odd
+   vocabulary's LM head, GPT-2 XL's 50,257, runs 6x slower), which the current code gives a new profile;
+5. with `--dispatch-exposed F`, that profile (4, or 1 where there is no 4) with every compute stack's
+   `dispatch_exposed_fraction` at F (a what-if: the share of the host's dispatch per layer pass the GPU waits on; the
+   bundled profiles have 1.0).
+Errors are predicted / measured - 1. Prints a table and writes repredict-attention.json into the folder (with the
+code as it is: the README's tables quote what each run predicted then). Nothing is fitted: each variant swaps named
+terms to show whether they carry the error.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ FOLDER = ROOT / "benchmarks" / "results" / "gpu-h200"
 # the GEMM shape model's slowdowns at misaligned row lengths (cost_models/compute.py alignment_slowdown), measured
 # after the evidence runs in this folder: their profile.json files predate them (1.0, no slowdown)
 ALIGNMENT_TERMS = ("misaligned_slowdown", "odd_slowdown")
+ALIGNED = "profile.json, bundled GEMM alignment terms"
 
 
 def full_runs(folder: Path) -> list[dict]:
@@ -64,15 +68,18 @@ def run(folder: Path = FOLDER, device: str = "h200", dispatch_exposed: float | N
         ),
         f"bundled {device} profile": bundled.model_copy(update={"memory_bytes": measured_device.memory_bytes}),
     }
-    if measured_device.gemm_shape is not None and bundled.gemm_shape is not None:
+    current = measured_device  # the profile as the current code would have made it
+    timed = "gemm_alignment" in json.loads((folder / "profile.json").read_text()).get("measurements", {})
+    if not timed and measured_device.gemm_shape is not None and bundled.gemm_shape is not None:
         aligned = {k: getattr(bundled.gemm_shape, k) for k in ALIGNMENT_TERMS}
-        if any(getattr(measured_device.gemm_shape, k) != v for k, v in aligned.items()):  # a profile from before them
-            variants["profile.json, bundled GEMM alignment terms"] = measured_device.model_copy(
-                update={"gemm_shape": measured_device.gemm_shape.model_copy(update=aligned)}
-            )
+        current = measured_device.model_copy(
+            update={"gemm_shape": measured_device.gemm_shape.model_copy(update=aligned)}
+        )
+        variants[ALIGNED] = current
     if dispatch_exposed is not None:
-        variants[f"profile.json, dispatch_exposed_fraction {dispatch_exposed:g}"] = with_dispatch_exposed(
-            measured_device, dispatch_exposed
+        on = "profile.json" + (", bundled GEMM alignment terms" if current is not measured_device else "")
+        variants[f"{on}, dispatch_exposed_fraction {dispatch_exposed:g}"] = with_dispatch_exposed(
+            current, dispatch_exposed
         )
     runs = full_runs(folder)
     shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
@@ -116,7 +123,7 @@ def main(argv: list[str]) -> int:
     result = run(folder, args.device, args.dispatch_exposed)
     for name, v in result["variants"].items():
         errors = " ".join(f"{r['error']:+.3f}" for r in v["runs"])
-        print(f"{name:55s} {errors}   mean |error| {v['mean_abs_error']:.3f}  bias {v['bias']:+.3f}")
+        print(f"{name:72s} {errors}   mean |error| {v['mean_abs_error']:.3f}  bias {v['bias']:+.3f}")
     if args.dispatch_exposed is not None:
         print("not saved: a what-if (--dispatch-exposed)")
         return 0

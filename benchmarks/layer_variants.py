@@ -13,6 +13,8 @@ Each variant changes one of them, so the measured-over-predicted ratios say whic
   compute.lm_head_compute_s, at the vocabulary and at it padded to a multiple of 128.
 
     python -m benchmarks.layer_variants --measure --out DIR     # on a GPU: DIR/layer-variants.json
+    python -m benchmarks.layer_variants --measure-gemms --out DIR   # on a GPU: DIR/head-gemms.json, the head's GEMMs
+    python -m benchmarks.layer_variants --measure-gemms --vocabs V1,V2 --hidden H --out DIR  # head-gemms-alignment.json
     python -m benchmarks.layer_variants FILE [--device h200]    # anywhere: predicted beside measured
 
 The timing runs on CPU too (tests/test_gpu_paths.py, tiny shapes, wall-clock timer); nothing is fitted.
@@ -140,8 +142,15 @@ def measure(
             heads.append({"hidden": h, "vocab": vocab, "tokens": b * seq, "fwd_bwd_s": timed(hb, max(reps - 1, 1))})
             del x, tgt
         del lin
-    name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
-    return {"device": name, "torch": torch.__version__, "base": base.name, "layers": layers, "heads": heads}
+    return {**machine(dev.type), "base": base.name, "layers": layers, "heads": heads}
+
+
+def machine(device_type: str = "cuda") -> dict:
+    """The device and torch a measurement ran on."""
+    import torch
+
+    cuda = device_type == "cuda" and torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
 
 
 def measure_head_gemms(
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-gemms", action="store_true", help="time the LM heads' GEMMs on this machine's GPU")
     ap.add_argument("--vocabs", help="with --measure-gemms: comma-separated vocabularies to time (at --hidden)")
     ap.add_argument("--hidden", type=int, default=1600, help="with --vocabs: the head's hidden size")
-    ap.add_argument("--out", default=".", help="with --measure: the folder for layer-variants.json")
+    ap.add_argument("--out", default=".", help="with --measure / --measure-gemms: the folder to write into")
     ap.add_argument(
         "--device", default="h200", help="the bundled device profile, or a `berth profile` file, to predict with"
     )
@@ -220,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.measure_gemms:
         shapes = [(a.hidden, int(v)) for v in a.vocabs.split(",")] if a.vocabs else None
         rows = measure_head_gemms(load_model(str(BASE)), shapes=shapes)
-        path = Path(a.out) / "head-gemms.json"
-        path.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        path = Path(a.out) / ("head-gemms-alignment.json" if shapes else "head-gemms.json")
+        path.write_text(json.dumps({**machine(), "rows": rows}, indent=1) + "\n")
         for r in rows:
             print(f"{r['hidden']:5d} {r['vocab']:6d} {r['tokens']:6d} {r['gemm']:5s} {r['seconds'] * 1e3:8.3f} ms")
         return 0

@@ -112,8 +112,9 @@ def alignment_slowdown(shape: GemmShapeModel, operand_bytes: float, *dims) -> Ar
     slower than at 16 bytes, odd element counts (2-byte rows) 6.2x (shape.misaligned_slowdown, odd_slowdown)."""
     worst = np.ones_like(np.asarray(dims[0], dtype=float))
     for d in dims:
-        n = np.rint(np.asarray(d, dtype=float)).astype(np.int64)
-        row_bytes = (n & -n) * operand_bytes  # the largest power of two dividing the row, in bytes
+        # an uneven split's largest rank has the rounded-up size; an empty GEMM takes no time either way
+        n = np.ceil(np.asarray(d, dtype=float)).astype(np.int64)
+        row_bytes = np.where(n > 0, (n & -n) * operand_bytes, 16.0)  # the largest power of two dividing the row
         slow = np.where(row_bytes >= 16, 1.0, np.where(row_bytes >= 4, shape.misaligned_slowdown, shape.odd_slowdown))
         worst = np.maximum(worst, slow)
     return worst
@@ -122,7 +123,8 @@ def alignment_slowdown(shape: GemmShapeModel, operand_bytes: float, *dims) -> Ar
 def _projection_s(
     device, training, rows, out, inp, count=1.0, linear: bool = True
 ) -> tuple[ArrayOrFloat, ArrayOrFloat]:
-    """(forward, backward) of `count` projections y = x W^T, x: rows x inp, y: rows x out.
+    """(forward, backward) of `count` projections y = x W^T, x: rows x inp, y: rows x out (slowed where out or inp
+    breaks 16-byte row alignment, `alignment_slowdown`).
 
     Backward = dgrad (m, n, k) = (rows, inp, out) + wgrad (inp, out, rows). The three GEMMs share
     their FLOPs and the bytes of the three matrices, so the roofline is evaluated once for them

@@ -290,9 +290,9 @@ def vocabulary_note(model: ModelSpec, training: TrainingSpec, cluster: ClusterSp
     now, then = best.prediction.step_time_s, again.prediction.step_time_s
     return (
         f"the LM head's {rows:,} vocabulary rows per tensor-parallel rank break 16-byte alignment: its GEMMs run "
-        f"{slow:.1f}x slower on {cluster.device.name}; the vocabulary padded to {padded:,} (a multiple of 128 x tp, "
-        f"Megatron-LM's default) would take #1's step from {now:#.3g} s to {then:#.3g} s "
-        f"({now / then - 1:+.0%} tokens/s)"
+        f"{slow:.1f}x slower (the {cluster.device.name} profile's gemm_shape); a model whose vocab_size is padded to "
+        f"{padded:,} (a multiple of 128 x tp, as Megatron-LM pads by default; berth's launch files keep the model's "
+        f"own) would take #1's step from {now:#.3g} s to {then:#.3g} s ({now / then - 1:+.0%} tokens/s)"
     )
 
 

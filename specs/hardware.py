@@ -26,8 +26,7 @@ class GemmCurve(_Frozen):
     """Achieved fraction of peak for a compute-bound GEMM as a function of its smallest dimension.
 
     Points are (min(m, n, k), fraction of peak); between points the fraction is interpolated
-    linearly in log2(dim); beyond the ends it is held constant.
-    """
+    linearly in log2(dim); beyond the ends it is held constant."""
 
     min_dim: list[float] = Field(min_length=1)
     peak_fraction: list[float] = Field(min_length=1)
@@ -54,8 +53,8 @@ class GemmShapeModel(_Frozen):
     m_knee: float = Field(ge=0)
     n_knee: float = Field(ge=0)
     k_knee: float = Field(ge=0)
-    misaligned_slowdown: float = Field(1.0, ge=1, description="x slower: n or k rows of 4-12 bytes, not 16")
-    odd_slowdown: float = Field(1.0, ge=1, description="x slower: n or k rows of 2 bytes or less (an odd bf16 count)")
+    misaligned_slowdown: float = Field(1.0, ge=1, description="x slower: n or k x bytes a multiple of 4, not of 16")
+    odd_slowdown: float = Field(1.0, ge=1, description="x slower: n or k x bytes not a multiple of 4 (odd bf16)")
 
 
 class AttentionPassModel(_Frozen):
@@ -148,7 +147,12 @@ class DeviceProfile(_Frozen):
     attention_peak_fraction: float = Field(gt=0, le=1)
     kernel_overhead_s: float = Field(ge=0)
     kernels_per_layer_fwd: float = Field(ge=0)
-    tp_kernel_overhead_s: float = Field(0.0, ge=0, description="dispatch per tensor-parallel kernel (berth calibrate)")
+    tp_kernel_overhead_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="extra dispatch time per kernel of a tensor-parallel layer (DTensor and "
+        "collective launch overhead; 0 for fused GPU stacks, fitted by `berth calibrate`)",
+    )
     gemm_shape: GemmShapeModel | None = Field(
         default=None, description="GEMM efficiency by (m, n, k); when absent the `gemm` curve by min dim is used"
     )

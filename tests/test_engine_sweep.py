@@ -494,13 +494,14 @@ def test_the_copy_back_loop_costs_the_host_what_the_cost_model_counts():
     assert 0.75 * COPY_BACK_OPS_PER_PAIR < pair / op < 1.5 * COPY_BACK_OPS_PER_PAIR, pair / op
 
 
-def test_no_weighting_of_the_recipes_terms_reaches_the_memory_target():
+def test_re_weighting_the_recipes_terms_in_sample_stays_above_the_memory_target():
     """benchmarks/sweep_memory_bound.py (docs/accuracy.md, "What is still off"): each term of rank 0's breakdown with
-    its own non-negative scale and a fixed offset, fitted on all the sweep's runs at once (in sample), improves on the
-    recipe but stays above the issue's 5 % median: why the engine fit's memory parameters, which scale groups of
-    these terms, cannot reach it either."""
+    its own non-negative scale and a fixed offset, fitted on all the sweep's runs at once (in sample) by least squares
+    and by least absolute deviations, improves on the recipe but stays above the issue's 5 % median: far more freedom
+    than the engine fit's memory parameters, which scale groups of these terms, has."""
     from benchmarks import sweep_memory_bound
 
     b = sweep_memory_bound.bound()
     assert b["runs"] > 1000
-    assert 0.05 < b["reweighted_median_abs_error"] < b["recipe_median_abs_error"] < 0.09
+    assert 0.05 < b["least_absolute_median_abs_error"] < b["least_squares_median_abs_error"]
+    assert b["least_squares_median_abs_error"] < b["recipe_median_abs_error"] < 0.09
