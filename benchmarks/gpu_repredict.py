@@ -56,7 +56,8 @@ def with_dispatch_exposed(device: DeviceProfile, fraction: float) -> DeviceProfi
 
 
 def run(folder: Path = FOLDER, device: str = "h200", dispatch_exposed: float | None = None) -> dict:
-    measured_device, server = load_profile_file(folder / "profile.json")
+    measured_device, server = load_profile_file(folder / "profile.json")  # validated; its raw measurements below
+    profile = json.loads((folder / "profile.json").read_text())
     bundled = load_device(device)
     variants = {
         "profile.json as measured": measured_device,
@@ -69,7 +70,7 @@ def run(folder: Path = FOLDER, device: str = "h200", dispatch_exposed: float | N
         f"bundled {device} profile": bundled.model_copy(update={"memory_bytes": measured_device.memory_bytes}),
     }
     current = measured_device  # the profile as the current code would have made it
-    timed = "gemm_alignment" in json.loads((folder / "profile.json").read_text()).get("measurements", {})
+    timed = "gemm_alignment" in profile.get("measurements", {})
     if not timed and measured_device.gemm_shape is not None and bundled.gemm_shape is not None:
         aligned = {k: getattr(bundled.gemm_shape, k) for k in ALIGNMENT_TERMS}
         current = measured_device.model_copy(
@@ -77,7 +78,7 @@ def run(folder: Path = FOLDER, device: str = "h200", dispatch_exposed: float | N
         )
         variants[ALIGNED] = current
     if dispatch_exposed is not None:
-        on = "profile.json" + (", bundled GEMM alignment terms" if current is not measured_device else "")
+        on = ALIGNED if current is not measured_device else "profile.json"
         variants[f"{on}, dispatch_exposed_fraction {dispatch_exposed:g}"] = with_dispatch_exposed(
             current, dispatch_exposed
         )

@@ -17,7 +17,9 @@ Each variant changes one of them, so the measured-over-predicted ratios say whic
     python -m benchmarks.layer_variants --measure-gemms --vocabs V1,V2 --hidden H --out DIR  # head-gemms-alignment.json
     python -m benchmarks.layer_variants FILE [--device h200]    # anywhere: predicted beside measured
 
-The timing runs on CPU too (tests/test_gpu_paths.py, tiny shapes, wall-clock timer); nothing is fitted.
+Timed with `berth profile`'s timer (executor/profile.py `timer`: the median of CUDA events, the host clock on CPU;
+the H200 files in benchmarks/results/gpu-h200 took 6 repetitions after 2 warm-ups). The timing runs on CPU too
+(tests/test_gpu_paths.py, tiny shapes); nothing is fitted.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,44 +68,19 @@ def head_shapes(base: ModelSpec) -> list[tuple[int, int]]:
     return [(base.hidden_size, base.vocab_size), (base.hidden_size, padded), (2048, base.vocab_size)]
 
 
-def _timer(device: Any) -> Callable[[Callable[[], Any], int, int], float]:
-    """Median seconds of fn: CUDA events on a GPU (h100_bench.py `timed`), the wall clock elsewhere."""
-    import torch
-
-    def timed(fn: Callable[[], Any], reps: int = 6, warm: int = 2) -> float:
-        for _ in range(warm):
-            fn()
-        ts = []
-        for _ in range(reps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-        return float(sorted(ts)[len(ts) // 2])
-
-    return timed
-
-
 def measure(
     base: ModelSpec, seq: int = SEQ, batches=BATCHES, head_batches=HEAD_BATCHES, device: str = "cuda", reps: int = 6
 ) -> dict:
-    """Time every variant's layer and every head shape on `device` (h100_bench.py's method)."""
+    """Time every variant's layer and every head shape on `device` (built as h100_bench.py builds them)."""
     import torch
     import torch.nn.functional as F
 
     from berth.executor.model import Block
+    from berth.executor.profile import timer
 
     dev = torch.device(device)
     dtype = torch.bfloat16
-    timed = _timer(dev)
+    timed = timer(dev)
     layers, heads = [], []
     for name, spec in variants(base).items():
         with dev:
@@ -156,28 +131,21 @@ def machine(device_type: str = "cuda") -> dict:
 def measure_head_gemms(
     base: ModelSpec, tokens=(16384,), device: str = "cuda", reps: int = 6, shapes: list[tuple[int, int]] | None = None
 ) -> list[dict]:
-    """The LM head's three GEMMs (forward: logits = x W^T; dgrad: dx = dlogits W; wgrad: dW = dlogits^T x) in bf16 at
-    each head shape's vocabulary and at it rounded up to a multiple of 8 (16-byte rows of bf16); `shapes`: (hidden,
+    """The LM head's three GEMMs (executor/profile.py head_gemm_passes: forward, dgrad, wgrad) in bf16 at each head
+    shape's vocabulary and at it rounded up to a multiple of 8 (16-byte rows of bf16); `shapes`: (hidden,
     vocabulary) pairs timed as given instead."""
     import torch
 
+    from berth.executor.profile import head_gemm_passes, timer
+
     dev = torch.device(device)
-    timed = _timer(dev)
+    timed = timer(dev)
     rows = []
     pairs = [(h, v) for h, vocab in head_shapes(base) for v in sorted({vocab, -(-vocab // 8) * 8})]
     for h, v in pairs if shapes is None else shapes:
-        w = torch.randn(v, h, device=dev, dtype=torch.bfloat16)
         for t in tokens:
-            x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-            dy = torch.randn(t, v, device=dev, dtype=torch.bfloat16)
-            for name, fn in (
-                ("fwd", lambda x=x, w=w: x @ w.t()),
-                ("dgrad", lambda dy=dy, w=w: dy @ w),
-                ("wgrad", lambda dy=dy, x=x: dy.t() @ x),
-            ):
+            for name, fn in head_gemm_passes(dev, t, h, v).items():
                 rows.append({"hidden": h, "vocab": v, "tokens": t, "gemm": name, "seconds": timed(fn, reps)})
-            del x, dy
-        del w
     return rows
 
 

@@ -111,7 +111,7 @@ def cuda_event_median(fn: Callable[[], None], reps: int, warmup: int = CUDA_WARM
     return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True))
 
 
-def _timer(device: torch.device, quick: bool = False) -> Callable[..., float]:
+def timer(device: torch.device, quick: bool = False) -> Callable[..., float]:
     """measure(fn, reps) -> median seconds. CUDA: events, with the repetitions sized from a first
     estimate to fill the timing budget; CPU: the host clock (ops are milliseconds long there)."""
     if device.type == "cuda":
@@ -178,7 +178,7 @@ def measure_gemm(device: torch.device, quick: bool, shapes: list[tuple[int, int,
             shapes = layer_gemm_shapes(*((QUICK_GPU_HIDDEN, QUICK_GPU_TP, QUICK_GPU_TOKENS) if quick else ()))
         else:
             shapes = cpu_gemm_shapes(quick)
-    measure = _timer(device, quick)
+    measure = timer(device, quick)
     out = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
@@ -197,21 +197,24 @@ def measure_gemm_alignment(
     """An LM head's three GEMMs (forward x W^T, dgrad dy W, wgrad dy^T x) at ALIGNMENT_WIDTHS output rows: a multiple
     of 16 bytes, one of 4 bytes only, an odd count (cost_models/compute.py alignment_slowdown; `alignment_slowdowns`
     turns them into the GEMM shape model's two factors). Seconds of the three together per width."""
-    dtype, _ = _dtype(device)
-    measure = _timer(device, quick)
+    measure = timer(device, quick)
     tokens = tokens // 4 if quick else tokens
+    reps = MIN_REPS if device.type == "cuda" else 3
     out = []
     for kind, width in ALIGNMENT_WIDTHS.items():
-        w = torch.randn(width, hidden, device=device, dtype=dtype)
-        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-        dy = torch.randn(tokens, width, device=device, dtype=dtype)
-        seconds = sum(
-            measure(fn, MIN_REPS if device.type == "cuda" else 3)
-            for fn in (lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x)
-        )
+        seconds = sum(measure(fn, reps) for fn in head_gemm_passes(device, tokens, hidden, width).values())
         out.append({"kind": kind, "m": tokens, "n": width, "k": hidden, "seconds": seconds})
-        del w, x, dy
     return out
+
+
+def head_gemm_passes(device: torch.device, tokens: int, hidden: int, width: int) -> dict[str, Callable[[], Any]]:
+    """An LM head's three GEMMs in the device's precision, on random operands: forward (logits = x W^T), dgrad
+    (dx = dlogits W) and wgrad (dW = dlogits^T x); the operands live as long as the callables."""
+    dtype, _ = _dtype(device)
+    w = torch.randn(width, hidden, device=device, dtype=dtype)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    dy = torch.randn(tokens, width, device=device, dtype=dtype)
+    return {"fwd": lambda: x @ w.t(), "dgrad": lambda: dy @ w, "wgrad": lambda: dy.t() @ x}
 
 
 def alignment_slowdowns(rows: list[dict]) -> dict[str, float]:
@@ -227,7 +230,7 @@ def measure_memory_bandwidth(device: torch.device, quick: bool) -> float:
         n *= 16
     x = torch.randn(n, device=device)
     y = torch.empty_like(x)
-    t = _timer(device, quick)(lambda: torch.mul(x, 2.0, out=y), 5 if quick else 10)
+    t = timer(device, quick)(lambda: torch.mul(x, 2.0, out=y), 5 if quick else 10)
     return 2 * x.numel() * x.element_size() / t
 
 
@@ -259,7 +262,7 @@ def attention_shapes(device_type: str, quick: bool) -> list[tuple[int, int, int,
 def measure_attention(device: torch.device, quick: bool) -> list[dict]:
     """Causal scaled_dot_product_attention forward and backward, timed separately, at each shape
     (the kernel torch selects for the executor's layer, `_time_attention`)."""
-    measure = _timer(device, quick)
+    measure = timer(device, quick)
     rows = []
     for b, heads, s, d in attention_shapes(device.type, quick):
         fwd_s, bwd_s, backend = _time_attention(device, measure, b, heads, s, d, 3 if quick else 8)

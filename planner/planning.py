@@ -277,9 +277,9 @@ def vocabulary_note(model: ModelSpec, training: TrainingSpec, cluster: ClusterSp
     a multiple of 128 x tp, as Megatron-LM does by default (--make-vocab-size-divisible-by), would take off the step:
     the same layout predicted again for the padded model, whose extra rows no token uses. None where it is aligned."""
     shape, tp = cluster.device.gemm_shape, best.layout.tp
-    rows = int(vocab_rows(model, tp))
     if shape is None or best.prediction is None:
         return None
+    rows = int(vocab_rows(model, tp))
     slow = float(alignment_slowdown(shape, training.bytes_per_element, float(rows)))
     if slow <= 1.0:
         return None

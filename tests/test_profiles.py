@@ -140,7 +140,7 @@ def test_attention_is_timed_as_the_executors_layer_calls_it(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", forced)
     cpu = torch.device("cpu")
-    fwd_s, bwd_s, backend = prof._time_attention(cpu, prof._timer(cpu), 2, 4, 64, 16, 2)
+    fwd_s, bwd_s, backend = prof._time_attention(cpu, prof.timer(cpu), 2, 4, 64, 16, 2)
     assert fwd_s > 0 and bwd_s > 0 and backend == "flash_attention"  # torch's CPU pick for these inputs
     expected = {"contiguous": (True, True, True), "causal": True, "enabled": (True, True)}
     assert calls and all(c == expected for c in calls)
