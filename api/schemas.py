@@ -268,6 +268,11 @@ class PlanResponse(BaseModel):
         "peak against the device memory with the layout that has it, or every rule broken with its count); null "
         "when some plan fits",
     )
+    notes: list[str] = Field(
+        default_factory=list,
+        description="advice on the first plan, the notes `berth plan` prints under it (a vocabulary whose rows per "
+        "tensor-parallel rank break the GEMMs' alignment, with what padding it would gain)",
+    )
 
 
 class CompareResponse(BaseModel):

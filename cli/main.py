@@ -272,7 +272,7 @@ def plan_cmd(
         print_placement,
     )
     from berth.planner.inputs import make_search
-    from berth.planner.planning import lose_nodes, plan, plans_json, vocabulary_note, with_fallback
+    from berth.planner.planning import lose_nodes, plan, plans_json, with_fallback
 
     if as_json and as_csv:
         raise BerthError("csv", True, "give --json or --csv, not both")
@@ -333,8 +333,7 @@ def plan_cmd(
         console.print(breakdown_table(result.plans, "where the time and memory go"))
         console.print(goodput_table(result.plans, f"checkpoints, failures and cost (ranked by {objective})"))
         print_placement(console, result.plans[0], "#1")
-        note = vocabulary_note(spec, training, cl, result.plans[0])
-        if note:
+        for note in result.notes:
             console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
         fb = result.plans[0].fallback
         if show_fallback and fb is None:

@@ -111,6 +111,9 @@ def plan(
     if cached is not None:
         return cached
     result = search(model, training, cluster, spec, max_candidates, deadline, cancel)
+    note = vocabulary_note(model, training, cluster, result.plans[0]) if result.plans else None
+    if note:
+        result = replace(result, notes=(note,))
     PLAN_CACHE.put(key, result)
     return result
 
@@ -305,6 +308,7 @@ def plans_json(result: SearchResult, cluster: ClusterSpec | None = None) -> dict
         "rejected": result.rejected,
         "memory_headroom": result.memory_headroom,
         "why_none": why_none(result, cluster) if not result.plans and cluster is not None else None,
+        "notes": list(result.notes),
     }
 
 

@@ -66,6 +66,7 @@ class SearchResult:
     serialized: list[str] = field(default_factory=list, compare=False, repr=False)  # memo of its JSON text
     closest: tuple[str, float] | None = field(default=None, compare=False)  # misfit with the smallest peak
     memory_headroom: float | None = None  # the headroom the search ranked with (EngineInfo.headroom)
+    notes: tuple[str, ...] = ()  # advice on the first plan (planning.plan: the LM head's vocabulary alignment)
 
 
 def axis_orders(tp: int, pp: int, dp: int) -> list[int]:

@@ -462,3 +462,21 @@ def test_fp8_plans_over_http_and_refusals_name_the_field(server):
     assert r.status_code == 422, r.text
     (detail,) = r.json()["detail"]
     assert detail["loc"][-2:] == ["training", "fp8"] and "DeepSpeed 0.19.8 has no FP8" in detail["msg"], detail
+
+
+def test_plan_answer_carries_the_notes_berth_plan_prints(shared_server):
+    """GPT-2 XL's 50,257-word head breaks its GEMMs' alignment: the API's answer carries the note `berth plan` prints
+    under #1 (planning.vocabulary_note), and the stored answer keeps it; an aligned vocabulary's notes are empty."""
+    from pathlib import Path
+
+    gpt2 = json.loads((Path(__file__).resolve().parents[1] / "examples" / "models" / "gpt2-xl.json").read_text())
+    body = {**PLAN_BODY, "model": gpt2, "training": {"seq_len": 4096, "global_batch_size": 64}}
+    body["cluster"], body["search"] = {"preset": "dgx-h100", "nodes": 1}, {"top": 1}
+    r = httpx.post(shared_server.url + "/v1/plans", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    notes = r.json()["notes"]
+    assert len(notes) == 1 and "50,257 vocabulary rows" in notes[0] and "padded to 50,304" in notes[0]
+    stored = httpx.get(f"{shared_server.url}/v1/plans/{r.json()['id']}", timeout=10).json()
+    assert stored["notes"] == notes
+    aligned = httpx.post(shared_server.url + "/v1/plans", json={**body, "model": "llama3-8b"}, timeout=60)
+    assert aligned.status_code == 200 and aligned.json()["notes"] == []

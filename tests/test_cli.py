@@ -564,9 +564,10 @@ def test_executor_commands_without_torch_say_so_in_one_line(tmp_path):
 def test_plan_says_what_padding_an_odd_vocabulary_would_gain():
     """GPT-2's 50,257-word head breaks the 16-byte alignment its GEMMs need (6.2x slower on an H100, measured on the
     H200: benchmarks/results/gpu-h200/head-gemms-alignment.json): `berth plan` says so under #1 and what padding to
-    a multiple of 128 x tp gains, predicted; an aligned vocabulary gets no note."""
+    a multiple of 128 x tp gains, predicted, and its JSON (the API's answer) carries the same note; an aligned
+    vocabulary gets none."""
     from berth.planner.inputs import make_search
-    from berth.planner.planning import plan, vocabulary_note
+    from berth.planner.planning import plan, plans_json, vocabulary_note
     from berth.specs.models import load_model, presets
     from berth.specs.tree import TrainingSpec
     from berth.topology.clusters import cluster_from_preset
@@ -579,11 +580,11 @@ def test_plan_says_what_padding_an_odd_vocabulary_would_gain():
 
     cluster, training = cluster_from_preset("dgx-h100", 1), TrainingSpec(seq_len=4096, global_batch_size=64)
     spec = load_model(gpt2)
-    best = plan(spec, training, cluster, make_search(top=1)).plans[0]
-    note = vocabulary_note(spec, training, cluster, best)
+    result = plan(spec, training, cluster, make_search(top=1))
+    note = vocabulary_note(spec, training, cluster, result.plans[0])
+    assert plans_json(result, cluster)["notes"] == [note] and note.split(": ")[0] in text
     gain = float(note.rsplit("(", 1)[1].split("%")[0]) / 100
     assert 0.03 < gain < 0.5  # the head is a tenth of the step: a real gain, not the 6x of the head alone
     llama = presets()["llama3-8b"]
-    assert (
-        vocabulary_note(llama, training, cluster, plan(llama, training, cluster, make_search(top=1)).plans[0]) is None
-    )
+    aligned = plan(llama, training, cluster, make_search(top=1))
+    assert vocabulary_note(llama, training, cluster, aligned.plans[0]) is None and plans_json(aligned)["notes"] == []
