@@ -1114,6 +1114,7 @@ def probe_cmd(
     given = _given_layouts(layout, layouts_file)
     candidates = parse_layouts(spec, training, cl, given) if given else None
     picks = probe(spec, training, cl, runs, layouts=candidates, search=make_search(max_micro_batch_size=max_mbs))
+    _say_refused(candidates or [], spec, training, cl, Console(stderr=True) if as_json else console)
     if out:  # first: a folder it may not write is refused before anything is printed; with --json its note is stderr's
         _write_probe_files(out, picks, Console(stderr=True) if as_json else console)
     if as_json:
@@ -1142,6 +1143,22 @@ def probe_cmd(
             "measure each (step time or tokens/s, peak memory, or that it ran out of memory), write one JSON line per "
             "run, then: berth calibrate --runs RUNS.jsonl --out ENGINE-PROFILE.json",
             highlight=False,
+        )
+
+
+def _say_refused(layouts: list, spec, training, cl, note: Console) -> None:
+    """Given layouts that break a rule (the engine's included) are not picked: say which and why (the first few)."""
+    from berth.specs.layouts import layout_problems
+
+    refused = [(i, x, p[0]) for i, x in enumerate(layouts) if (p := layout_problems(x, spec, training, cl))]
+    if refused:
+        shown = "; ".join(f"layout[{i}] {x.short()}: {name}: {why}" for i, x, (name, why) in refused[:3])
+        note.print(
+            f"note: {len(refused)} of the {len(layouts)} given layouts break a rule and were not picked ({shown}"
+            + ("; ..." if len(refused) > 3 else "")
+            + ")",
+            highlight=False,
+            soft_wrap=True,
         )
 
 

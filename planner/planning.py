@@ -30,7 +30,7 @@ from berth.planner.inputs import (  # noqa: F401
 from berth.planner.search import SearchResult, predict_layouts, search
 from berth.specs.engines import engine_of
 from berth.specs.errors import BerthError
-from berth.specs.layouts import check_layout, parse_spec
+from berth.specs.layouts import complete_layout, parse_spec
 from berth.specs.tree import (
     MAX_MEMORY_HEADROOM,
     ClusterSpec,
@@ -121,15 +121,18 @@ def plan(
 def parse_layouts(
     model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec, layouts: Sequence[str | dict[str, Any]]
 ) -> list[Layout]:
-    """Layouts given as text ("tp=8,pp=4,dp=2,...") or objects, each checked against the inputs; an error names
-    the layout's index (`layout[i]`)."""
+    """Layouts given as text ("tp=8,pp=4,dp=2,...") or objects, completed for the inputs (dp from the GPUs, the
+    micro-batch count from the global batch); a value that is no layout value (an unknown field, not a positive
+    integer, not a choice) is an error naming the layout's index (`layout[i]`). A layout that breaks a rule, the
+    engine's included, is kept: its plan says which (`infeasible_reason`), as a layout that does not fit does, so one
+    such layout among many (a sweep's, a team's list) leaves the others' comparison standing."""
     if not layouts:
         raise BerthError("layout", None, "give at least one layout")
     specs = []
     for i, item in enumerate(layouts):
         field = f"layout[{i}]"
         values = parse_spec(item, field) if isinstance(item, str) else dict(item)
-        specs.append(check_layout(values, model, training, cluster, field))
+        specs.append(complete_layout(values, training, cluster.world_size, field))
     return specs
 
 

@@ -24,7 +24,7 @@ from berth.specs.candidates import (
     Candidates,
 )
 from berth.specs.errors import BerthError
-from berth.specs.layouts import check_values, refuse_fix
+from berth.specs.layouts import check_values, layout_problems, refuse_fix
 from berth.specs.tree import (
     AXIS_ORDER_CHOICES,
     RECOMPUTE_CHOICES,
@@ -473,7 +473,7 @@ def make_plan(
         cluster=cluster,
         layout=layout,
         prediction=prediction,
-        infeasible_reason=_reason_text(code, ev, cluster, i),
+        infeasible_reason=_reason_text(code, ev, cluster, i, None if structurally_valid else (layout, model, training)),
         stage_layers=_stage_layers(model, training, layout),
         placement=placed,
     )
@@ -493,10 +493,18 @@ def innermost_evaluation(model, training, cluster, c: Candidates) -> Evaluation:
         return evaluate(model, training, innermost_cluster(cluster), c)
 
 
-def _reason_text(code: int, ev: Evaluation, cluster: ClusterSpec, i: int) -> str | None:
+def _reason_text(
+    code: int, ev: Evaluation, cluster: ClusterSpec, i: int, one: tuple[Layout, ModelSpec, TrainingSpec] | None = None
+) -> str | None:
+    """Why candidate i is not ranked (None: it is). With `one` (its layout, model and training), a layout that breaks
+    the rules says so in its own numbers: the first rule's name, then what each of the first three broken says
+    (specs/layouts.py layout_problems, the table the evaluation applied; an engine's rule names the engine)."""
     if code == VALID:
         return None
     name, text = REASONS[code]
+    problems = layout_problems(*one, cluster) if one is not None else []
+    if problems:
+        return f"{problems[0][0]}: " + "; ".join(dict.fromkeys(why for _, why in problems[:3]))
     if name in ("out_of_memory", "memory_tight"):
         need = ev.required_memory_bytes[i] / 2**30  # what must fit (memory.peak_memory)
         have = allocator_capacity_bytes(cluster.device, cluster.world_size) / 2**30

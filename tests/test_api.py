@@ -446,8 +446,11 @@ def test_expert_tp_in_compare_over_http(server):
     assert [x["layout"]["expert_tp"] for x in candidates] == [1, 1]
     (ep,) = [g for g in candidates[0]["placement"]["groups"] if g["axis"] == "ep"]
     assert ep["stride"] == 1 and ep["nodes_spanned"] == 1
-    r = c.post("/v1/compare", json={**base, "layouts": ["tp=4,ep=4,etp=3,sp=1"]})
-    assert r.status_code == 422 and "expert_tp" in r.text, r.text
+    r = c.post("/v1/compare", json={**base, "layouts": ["tp=4,ep=4,etp=3,sp=1", folded]})
+    assert r.status_code == 200, r.text
+    refused, kept = r.json()["candidates"]
+    assert refused["prediction"] is None and "expert_tp" in refused["infeasible_reason"], refused["infeasible_reason"]
+    assert kept == candidates[1] and r.json()["choice"] == 1
 
 
 def test_fp8_plans_over_http_and_refusals_name_the_field(server):

@@ -96,7 +96,7 @@ CASES = [
     (["compare", *GPT, "--layout", "zero=9"], "layout[0].zero_stage"),
     (["compare", *GPT, "--layout", "tp"], "layout"),
     (["compare", *GPT, "--layout", "tp=1,tp=2"], "layout[0].tp"),
-    (["compare", *GPT, "--layout", "vpp=2,pp=1"], "layout[0]"),
+    (["compare", *GPT, "--layout", "recompute=most"], "layout[0].recompute"),
     (["plan", *GPT, "--fix", "zero=1,zero_stage=2"], "fix.zero_stage"),
     (["compare", f"{T}/blob.bin", "--layout", "tp=1"], "model"),
     (["launch", f"{T}/blob.bin"], "plan"),
@@ -240,18 +240,19 @@ def test_no_layout_fits_exits_1_naming_the_smallest_peak(capsys):
 
 
 def test_scripts_end_to_end(tmp_path):
-    """The installed entry point as a user runs it: a binary model file and a launch into an
-    existing file, both refused with one line and exit 2."""
+    """The installed entry point as a user runs it: a binary model file and a layout value that is none, both refused
+    with one line and exit 2."""
     blob = tmp_path / "m.json"
     blob.write_bytes(BINARY)
-    for args in (["plan", str(blob)], ["compare", "tiny-gpt", "--layout", "tp=3"]):
+    for args in (["plan", str(blob)], ["compare", "tiny-gpt", "--layout", "tp=0"]):
         r = subprocess.run([sys.executable, "-m", "berth.cli.main", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_api_refuses_impossible_fix_and_layouts_with_422(tmp_path):
-    """The service shares the one validation: a real `berth serve` answers 422 naming the field."""
+    """The service shares the one validation: a real `berth serve` answers 422 naming the field (an impossible fix,
+    a layout value that is none); a compared layout that breaks a rule is a row saying which."""
     import os
     import socket
     import time
@@ -288,10 +289,16 @@ def test_api_refuses_impossible_fix_and_layouts_with_422(tmp_path):
             assert "fix" in r.json()["detail"][0]["loc"], r.text
         r = httpx.post(url + "/v1/plans", json={**base, "search": {"fix": "tp=3"}}, timeout=60)
         assert "valid: 1, 2, 4, 8" in r.text
-        r = httpx.post(url + "/v1/compare", json={**base, "layouts": ["tp=8", {"tp": 3}]}, timeout=60)
+        r = httpx.post(url + "/v1/compare", json={**base, "layouts": ["tp=8", {"tp": 0}]}, timeout=60)
         assert r.status_code == 422, r.text
         loc = r.json()["detail"][0]["loc"]
         assert loc[:4] == ["body", "layouts", 1, "tp"], r.text  # the request's field, its index, the value's
+        # a layout that breaks a rule is a row with it (compare's answer), the others predicted
+        r = httpx.post(url + "/v1/compare", json={**base, "layouts": ["tp=8", {"tp": 3}]}, timeout=60)
+        assert r.status_code == 200, r.text
+        kept, refused = r.json()["candidates"]
+        assert kept["prediction"] is not None and refused["prediction"] is None
+        assert refused["infeasible_reason"].startswith("world_size_mismatch: ") and "valid: 1, 2, 4, 8" in r.text
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -10,6 +10,9 @@ import pytest
 from benchmarks import engine_sweep
 from berth.cost_models.memory import allocator_capacity_bytes
 from berth.planner.engine_fit import CEILING
+from berth.specs.validity import REASON_CODES
+
+RULE_NAMES = set(REASON_CODES) - {"out_of_memory", "memory_tight"}
 
 SAVED = Path(engine_sweep.__file__).resolve().parent / "results" / "engine_sweep.json"
 KEYS = (
@@ -79,33 +82,54 @@ def test_the_nanotron_entry_predicts_better_than_the_generic_engine(result):
     assert rho[0] + rho[1] > rho[2] + rho[3], rho
 
 
+def rules_refuse(run) -> bool:
+    from berth.specs.layouts import layout_problems
+
+    return bool(layout_problems(run.layout, run.model, run.training, run.cluster))
+
+
 def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
     """The loop through the CLI, as a team (or a reviewer with another model size) runs it: `berth probe` among the
     layouts that ran on 64 GPUs, `berth calibrate --runs` on the probes' measured values (the README's example
     file), `berth compare --json` of another group's layouts: the same probes, and the compare's pick is the
-    benchmark's first choice (its regret, the saved one)."""
+    benchmark's first choice (its regret, the saved one). The configurations that crashed go along as a reviewer may
+    pass them: those the nanotron entry's rules refuse are not picked (probe says so) and are rows with their rule
+    in the compare, the others' rows as without them."""
     import subprocess
     import sys
 
     berth = [sys.executable, "-m", "berth.cli.main"]
     saved = json.loads(SAVED.read_text())["models"]["8B"]
-    ran, _ = engine_sweep.records()
+    ran, crashed = engine_sweep.records()
     model = tmp_path / "nanotron-8b.json"
     group = {g: [r for r in ran if r["size"] == "8B" and r["cluster"]["nodes"] * 8 == g] for g in (64, 128)}
+    failed = {g: [r["layout"] for r in crashed if r["size"] == "8B" and r["cluster"]["nodes"] * 8 == g] for g in group}
     model.write_text(json.dumps(group[64][0]["model"]))
     layouts = tmp_path / "layouts.txt"
     layouts.write_text("# the 8B layouts that ran on 64 GPUs\n" + "\n".join(r["layout"] for r in group[64]) + "\n")
     common = ["--cluster", "aws-p5", "--seq-len", "4096", "--global-batch", "256", "--engine", "nanotron"]
+    errors = []
 
     def run(*args):
         r = subprocess.run([*berth, *args], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
+        errors.append(r.stderr)
         return r.stdout
 
+    crashed64 = [r for r in crashed if r["size"] == "8B" and r["cluster"]["nodes"] == 8]
+    refused = [r["layout"] for r, x in zip(crashed64, engine_sweep.as_runs(crashed64), strict=True) if rules_refuse(x)]
+    assert refused  # e.g. nanotron's 1F1B needs num_microbatches >= pp - 1
     picks = json.loads(
-        run("probe", str(model), *common, "--nodes", "8", "--runs", "12", "--layouts", str(layouts), "--json")
+        run(
+            "probe",
+            str(model),
+            *common,
+            *("--nodes", "8", "--runs", "12", "--layouts", str(layouts), "--json"),
+            *(a for x in refused for a in ("--layout", x)),
+        )
     )
     assert [p["layout"] for p in picks["picks"]] == [p["layout"] for p in saved["probes"]]
+    assert f"note: {len(refused)} of the {len(group[64]) + len(refused)} given layouts break a rule" in errors[-1]
     example = engine_sweep.EXAMPLE  # the probes' measured values, as the README's calibrate reads them
     recs = [json.loads(x) for x in example.read_text().splitlines() if not x.startswith("#")]
     assert [r.layout.short() for r in engine_sweep.as_runs(recs)] == [p["layout"] for p in saved["probes"]]
@@ -134,6 +158,15 @@ def test_the_cli_loop_a_team_runs_gives_the_saved_figures(tmp_path):
     regret = 1.0 - tok[answer["choice"]] / max(tok)
     want = next(g for g in saved["groups_after"] if g["model"] == "8B" and g["gpus"] == 128)
     assert regret == pytest.approx(want["regret"], abs=1e-9)
+    both = tmp_path / "ran-and-crashed128.txt"
+    both.write_text("\n".join(r["layout"] for r in group[128][1:]) + "\n" + "\n".join(failed[128]) + "\n")
+    args = ["--layout", group[128][0]["layout"], "--layouts", str(both)]
+    wider = json.loads(run("compare", str(model), *common, "--nodes", "16", "--profile", str(profile), *args, "--json"))
+    assert wider["candidates"][: len(group[128])] == answer["candidates"]
+    rows = wider["candidates"][len(group[128]) :]
+    assert len(rows) == len(failed[128]) and any(r["prediction"] is None for r in rows)
+    assert all(r["infeasible_reason"].split(":")[0] in RULE_NAMES for r in rows if r["prediction"] is None)
+    assert any("nanotron e24d2483 (2025-02-19) cannot run it" in (r["infeasible_reason"] or "") for r in rows)
 
 
 def test_nanotron_memory_read_from_its_code_predicts_the_sweep_uncalibrated(monkeypatch):

@@ -187,6 +187,33 @@ def test_the_edges_refuse_exactly_what_the_table_refuses():
                 assert execu and all(why in str(err) for _, why in execu), (layout, err)
 
 
+def test_compared_layouts_carry_what_the_table_refuses_in_their_own_numbers():
+    """`berth compare` and POST /v1/compare keep a layout that breaks a rule as a row: predicted for all of a case's
+    random layouts at once (planning.compare), each plan has no prediction and an infeasible_reason that starts with
+    the first broken PLAN rule's name and says it in the layout's numbers exactly when the table refuses it; the
+    others are predicted (fit or not). A refused layout among many leaves the others' predictions as they are alone."""
+    from berth.planner.planning import compare
+
+    refused = 0
+    for facts, layouts in cases(seed=2, per_case=40):
+        cluster = cluster_from_preset("dgx-h100", facts.world // 8)
+        plans = compare(facts.model, facts.training, cluster, [x.model_dump() for x in layouts])
+        for layout, p in zip(layouts, plans, strict=True):
+            broken = violations(p.layout, facts, PLAN)
+            if broken:
+                refused += 1
+                assert p.prediction is None and p.infeasible_reason.startswith(broken[0][0].name + ": "), layout
+                assert broken[0][1] in p.infeasible_reason
+            else:
+                assert p.prediction is not None and not (p.infeasible_reason or "").startswith(
+                    tuple(r.name + ":" for r in PLAN_RULES)
+                )
+        ok = [i for i, p in enumerate(plans) if p.prediction is not None][:3]
+        alone = compare(facts.model, facts.training, cluster, [layouts[i].model_dump() for i in ok]) if ok else []
+        assert [p.prediction for p in alone] == [plans[i].prediction for i in ok]
+    assert refused > 100
+
+
 def test_a_planned_layout_the_executor_refuses_is_refused_by_an_executor_only_rule():
     """The drift this table removed: the planner planned tp=2 with a vocabulary of 50,257 and the
     executor refused it with rules of its own. Now the executor pads the vocabulary (executor/model.py
