@@ -144,8 +144,8 @@ def nanotron_costs(model) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=1024)  # pure in its four integers; a fit evaluates the same few thousands of times
 def _balanced_one(num_layers: int, layer_cost: int, head_cost: int, pp: int) -> tuple[int, int, int, bool]:
-    if pp == 1:
-        return num_layers, num_layers, num_layers, True
+    if pp == 1 or pp > num_layers:  # one stage; more stages than layers is refused (and no O(pp) lists: pp < 2^26)
+        return num_layers, num_layers, num_layers, pp == 1
     ranks = balanced_blocks(num_layers, layer_cost, head_cost, pp)
     layers = [r.count("layer") for r in ranks]
     head = next(i for i, r in enumerate(ranks) if "head" in r)

@@ -409,6 +409,32 @@ def test_over_the_limit_search_is_refused_without_enumerating():
     assert peak < 4e6 and took < 0.5, (peak, took)  # enumerating them holds 37 MB of columns
 
 
+def test_compared_layouts_at_the_largest_values_are_rows_in_bounded_time():
+    """compare keeps a layout that breaks a rule as a row (its prediction none): the API's 64 layouts at the largest
+    values a layout field takes, for every engine, answer in bounded time and memory (nanotron's compute-balanced
+    split once built a list per pipeline stage: 94 s at pp = 2^26)."""
+    from berth.planner.planning import compare
+    from berth.specs.engines import ENGINES
+    from berth.specs.layouts import MAX_LAYOUT_VALUE as M
+    from berth.specs.models import presets
+    from berth.specs.tree import TrainingSpec
+    from berth.topology.clusters import cluster_from_preset
+
+    fields = ("pp", "tp", "cp", "dp", "ep", "mbs", "nmb", "vpp", "shard")
+    layouts = [f"{f}={M}" for f in fields] + [f"pp={M},vpp={M},nmb={M},mbs={M}", f"dp={M},shard={M},zero=3"]
+    layouts = (layouts * 6)[:64]
+    model, cluster = presets()["llama3-8b"], cluster_from_preset("dgx-h100", 2)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    for engine in ENGINES:
+        plans = compare(model, TrainingSpec(seq_len=4096, global_batch_size=256, engine=engine), cluster, layouts)
+        assert all(p.prediction is None and p.infeasible_reason for p in plans), engine
+    took = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert took < 30 and peak < 200e6, (took, peak)
+
+
 def test_candidate_count_matches_the_enumeration():
     from berth.planner.planning import make_cluster, make_search, make_training
     from berth.planner.search import count_candidates, enumerate_candidates, iter_candidates
