@@ -120,17 +120,16 @@ def _stage_split(num_layers, pp, vpp) -> StageSplit:
 
 
 def balanced_blocks(num_layers: int, layer_cost: int, head_cost: int, pp: int) -> list[list[str]]:
-    """nanotron's placement of its pipeline blocks (module docstring): for each of the pp ranks, the
-    blocks it holds in model order ("embedding", "layer", "norm", "head", "cast", "loss"). Integer
-    costs and the same comparison as build_model (cumulative cost > total x (rank + 1) / pp)."""
+    """nanotron's placement of its pipeline blocks (module docstring): per rank (of pp; past one more than the blocks,
+    the empty ones left out: pp may be 2^26) the blocks it holds in model order ("embedding", "layer", "norm", "head",
+    "cast", "loss"), by build_model's comparison of integer costs (cumulative cost > total x (rank + 1) / pp)."""
     kinds = ["embedding", *["layer"] * num_layers, "norm", "head", "cast", "loss"]
     costs = np.cumsum([{"layer": layer_cost, "head": head_cost}.get(k, 0) for k in kinds])
-    thresholds = [costs[-1] * ((rank + 1) / pp) for rank in range(pp)]
-    ranks: list[list[str]] = [[] for _ in range(pp)]
+    ranks: list[list[str]] = [[] for _ in range(min(pp, len(kinds) + 1))]
     at = 0
     for kind, cumulative in zip(kinds, costs, strict=True):
         ranks[at].append(kind)
-        if cumulative > thresholds[at]:
+        if cumulative > costs[-1] * ((at + 1) / pp):
             at += 1
     return ranks
 
@@ -144,8 +143,8 @@ def nanotron_costs(model) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=1024)  # pure in its four integers; a fit evaluates the same few thousands of times
 def _balanced_one(num_layers: int, layer_cost: int, head_cost: int, pp: int) -> tuple[int, int, int, bool]:
-    if pp == 1 or pp > num_layers:  # one stage; more stages than layers is refused (and no O(pp) lists: pp < 2^26)
-        return num_layers, num_layers, num_layers, pp == 1
+    if pp == 1:
+        return num_layers, num_layers, num_layers, True
     ranks = balanced_blocks(num_layers, layer_cost, head_cost, pp)
     layers = [r.count("layer") for r in ranks]
     head = next(i for i, r in enumerate(ranks) if "head" in r)
