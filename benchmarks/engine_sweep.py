@@ -190,8 +190,14 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
     err = np.abs(pred[ok] / tok[ok] - 1.0)
     measured_s = np.array([r.step_time_s for r in runs], dtype=float)
     nmb = np.array([r.layout.num_microbatches for r in runs])
-    stalled = ok & ((measured_s - np.where(ok, t, 0.0)) / nmb > STALL_S)
+    excess = (measured_s - np.where(ok, t, 0.0)) / nmb  # seconds a micro-batch beyond the prediction
+    stalled = ok & (excess > STALL_S)
     rest = ok & ~stalled
+    pp = np.array([r.layout.pp for r in runs])
+
+    def excess_median(rows: np.ndarray) -> float | None:
+        return float(np.median(excess[rows])) if rows.any() else None
+
     return {
         "gpus": g,
         "runs": len(recs),
@@ -211,6 +217,12 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
         "refused": int(refused.sum()),
         "stalled": int(stalled.sum()),
         "rho_unstalled": float(spearmanr(pred[rest], tok[rest]).statistic) if rest.sum() >= 3 else float("nan"),
+        # the median excess a micro-batch with a pipeline and without (null: no such run): where it is a cluster's
+        # size, not a layout's, one GPU count's probes cannot teach it (docs/accuracy.md, stalled runs)
+        "excess_per_microbatch_s": {
+            "pipeline": excess_median(ok & (pp > 1)),
+            "no_pipeline": excess_median(ok & (pp == 1)),
+        },
     }
 
 
@@ -405,12 +417,13 @@ def print_result(result: dict) -> None:
             cells = [c[k] for _, c in columns]
             print(f"  {label:32s} " + " ".join(f"{v:9.3f}" if isinstance(v, float) else f"{v:9d}" for v in cells))
         head = f"{'rho':>6s} {'regret':>7s} {'twins':>6s} {'top3':>5s} {'|err|':>6s} {'mem':>6s}"
-        print(f"  {'group':12s} {head} stalled")
+        print(f"  {'group':12s} {head} stalled    excess s/micro-batch (pp > 1, pp = 1)")
         for g in r["groups_after"]:
+            ex = " ".join("   -" if v is None else f"{v:+.2f}" for v in g["excess_per_microbatch_s"].values())
             print(
                 f"  {g['model']:>3s} {g['gpus']:4d} GPUs {g['rho']:6.2f} {g['regret']:7.3f} "
                 f"{g['regret_twins_merged']:6.3f} {'yes' if g['top3_hit'] else 'no':>5s} {g['median_error']:6.2f} "
-                f"{g['memory_error_median']:+6.2f} {g['stalled']:3d} of {g['runs']}"
+                f"{g['memory_error_median']:+6.2f} {g['stalled']:3d} of {g['runs']:<4d} {ex}"
             )
     other = result.get("other_probe_gpus", {})
     if other:

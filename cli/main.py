@@ -1113,8 +1113,8 @@ def probe_cmd(
     )
     given = _given_layouts(layout, layouts_file)
     candidates = parse_layouts(spec, training, cl, given) if given else None
-    picks = probe(spec, training, cl, runs, layouts=candidates, search=make_search(max_micro_batch_size=max_mbs))
     _say_refused(candidates or [], spec, training, cl, Console(stderr=True) if as_json else console)
+    picks = probe(spec, training, cl, runs, layouts=candidates, search=make_search(max_micro_batch_size=max_mbs))
     if out:  # first: a folder it may not write is refused before anything is printed; with --json its note is stderr's
         _write_probe_files(out, picks, Console(stderr=True) if as_json else console)
     if as_json:
@@ -1147,10 +1147,14 @@ def probe_cmd(
 
 
 def _say_refused(layouts: list, spec, training, cl, note: Console) -> None:
-    """Given layouts that break a rule (the engine's included) are not picked: say which and why (the first few)."""
+    """Given layouts that break a rule (the engine's included) are not picked: say which and why (the first few); when
+    all do, refuse naming the first (exit 2)."""
     from berth.specs.layouts import layout_problems
 
     refused = [(i, x, p[0]) for i, x in enumerate(layouts) if (p := layout_problems(x, spec, training, cl))]
+    if refused and len(refused) == len(layouts):
+        i, x, (name, why) = refused[0]
+        raise BerthError(f"layout[{i}]", x.short(), f"{name}: {why} (every given layout breaks a rule: none to pick)")
     if refused:
         shown = "; ".join(f"layout[{i}] {x.short()}: {name}: {why}" for i, x, (name, why) in refused[:3])
         note.print(

@@ -2,10 +2,9 @@
 
 An engine decides three things a layout's prediction depends on, and the files that start it:
 
-- what it can run: its rules (`EngineInfo.rules`), vectorized predicates over Candidates evaluated with
-  the layout rules of specs/validity.py (the search keeps only what the engine runs, a fixed
-  layout it cannot run is refused naming the engine: an error for `--fix`, a compared layout's infeasible_reason,
-  and `berth launch` refuses with the same text);
+- what it can run: its rules (`EngineInfo.rules`), vectorized predicates over Candidates evaluated with the layout
+  rules of specs/validity.py (the search keeps only what the engine runs, a fixed layout it cannot run is refused
+  naming the engine: an error for `--fix`, a compared layout's infeasible_reason; `berth launch` says the same);
 - its memory recipe (`recipe`, read by cost_models/memory.py): "pytorch" (fp32 parameters under
   autocast, or FSDP2 bf16 mixed precision where the layout shards; DTensor sequence parallelism
   keeps the gathered inputs; torch.distributed.pipelining receive buffers) or "megatron" (16-bit

@@ -375,6 +375,7 @@ class EngineTuning(Spec):
     on top of the engine's recipe (specs/engines.py). The defaults change nothing. Time: cost_models/step.py; memory:
     cost_models/memory.py `tuned_breakdown`; fitting: planner/engine_fit.py, within these bounds (why each: there)."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no bool or text for a number (a profile)
     profile: LabelText | None = Field(default=None, description="the name of the engine profile these came from")
     compute_efficiency: float = Field(
         default=1.0, ge=0.2, le=1.15, description="x the speed of every layer's compute, the head and recomputation"

@@ -711,6 +711,9 @@ def test_booleans_are_not_numbers(server):
         {"cluster": {"preset": "dgx-h100", "nodes": True}},
         {"training": {"seq_len": 2048, "global_batch_size": True}},
         {"search": {"top": True}},
+        # an engine profile's fitted parameters (a spec-tree model inside the strict request; schemathesis found it)
+        {"training": {"seq_len": 2048, "global_batch_size": 8, "engine": "megatron", "tuning": {"overlap": False}}},
+        {"training": {"seq_len": 2048, "global_batch_size": 8, "engine": "megatron", "tuning": {"overlap": "0.5"}}},
         {
             "model": {
                 "name": "m",
