@@ -215,6 +215,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
         # the allocator's retries (planner/engine_fit.py CEILING)
         "ran_at_ceiling_predicted_not_to_fit": int(np.sum(ok & ~fits & (mem >= CEILING * cap))),
         "refused": int(refused.sum()),
+        "refused_ids": [r.id for r, x in zip(runs, refused, strict=True) if x],  # which, to read them in runs.json
         "stalled": int(stalled.sum()),
         "rho_unstalled": float(spearmanr(pred[rest], tok[rest]).statistic) if rest.sum() >= 3 else float("nan"),
         # the median excess a micro-batch with a pipeline and without (null: no such run): where it is a cluster's

@@ -1,7 +1,6 @@
-"""Decoder layers per pipeline stage: berth's rule, used by the cost model (cost_models/step.py,
-memory.py), the validity rules (specs/validity.py), the search (planner/search.py), the executor
-(executor/parallel.py, checks.py) and the launch artifacts (launch/writers.py) of every engine
-but one; nanotron's own rule, for plans predicted for nanotron, is at the end of this docstring.
+"""Decoder layers per pipeline stage: berth's rule, used by the cost model (cost_models/step.py, memory.py), the
+validity rules (specs/validity.py), the search (planner/search.py), the executor (executor/parallel.py, checks.py)
+and the launch artifacts (launch/writers.py) of every engine but one; nanotron's own rule is at the end.
 
 The rule. pp ranks with v virtual stages each cut the model into S = pp x v chunks, in model order
 (chunk c runs on pp rank c mod pp: the interleaved order of Megatron-LM and of
@@ -47,10 +46,9 @@ passes (rank + 1) / pp of the total. Rank 0 thus holds more layers than the othe
 1B, vocabulary 131,072: 11 and 5 at pp 2) and, in deep pipelines, the head takes a rank of its own
 and the cast and the loss the last ones (its 8B at pp 32: 2, 1 x 13, 2, 1 x 13, 2 layers, then the
 head, the cast, the loss). Its (first, middle, last) are the layers of rank 0, of the fullest rank
-between it and the head's, and of the head's rank. A trailing rank can be left without a block
-(the 1B at pp 16); nanotron ran one such layout of the sweep, so it is not refused: its `valid` is pp <= L
-(the sweep's layouts with more stages than layers all crashed). The validity rule `stage_without_layers` reads
-the engine's own split: 28 layers over 16 stages, or 80 over 32, leave berth's ends empty and run under nanotron.
+between it and the head's, and of the head's rank. `valid`: no rank left without a block (405B's 126 layers fill 128;
+the 1B's 16 leave pp 16's last empty: build_model makes it output_pp_rank, whose logging raises, trainer.py loss_avg
+None .item(); 51 of the sweep's 52 such configurations crashed). `stage_without_layers` reads this split.
 """
 
 from __future__ import annotations
@@ -149,7 +147,7 @@ def _balanced_one(num_layers: int, layer_cost: int, head_cost: int, pp: int) -> 
     layers = [r.count("layer") for r in ranks]
     head = next(i for i, r in enumerate(ranks) if "head" in r)
     middle = max(layers[1:head], default=0)
-    return layers[0], middle, layers[head], pp <= num_layers
+    return layers[0], middle, layers[head], len(ranks) == pp and all(ranks)
 
 
 def balanced_split(num_layers: int, layer_cost: int, head_cost: int, pp) -> StageSplit:
@@ -174,12 +172,11 @@ def rule_stage_split(model, pp, vpp=1, rule: str = SPLIT_ENDS_LIGHTER) -> StageS
 
 
 def rule_stage_layers(model, pp: int, vpp: int = 1, rule: str = SPLIT_ENDS_LIGHTER) -> list[int]:
-    """Decoder layers of each pipeline rank under an engine's split rule, rank 0 first; ValueError where the
-    layout has no valid split (the same `valid` as `rule_stage_split`)."""
+    """Layers of each pipeline rank under an engine's split rule, rank 0 first; ValueError where it is not `valid`."""
     if rule == SPLIT_COMPUTE_BALANCED and vpp == 1:
-        if pp > model.num_layers:
-            raise ValueError(why_invalid(model.num_layers, pp, vpp))
-        return [r.count("layer") for r in balanced_blocks(model.num_layers, *nanotron_costs(model), pp)]
+        if not (ranks := balanced_blocks(model.num_layers, *nanotron_costs(model), pp))[-1] or len(ranks) < pp:
+            raise ValueError(why_invalid(model.num_layers, pp, vpp, rule))
+        return [r.count("layer") for r in ranks]
     return stage_layers(model.num_layers, pp, vpp)
 
 
@@ -213,7 +210,9 @@ def chunk_offsets(num_layers: int, pp: int, vpp: int = 1) -> list[int]:
     return out
 
 
-def why_invalid(num_layers: int, pp: int, vpp: int = 1) -> str:
+def why_invalid(num_layers: int, pp: int, vpp: int = 1, rule: str = SPLIT_ENDS_LIGHTER) -> str:
+    if rule == SPLIT_COMPUTE_BALANCED and vpp == 1:  # empty ranks trail the walk: its blocks fill min(pp, what fills)
+        return f"nanotron's compute-balanced split of {num_layers} layers leaves its last of {pp} ranks without a block"
     chunks = pp * vpp
     first, middle, last, _ = (int(a) for a in split(num_layers, pp, vpp))
     if chunks > num_layers:

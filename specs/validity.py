@@ -118,7 +118,8 @@ def _split_valid(pp, vpp, f: Facts) -> np.ndarray:
 def _stages(x: Layout, f: Facts) -> str:
     L = f.model.num_layers
     valid = [d for d in divisors(f.world // (x.tp * x.cp)) if _split_valid(d, x.virtual_stages, f)]
-    return f"{stages.why_invalid(L, x.pp, x.virtual_stages)}; valid pp (vpp={x.virtual_stages}): {listing(valid)}"
+    why = stages.why_invalid(L, x.pp, x.virtual_stages, split_rule(f.training))
+    return f"{why}; valid pp (vpp={x.virtual_stages}): {listing(valid)}"
 
 
 def _batch(x: Layout, f: Facts) -> str:
