@@ -58,7 +58,7 @@ def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
         assert a["throughput_error_median"] < b["throughput_error_median"], size
         # berth's nanotron entry refuses one row of runs.json: the 1B at pp 16, whose last rank nanotron's split leaves
         # without a block; its trainer's logging raises there, and 51 of the 52 such configurations crashed
-        # (specs/stages.py): a row its run wrote before the job came down, not a layout a team can train with
+        # (specs/stages.py; how the one row was written is not known: docs/accuracy.md)
         assert a["refused"] == b["refused"] == 1
         assert [i for g in r["groups_after"] for i in g["refused_ids"]] == ["usp_1B_16n_dp1_tp8_pp16_mbs1_ga256_z0"]
         loops = [r] + [o[size] for o in result["other_probe_gpus"].values()]
