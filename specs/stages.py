@@ -174,9 +174,9 @@ def rule_stage_split(model, pp, vpp=1, rule: str = SPLIT_ENDS_LIGHTER) -> StageS
 def rule_stage_layers(model, pp: int, vpp: int = 1, rule: str = SPLIT_ENDS_LIGHTER) -> list[int]:
     """Layers of each pipeline rank under an engine's split rule, rank 0 first; ValueError where it is not `valid`."""
     if rule == SPLIT_COMPUTE_BALANCED and vpp == 1:
-        if not (ranks := balanced_blocks(model.num_layers, *nanotron_costs(model), pp))[-1] or len(ranks) < pp:
+        if not _balanced_one(model.num_layers, *nanotron_costs(model), pp)[3]:  # its `valid`, one place
             raise ValueError(why_invalid(model.num_layers, pp, vpp, rule))
-        return [r.count("layer") for r in ranks]
+        return [r.count("layer") for r in balanced_blocks(model.num_layers, *nanotron_costs(model), pp)]
     return stage_layers(model.num_layers, pp, vpp)
 
 
@@ -211,7 +211,7 @@ def chunk_offsets(num_layers: int, pp: int, vpp: int = 1) -> list[int]:
 
 
 def why_invalid(num_layers: int, pp: int, vpp: int = 1, rule: str = SPLIT_ENDS_LIGHTER) -> str:
-    if rule == SPLIT_COMPUTE_BALANCED and vpp == 1:  # empty ranks trail the walk: its blocks fill min(pp, what fills)
+    if rule == SPLIT_COMPUTE_BALANCED and vpp == 1:  # the walk's empty ranks are its last ones
         return f"nanotron's compute-balanced split of {num_layers} layers leaves its last of {pp} ranks without a block"
     chunks = pp * vpp
     first, middle, last, _ = (int(a) for a in split(num_layers, pp, vpp))
