@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from berth.hardware_profiles import DeviceProfile, load_device, load_profile_file
+from berth.hardware_profiles import DeviceProfile, load_device, profile_from_data
 from berth.planner.search import predict_layouts
 from berth.specs.tree import Layout, ModelSpec, TrainingSpec
 from berth.topology import clusters
@@ -56,8 +56,8 @@ def with_dispatch_exposed(device: DeviceProfile, fraction: float) -> DeviceProfi
 
 
 def run(folder: Path = FOLDER, device: str = "h200", dispatch_exposed: float | None = None) -> dict:
-    measured_device, server = load_profile_file(folder / "profile.json")  # validated; its raw measurements below
-    profile = json.loads((folder / "profile.json").read_text())
+    profile = json.loads((folder / "profile.json").read_text())  # its raw measurements below
+    measured_device, server = profile_from_data(profile)
     bundled = load_device(device)
     variants = {
         "profile.json as measured": measured_device,

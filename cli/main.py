@@ -1113,10 +1113,11 @@ def probe_cmd(
     )
     given = _given_layouts(layout, layouts_file)
     candidates = parse_layouts(spec, training, cl, given) if given else None
-    _say_refused(candidates or [], spec, training, cl, Console(stderr=True) if as_json else console)
+    note = Console(stderr=True) if as_json else console  # with --json, notes go to stderr
+    _say_refused(candidates or [], spec, training, cl, note)
     picks = probe(spec, training, cl, runs, layouts=candidates, search=make_search(max_micro_batch_size=max_mbs))
-    if out:  # first: a folder it may not write is refused before anything is printed; with --json its note is stderr's
-        _write_probe_files(out, picks, Console(stderr=True) if as_json else console)
+    if out:  # first: a folder it may not write is refused before anything is printed
+        _write_probe_files(out, picks, note)
     if as_json:
         print(
             json.dumps(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from berth.specs.hardware import DeviceProfile, LinkProfile, NvidiaSmiNames, ServerProfile
 
@@ -25,6 +26,7 @@ __all__ = [
     "device_names",
     "load_device",
     "load_profile_file",
+    "profile_from_data",
     "load_server",
     "nvidia_smi_device",
     "nvidia_smi_names",
@@ -92,7 +94,11 @@ def nvidia_smi_device(gpu_name: str) -> tuple[str, str]:
 
 def load_profile_file(path: str | Path) -> tuple[DeviceProfile, ServerProfile]:
     """The device and server of a `berth profile` output file (raises ValueError/OSError)."""
-    data = json.loads(Path(path).read_text())
+    return profile_from_data(json.loads(Path(path).read_text()))
+
+
+def profile_from_data(data: Any) -> tuple[DeviceProfile, ServerProfile]:
+    """The device and server of a `berth profile` output, read already (`load_profile_file`; raises ValueError)."""
     if not isinstance(data, dict) or not str(data.get("format", "")).startswith(PROFILE_FORMAT.split("/")[0] + "/"):
         raise ValueError("not a `berth profile` output (no format: berth-profile/N)")
     return DeviceProfile.model_validate(data["device"]), ServerProfile.model_validate(data["server"])
