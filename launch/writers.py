@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from berth.specs.engines import ENGINES, engine_refusal, refusal_text
+from berth.specs.engines import ENGINES, MEGATRON_VOCAB_DIVISOR, engine_refusal, refusal_text
 from berth.specs.errors import BerthError
 from berth.specs.tree import ImageName, Layout, Plan, TrainingSpec
 
@@ -655,7 +655,7 @@ def _vocab_divisor(vocab: int, tp: int) -> int:
     """--make-vocab-size-divisible-by so that Megatron's padded vocabulary (a multiple of this x tp,
     megatron/training/tokenizer: _vocab_size_with_padding) is the model's own, as the plan counts it; where tp does
     not divide the vocabulary no value can (Megatron pads to the next multiple of tp)."""
-    return math.gcd(vocab // tp, 128) if vocab % tp == 0 else 1
+    return math.gcd(vocab // tp, MEGATRON_VOCAB_DIVISOR) if vocab % tp == 0 else 1
 
 
 @dataclass(frozen=True)

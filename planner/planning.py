@@ -28,7 +28,7 @@ from berth.planner.inputs import (  # noqa: F401
     with_operations,
 )
 from berth.planner.search import SearchResult, predict_layouts, search
-from berth.specs.engines import engine_of
+from berth.specs.engines import MEGATRON_VOCAB_DIVISOR, engine_of
 from berth.specs.errors import BerthError
 from berth.specs.layouts import complete_layout, parse_spec
 from berth.specs.tree import (
@@ -289,7 +289,7 @@ def vocabulary_note(model: ModelSpec, training: TrainingSpec, cluster: ClusterSp
     slow = float(alignment_slowdown(shape, training.bytes_per_element, float(rows)))
     if slow <= 1.0:
         return None
-    padded = math.ceil(model.vocab_size / (128 * tp)) * 128 * tp
+    padded = math.ceil(model.vocab_size / (MEGATRON_VOCAB_DIVISOR * tp)) * MEGATRON_VOCAB_DIVISOR * tp
     again = predict_layouts(model.model_copy(update={"vocab_size": padded}), training, cluster, [best.layout])[0]
     if again.prediction is None:
         return None
@@ -297,8 +297,9 @@ def vocabulary_note(model: ModelSpec, training: TrainingSpec, cluster: ClusterSp
     return (
         f"the LM head's {rows:,} vocabulary rows per tensor-parallel rank break 16-byte alignment: its GEMMs run "
         f"{slow:.1f}x slower (the {cluster.device.name} profile's gemm_shape); a model whose vocab_size is padded to "
-        f"{padded:,} (a multiple of 128 x tp, as Megatron-LM pads by default; berth's launch files keep the model's "
-        f"own) would take #1's step from {now:#.3g} s to {then:#.3g} s ({now / then - 1:+.0%} tokens/s)"
+        f"{padded:,} (a multiple of {MEGATRON_VOCAB_DIVISOR} x tp, as Megatron-LM pads by default; berth's launch "
+        f"files keep the model's own) would take #1's step from {now:#.3g} s to {then:#.3g} s ({now / then - 1:+.0%} "
+        "tokens/s)"
     )
 
 

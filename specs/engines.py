@@ -191,8 +191,7 @@ TEXTS = {
 
 
 def _not_tp_dp_pp(c: Candidates, m: ModelSpec, t: TrainingSpec) -> np.ndarray:
-    """The axis order is not tp-dp-pp (tp innermost, pp outermost): the only one torchtitan, DeepSpeed and nanotron
-    build."""
+    """The axis order is not tp-dp-pp (tp innermost, pp outermost), the only one torchtitan, DeepSpeed, nanotron run."""
     return ~np.isin(c.axis_order, _order("tp-dp-pp"))
 
 
@@ -233,6 +232,7 @@ INTERLEAVED_GROUPS = _rule(
 # Megatron-LM's Llama 3 rope scaling (megatron/core/models/common/embeddings/rope_utils.py apply_rope_scaling)
 # takes only the factor (--rope-scaling-factor); the rest is fixed
 MEGATRON_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MEGATRON_VOCAB_DIVISOR = 128  # it pads the vocabulary to a multiple of this x tp (--make-vocab-size-divisible-by)
 
 
 def _megatron_rope(m: ModelSpec) -> bool:
