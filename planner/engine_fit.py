@@ -446,7 +446,21 @@ def explaining_order(jacobian: np.ndarray, residual: np.ndarray) -> list[int]:
     return order
 
 
-NOT_SEPARABLE, WITH_THESE_RUNS = "not separable from ", " with these runs"  # identifiable's words, read back
+class NotSeparable(str):
+    """`identifiable`'s reason for a parameter the runs cannot tell apart from kept ones (`tied`), which keeps those
+    names, so that `_ties_as_fitted` can say which of them the fit then did not keep (`dropped`) without reading its
+    words back."""
+
+    def __new__(cls, tied: Iterable[str], needs: str, dropped: Iterable[str] = ()) -> NotSeparable:
+        tied, dropped = tuple(tied), tuple(dropped)
+        note = f" ({', '.join(dropped)} then not kept either)" if dropped else ""
+        text = f"not separable from {', '.join(tied)} with these runs{note}: needs {needs} that tell them apart"
+        self = super().__new__(cls, text)
+        self.tied, self.needs, self.dropped = tied, needs, dropped
+        return self
+
+    def __reduce__(self) -> tuple:  # pickled with its parts (benchmarks/engine_sweep.py returns fits from workers)
+        return NotSeparable, (self.tied, self.needs, self.dropped)
 
 
 def identifiable(
@@ -493,7 +507,7 @@ def identifiable(
             # the kept parameters of its own quantity: a time and a memory parameter move different residuals (all
             # kept ones where none is of its quantity: then it is not the time/memory split that ties them)
             alike = [names[k] for k in keep if PARAMETERS[names[k]].quantity == p.quantity] or [names[k] for k in keep]
-            why[name] = f"{NOT_SEPARABLE}{', '.join(alike)}{WITH_THESE_RUNS}: needs {p.needs} that tell them apart"
+            why[name] = NotSeparable(alike, p.needs)
             continue
         budget[p.quantity] -= 1
         keep.append(j)
@@ -650,17 +664,13 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
 
 
 def _ties_as_fitted(fit: EngineFit) -> None:
-    """A "not separable from A, B" reason names the parameters the selection (`identifiable`, at the prior) had kept;
-    one of them the fit then did not keep (undetermined at the solution, or a memory fit set back) is said so, so the
-    reason does not send a reader to a parameter the answer lists as not fitted without a word."""
+    """A "not separable from A, B" reason (NotSeparable) names the parameters the selection (`identifiable`, at the
+    prior) had kept; one of them the fit then did not keep (undetermined at the solution, or a memory fit set back) is
+    said so, so the reason does not send a reader to a parameter the answer lists as not fitted without a word."""
     for name, why in fit.not_fitted.items():
-        if not why.startswith(NOT_SEPARABLE) or WITH_THESE_RUNS not in why:
-            continue
-        tied, rest = why[len(NOT_SEPARABLE) :].split(WITH_THESE_RUNS, 1)
-        dropped = [n for n in tied.split(", ") if n not in fit.fitted]
-        if dropped and not rest.startswith(" ("):  # not said already
-            note = f" ({', '.join(dropped)} then not kept either)"
-            fit.not_fitted[name] = f"{NOT_SEPARABLE}{tied}{WITH_THESE_RUNS}{note}{rest}"
+        dropped = [n for n in why.tied if n not in fit.fitted] if isinstance(why, NotSeparable) else []
+        if dropped and not why.dropped:  # not said already
+            fit.not_fitted[name] = NotSeparable(why.tied, why.needs, dropped)
 
 
 def recipe_no_reference(errors: dict[str, dict[str, float]]) -> bool:

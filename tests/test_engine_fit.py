@@ -8,6 +8,7 @@ by tests/test_engine_sweep.py)."""
 
 import dataclasses
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -464,6 +465,9 @@ def test_a_parameter_not_separable_is_named_with_those_of_its_own_quantity():
     said = dict(fit.not_fitted)
     _ties_as_fitted(fit)
     assert fit.not_fitted == said  # said once
+    # the reason keeps its parts through pickling (the sweep's worker processes return their fits so)
+    again = pickle.loads(pickle.dumps(fit.not_fitted))
+    assert again == said and again["layer_overhead_s"].dropped == ("compute_efficiency",)
     kept = EngineFit("generic", tuning, tuning, ["activation_scale", "compute_efficiency"], dict(why))
     _ties_as_fitted(kept)
     assert kept.not_fitted == why  # every tied parameter kept: the reason stands as the selection gave it
