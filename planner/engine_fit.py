@@ -451,12 +451,16 @@ class NotSeparable(str):
     names, so that `_ties_as_fitted` can say which of them the fit then did not keep (`dropped`) without reading its
     words back."""
 
+    tied: tuple[str, ...]
+    needs: str
+    dropped: tuple[str, ...]
+
     def __new__(cls, tied: Iterable[str], needs: str, dropped: Iterable[str] = ()) -> NotSeparable:
-        tied, dropped = tuple(tied), tuple(dropped)
-        note = f" ({', '.join(dropped)} then not kept either)" if dropped else ""
-        text = f"not separable from {', '.join(tied)} with these runs{note}: needs {needs} that tell them apart"
+        names, gone = tuple(tied), tuple(dropped)
+        note = f" ({', '.join(gone)} then not kept either)" if gone else ""
+        text = f"not separable from {', '.join(names)} with these runs{note}: needs {needs} that tell them apart"
         self = super().__new__(cls, text)
-        self.tied, self.needs, self.dropped = tied, needs, dropped
+        self.tied, self.needs, self.dropped = names, needs, gone
         return self
 
     def __reduce__(self) -> tuple:  # pickled with its parts (benchmarks/engine_sweep.py returns fits from workers)
@@ -668,8 +672,9 @@ def _ties_as_fitted(fit: EngineFit) -> None:
     prior) had kept; one of them the fit then did not keep (undetermined at the solution, or a memory fit set back) is
     said so, so the reason does not send a reader to a parameter the answer lists as not fitted without a word."""
     for name, why in fit.not_fitted.items():
-        dropped = [n for n in why.tied if n not in fit.fitted] if isinstance(why, NotSeparable) else []
-        if dropped and not why.dropped:  # not said already
+        if not isinstance(why, NotSeparable) or why.dropped:  # another reason, or said already
+            continue
+        if dropped := [n for n in why.tied if n not in fit.fitted]:
             fit.not_fitted[name] = NotSeparable(why.tied, why.needs, dropped)
 
 
