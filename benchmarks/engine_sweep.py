@@ -25,7 +25,9 @@ engine's prior) and after:
   misses: the data does not tell a crash from an out-of-memory), layouts that ran refused as invalid;
 - a diagnostic, not a score: the runs that ran "stalled", measured more than STALL_S a micro-batch slower than
   predicted (the sweep's pipelines that wait about a second a micro-batch, docs/accuracy.md), and rho over the
-  rest (chosen by the prediction's own miss, so it says where the ranking fails, not how good it is).
+  rest (chosen by the prediction's own miss, so it says where the ranking fails, not how good it is);
+- another diagnostic: the sweep against itself (`twin_scores`): where a layout ran at ZeRO-0 and ZeRO-1, rho between
+  the two measurements, berth's rho on the same layouts, and the regret of choosing by one twin's figures.
 
 The records go through the same JSON-lines reader as a user's runs (planner/run_logs.py). Cluster:
 the `aws-p5` preset (8 x H100 SXM per node, EFA; the sweep ran on Hugging Face's H100 cluster, whose
@@ -187,6 +189,10 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
     merged_meas = {k: tok[v].max() for k, v in twins.items()}
     merged_pred = {k: rank[v].max() for k, v in twins.items()}
     pick = max(merged_pred, key=lambda k: merged_pred[k])
+    # the data's own repeatability: a layout run at ZeRO-0 and at ZeRO-1 is the same work but for the optimizer step's
+    # reduce-scatter and gather, so how the two measurements agree bounds what any prediction can be shown to reach
+    zero = [r.layout.zero_stage for r in runs]
+    pairs = [sorted(v, key=lambda i: zero[i]) for v in twins.values() if sorted(zero[i] for i in v) == [0, 1]]
     err = np.abs(pred[ok] / tok[ok] - 1.0)
     measured_s = np.array([r.step_time_s for r in runs], dtype=float)
     nmb = np.array([r.layout.num_microbatches for r in runs])
@@ -217,6 +223,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
         "refused": int(refused.sum()),
         "refused_ids": [r.id for r, x in zip(runs, refused, strict=True) if x],  # which, to read them in runs.json
         "stalled": int(stalled.sum()),
+        "twins": twin_scores(np.array(pairs, dtype=int).reshape(-1, 2), tok, pred, ok),
         "rho_unstalled": float(spearmanr(pred[rest], tok[rest]).statistic) if rest.sum() >= 3 else float("nan"),
         # the median excess a micro-batch with a pipeline and without (null: no such run): where it is a cluster's
         # size, not a layout's, one GPU count's probes cannot teach it (docs/accuracy.md, stalled runs)
@@ -224,6 +231,26 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
             "pipeline": excess_median(ok & (pp > 1)),
             "no_pipeline": excess_median(ok & (pp == 1)),
         },
+    }
+
+
+def twin_scores(pairs: np.ndarray, tok: np.ndarray, pred: np.ndarray, ok: np.ndarray) -> dict:
+    """A group's layouts that ran at both ZeRO-0 and ZeRO-1 (`pairs`: rows of their ZeRO-0 and ZeRO-1 indices): rho
+    between the two measurements (the sweep measuring itself again: the first over the second), berth's rho on the
+    same layouts (against each stage's measurement, the mean of the two), and the top-1 regret of choosing by one
+    stage's measurements scored on the other's (the worse of the two ways). A diagnostic, not a score: ZeRO-0 and
+    ZeRO-1 also differ in what they do (docs/accuracy.md), so this is not a bound in the strict sense."""
+    pairs = pairs[ok[pairs].all(axis=1)] if len(pairs) else pairs
+    if len(pairs) < 5:  # too few layouts for a rank correlation that says anything
+        return {"pairs": int(len(pairs)), "rho_between_twins": None, "rho_berth_on_twins": None, "regret_by_twin": None}
+    z0, z1 = tok[pairs[:, 0]], tok[pairs[:, 1]]
+    berth = [spearmanr(pred[pairs[:, k]], tok[pairs[:, k]]).statistic for k in (0, 1)]
+    regret = max(1.0 - z1[np.argmax(z0)] / z1.max(), 1.0 - z0[np.argmax(z1)] / z0.max())
+    return {
+        "pairs": int(len(pairs)),
+        "rho_between_twins": float(spearmanr(z0, z1).statistic),
+        "rho_berth_on_twins": float(np.mean(berth)),
+        "regret_by_twin": float(regret),
     }
 
 
@@ -255,6 +282,25 @@ def summary(groups: list[dict]) -> dict:
         "crashed_predicted_to_fit": int(sum(g["crashed_predicted_to_fit"] for g in groups)),
         "stalled": int(sum(g["stalled"] for g in groups)),
         "rho_unstalled_median": med("rho_unstalled"),
+        **twin_summary([g["twins"] for g in groups]),
+    }
+
+
+def twin_summary(twins: list[dict]) -> dict:
+    """`twin_scores` over the groups with enough twins: medians, and the worst regret of choosing by a twin."""
+    scored = [t for t in twins if t["rho_between_twins"] is not None]
+    if not scored:
+        return {
+            "twin_groups": 0,
+            "rho_between_twins_median": None,
+            "rho_berth_on_twins_median": None,
+            "regret_by_twin_worst": None,
+        }
+    return {
+        "twin_groups": len(scored),
+        "rho_between_twins_median": float(np.median([t["rho_between_twins"] for t in scored])),
+        "rho_berth_on_twins_median": float(np.median([t["rho_berth_on_twins"] for t in scored])),
+        "regret_by_twin_worst": float(max(t["regret_by_twin"] for t in scored)),
     }
 
 
@@ -409,6 +455,9 @@ def print_result(result: dict) -> None:
             ("refused", "ran, refused as invalid"),
             ("stalled", f"stalled (> {STALL_S} s a micro-batch)"),
             ("rho_unstalled_median", "  median rho without them"),
+            ("rho_between_twins_median", "median rho, ZeRO-0 vs 1 twins"),
+            ("rho_berth_on_twins_median", "  berth's on the same layouts"),
+            ("regret_by_twin_worst", "worst regret, chosen by a twin"),
         ]
         generic = result.get("generic", {}).get(size)
         columns = [("generic", generic["before"]), ("fitted", generic["after"])] if generic else []
@@ -416,11 +465,14 @@ def print_result(result: dict) -> None:
         print(f"  {'':32s} " + " ".join(f"{name:>9s}" for name, _ in columns))
         for k, label in keys:
             cells = [c[k] for _, c in columns]
-            print(f"  {label:32s} " + " ".join(f"{v:9.3f}" if isinstance(v, float) else f"{v:9d}" for v in cells))
+            print(f"  {label:32s} " + " ".join(f"{v:9.3f}" if isinstance(v, float) else f"{v!s:>9s}" for v in cells))
         head = f"{'rho':>6s} {'regret':>7s} {'twins':>6s} {'top3':>5s} {'|err|':>6s} {'mem':>6s}"
-        print(f"  {'group':12s} {head} stalled    excess s/micro-batch (pp > 1, pp = 1)")
+        print(f"  {'group':12s} {head} stalled    excess s/micro-batch (pp > 1, pp = 1)  twins: rho (berth's)")
         for g in r["groups_after"]:
             ex = " ".join("   -" if v is None else f"{v:+.2f}" for v in g["excess_per_microbatch_s"].values())
+            t = g["twins"]
+            if t["rho_between_twins"] is not None:
+                ex += f"      {t['rho_between_twins']:5.2f} ({t['rho_berth_on_twins']:.2f}) of {t['pairs']}"
             print(
                 f"  {g['model']:>3s} {g['gpus']:4d} GPUs {g['rho']:6.2f} {g['regret']:7.3f} "
                 f"{g['regret_twins_merged']:6.3f} {'yes' if g['top3_hit'] else 'no':>5s} {g['median_error']:6.2f} "

@@ -21,6 +21,8 @@ KEYS = (
     "regret_twins_merged_median",
     "throughput_error_median",
     "memory_abs_error_median",
+    "rho_between_twins_median",  # the data against itself (twin_scores): the same whatever is predicted
+    "rho_berth_on_twins_median",
 )
 
 
@@ -40,6 +42,29 @@ def test_the_saved_figures_are_what_the_code_computes(result):
                 assert r[phase][k] == pytest.approx(s[phase][k], abs=0.02), (size, phase, k)
             # the diagnostic of runs a second a micro-batch slower than predicted (docs/accuracy.md: stalled runs)
             assert abs(r[phase]["stalled"] - s[phase]["stalled"]) <= 5, (size, phase)
+
+
+def test_twin_scores_compare_the_sweep_with_itself():
+    """The repeatability diagnostic on a hand-made group: five layouts run at ZeRO-0 and ZeRO-1 (the fourth's ZeRO-1
+    run the fastest), a sixth pair whose ZeRO-1 twin berth refused (left out). Choosing by the ZeRO-1 figures picks
+    the fourth layout, whose ZeRO-0 run is 20 % short of the best ZeRO-0 run: that is the worse way, the regret."""
+    import numpy as np
+
+    z0, z1 = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0], [9.0, 19.0, 29.0, 52.0, 51.0, 70.0]
+    tok = np.array(z0 + z1)
+    pred = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0] * 2)
+    ok = np.ones(12, dtype=bool)
+    ok[11] = False
+    pairs = np.array([[i, i + 6] for i in range(6)])
+    t = engine_sweep.twin_scores(pairs, tok, pred, ok)
+    assert t["pairs"] == 5
+    assert t["rho_between_twins"] == pytest.approx(0.9)
+    assert t["rho_berth_on_twins"] == pytest.approx((1.0 + 0.9) / 2)
+    assert t["regret_by_twin"] == pytest.approx(1.0 - 40.0 / 50.0)
+    few = engine_sweep.twin_scores(pairs[:4], tok, pred, ok)
+    assert few["pairs"] == 4 and few["rho_between_twins"] is None
+    assert engine_sweep.twin_summary([few])["twin_groups"] == 0
+    assert engine_sweep.twin_summary([t, few])["regret_by_twin_worst"] == pytest.approx(0.2)
 
 
 def test_calibration_on_probes_improves_the_groups_it_never_saw(result):
