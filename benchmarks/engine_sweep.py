@@ -190,7 +190,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
     merged_pred = {k: rank[v].max() for k, v in twins.items()}
     pick = max(merged_pred, key=lambda k: merged_pred[k])
     # the data's own repeatability: a layout run at ZeRO-0 and at ZeRO-1 is the same work but for the optimizer step's
-    # reduce-scatter and gather, so how the two measurements agree bounds what any prediction can be shown to reach
+    # reduce-scatter and gather, so the two measurements say how well the sweep agrees with itself (twin_scores)
     zero = [r.layout.zero_stage for r in runs]
     pairs = [sorted(v, key=lambda i: zero[i]) for v in twins.values() if sorted(zero[i] for i in v) == [0, 1]]
     err = np.abs(pred[ok] / tok[ok] - 1.0)
@@ -236,7 +236,7 @@ def group_scores(recs: list[dict], runs: list[MeasuredRun], tuning: EngineTuning
 
 def twin_scores(pairs: np.ndarray, tok: np.ndarray, pred: np.ndarray, ok: np.ndarray) -> dict:
     """A group's layouts that ran at both ZeRO-0 and ZeRO-1 (`pairs`: rows of their ZeRO-0 and ZeRO-1 indices): rho
-    between the two measurements (the sweep measuring itself again: the first over the second), berth's rho on the
+    between the two measurements (the sweep measuring itself again), berth's rho on the
     same layouts (against each stage's measurement, the mean of the two), and the top-1 regret of choosing by one
     stage's measurements scored on the other's (the worse of the two ways). A diagnostic, not a score: ZeRO-0 and
     ZeRO-1 also differ in what they do (docs/accuracy.md), so this is not a bound in the strict sense."""
