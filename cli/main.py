@@ -218,7 +218,7 @@ def _unit(cluster) -> str:
 def _read_text(path: str, field: str, expected: str) -> str:
     """A local file's text; an unreadable or binary one is refused naming the option and the path."""
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is no text
     except OSError as err:
         raise BerthError(field, path, f"cannot read: {err.strerror}") from None
     except UnicodeDecodeError:
@@ -1229,6 +1229,7 @@ def _calibrate_runs(runs_file: str, logs: list[str], plans: list[str], out: str 
     )
     from berth.planner.run_logs import read_log, read_runs
 
+    _out_file(out)
     runs = []
     if runs_file:
         text = _read_text(runs_file, "runs", "JSON lines")
@@ -1270,7 +1271,7 @@ def _calibrate_runs(runs_file: str, logs: list[str], plans: list[str], out: str 
     fit = fit_engine(runs, tuning)
     cl = runs[0].cluster
     measured = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in fit.counts.items() if v)
-    t = Table(title=f"engine {fit.engine}: fitted on {len(runs)} runs (measured: {measured})")
+    t = Table(title=f"engine {fit.engine}: fitted on {len(fit.run_ids)} runs (measured: {measured})")
     for col in ("parameter", "prior", "fitted", "± s.e.", "95% interval / why not"):
         t.add_column(
             col,
@@ -1355,7 +1356,6 @@ def _calibrate_runs(runs_file: str, logs: list[str], plans: list[str], out: str 
             highlight=False,
         )
     if out:
-        _out_file(out)
         name = Path(out).stem
         Path(out).write_text(json.dumps(fit.document(name), indent=1) + "\n")
         console.print(f"wrote {out}: use it with --profile {out} (berth plan, compare, probe)")

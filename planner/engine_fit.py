@@ -36,8 +36,10 @@ layout measured (RUNS_PER_PARAMETER; repeats of a layout count once), stays at i
 says why. The parameters are considered in the order that explains most of the runs' disagreement with the prior
 first (`explaining_order`), so a short budget goes where the runs say the engine differs. One the solution leaves
 undetermined (`undetermined`: no dependence there, or a standard error wider than its range) goes back to the prior
-and the rest is solved again. Each fitted value gets its standard error (`covariance`: each quantity weighted by its
-own residual scale), and the fit is scored on runs it did not see (k-fold by layout, `held_out`); fitted memory
+and the rest is solved again; its budget goes to the next parameter the selection would take, kept where that fit
+holds out no worse (`_reoffer_worse`). A run whose layout the engine's rules refuse is set aside (`refused_by_rules`).
+Each fitted value gets its standard error (`covariance`: each quantity weighted by its own residual scale over the
+rows that inform it), and the fit is scored on runs it did not see (k-fold by layout, `held_out`); fitted memory
 parameters that predict the runs they did not see worse than the
 prior, or predict more runs that ran not to fit than it does (unless RECIPE_NO_REFERENCE times as close), go back
 to it (`_memory_back_to_prior`), and the time parameters are solved again without them. A fit that determines
@@ -67,6 +69,7 @@ from berth.planner.calibrate import jacobian
 from berth.specs.candidates import Candidates
 from berth.specs.engines import ENGINES
 from berth.specs.errors import BerthError, from_validation_error
+from berth.specs.layouts import layout_problems
 from berth.specs.tree import ClusterSpec, EngineTuning, Layout, ModelSpec, TrainingSpec
 from berth.specs.validity import RUNS_MEMORY_ASIDE, VALID
 
@@ -562,8 +565,18 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
     """Fit the engine's parameters the runs determine (see the module docstring); a step time the fit still misses
     by 2x or more (OUTLIER: a noisy run, a slow node, a pathology no parameter describes) is set aside and the fit
     solved again without it, where such runs are at most OUTLIER_SHARE of those with a step time (`set_aside` says
-    which and why; its memory figure stays in)."""
+    which and why; its memory figure stays in). A run whose layout the engine's rules refuse is set aside whole
+    (`refused_by_rules`): no parameter moves a refusal, so its constant miss would only widen every interval."""
+    refused = refused_by_rules(runs, prior or runs[0].training.tuning) if runs else {}
+    if refused and len(refused) == len(runs):
+        raise BerthError(
+            "runs", len(runs), "every run's layout breaks the engine's rules: " + next(iter(refused.values()))
+        )
+    ids = [r.id for r in runs]  # a run's name: its id, with its place where ids repeat
+    refused_named = {ids[i] if ids.count(ids[i]) == 1 else f"{ids[i]} (run {i + 1})": w for i, w in refused.items()}
+    runs = [r for i, r in enumerate(runs) if i not in refused]
     fit = _fit_engine(runs, prior, folds)
+    fit.set_aside = refused_named | fit.set_aside
     measured = Data.of(runs).time
 
     def miss(tuning: EngineTuning) -> np.ndarray:  # log(predicted / measured) step time (nan: none measured)
@@ -579,13 +592,24 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
         refit = _fit_engine(kept, prior, folds)
     except BerthError:  # without them the runs determine nothing, or the fit does not move: the first fit stands
         return fit
-    refit.set_aside = {
+    refit.set_aside = refused_named | {
         r.id: f"its step time, {r.step_time_s:.3g} s, is {math.exp(-m):.2g}x what the fit of the others predicts: "
         "left out as noise (its memory kept)"
         for r, m, o in zip(runs, miss(refit.tuning), out, strict=True)
         if o
     }
     return refit
+
+
+def refused_by_rules(runs: list[MeasuredRun], tuning: EngineTuning) -> dict[int, str]:
+    """{index: why} of the runs whose layout the engine's rules refuse (`predict_runs` gives them inf): berth would
+    not plan such a layout for this engine, so a run of it says the engine or the layout is not what the run names."""
+    out: dict[int, str] = {}
+    for i in np.flatnonzero(~np.isfinite(predict_runs(runs, tuning).time)):
+        r = runs[int(i)]
+        rule = "; ".join(why for _, why in layout_problems(r.layout, r.model, r.training, r.cluster))
+        out[int(i)] = f"{r.training.engine}'s rules refuse {r.layout.short()} ({rule or 'a rule'}): left out of the fit"
+    return out
 
 
 def _solve_determined(
@@ -636,7 +660,8 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
 
     first = ENGINES[engines[0]].fit_first
     distinct = counts | data.layouts()  # repeats of a layout do not tell parameters apart
-    chosen, not_fitted = identifiable(jacobian(fun_all, x0, lo, hi), names, distinct, data.residuals(prior), first)
+    jac, residual = jacobian(fun_all, x0, lo, hi), data.residuals(prior)
+    chosen, not_fitted = identifiable(jac, names, distinct, residual, first)
     if not chosen:
         raise BerthError(
             "runs",
@@ -644,7 +669,30 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
             "these runs determine none of the engine's parameters (the prior is kept): "
             + "; ".join(f"{n}: {w}" for n, w in not_fitted.items()),
         )
-    tuning, result, x_prior, chosen, not_fitted = _solve_determined(data, prior, chosen, not_fitted, cluster)
+    tried = set(chosen)
+    tuning, result, x_prior, fitted, not_fitted = once = _solve_determined(data, prior, chosen, not_fitted, cluster)
+    # the budget of the parameters the solve left undetermined goes to the next ones the selection would take, until
+    # a selection offers none it has not tried (each round drops at least one: at most as many rounds as parameters);
+    # kept where it predicts the runs it does not see no worse than the first solve (`_reoffer_holds`)
+    dropped = {n: not_fitted[n] for n in tried if n not in fitted}
+    while dropped:
+        jac[:, [names.index(n) for n in dropped]] = 0.0  # out of the selection: they keep their reason
+        again, why = identifiable(jac, names, distinct, residual, first)
+        if set(again) <= tried:
+            break
+        tried |= set(again)
+        try:
+            solved = _solve_determined(data, prior, again, why | dropped, cluster)
+        except BerthError:  # the new ones leave every parameter undetermined: the last solve stands
+            break
+        tuning, result, x_prior, fitted, not_fitted = solved
+        dropped |= {n: not_fitted[n] for n in again if n not in fitted}
+    if fitted != once[3] and (worse := _reoffer_worse(runs, prior, once[3], fitted, cluster, folds)):
+        added = [n for n in fitted if n not in once[3]]
+        tuning, result, x_prior, fitted, not_fitted = once
+        not_fitted = not_fitted | {n: worse for n in added}
+    chosen = fitted
+    not_fitted = {n: not_fitted[n] for n in PARAMETERS if n in not_fitted}
     _refuse_unmoved(
         result.x, x_prior, runs, f"the fit of {', '.join(chosen)} did not move from the prior: these runs agree with it"
     )
@@ -662,9 +710,25 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
     held = held_out(runs, prior, chosen, cluster, folds)
     if held:
         fit.errors.update(held)
-        _memory_back_to_prior(fit, runs)
+        _memory_back_to_prior(fit, runs, folds)
     _ties_as_fitted(fit)
     return fit
+
+
+def _reoffer_worse(
+    runs: list[MeasuredRun], prior: EngineTuning, first: list[str], then: list[str], cluster: ClusterSpec, folds: int
+) -> str:
+    """Why the parameters a re-offered budget added are not kept ('' where they are): the fit with them predicts the
+    runs it does not see (k-fold, `held_out`) worse in step time than the first solve's. A parameter taken after the
+    solve is a second choice made on the same runs; it has to earn its place on runs it did not see."""
+    a = held_out(runs, prior, first, cluster, folds).get("held_out_after", {}).get("step_time_median_error")
+    b = held_out(runs, prior, then, cluster, folds).get("held_out_after", {}).get("step_time_median_error")
+    if a is None or b is None or b <= a:
+        return ""
+    return (
+        f"offered the budget of a parameter the runs left undetermined, the fit with it predicted the runs it did not "
+        f"see to {b:.1%} (median |step time error|), without it to {a:.1%}: not kept"
+    )
 
 
 def _ties_as_fitted(fit: EngineFit) -> None:
@@ -693,7 +757,7 @@ def _refuse_unmoved(x: np.ndarray, at: np.ndarray, runs: list[MeasuredRun], why:
         raise BerthError("runs", len(runs), f"{why} (the prior is kept)")
 
 
-def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
+def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun], folds: int = FOLDS) -> None:
     """Where the k-fold held-out memory error is above the prior's, or the fit predicts more of the runs that ran
     not to fit than the prior does (on the runs it did not see, or on all of them) without predicting the held-out
     peaks RECIPE_NO_REFERENCE as closely, the fitted memory parameters go back to the prior: a memory fit that
@@ -737,11 +801,12 @@ def _memory_back_to_prior(fit: EngineFit, runs: list[MeasuredRun]) -> None:
     _refuse_unmoved(result.x, at, runs, moved)
     fit.uncertainty = uncertainty(fit.fitted, result, data)
     fit.errors["fit_after"] = errors(runs, fit.tuning)
-    # the memory kept is the prior's, so are its held-out figures (memory depends on the memory parameters alone);
-    # the memory fit not kept keeps its own under held_out_memory_fit
+    # held out again with the parameters kept (the time ones' folds solved without the memory ones, as the answer is;
+    # its memory is the prior's); the memory fit not kept keeps its own figures under held_out_memory_fit
     memory = ("memory_median_error", "memory_max_error", "ran_predicted_not_to_fit")
     fit.errors["held_out_memory_fit"] = {k: held_after[k] for k in memory if k in held_after}
-    held_after.update({k: held_before[k] for k in memory if k in held_before})
+    again = held_out(runs, fit.prior, fit.fitted, runs[0].cluster, folds).get("held_out_after", {})
+    fit.errors["held_out_after"] = again | {k: held_before[k] for k in memory if k in held_before}
 
 
 def undetermined(names: list[str], result: Any, data: Data) -> dict[str, str]:
@@ -766,15 +831,18 @@ def undetermined(names: list[str], result: Any, data: Data) -> dict[str, str]:
 def covariance(names: list[str], result: Any, data: Data) -> np.ndarray:
     """The fitted coordinates' covariance at the solution (`_solve` with curvature), (J^T W J)^+ over the runs' rows
     (not the prior's): each row weighted by 1 / s^2 of its quantity (step time; peak memory with the out-of-memory and
-    must-fit rows), s^2 its rows' residual sum of squares / (rows - the quantity's parameters), at least
-    NOISE_FLOOR^2. Step times miss by more than peaks do: one pooled s^2 would give the memory parameters the time
-    residuals' noise."""
+    must-fit rows), s^2 its informative rows' residual sum of squares / (those rows - the quantity's parameters), at
+    least NOISE_FLOOR^2. Step times miss by more than peaks do: one pooled s^2 would give the memory parameters the
+    time residuals' noise. A row is informative where it moves with a fitted parameter or misses: an out-of-memory or
+    must-fit row that holds (0, flat) is no measurement, and counting it would narrow every interval."""
     jac, res = result.runs_jac, result.runs_fun
     time_rows = np.arange(res.size) < int(np.isfinite(data.time).sum())  # Data.residuals: step times first
+    informative = np.any(jac != 0.0, axis=1) | (res != 0.0)
     weight = np.empty(res.size)
     for rows, quantity in ((time_rows, "time"), (~time_rows, "memory")):
         k = sum(PARAMETERS[m].quantity == quantity for m in names)
-        weight[rows] = 1.0 / max(float(res[rows] @ res[rows]) / max(int(rows.sum()) - k, 1), NOISE_FLOOR**2)
+        used = rows & informative
+        weight[rows] = 1.0 / max(float(res[used] @ res[used]) / max(int(used.sum()) - k, 1), NOISE_FLOOR**2)
     return np.linalg.pinv(jac.T @ (weight[:, None] * jac))
 
 

@@ -63,12 +63,18 @@ MAX_RUNS = 100_000  # lines of a runs file
 STATUSES = ("ok", "oom", "error")
 
 
+MAX_FIGURE = 1e12  # a measured figure above this (s, GiB, tokens/s) is a typo or an overflow, not a measurement
+
+
 def _number(rec: dict[str, Any], key: str, where: str) -> float | None:
     value = rec.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or value != value:
-        raise BerthError(f"{where}.{key}", value, "a positive number")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_FIGURE:  # nan: False
+        shown = (
+            value if not isinstance(value, int) or abs(value) < 10**30 else f"an integer of {len(str(value))} digits"
+        )
+        raise BerthError(f"{where}.{key}", shown, f"a positive, finite number (at most {MAX_FIGURE:.0e})")
     return float(value)
 
 
@@ -102,6 +108,8 @@ def run_from_record(
     for key in ("model", "cluster", "seq_len", "global_batch", "layout"):
         if key not in rec:
             raise BerthError(f"{where}.{key}", None, 'required, or the "plan" that ran (a plan file beside the runs)')
+    if not isinstance(rec["model"], str | dict):
+        raise BerthError(f"{where}.model", rec["model"], "a preset name, a Hugging Face config object or a model spec")
     cl = rec["cluster"]
     if not isinstance(cl, dict):
         raise BerthError(f"{where}.cluster", cl, 'an object: {"preset": NAME, "nodes": N} or {"graph": {...}}')
@@ -205,11 +213,13 @@ def read_runs(text: str, source: str = "runs", allow_files: bool = True, base: P
 
 # torchtitan 0.3.0 torchtitan/components/metrics.py MetricsProcessor.log (colour codes stripped first)
 # (its validation line, "validate step: ...", measures the evaluation, not a training step)
-_TT_LINE = re.compile(r"(?<!validate )step:\s*(\d+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+_TT_LINE = re.compile(
+    r"(?<!validate )step:\s*(\d+).*?memory:\s*(\d+(?:\.\d+)?)GiB.*?tps:\s*(\d{1,3}(?:,\d{3})*|\d+)(?![\d.,])"
+)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Megatron-LM megatron/training/training.py training_log and megatron/training/utils.py report_memory
-_MG_ITER = re.compile(r"iteration\s+(\d+)\s*/\s*\d+.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
-_MG_MEM = re.compile(r"max allocated:\s*([\d.]+).*?max reserved:\s*([\d.]+)")
+_MG_ITER = re.compile(r"iteration\s+(\d+)\s*/\s*\d+.*?elapsed time per iteration \(ms\):\s*(\d+(?:\.\d+)?)(?![\d.])")
+_MG_MEM = re.compile(r"max allocated:\s*(\d+(?:\.\d+)?)(?![\d.]).*?max reserved:\s*(\d+(?:\.\d+)?)(?![\d.])")
 # megatron/training/arguments.py _print_args: "  name ....... value" between its "arguments" rulers
 _MG_ARG = re.compile(r"^\s*(\w+) \.{3,} (\S+)\s*$")
 _MG_ARGS_TITLE = re.compile(r"-{8,} arguments -{8,}")
@@ -242,9 +252,12 @@ _NT_LAYOUT = {
     "global_batch_size": lambda p: p.training.global_batch_size,
     "sequence_length": lambda p: p.training.seq_len,
 }
-# nanotron e24d2483 trainer.py train_step_logs through logging.py LoggerWriter.add_scalars_from_list (human_format)
-_NT_ITER = re.compile(r"iteration:\s*(\d+)\s*/\s*\d+\s*\|.*?elapsed_time_per_iteration_ms:\s*([\d.]+[KMGTPE]?)\b")
-_NT_MEM = re.compile(r"cuda_max_memory_reserved:\s*([\d.]+[KMGTPE]?)\b")
+# nanotron e24d2483 trainer.py train_step_logs through logging.py LoggerWriter.add_scalars_from_list (human_format);
+# from 2b141c2f (2025-03-26) on, the time is "time_per_iteration_ms" and the line carries no memory figure
+_NT_ITER = re.compile(
+    r"iteration:\s*(\d+)\s*/\s*\d+\s*\|.*?(?:elapsed_)?time_per_iteration_ms:\s*(\d+(?:\.\d+)?[KMGTPE]?)(?![\w.])"
+)
+_NT_MEM = re.compile(r"cuda_max_memory_reserved:\s*(\d+(?:\.\d+)?[KMGTPE]?)(?![\w.])")
 
 
 def _median(xs: list[float]) -> float:
@@ -276,6 +289,8 @@ def torchtitan_log(text: str, plan: Plan, run_id: str = "torchtitan-log") -> Mea
     if not steps:
         raise BerthError("log", run_id, "no torchtitan metrics line ('step: N ... memory: X GiB ... tps: N')")
     tps = _median([s[2] for s in steps])
+    if not tps > 0:
+        raise BerthError(f"log {run_id}: tps", tps, "a throughput above 0 (the logged steps measured none)")
     mem = max(s[1] for s in steps)
     batch_tokens = plan.training.global_batch_size * plan.training.seq_len
     return _log_run(plan, training, run_id, batch_tokens / (tps * plan.cluster.world_size), mem * GIB, "rank0")
@@ -286,6 +301,8 @@ def _log_run(
 ) -> MeasuredRun:
     """What an engine's log measured of the plan that ran (`training`: the plan's as that engine's, `_as_engine`):
     its step time and the reserved peak of `rank`."""
+    if not 0 < step_s <= MAX_FIGURE:
+        raise BerthError(f"log {run_id}: step time (s)", step_s, "above 0: the logged iterations measured none")
     return MeasuredRun(run_id, plan.model, training, plan.cluster, plan.layout, "ok", step_s, memory, "reserved", rank)
 
 

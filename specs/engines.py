@@ -164,7 +164,7 @@ TEXTS = {
     "megatron_fsdp_partial_shard": "Megatron FSDP (ZeRO-2/3) shards over all of dp",
     "megatron_moe_needs_sp": "Megatron-LM needs sequence parallelism for mixture of experts with tp",
     "torchtitan_model": "torchtitan's Llama 3 builder: SwiGLU, RMSNorm, no qkv bias, no dropout, no experts",
-    "torchtitan_zero1": "torchtitan's FSDP2 has no ZeRO-1 (use 2 or 3)",
+    "torchtitan_zero1": "torchtitan's FSDP2 has no ZeRO-1, nor ZeRO-0 with cp (use 2 or 3)",
     "torchtitan_axis_order": "torchtitan's mesh is pp, dp, tp (tp-dp-pp)",
     "torchtitan_precision": "torchtitan trains in bf16 or fp32 with fused attention",
     "deepspeed_cp": "DeepSpeed has no ring-attention context parallelism",
@@ -274,6 +274,7 @@ MEGATRON_RULES = (
     ),
 )
 
+_TT_SHARDS = (" with cp {cp}: FSDP2 shards over dp_shard x cp (use 2 or 3)", ": FSDP2 shards gradients too (use 2)")
 TORCHTITAN_RULES = (
     TORCH_PIPELINE_MICROBATCHES,
     INTERLEAVED_GROUPS,
@@ -300,11 +301,11 @@ TORCHTITAN_RULES = (
             "tied embeddings with pp > 1: torchtitan raises 'Weight tying is not supported with Pipeline Parallel'"
         ),
     ),
-    _rule(
+    _rule(  # and ZeRO-0 with cp: parallelize.py applies fully_shard over dp_shard x cp whatever the stage asks
         "torchtitan_zero1",
-        ("zero_stage",),
-        lambda c, m, t: c.zero_stage == 1,
-        lambda x, m, t: "zero_stage 1: FSDP2 shards gradients with optimizer state (use 2)",
+        ("zero_stage", "cp"),
+        lambda c, m, t: (c.zero_stage == 1) | ((c.zero_stage == 0) & (c.cp > 1)),
+        lambda x, m, t: f"zero_stage {x.zero_stage}" + _TT_SHARDS[x.zero_stage].format(cp=x.cp),
     ),
     _rule(
         "torchtitan_axis_order",
@@ -649,8 +650,7 @@ def engine_of_format(fmt: str) -> EngineInfo | None:
 
 
 def param_gather_exposed(training: TrainingSpec) -> float:
-    """The share of ZeRO-1/2's parameter all-gather that runs exposed after the step: the fitted value, else
-    the engine's."""
+    """The share of ZeRO-1/2's parameter all-gather run exposed after the step: the fitted value, else the engine's."""
     fitted = training.tuning.param_gather_exposed
     return engine_of(training).param_gather_exposed if fitted is None else fitted
 

@@ -512,7 +512,7 @@ class TrainingSpec(Spec):
         description="the engine's fitted parameters (`berth calibrate --runs`, applied with --profile); the defaults "
         "leave the engine's recipe as it is",
     )
-    token_budget: float | None = Field(default=None, gt=0, description="tokens to train on (for the cost)")
+    token_budget: float | None = Field(default=None, gt=0, le=1e16, description="tokens to train on (for the cost)")
     cross_entropy: Literal["fp32", "fused"] = Field(
         default="fp32",
         description=(
