@@ -84,7 +84,7 @@ class EngineTraining:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # global gradient-norm clipping
+    grad_clip: float = 1.0  # global gradient-norm clipping (0: none)
     checkpoint_interval: int = 1000  # steps between checkpoints
     checkpoint_dir: str = "checkpoints"  # where checkpoints are written (and resumed from)
     data_split: str = "969,30,1"  # Megatron --split: train, validation, test weights
@@ -317,7 +317,8 @@ FIELD_KEYS: dict[str, dict[str, str]] = {
 #   (pipeline_parallel.py _get_pipeline_metadata): the embedding and the output count as layers (1 each by
 #   default). berth sets both to 0 and layers_per_stage = layers / (pp x vpp), so torchtitan builds pp x vpp
 #   stages of equal layers, the embedding with the first and norm + output with the last (as the plan costs them).
-# - DeepSpeed: PipelineModule(num_stages=pp, partition_method="uniform") balances layer counts (module.py).
+# - DeepSpeed: PipelineModule(num_stages=pp, partition_method="type:<decoder layer>") balances the decoder layers
+#   (module.py _partition_layers; "uniform" would count the embedding, norm and head among them).
 # Uneven stages (specs/stages.py: pp x vpp does not divide the layers; the middle chunks hold k, the first and
 # the last fewer) as each engine takes them (STAGE_SPLIT_SOURCES):
 # - Megatron, vpp = 1: --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers; TransformerConfig
@@ -718,6 +719,12 @@ def megatron_args(plan: Plan, run: EngineTraining | None = None) -> dict[str, st
         args.append(("--recompute-granularity", x.recompute))
         if x.recompute == "full":
             args += [("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
+    if x.dp > 1 and not fsdp:  # the overlap the megatron entry prices (grad_reduce_exposed, param_gather_exposed 0):
+        # both flags default off (arguments.py), and without them the reduce and the gather block (Megatron FSDP
+        # overlaps by itself)
+        args.append(("--overlap-grad-reduce", None))
+        if x.zero_stage == 1:
+            args.append(("--overlap-param-gather", None))
     if x.zero_stage == 1:
         args.append(("--use-distributed-optimizer", None))
         if x.shard < x.dp:
@@ -836,12 +843,15 @@ def _deepspeed_schedule(run: EngineTraining) -> dict[str, Any]:
     """The LR schedule as a DeepSpeed scheduler (deepspeed/runtime/lr_schedules.py): cosine is WarmupCosineLR
     (warmup from 0, cosine to min_lr / lr); linear is WarmupDecayLR, which decays to 0."""
     params: dict[str, Any]
+    if run.warmup_steps < 1:  # both schedulers raise on it (lr_schedules.py: "must be a positive integer")
+        raise LaunchRefused("deepspeed", _refuse("deepspeed", "warmup_steps 0: its LR schedulers need at least 1"))
     if run.decay == "cosine":
         params = {
             "total_num_steps": run.train_steps,
             "warmup_num_steps": run.warmup_steps,
             "warmup_min_ratio": 0.0,
             "cos_min_ratio": run.min_lr / run.lr,
+            "warmup_type": "linear",  # its default is "log"; the run's warmup is linear, as every other format's
         }
         return {"type": "WarmupCosineLR", "params": params}
     if run.min_lr:
@@ -890,6 +900,9 @@ def deepspeed_config(plan: Plan, run: EngineTraining | None = None) -> dict[str,
     }
     if t.precision == "bf16":
         config["bf16"] = {"enabled": True}
+        if x.zero_stage == 1:  # fp32 accumulation, as the recipe has it: engine.py _do_optimizer_sanity_check then
+            # takes BF16_Optimizer (fp32 gradients, fp32 master and Adam state over dp); unset, it accumulates in bf16
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
     elif t.precision == "fp16":
         config["fp16"] = {"enabled": True}
     if x.tp > 1:
@@ -937,7 +950,9 @@ def deepspeed_config(plan: Plan, run: EngineTraining | None = None) -> dict[str,
     if x.pp > 1:
         notes.append(
             f"# - pp {x.pp}: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={x.pp}, "
-            "partition_method='uniform') and train with engine.train_batch() (the config's pipeline section sets "
+            "partition_method='type:YourDecoderLayer') (its decoder layers split evenly, as planned: 'uniform' counts "
+            "the embedding, norm and head as layers too) and train with engine.train_batch() (the config's pipeline "
+            "section sets "
             "no stages"
             + (
                 "; its activation_checkpoint_interval 1 recomputes every layer: pass "
@@ -1140,7 +1155,7 @@ def berth_plan() -> Trainer.Config:
         checkpoint=CheckpointManager.Config(enable=True, folder={run.checkpoint_dir!r}, \
 interval={run.checkpoint_interval}),
         training=TrainingConfig(local_batch_size={local}, global_batch_size={t.global_batch_size}, \
-seq_len=SEQ_LEN, mixed_precision_param="{param}", steps={run.train_steps}, max_norm={run.grad_clip!r},
+seq_len=SEQ_LEN, mixed_precision_param="{param}", steps={run.train_steps}, max_norm={run.grad_clip or 'float("inf")'},
                                 # torchtitan 0.3 captures CUDA graphs unless told not to; they refuse pp > 1
                                 disable_cuda_graphs={x.pp > 1}),
         parallelism=ParallelismConfig({", ".join(f"{k}={v!r}" for k, v in parallelism.items())}),

@@ -225,7 +225,12 @@ def _small_plans():
         Layout(dp=2, zero_stage=3, shard=2, micro_batch_size=2),
         Layout(pp=2, micro_batch_size=1, num_microbatches=4, recompute="full"),  # last: it sets DeepSpeed's mpu
     ]
-    return predict_layouts(load_model("tiny-gpt"), TrainingSpec(seq_len=64, global_batch_size=4), cluster, layouts)
+    model = load_model("tiny-gpt")
+    # bf16 ZeRO-1 first: its config asks fp32 accumulation, which takes DeepSpeed's BF16_Optimizer
+    bf16 = TrainingSpec(seq_len=64, global_batch_size=4, precision="bf16")
+    return predict_layouts(model, bf16, cluster, layouts[:1]) + predict_layouts(
+        model, TrainingSpec(seq_len=64, global_batch_size=4), cluster, layouts
+    )
 
 
 @pytest.mark.skipif(ec.available("deepspeed") is not None, reason=str(ec.available("deepspeed")))
@@ -564,3 +569,52 @@ def test_a_nanotron_log_written_by_nanotrons_own_logger_becomes_a_run(tmp_path):
         with pytest.raises(BerthError, match="give the plan that ran") as err:
             read_log(str(tmp_path / "train.log"), other)
         assert err.value.field.endswith(f": {field}"), err.value.field
+
+
+def test_the_run_as_each_engine_reads_it_overlap_warmup_and_no_clipping():
+    """What a written file asks of its engine, read with that engine's own code: Megatron's data-parallel overlap
+    flags where the Megatron entry prices the reduce and the gather as hidden (both default off); DeepSpeed's
+    WarmupCosineLR warming up linearly, as every other format does (its default is a log curve), and a warmup of 0
+    refused (its schedulers raise on it); torchtitan's clipping off at grad_clip 0 (it always clips, and max_norm 0
+    would zero every gradient)."""
+    import ast
+
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    from berth.launch.writers import EngineTraining
+
+    cl = cluster_from_preset("dgx-h100", 4)
+    model, training = load_model("llama3-8b"), TrainingSpec(seq_len=4096, global_batch_size=64, engine="megatron")
+
+    def megatron_flags(layout):
+        p = predict_layouts(model, training, cl, [layout])[0]
+        return set(ec.megatron_job(p, artifacts(p, "megatron"))["argv"])
+
+    zero1 = megatron_flags(Layout(tp=8, dp=4, zero_stage=1, shard=4, micro_batch_size=1, num_microbatches=16))
+    assert {"--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer"} <= zero1
+    zero0 = megatron_flags(Layout(tp=8, dp=4, micro_batch_size=1, num_microbatches=16))
+    assert "--overlap-grad-reduce" in zero0 and "--overlap-param-gather" not in zero0
+    assert not {"--overlap-grad-reduce", "--overlap-param-gather"} & megatron_flags(
+        Layout(tp=8, pp=4, micro_batch_size=1, num_microbatches=64)
+    )
+    plan = next(p for _, p in PLANS if _files(p, "deepspeed") and _files(p, "torchtitan"))
+    run = EngineTraining(train_steps=1000, lr=1e-3, min_lr=1e-4, warmup_steps=100)
+    params = json.loads(artifacts(plan, "deepspeed", training=run)["ds_config.json"])["scheduler"]["params"]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule = WarmupCosineLR(opt, **params)
+    for _ in range(10):
+        opt.step()
+        schedule.step()
+    # ten steps in: iteration 9 of 100, linear (a log warmup would be at 1e-3 x log(10) / log(100) = 5e-4)
+    assert schedule.get_last_lr()[0] == pytest.approx(1e-3 * 9 / 100, rel=0.02)
+    with pytest.raises(LaunchRefused, match="warmup_steps 0"):
+        artifacts(plan, "deepspeed", training=EngineTraining(warmup_steps=0))
+    module = ast.parse(artifacts(plan, "torchtitan", training=EngineTraining(grad_clip=0))["berth_torchtitan.py"])
+    norm = next(
+        k.value for node in ast.walk(module) if isinstance(node, ast.Call) for k in node.keywords if k.arg == "max_norm"
+    )
+    assert eval(compile(ast.Expression(norm), "max_norm", "eval")) == math.inf
+    grads = [torch.ones(3)]
+    torch.nn.utils.clip_grads_with_norm_(grads, math.inf, torch.nn.utils.get_total_norm(grads))
+    assert grads[0].tolist() == [1.0, 1.0, 1.0]  # torchtitan's clip at that max_norm leaves them as they are

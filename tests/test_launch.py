@@ -37,6 +37,8 @@ BERTH = [sys.executable, "-m", "berth.cli.main"]
 # zero/config.py, tensor_parallel/config.py (the engines' own sources; see launch/writers.py FIELD_SOURCES).
 # tests/test_engines.py loads the artifacts with the engines' parsers themselves.
 MEGATRON_ARGS = {
+    # data-parallel overlap, both store_true and off by default (arguments.py _add_distributed_args)
+    *["--overlap-grad-reduce", "--overlap-param-gather"],
     # the model's details and the training run (megatron/training/arguments.py)
     *[
         "--rotary-base",
@@ -113,6 +115,8 @@ DEEPSPEED_KEYS = {
     ],
     *["scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps", "scheduler.params.warmup_min_ratio"],
     *["scheduler.params.cos_min_ratio", "gradient_clipping", "pipeline", "pipeline.activation_checkpoint_interval"],
+    "scheduler.params.warmup_type",  # lr_schedules.py WarmupCosineLR(warmup_type="log" | "linear")
+    *["data_types", "data_types.grad_accum_dtype"],  # runtime/config.py get_data_types
 }
 
 
