@@ -59,7 +59,7 @@ from berth.specs.tree import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
 
 GIB = 2.0**30
 MIB = 2.0**20
-MAX_RUNS = 100_000  # lines of a runs file
+MAX_RUNS = 10_000  # runs of a runs file (the fit takes about 40 ms a run: minutes, not hours)
 STATUSES = ("ok", "oom", "error")
 
 
@@ -86,6 +86,12 @@ def _plan_of(value: Any, where: str, base: Path | None) -> Plan:
             value = json.loads(path.read_text())
         except (OSError, ValueError) as err:
             raise BerthError(f"{where}.plan", str(path), f"cannot read a plan: {err}") from None
+    if isinstance(value, dict) and isinstance(value.get("plans"), list):  # `berth plan --json` output: its one plan
+        if len(value["plans"]) != 1:
+            raise BerthError(
+                f"{where}.plan", f"{len(value['plans'])} plans", "a run ran one: `berth plan ... --top 1 --json`"
+            )
+        value = value["plans"][0]
     try:
         return Plan.model_validate(value)
     except ValidationError as err:
@@ -103,6 +109,15 @@ def run_from_record(
     cache = {} if cache is None else cache
     if "plan" in rec:
         plan = _plan_of(rec["plan"], where, base if allow_files else None)
+        if "layout" in rec:  # said twice: they must agree, or the run is not the plan's
+            given = rec["layout"]
+            if not isinstance(given, str):
+                raise BerthError(f"{where}.layout", given, 'a layout string, "tp=2,pp=2,dp=4,mbs=1,nmb=64,zero=1"')
+            layout = complete_layout(
+                parse_spec(given, f"{where}.layout"), plan.training, plan.cluster.world_size, where
+            )
+            if layout != plan.layout:
+                raise BerthError(f"{where}.layout", given, f"the plan that ran is {plan.layout.short()}: give one")
         rec = {k: v for k, v in rec.items() if k != "plan"}
         return _measured(rec, where, plan.model, plan.training, plan.cluster, plan.layout)
     for key in ("model", "cluster", "seq_len", "global_batch", "layout"):

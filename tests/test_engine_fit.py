@@ -600,6 +600,22 @@ def test_torchtitan_and_megatron_logs_become_runs():
         torchtitan_log("nothing here", p)
 
 
+def test_a_runs_line_names_the_plan_that_ran_once(tmp_path):
+    """A runs line may give the plan that ran as `berth plan --top 1 --json` writes it (a list of one); a layout
+    given beside it must be the plan's (before: the layout was dropped without a word), and a list of several is
+    refused (which of them ran?)."""
+    p = _plan("nanotron")
+    (tmp_path / "one.json").write_text(json.dumps({"plans": [p.model_dump(mode="json")]}))
+    (tmp_path / "two.json").write_text(json.dumps({"plans": [p.model_dump(mode="json")] * 2}))
+    line = {"plan": "one.json", "status": "ok", "step_time_s": 1.0}
+    assert read_runs(json.dumps(line), "runs", base=tmp_path)[0].layout == p.layout
+    assert read_runs(json.dumps({**line, "layout": p.layout.short()}), "runs", base=tmp_path)[0].layout == p.layout
+    with pytest.raises(BerthError, match=r"runs line 1\.layout='tp=1': the plan that ran is tp=2"):
+        read_runs(json.dumps({**line, "layout": "tp=1"}), "runs", base=tmp_path)
+    with pytest.raises(BerthError, match="'2 plans': a run ran one"):
+        read_runs(json.dumps({**line, "plan": "two.json"}), "runs", base=tmp_path)
+
+
 def test_a_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
     """Windows editors start a UTF-8 file with a byte-order mark; a runs or layouts file so written reads as the
     text it holds (before: 'not JSON: Unexpected UTF-8 BOM', "'\\ufefftp': unknown key")."""
