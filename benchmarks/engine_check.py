@@ -128,6 +128,15 @@ LAYOUT_CASES = [
     ("llama3-8b", 4, 64, Layout(tp=4, dp=8, micro_batch_size=1, num_microbatches=8)),
     # context parallelism: Megatron --context-parallel-size, torchtitan context_parallel_degree, DeepSpeed refused
     ("llama3-8b", 4, 64, Layout(tp=4, cp=2, dp=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True)),
+    # torchtitan shards over dp_shard x cp whatever the stage (ZeRO-0 with cp refused): cp with ZeRO-3 it runs
+    (
+        "llama3-8b",
+        4,
+        64,
+        Layout(
+            tp=4, cp=2, dp=4, zero_stage=3, shard=4, micro_batch_size=1, num_microbatches=16, sequence_parallel=True
+        ),
+    ),
     (
         "llama3-8b",
         4,
