@@ -73,6 +73,14 @@ PROBES = 12
 ENGINE = "nanotron"  # the engine the sweep ran; the loop is also run from "generic" (GENERIC)
 GENERIC = "generic"
 SEQ = 4096
+# the figures a loop is judged by (its summary's medians over the groups): saved, quoted and compared by these names
+HEADLINE = (
+    "rho_median",
+    "regret_median",
+    "regret_twins_merged_median",
+    "throughput_error_median",
+    "memory_abs_error_median",
+)
 STALL_S = 0.4  # seconds a micro-batch beyond the prediction that mark a run "stalled" (a diagnostic, module docstring)
 
 

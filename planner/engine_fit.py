@@ -673,7 +673,7 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
     tuning, result, x_prior, fitted, not_fitted = once = _solve_determined(data, prior, chosen, not_fitted, cluster)
     # the budget of the parameters the solve left undetermined goes to the next ones the selection would take, until
     # a selection offers none it has not tried (each round drops at least one: at most as many rounds as parameters);
-    # kept where it predicts the runs it does not see no worse than the first solve (`_reoffer_holds`)
+    # kept where it predicts the runs it does not see no worse than the first solve (`_reoffer_worse`)
     dropped = {n: not_fitted[n] for n in tried if n not in fitted}
     while dropped:
         jac[:, [names.index(n) for n in dropped]] = 0.0  # out of the selection: they keep their reason
@@ -687,7 +687,14 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
             break
         tuning, result, x_prior, fitted, not_fitted = solved
         dropped |= {n: not_fitted[n] for n in again if n not in fitted}
-    if fitted != once[3] and (worse := _reoffer_worse(runs, prior, once[3], fitted, cluster, folds)):
+    held_for: dict[tuple[str, ...], dict] = {}  # the k-fold figures of a set of parameters, solved once
+
+    def held(names_: list[str]) -> dict:
+        if tuple(names_) not in held_for:
+            held_for[tuple(names_)] = held_out(runs, prior, names_, cluster, folds)
+        return held_for[tuple(names_)]
+
+    if fitted != once[3] and (worse := _reoffer_worse(held(once[3]), held(fitted))):
         added = [n for n in fitted if n not in once[3]]
         tuning, result, x_prior, fitted, not_fitted = once
         not_fitted = not_fitted | {n: worse for n in added}
@@ -707,22 +714,20 @@ def _fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None, folds: int)
         run_ids=[r.id for r in runs],
     )
     fit.errors = {"fit_before": errors(runs, prior), "fit_after": errors(runs, tuning)}
-    held = held_out(runs, prior, chosen, cluster, folds)
-    if held:
-        fit.errors.update(held)
+    if k_fold := held(chosen):
+        fit.errors.update(k_fold)
         _memory_back_to_prior(fit, runs, folds)
     _ties_as_fitted(fit)
     return fit
 
 
-def _reoffer_worse(
-    runs: list[MeasuredRun], prior: EngineTuning, first: list[str], then: list[str], cluster: ClusterSpec, folds: int
-) -> str:
-    """Why the parameters a re-offered budget added are not kept ('' where they are): the fit with them predicts the
-    runs it does not see (k-fold, `held_out`) worse in step time than the first solve's. A parameter taken after the
-    solve is a second choice made on the same runs; it has to earn its place on runs it did not see."""
-    a = held_out(runs, prior, first, cluster, folds).get("held_out_after", {}).get("step_time_median_error")
-    b = held_out(runs, prior, then, cluster, folds).get("held_out_after", {}).get("step_time_median_error")
+def _reoffer_worse(first: dict, then: dict) -> str:
+    """Why the parameters a re-offered budget added are not kept ('' where they are): the fit with them (`then`, its
+    `held_out` figures) predicts the runs it does not see worse in step time than the first solve's (`first`). A
+    parameter taken after the solve is a second choice made on the same runs; it has to earn its place on runs it
+    did not see."""
+    a = first.get("held_out_after", {}).get("step_time_median_error")
+    b = then.get("held_out_after", {}).get("step_time_median_error")
     if a is None or b is None or b <= a:
         return ""
     return (

@@ -60,10 +60,8 @@ from berth.specs.tree import ClusterSpec, Layout, ModelSpec, Plan, TrainingSpec
 GIB = 2.0**30
 MIB = 2.0**20
 MAX_RUNS = 10_000  # runs of a runs file (the fit takes about 40 ms a run: minutes, not hours)
-STATUSES = ("ok", "oom", "error")
-
-
 MAX_FIGURE = 1e12  # a measured figure above this (s, GiB, tokens/s) is a typo or an overflow, not a measurement
+STATUSES = ("ok", "oom", "error")
 
 
 def _number(rec: dict[str, Any], key: str, where: str) -> float | None:

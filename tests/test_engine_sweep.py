@@ -16,11 +16,7 @@ RULE_NAMES = set(REASON_CODES) - {"out_of_memory", "memory_tight"}
 
 SAVED = Path(engine_sweep.__file__).resolve().parent / "results" / "engine_sweep.json"
 KEYS = (
-    "rho_median",
-    "regret_median",
-    "regret_twins_merged_median",
-    "throughput_error_median",
-    "memory_abs_error_median",
+    *engine_sweep.HEADLINE,
     "rho_between_twins_median",  # the data against itself (twin_scores): the same whatever is predicted
     "rho_berth_on_twins_median",
 )
