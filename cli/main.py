@@ -1116,6 +1116,13 @@ def probe_cmd(
     note = Console(stderr=True) if as_json else console  # with --json, notes go to stderr
     _say_refused(candidates or [], spec, training, cl, note)
     picks = probe(spec, training, cl, runs, layouts=candidates, search=make_search(max_micro_batch_size=max_mbs))
+    if len(picks) < runs:
+        note.print(
+            f"note: {len(picks)} of the {runs} runs asked: no more distinct layouts "
+            + ("among those given " if candidates else "")
+            + "fit with the margin a probe needs",
+            highlight=False,
+        )
     if out:  # first: a folder it may not write is refused before anything is printed
         _write_probe_files(out, picks, note)
     if as_json:

@@ -616,6 +616,19 @@ def test_a_runs_line_names_the_plan_that_ran_once(tmp_path):
         read_runs(json.dumps({**line, "plan": "two.json"}), "runs", base=tmp_path)
 
 
+def test_probe_says_when_it_picks_fewer_runs_than_asked():
+    r = subprocess.run(
+        [*BERTH, "probe", "llama3-8b", "--cluster", "aws-p5", "--nodes", "8", "--engine", "nanotron", "--runs", "8"]
+        + ["--layout", "tp=8", "--layout", "tp=8,pp=2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["picks"]) == 2
+    assert "note: 2 of the 8 runs asked: no more distinct layouts among those given" in " ".join(r.stderr.split())
+
+
 def test_a_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
     """Windows editors start a UTF-8 file with a byte-order mark; a runs or layouts file so written reads as the
     text it holds (before: 'not JSON: Unexpected UTF-8 BOM', "'\\ufefftp': unknown key")."""
