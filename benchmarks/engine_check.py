@@ -579,6 +579,7 @@ for job in jobs:
             "pp": d.pp, "model_parts": len(trainer.model_parts), "optimizer_params": opt_params,
             "model_params": model_params, "lr": trainer.optimizers.optimizers[0].param_groups[0]["initial_lr"],
             "steps": c.training.steps, "warmup": c.lr_scheduler.warmup_steps, "decay": c.lr_scheduler.decay_type,
+            "max_norm": c.training.max_norm,
             "checkpoint": c.checkpoint.enable, "checkpoint_interval": c.checkpoint.interval,
             "rope_theta": rope.theta, "rope_scaling": rope.scaling, "norm_eps": norm.eps,
             "tied": trainer.model_config.enable_weight_tying,
@@ -732,7 +733,8 @@ def check(job):
         use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
         num_distributed_optimizer_instances=a.get("num_distributed_optimizer_instances", 1),
         data_parallel_sharding_strategy=a.get("data_parallel_sharding_strategy", "no_shard"),
-        use_megatron_fsdp=bool(a.get("use_megatron_fsdp")))
+        use_megatron_fsdp=bool(a.get("use_megatron_fsdp")), overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
+        overlap_param_gather=bool(a.get("overlap_param_gather")))
     opt = OptimizerConfig(optimizer=a["optimizer"], lr=a["lr"], min_lr=a["min_lr"], weight_decay=a["weight_decay"],
                           adam_beta1=a["adam_beta1"], adam_beta2=a["adam_beta2"], adam_eps=a["adam_eps"],
                           clip_grad=a["clip_grad"], bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")),
@@ -766,6 +768,7 @@ def check(job):
         "bias": config.add_bias_linear, "qkv_bias": config.add_qkv_bias, "dropout": [config.attention_dropout,
         config.hidden_dropout], "recompute": config.recompute_granularity or "none",
         "distributed_optimizer": ddp.use_distributed_optimizer, "lr": opt.lr,
+        "overlap": [ddp.overlap_grad_reduce, ddp.overlap_param_gather],
         "lr_after_warmup": lr_after_warmup, "lr_at_end": lr_at_end,
         "inv_freq": [float(rope.inv_freq[1]), float(rope.inv_freq[-1])],
         "experts": config.num_moe_experts or 0,

@@ -136,6 +136,9 @@ def test_megatron_arguments_pass_megatron_cores_own_checks(tmp_path):
             x.sequence_parallel and x.tp > 1,
         ), name
         assert r["microbatches"] == x.num_microbatches and r["distributed_optimizer"] == (x.zero_stage > 0), name
+        # the data-parallel overlap the Megatron entry prices, in megatron-core's DistributedDataParallelConfig
+        dp_overlap = x.dp > 1 and x.zero_stage < 2
+        assert r["overlap"] == [dp_overlap, dp_overlap and x.zero_stage == 1], name
         assert (r["num_layers"], r["hidden"], r["heads"], r["kv_heads"], r["ffn"]) == (
             m.num_layers,
             m.hidden_size,
@@ -261,7 +264,10 @@ def test_deepspeed_engine_initialises_and_steps_from_the_config_as_written(tmp_p
 
 @pytest.mark.skipif(ec.available("torchtitan") is not None, reason=str(ec.available("torchtitan")))
 def test_torchtitan_trainer_builds_at_the_plans_world_size(tmp_path):
-    picked = _launched([(n, ec.small_model_plan(p)) for n, p in PLANS], "torchtitan")
+    from berth.launch.writers import EngineTraining
+
+    picked_all = [(n, ec.small_model_plan(p)) for n, p in PLANS]
+    picked = _launched(picked_all, "torchtitan")
     # a spread (one subprocess): FSDP, tp + pp interleaved, tp + cp, uneven stages, recompute
     chosen = picked[:: max(1, len(picked) // 6)][:6]
     # and Llama 3.1 405B at 2,048 ranks: 126 layers in 16 uneven chunks, its rope scaling, tp 8 x pp 8 x FSDP 32
@@ -283,6 +289,12 @@ def test_torchtitan_trainer_builds_at_the_plans_world_size(tmp_path):
     plan = ec.small_model_plan(plan)
     chosen.append(("llama3.1-405b-256n", plan, artifacts(plan, "torchtitan")))
     results = ec.build_torchtitan_trainers([(p, f) for _, p, f in chosen], tmp_path)
+    # context parallelism with ZeRO-3 (torchtitan shards over dp_shard x cp; ZeRO-0 with cp is refused), written with
+    # grad_clip 0: no clipping, max_norm inf (0 would zero every gradient). A process of its own: built in one with
+    # the others, the fake process groups one trainer's context parallelism registers are gone for the next
+    cp = next(p for n, p in picked_all if p.layout.cp > 1 and p.layout.zero_stage == 3)
+    chosen.append(("cp-zero3-no-clip", cp, artifacts(cp, "torchtitan", training=EngineTraining(grad_clip=0))))
+    results += ec.build_torchtitan_trainers([chosen[-1][1:]], tmp_path / "cp")
     for (name, plan, _), got in zip(chosen, results, strict=True):
         assert "error" not in got, (name, got)
         x, m = plan.layout, plan.model
@@ -298,6 +310,7 @@ def test_torchtitan_trainer_builds_at_the_plans_world_size(tmp_path):
         assert got["model_parts"] == (x.virtual_stages if x.pp > 1 else 1), name
         assert got["optimizer_params"] == got["model_params"] > 0, name  # AdamW holds every trainable parameter
         assert (got["lr"], got["steps"], got["warmup"], got["decay"]) == (3e-4, 10_000, 500, "cosine"), name
+        assert got["max_norm"] == (math.inf if name == "cp-zero3-no-clip" else 1.0), name
         assert got["checkpoint"] and got["checkpoint_interval"] == 1000, name
         assert (got["rope_theta"], got["norm_eps"], got["tied"]) == (m.rope_theta, m.norm_eps, m.tied_embeddings)
         assert got["rope_scaling"] == ("llama" if m.rope_scaling else "none"), name
