@@ -297,18 +297,15 @@ def summary(groups: list[dict]) -> dict:
 def twin_summary(twins: list[dict]) -> dict:
     """`twin_scores` over the groups with enough twins: medians, and the worst regret of choosing by a twin."""
     scored = [t for t in twins if t["rho_between_twins"] is not None]
-    if not scored:
-        return {
-            "twin_groups": 0,
-            "rho_between_twins_median": None,
-            "rho_berth_on_twins_median": None,
-            "regret_by_twin_worst": None,
-        }
+
+    def over(key: str, how) -> float | None:
+        return float(how([t[key] for t in scored])) if scored else None
+
     return {
         "twin_groups": len(scored),
-        "rho_between_twins_median": float(np.median([t["rho_between_twins"] for t in scored])),
-        "rho_berth_on_twins_median": float(np.median([t["rho_berth_on_twins"] for t in scored])),
-        "regret_by_twin_worst": float(max(t["regret_by_twin"] for t in scored)),
+        "rho_between_twins_median": over("rho_between_twins", np.median),
+        "rho_berth_on_twins_median": over("rho_berth_on_twins", np.median),
+        "regret_by_twin_worst": over("regret_by_twin", max),
     }
 
 

@@ -53,6 +53,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -572,8 +573,9 @@ def fit_engine(runs: list[MeasuredRun], prior: EngineTuning | None = None, folds
         raise BerthError(
             "runs", len(runs), "every run's layout breaks the engine's rules: " + next(iter(refused.values()))
         )
-    ids = [r.id for r in runs]  # a run's name: its id, with its place where ids repeat
-    refused_named = {ids[i] if ids.count(ids[i]) == 1 else f"{ids[i]} (run {i + 1})": w for i, w in refused.items()}
+    times = Counter(r.id for r in runs)  # a run's name: its id, with its place where ids repeat
+    named = ((runs[i].id, i, w) for i, w in refused.items())
+    refused_named = {name if times[name] == 1 else f"{name} (run {i + 1})": w for name, i, w in named}
     runs = [r for i, r in enumerate(runs) if i not in refused]
     fit = _fit_engine(runs, prior, folds)
     fit.set_aside = refused_named | fit.set_aside

@@ -107,15 +107,9 @@ def run_from_record(
     cache = {} if cache is None else cache
     if "plan" in rec:
         plan = _plan_of(rec["plan"], where, base if allow_files else None)
-        if "layout" in rec:  # said twice: they must agree, or the run is not the plan's
-            given = rec["layout"]
-            if not isinstance(given, str):
-                raise BerthError(f"{where}.layout", given, 'a layout string, "tp=2,pp=2,dp=4,mbs=1,nmb=64,zero=1"')
-            layout = complete_layout(
-                parse_spec(given, f"{where}.layout"), plan.training, plan.cluster.world_size, where
-            )
-            if layout != plan.layout:
-                raise BerthError(f"{where}.layout", given, f"the plan that ran is {plan.layout.short()}: give one")
+        # said twice: they must agree, or the run is not the plan's
+        if "layout" in rec and _layout_of(rec, where, plan.training, plan.cluster) != plan.layout:
+            raise BerthError(f"{where}.layout", rec["layout"], f"the plan that ran is {plan.layout.short()}: give one")
         rec = {k: v for k, v in rec.items() if k != "plan"}
         return _measured(rec, where, plan.model, plan.training, plan.cluster, plan.layout)
     for key in ("model", "cluster", "seq_len", "global_batch", "layout"):
@@ -155,10 +149,14 @@ def run_from_record(
         except BerthError as err:  # name the line: "runs line 3: training.engine"
             raise BerthError(f"{where}: {err.field}", err.value, err.problem) from None
     model, training, cluster = cache[key]
+    return _measured(rec, where, model, training, cluster, _layout_of(rec, where, training, cluster))
+
+
+def _layout_of(rec: dict[str, Any], where: str, training: TrainingSpec, cluster: ClusterSpec) -> Layout:
+    """A record's "layout" string, completed for its training and cluster."""
     if not isinstance(rec["layout"], str):
         raise BerthError(f"{where}.layout", rec["layout"], 'a layout string, "tp=2,pp=2,dp=4,mbs=1,nmb=64,zero=1"')
-    layout = complete_layout(parse_spec(rec["layout"], f"{where}.layout"), training, cluster.world_size, where)
-    return _measured(rec, where, model, training, cluster, layout)
+    return complete_layout(parse_spec(rec["layout"], f"{where}.layout"), training, cluster.world_size, where)
 
 
 def _measured(
